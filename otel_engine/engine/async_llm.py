@@ -1,0 +1,161 @@
+"""`AsyncLLM`: streaming generation for servers, driven from any thread's event loop.
+
+The engine core runs in its own process. A thread (`core-output-io`) receives its outputs
+and hands them to the event loop that submitted the requests; an `EngineDead` frame, or the
+core's process dying, fails every in-flight request with `EngineDeadError`. Nothing here
+depends on signal handlers, so it works the same outside the main thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import weakref
+from collections.abc import AsyncIterator
+from typing import Any
+
+from otel_engine.config import EngineConfig
+from otel_engine.engine.core_client import MPClient
+from otel_engine.engine.frontend import Frontend, dead_error
+from otel_engine.errors import EngineDeadError
+from otel_engine.ipc.messages import EngineDead, ErrorInfo, StepOutputs
+from otel_engine.outputs import RequestOutput
+from otel_engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class AsyncLLM:
+    """Asynchronous engine: `async for output in llm.generate(prompt, params, request_id)`."""
+
+    def __init__(self, model: str | None = None, **options: Any) -> None:
+        options.setdefault("multiprocess", True)
+        self._setup(EngineConfig.from_kwargs(model=model, **options))
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> AsyncLLM:
+        self = cls.__new__(cls)
+        self._setup(config)
+        return self
+
+    def _setup(self, config: EngineConfig) -> None:
+        if not config.parallel.multiprocess:
+            raise ValueError("AsyncLLM runs the engine core in its own process (multiprocess=True)")
+        self.config = config
+        self._frontend = Frontend(config)
+        self.tokenizer = self._frontend.tokenizer
+        self.model_name = self._frontend.model_name
+        self.max_model_len = self._frontend.max_model_len
+        self.dead_error: EngineDeadError | None = None
+        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopped = threading.Event()
+        client = self._frontend.client
+        assert isinstance(client, MPClient)
+        self._client = client
+        self._io_thread = threading.Thread(target=self._pump_outputs, name="core-output-io", daemon=True)
+        self._io_thread.start()
+        self._finalizer = weakref.finalize(self, _shutdown, self._stopped, self._frontend, self._io_thread)
+
+    @property
+    def is_dead(self) -> bool:
+        return self.dead_error is not None
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._queues)
+
+    def encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        return self._frontend.inputs.encode(prompt, add_special_tokens)
+
+    async def generate(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's output after every step that produced tokens.
+
+        Raises RequestError for an invalid request and EngineDeadError when the engine
+        fails. Closing the iterator early aborts the request in the engine.
+        """
+        if self.dead_error is not None:
+            raise self.dead_error
+        if self._stopped.is_set():
+            raise EngineDeadError("the engine is shut down", cause_type="EngineShutdown")
+        loop = asyncio.get_running_loop()
+        if self._loop is None:
+            self._loop = loop
+        elif self._loop is not loop:
+            raise RuntimeError("AsyncLLM is bound to the event loop of its first request")
+        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._frontend.add_request(request_id, prompt, params)
+        self._queues[request_id] = queue
+        finished = False
+        try:
+            while not finished:
+                item = queue.get_nowait() if not queue.empty() else await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished and self.dead_error is None and not self._stopped.is_set():
+                self._frontend.abort([request_id])
+
+    async def abort(self, request_id: str) -> None:
+        queue = self._queues.pop(request_id, None)
+        self._frontend.abort([request_id])
+        if queue is not None:
+            queue.put_nowait(asyncio.CancelledError(f"request {request_id} aborted"))
+
+    def _pump_outputs(self) -> None:
+        """Thread `core-output-io`: receive frames, hand them to the event loop."""
+        while not self._stopped.is_set():
+            output = self._client.get_output()
+            if output is None or self._loop is None:
+                continue
+            if isinstance(output, EngineDead):
+                self._call_in_loop(self._fail_all, output.error)
+                return
+            self._call_in_loop(self._deliver, output)
+
+    def _call_in_loop(self, function: Any, argument: Any) -> None:
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(function, argument)
+            except RuntimeError:
+                pass
+
+    def _deliver(self, step: StepOutputs) -> None:
+        results, to_abort = self._frontend.outputs.process(step)
+        if to_abort:
+            self._client.abort_requests(to_abort)
+        for result in results:
+            queue = self._queues.get(result.request_id)
+            if queue is not None:
+                queue.put_nowait(result)
+
+    def _fail_all(self, info: ErrorInfo) -> None:
+        error = dead_error(info)
+        self.dead_error = error
+        logger.error("engine.dead", extra={"cause": info.type, "failed_process": info.process})
+        for queue in self._queues.values():
+            queue.put_nowait(error)
+
+    def shutdown(self) -> None:
+        """Stop the engine and reap its processes; idempotent, safe from any thread."""
+        self._finalizer()
+
+    def __enter__(self) -> AsyncLLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def _shutdown(stopped: threading.Event, frontend: Frontend, io_thread: threading.Thread) -> None:
+    stopped.set()
+    io_thread.join(timeout=2.0)
+    frontend.shutdown()

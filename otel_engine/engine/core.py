@@ -1,0 +1,99 @@
+"""The engine core's pure step: inputs -> scheduler -> executor -> outputs.
+
+No sockets and no processes here: `core_proc.py` wraps this in a process with ZMQ, and
+`core_client.InprocClient` calls it directly. One step path for both.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from otel_engine.config import EngineConfig
+from otel_engine.executor.executor import Executor, make_executor
+from otel_engine.executor.model_runner import EngineLimits, prepare_model_input, resolve_limits
+from otel_engine.ipc.messages import AddRequest, RequestUpdate, StepOutputs
+from otel_engine.ipc.paths import IpcDir
+from otel_engine.model.loader import load_model_arch
+from otel_engine.observability.faults import maybe_inject
+from otel_engine.sched.kv_cache import BlockAllocator
+from otel_engine.sched.request import Request
+from otel_engine.sched.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    """Owns the scheduler and the executor; `step()` runs one batch."""
+
+    def __init__(self, config: EngineConfig, model_dir: str, ipc_dir: IpcDir) -> None:
+        self.config = config
+        self.arch = load_model_arch(model_dir)
+        self.limits: EngineLimits = resolve_limits(config, self.arch)
+        maybe_inject("engine_core", phase="load")
+        self.eos_token_ids = frozenset(self.arch.eos_token_ids)
+        self.scheduler = Scheduler(
+            BlockAllocator(self.limits.num_kv_blocks, config.cache.block_size),
+            max_num_seqs=config.scheduler.max_num_seqs,
+            max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+            max_model_len=self.limits.max_model_len,
+        )
+        self.executor: Executor = make_executor(config, model_dir, ipc_dir)
+        self.started_at = time.monotonic()
+        self.last_step_at = self.started_at
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def add_request(self, message: AddRequest) -> RequestUpdate | None:
+        """Queue a request; a request the engine can never run is finished as aborted."""
+        num_tokens = len(message.prompt_token_ids) + message.sampling_params.max_tokens
+        if not message.prompt_token_ids or num_tokens > self.limits.max_model_len:
+            logger.warning("request.rejected", extra={"request_id": message.request_id})
+            return RequestUpdate(message.request_id, [], finish_reason="abort")
+        self.scheduler.add(
+            Request(
+                request_id=message.request_id,
+                prompt_token_ids=message.prompt_token_ids,
+                sampling_params=message.sampling_params,
+                eos_token_ids=self.eos_token_ids,
+                arrival_time=message.arrival_time,
+                trace_context=message.trace_context,
+            )
+        )
+        return None
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.abort(request_ids)
+
+    def step(self) -> StepOutputs:
+        scheduler = self.scheduler
+        output = scheduler.schedule()
+        maybe_inject("engine_core", phase="run", step=output.step_id)
+        sampled: list[int] = []
+        if not output.is_empty:
+            model_input = prepare_model_input(output.step_id, output.chunks, self.config.cache.block_size)
+            sampled = self.executor.execute(model_input)
+        updated = scheduler.update(output, sampled)
+        self.last_step_at = time.monotonic()
+        return StepOutputs(
+            step_id=output.step_id,
+            updates=[
+                RequestUpdate(
+                    r.request_id,
+                    [r.output_token_ids[-1]],
+                    r.finish_reason,
+                    r.stop_reason,
+                    r.num_preemptions,
+                )
+                for r in updated
+            ],
+            num_running=scheduler.num_running,
+            num_waiting=scheduler.num_waiting,
+            kv_cache_usage=scheduler.allocator.usage,
+            num_preemptions=len(output.preempted_request_ids),
+        )
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

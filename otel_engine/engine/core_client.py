@@ -1,0 +1,165 @@
+"""How the front end talks to the engine core: directly, or to its process over ZMQ.
+
+`InprocClient` holds an `EngineCore` and steps it in the caller's thread. `MPClient` spawns
+`otel-engine-core`, waits for its handshake, and watches its process sentinel: a core that
+dies without a word (SIGKILL, OOM killer) becomes an `EngineDead` output within a poll
+interval. Chosen once, at construction.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing.connection
+import threading
+import time
+
+import zmq
+
+from otel_engine.config import EngineConfig
+from otel_engine.engine.core import EngineCore
+from otel_engine.ipc.codec import Codec, error_info
+from otel_engine.ipc.messages import (
+    AbortRequests,
+    AddRequest,
+    CoreOutput,
+    CoreRequest,
+    EngineDead,
+    ErrorInfo,
+    Shutdown,
+    StepOutputs,
+)
+from otel_engine.ipc.paths import IpcDir
+from otel_engine.ipc.process import spawn
+
+logger = logging.getLogger(__name__)
+
+_POLL_MS = 100
+
+
+class InprocClient:
+    """The engine core in this process; `get_output()` runs one step."""
+
+    def __init__(self, config: EngineConfig, model_dir: str) -> None:
+        self.ipc_dir = IpcDir(config.instance_id)
+        try:
+            self.core = EngineCore(config, model_dir, self.ipc_dir)
+        except BaseException:
+            self.ipc_dir.cleanup()
+            raise
+        self.max_model_len = self.core.limits.max_model_len
+        self._pending: list[StepOutputs] = []
+        self._death: EngineDead | None = None
+
+    def add_request(self, message: AddRequest) -> None:
+        rejected = self.core.add_request(message)
+        if rejected is not None:
+            self._pending.append(StepOutputs(step_id=0, updates=[rejected]))
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.core.abort_requests(request_ids)
+
+    def get_output(self) -> CoreOutput | None:
+        """Run one step; a failure in it becomes `EngineDead`, as in the process shell."""
+        if self._death is not None:
+            return self._death
+        if self._pending:
+            return self._pending.pop()
+        if not self.core.has_work:
+            return None
+        try:
+            return self.core.step()
+        except Exception as exc:
+            logger.exception("engine.failed")
+            process = getattr(getattr(exc, "info", None), "process", "") or "engine_core"
+            self._death = EngineDead(error=error_info(exc, process))
+            return self._death
+
+    def shutdown(self) -> None:
+        self.core.shutdown()
+        self.ipc_dir.cleanup()
+
+
+class MPClient:
+    """The engine core in its own process, behind two ZMQ sockets that this side binds."""
+
+    def __init__(self, config: EngineConfig, model_dir: str) -> None:
+        self.config = config
+        self.ipc_dir = IpcDir(config.instance_id)
+        self._encoder: Codec[CoreRequest] = Codec(CoreRequest)
+        self._decoder: Codec[CoreOutput] = Codec(CoreOutput)
+        self._context = zmq.Context(io_threads=1)
+        self._inputs = self._context.socket(zmq.PUSH)
+        self._inputs.bind(self.ipc_dir.address("core-in"))
+        self._outputs = self._context.socket(zmq.PULL)
+        self._outputs.bind(self.ipc_dir.address("core-out"))
+        self._death: ErrorInfo | None = None
+        self._stopping = False
+        self.core = spawn(
+            "otel-engine-core",
+            "otel_engine.engine.core_proc:run_engine_core",
+            config.encode(),
+            model_dir,
+            self.ipc_dir.path,
+            self.ipc_dir.address("core-in"),
+            self.ipc_dir.address("core-out"),
+            role="engine_core",
+        )
+        try:
+            ready = self.core.wait_ready(time.monotonic() + config.timeouts.engine_ready_timeout)
+        except BaseException:
+            self.shutdown()
+            raise
+        self.max_model_len = ready.info["max_model_len"]
+        self._monitor = threading.Thread(target=self._watch_core, name="core-monitor", daemon=True)
+        self._monitor.start()
+
+    def _watch_core(self) -> None:
+        multiprocessing.connection.wait([self.core.sentinel])
+        if self._stopping:
+            return
+        self.core.process.join(0.5)
+        code = self.core.process.exitcode
+        how = f"killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
+        logger.error("engine_core.died", extra={"exitcode": code})
+        self._death = ErrorInfo(type="EngineCoreDied", message=f"the engine core {how}", process="engine_core")
+
+    def add_request(self, message: AddRequest) -> None:
+        self._inputs.send(self._encoder.encode(message))
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if request_ids:
+            self._inputs.send(self._encoder.encode(AbortRequests(request_ids)))
+
+    def get_output(self, timeout_ms: int = _POLL_MS) -> CoreOutput | None:
+        """The next output, an `EngineDead` if the core process is gone, or None on timeout.
+
+        A frame already sent wins over the death notice, so the engine's own reason
+        (e.g. a worker's exception) is reported rather than just "the core exited".
+        """
+        if self._outputs.poll(timeout_ms):
+            return self._decoder.decode(self._outputs.recv(copy=False).buffer)
+        if self._death is not None:
+            return EngineDead(error=self._death)
+        return None
+
+    @property
+    def is_alive(self) -> bool:
+        return self._death is None
+
+    def shutdown(self) -> None:
+        """Ask the core to stop, then escalate; sockets closed, IPC directory removed."""
+        if self._stopping:
+            return
+        self._stopping = True
+        try:
+            self._inputs.send(self._encoder.encode(Shutdown()), flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+        self.core.stop(timeout=self.config.timeouts.shutdown_timeout)
+        self._inputs.close(linger=0)
+        self._outputs.close(linger=0)
+        self._context.term()
+        self.ipc_dir.cleanup()
+
+
+CoreClient = InprocClient | MPClient

@@ -1,0 +1,74 @@
+"""What `LLM` and `AsyncLLM` share: model files, tokenizer, input and output processing."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from otel_engine.config import EngineConfig
+from otel_engine.engine.core_client import CoreClient, InprocClient, MPClient
+from otel_engine.engine.input import InputProcessor
+from otel_engine.engine.output import OutputProcessor
+from otel_engine.errors import EngineDeadError
+from otel_engine.ipc.messages import AddRequest, ErrorInfo
+from otel_engine.model.loader import load_model_arch, load_tokenizer, prepare_model_dir
+from otel_engine.sampling_params import SamplingParams
+
+
+def dead_error(info: ErrorInfo) -> EngineDeadError:
+    """The client-facing error for a fatal engine failure (no traceback in the message)."""
+    where = f" in {info.process}" if info.process else ""
+    return EngineDeadError(
+        f"the engine failed{where}: {info.type}: {info.message}",
+        cause_type=info.type,
+        failed_process=info.process,
+        traceback=info.traceback,
+    )
+
+
+class Frontend:
+    """Model files, tokenizer and the engine client, set up once per engine instance."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_dir = prepare_model_dir(config.model.model)
+        self.model_name = config.model.served_model_name or _default_name(config.model.model, self.model_dir)
+        self.tokenizer: Any = load_tokenizer(self.model_dir)
+        arch = load_model_arch(self.model_dir)
+        self.client: CoreClient = (
+            MPClient(config, self.model_dir)
+            if config.parallel.multiprocess
+            else InprocClient(config, self.model_dir)
+        )
+        self.max_model_len: int = self.client.max_model_len
+        self.inputs = InputProcessor(self.tokenizer, self.max_model_len, arch.vocab_size)
+        self.outputs = OutputProcessor(self.tokenizer)
+
+    def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams
+    ) -> None:
+        """Validate, register with the output processor, send to the engine core."""
+        if request_id in self.outputs.states:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        token_ids = self.inputs.process(prompt, params)
+        arrival = time.time()
+        self.outputs.add(
+            request_id, token_ids, params, prompt if isinstance(prompt, str) else None, arrival
+        )
+        self.client.add_request(AddRequest(request_id, token_ids, params, arrival))
+
+    def abort(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self.outputs.remove(request_id)
+        self.client.abort_requests(request_ids)
+
+    def shutdown(self) -> None:
+        self.client.shutdown()
+
+
+def _default_name(model: str | None, model_dir: str) -> str:
+    if model is None:
+        return "SmolLM2-135M-Instruct"
+    base = os.path.basename(os.path.normpath(model))
+    return base.removesuffix(".gguf") or os.path.basename(model_dir)

@@ -1,0 +1,75 @@
+"""`LLM`: synchronous offline generation over a batch of prompts."""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+from otel_engine.config import EngineConfig
+from otel_engine.engine.frontend import Frontend, dead_error
+from otel_engine.ipc.messages import EngineDead, StepOutputs
+from otel_engine.outputs import RequestOutput
+from otel_engine.sampling_params import SamplingParams
+
+
+class LLM:
+    """Offline batch generation. `multiprocess=False` (default) runs the engine core in
+    this process; tensor-parallel workers are processes either way.
+
+    >>> with LLM(model="path/to/model") as llm:
+    ...     outputs = llm.generate(["Hello"], SamplingParams(max_tokens=8, temperature=0))
+    """
+
+    def __init__(self, model: str | None = None, *, multiprocess: bool = False, **options: Any) -> None:
+        self.config = EngineConfig.from_kwargs(model=model, multiprocess=multiprocess, **options)
+        self._frontend = Frontend(self.config)
+        self.tokenizer = self._frontend.tokenizer
+        self.max_model_len = self._frontend.max_model_len
+        self._counter = itertools.count()
+        self._finalizer = weakref.finalize(self, self._frontend.shutdown)
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[list[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate a completion for every prompt; outputs are in prompt order.
+
+        Raises RequestError for an invalid prompt (nothing is run then) and
+        EngineDeadError if the engine fails (the engine is shut down).
+        """
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError("need one SamplingParams per prompt, or a single one")
+        frontend = self._frontend
+        ids = [f"offline-{next(self._counter)}" for _ in prompts]
+        for prompt, p in zip(prompts, params_list, strict=True):
+            frontend.inputs.process(prompt, p)
+        for request_id, prompt, p in zip(ids, prompts, params_list, strict=True):
+            frontend.add_request(request_id, prompt, p)
+        finished: dict[str, RequestOutput] = {}
+        while len(finished) < len(ids):
+            output = frontend.client.get_output()
+            if isinstance(output, EngineDead):
+                self.shutdown()
+                raise dead_error(output.error)
+            if isinstance(output, StepOutputs):
+                results, to_abort = frontend.outputs.process(output)
+                frontend.client.abort_requests(to_abort)
+                finished.update((r.request_id, r) for r in results if r.finished)
+        return [finished[request_id] for request_id in ids]
+
+    def shutdown(self) -> None:
+        """Stop the engine and every process it started; idempotent."""
+        self._finalizer()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

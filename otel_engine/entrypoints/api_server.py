@@ -1,0 +1,267 @@
+"""The OpenAI-compatible HTTP server: FastAPI app, request guard, uvicorn runner.
+
+The engine is created before the server (so the port opens only when the engine is ready)
+and is owned by the caller; the app only uses it. `ApiServer` adds to uvicorn what an
+inference server needs: a drain period on SIGTERM (new requests get 503, in-flight ones
+finish or get 503 at the deadline) and an exit with code 1 once the engine is dead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import uvicorn
+from fastapi import FastAPI, Request
+from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from otel_engine.entrypoints.errors import (
+    APIError,
+    draining,
+    engine_unavailable,
+    error_response,
+    install_error_handlers,
+)
+from otel_engine.entrypoints.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from otel_engine.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
+from otel_engine.entrypoints.serving import OpenAIServing
+
+if TYPE_CHECKING:
+    from otel_engine import AsyncLLM
+
+logger = logging.getLogger("otel_engine.api_server")
+
+MAX_BODY_BYTES = 4 * 1024 * 1024
+
+
+@dataclass(slots=True)
+class ServerState:
+    """What the guard, the routes and the runner share about one server."""
+
+    engine: AsyncLLM
+    api_key: str | None = None
+    max_body_bytes: int = MAX_BODY_BYTES
+    metrics: ServerMetrics = field(default_factory=ServerMetrics)
+    num_in_flight: int = 0
+    is_draining: bool = False
+    drain_expired: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def unavailable(self) -> APIError | None:
+        """The 503 every new request gets, or None while the server serves."""
+        if self.engine.is_dead:
+            self.metrics.engine_healthy.set(0)
+            return engine_unavailable(self.engine.dead_error)
+        if self.is_draining:
+            return draining()
+        return None
+
+    async def drain(self, timeout: float) -> None:
+        """Refuse new requests, wait up to `timeout` for in-flight ones, then end them."""
+        self.is_draining = True
+        deadline = time.monotonic() + timeout
+        while self.num_in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.num_in_flight:
+            logger.warning("shutdown.drain_expired", extra={"num_in_flight": self.num_in_flight})
+        self.drain_expired.set()
+        while self.num_in_flight and time.monotonic() < deadline + 5.0:
+            await asyncio.sleep(0.05)
+
+
+class GuardMiddleware:
+    """Checks every /v1 request before the app sees it: API key, availability, body size.
+
+    The body is read here (up to the cap) and replayed to the app, so an oversized body is
+    refused whether or not it announced its length.
+    """
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+        self._api_key = state.api_key.encode() if state.api_key else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            await self.app(scope, receive, send)
+            return
+        error = self._check_headers(scope)
+        body = b""
+        if error is None and scope["method"] in ("POST", "PUT", "PATCH"):
+            body, error = await self._read_body(receive)
+        if error is not None:
+            self.state.metrics.record_error(error.label)
+            await error_response(error)(scope, receive, send)
+            return
+        self.state.num_in_flight += 1
+        self.state.metrics.requests_in_flight.inc()
+        try:
+            await self.app(scope, _replay(body, receive), send)
+        finally:
+            self.state.num_in_flight -= 1
+            self.state.metrics.requests_in_flight.dec()
+
+    def _check_headers(self, scope: Scope) -> APIError | None:
+        headers = dict(scope["headers"])
+        if self._api_key is not None:
+            given = headers.get(b"authorization", b"")
+            if not hmac.compare_digest(given, b"Bearer " + self._api_key):
+                return APIError(401, "invalid or missing API key", code="invalid_api_key")
+        unavailable = self.state.unavailable()
+        if unavailable is not None:
+            return unavailable
+        length = headers.get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.state.max_body_bytes):
+            return _too_large(self.state.max_body_bytes)
+        return None
+
+    async def _read_body(self, receive: Receive) -> tuple[bytes, APIError | None]:
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return b"", APIError(400, "client disconnected", code="client_disconnected")
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.state.max_body_bytes:
+                return b"", _too_large(self.state.max_body_bytes)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks), None
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"request body exceeds {limit} bytes", code="request_too_large")
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    is_sent = False
+
+    async def replayed() -> Message:
+        nonlocal is_sent
+        if is_sent:
+            return await receive()
+        is_sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replayed
+
+
+def build_app(state: ServerState) -> FastAPI:
+    """The FastAPI app serving `state.engine`; the engine's lifetime stays with the caller."""
+    app = FastAPI(title="otel-engine", docs_url=None, redoc_url=None)
+    app.state.metrics = state.metrics
+    install_error_handlers(app)
+    serving = OpenAIServing(state.engine, state.metrics, state.drain_expired)
+
+    @app.get("/health")
+    async def health() -> Response:
+        error = state.unavailable()
+        if error is not None:
+            return error_response(error)
+        return Response(b'{"status":"ok"}', media_type="application/json")
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        state.metrics.engine_healthy.set(0 if state.engine.is_dead else 1)
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, object]:
+        card = {"id": state.engine.model_name, "object": "model", "created": 0,
+                "owned_by": "otel-engine", "max_model_len": state.engine.max_model_len}
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await serving.completions(body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await serving.chat(body, request)
+
+    app.add_middleware(GuardMiddleware, state=state)
+    return app
+
+
+class ApiServer(uvicorn.Server):
+    """uvicorn plus a drain on shutdown and an exit once the engine is dead."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState, drain_timeout: float) -> None:
+        super().__init__(config)
+        self.state = state
+        self.drain_timeout = drain_timeout
+        self.exit_code = 0
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            logger.info("server.listening", extra={"address": _address(self, sockets)})
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.state.engine.is_dead and not self.should_exit:
+            error = self.state.engine.dead_error
+            logger.error("engine.dead", extra={
+                "cause_type": error.cause_type if error else None,
+                "failed_process": error.failed_process if error else None})
+            self.state.metrics.engine_healthy.set(0)
+            self.exit_code = 1
+            self.should_exit = True
+        return await super().on_tick(counter)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        logger.info("shutdown.begin", extra={"num_in_flight": self.state.num_in_flight})
+        await self.state.drain(self.drain_timeout)
+        await super().shutdown(sockets)
+
+
+def _address(server: uvicorn.Server, sockets: list[socket.socket] | None) -> str:
+    for sock in sockets or [s for srv in server.servers for s in (srv.sockets or ())]:
+        host, port = sock.getsockname()[:2]
+        return f"{host}:{port}"
+    return ""
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Bind (but do not listen) early, so a busy port fails before the engine starts."""
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+def make_server(engine: AsyncLLM, *, api_key: str | None = None,
+                drain_timeout: float | None = None) -> ApiServer:
+    """An `ApiServer` for `engine`, ready to `run(sockets=[bind_socket(...)])`."""
+    state = ServerState(engine=engine, api_key=api_key)
+    timeout = engine.config.timeouts.shutdown_timeout if drain_timeout is None else drain_timeout
+    config = uvicorn.Config(build_app(state), log_config=None, lifespan="off",
+                            timeout_graceful_shutdown=5, timeout_keep_alive=30)
+    return ApiServer(config, state, drain_timeout=timeout)
+
+
+def run_server(engine: AsyncLLM, sock: socket.socket, *, api_key: str | None = None) -> int:
+    """Serve until SIGTERM/SIGINT (exit code 0) or until the engine dies (exit code 1)."""
+    server = make_server(engine, api_key=api_key)
+    if threading.current_thread() is threading.main_thread():
+        # uvicorn re-raises the signal it caught once it has shut down; make that a no-op so
+        # that the caller can still shut the engine down and exit with the right code.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: None)
+    server.run(sockets=[sock])
+    return server.exit_code

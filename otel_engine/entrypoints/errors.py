@@ -1,0 +1,160 @@
+"""OpenAI-style error bodies and the FastAPI exception handlers that produce them.
+
+Every error the HTTP API returns has the body
+`{"error": {"message": str, "type": str, "param": str | None, "code": str | None}}`.
+Messages never echo request content (prompts, token ids) and never carry a traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+
+from otel_engine.errors import EngineDeadError, RequestError
+
+logger = logging.getLogger("otel_engine.api_server")
+
+INVALID_REQUEST = "invalid_request_error"
+INTERNAL = "internal_server_error"
+UNAVAILABLE = "service_unavailable_error"
+
+
+class APIError(Exception):
+    """An error answered to the client as is: HTTP status plus the OpenAI error fields."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = INVALID_REQUEST,
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type,
+                          "param": self.param, "code": self.code}}
+
+    @property
+    def label(self) -> str:
+        """A bounded label for the errors metric."""
+        return self.code or self.type
+
+
+def bad_request(message: str, *, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def from_request_error(error: RequestError) -> APIError:
+    return APIError(400, error.message, code=error.code)
+
+
+def from_engine_dead(error: EngineDeadError) -> APIError:
+    """500 naming the cause class and the failed process, never the traceback."""
+    where = f" in {error.failed_process}" if error.failed_process else ""
+    return APIError(500, f"engine failed: {error.cause_type}{where}", type=INTERNAL,
+                    code="engine_dead")
+
+
+def engine_unavailable(error: EngineDeadError | None) -> APIError:
+    cause = f": {error.cause_type}" if error is not None else ""
+    return APIError(503, f"engine is not serving{cause}", type=UNAVAILABLE, code="engine_dead")
+
+
+def draining() -> APIError:
+    return APIError(503, "server is shutting down", type=UNAVAILABLE, code="shutting_down")
+
+
+def error_response(error: APIError) -> Response:
+    return Response(msgspec.json.encode(error.body()), status_code=error.status,
+                    media_type="application/json")
+
+
+def from_validation_error(exc: RequestValidationError) -> APIError:
+    """400 naming the first offending top-level field (FastAPI would answer 422)."""
+    errors = list(exc.errors())
+    if not errors:
+        return bad_request("invalid request body")
+    first = errors[0]
+    loc = [part for part in first.get("loc", ()) if part != "body"]
+    if first.get("type") == "json_invalid":
+        return bad_request("request body is not valid JSON", code="invalid_json")
+    if not loc:
+        return bad_request(f"invalid request body: {first.get('msg', 'invalid')}")
+    param = str(loc[0])
+    if first.get("type") == "missing":
+        return bad_request(f"missing required parameter '{param}'", param=param,
+                           code="missing_required_parameter")
+    same_field = [e for e in errors if [p for p in e.get("loc", ()) if p != "body"][:1] == [param]]
+    detail = "invalid type" if len(same_field) > 1 else first.get("msg", "invalid value")
+    return bad_request(f"invalid value for '{param}': {detail}", param=param,
+                       code="invalid_value")
+
+
+def _record(request: Request, error: APIError) -> None:
+    metrics = getattr(request.app.state, "metrics", None)
+    if metrics is not None and request.url.path.startswith("/v1/"):
+        metrics.record_error(error.label)
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, APIError)
+    _record(request, exc)
+    if exc.status >= 500:
+        logger.warning("request.failed", extra={"status": exc.status, "code": exc.code})
+    return error_response(exc)
+
+
+async def _validation_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RequestValidationError)
+    return await _api_error(request, from_validation_error(exc))
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, StarletteHTTPException)
+    error = APIError(exc.status_code, str(exc.detail),
+                     type=INVALID_REQUEST if exc.status_code < 500 else INTERNAL)
+    response = await _api_error(request, error)
+    if exc.headers:
+        response.headers.update(exc.headers)
+    return response
+
+
+async def _request_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RequestError)
+    return await _api_error(request, from_request_error(exc))
+
+
+async def _engine_dead(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, EngineDeadError)
+    return await _api_error(request, from_engine_dead(exc))
+
+
+async def _unexpected(request: Request, exc: Exception) -> Response:
+    logger.error("request.internal_error", exc_info=exc,
+                 extra={"error_type": type(exc).__name__})
+    error = APIError(500, f"internal error: {type(exc).__name__}", type=INTERNAL)
+    return await _api_error(request, error)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Route every error path of `app` to an OpenAI-style body."""
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(RequestError, _request_error)
+    app.add_exception_handler(EngineDeadError, _engine_dead)
+    app.add_exception_handler(Exception, _unexpected)

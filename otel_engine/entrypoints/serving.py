@@ -1,0 +1,270 @@
+"""The OpenAI completion endpoints: prompt preparation, limits, and response shapes.
+
+Prompts are tokenized here, so that the context limit is checked (and the default
+`max_tokens` chosen) before the engine sees the request. The engine request id is the
+response id (`cmpl-<hex>`, `chatcmpl-<hex>`), so logs, spans and the client agree.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import jinja2
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from otel_engine.entrypoints.errors import (
+    INTERNAL,
+    UNAVAILABLE,
+    APIError,
+    bad_request,
+    from_engine_dead,
+    from_request_error,
+)
+from otel_engine.entrypoints.metrics import ServerMetrics
+from otel_engine.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
+from otel_engine.entrypoints.streaming import (
+    DONE_EVENT,
+    ClientDisconnected,
+    EventStreamResponse,
+    RequestWatch,
+    sse_event,
+)
+from otel_engine.errors import EngineDeadError, RequestError
+from otel_engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from otel_engine import AsyncLLM, RequestOutput
+
+logger = logging.getLogger("otel_engine.api_server")
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+JSON = "application/json"
+
+
+@dataclass(slots=True)
+class _Job:
+    """One admitted request: what to run, how to shape its chunks, what to count."""
+
+    request_id: str
+    is_chat: bool
+    model: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    include_usage: bool
+    created: int = field(default_factory=lambda: int(time.time()))
+    num_generated: int = 0
+
+    def envelope(self, is_chunk: bool, **fields: Any) -> dict[str, Any]:
+        if self.is_chat:
+            kind = "chat.completion.chunk" if is_chunk else "chat.completion"
+        else:
+            kind = "text_completion"
+        return {"id": self.request_id, "object": kind, "created": self.created,
+                "model": self.model, **fields}
+
+    def usage(self) -> dict[str, int]:
+        num_prompt = len(self.prompt_ids)
+        return {"prompt_tokens": num_prompt, "completion_tokens": self.num_generated,
+                "total_tokens": num_prompt + self.num_generated}
+
+
+def _aborted_by_engine() -> APIError:
+    return APIError(503, "request was aborted by the engine", type=UNAVAILABLE, code="aborted")
+
+
+class OpenAIServing:
+    """Turns validated OpenAI requests into engine requests and engine outputs into bodies."""
+
+    def __init__(self, engine: AsyncLLM, metrics: ServerMetrics,
+                 drain_expired: asyncio.Event) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.drain_expired = drain_expired
+
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        self._check_common(body)
+        prompt = body.single_prompt()
+        prompt_ids = self.engine.encode(prompt) if isinstance(prompt, str) else prompt
+        job = self._admit("cmpl", prompt_ids, body.requested_max_tokens(),
+                          DEFAULT_COMPLETION_MAX_TOKENS, body, "prompt")
+        return await self._run(job, body.stream, request)
+
+    async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
+        self._check_common(body)
+        text = self._render_chat(body)
+        prompt_ids = self.engine.encode(text, add_special_tokens=False)
+        job = self._admit("chatcmpl", prompt_ids, body.requested_max_tokens(), None, body,
+                          "messages")
+        return await self._run(job, body.stream, request)
+
+    def _check_common(self, body: CompletionRequest | ChatCompletionRequest) -> None:
+        if body.model is not None and body.model != self.engine.model_name:
+            raise APIError(404, f"model '{body.model}' does not exist", param="model",
+                           code="model_not_found")
+        body.check_supported()
+
+    def _render_chat(self, body: ChatCompletionRequest) -> str:
+        tokenizer = self.engine.tokenizer
+        if not getattr(tokenizer, "chat_template", None):
+            raise bad_request("this model has no chat template; use /v1/completions",
+                              param="messages", code="unsupported_parameter")
+        try:
+            text = tokenizer.apply_chat_template(
+                body.template_messages(), add_generation_prompt=True, tokenize=False)
+        except (jinja2.TemplateError, ValueError, TypeError) as error:
+            raise bad_request(f"chat template rejected the messages: {type(error).__name__}",
+                              param="messages", code="invalid_value") from None
+        return str(text)
+
+    def _admit(self, prefix: str, prompt_ids: list[int], requested: int | None,
+               default_cap: int | None, body: CompletionRequest | ChatCompletionRequest,
+               prompt_param: str) -> _Job:
+        max_model_len = self.engine.max_model_len
+        num_prompt = len(prompt_ids)
+        remaining = max_model_len - num_prompt
+        if remaining < 1:
+            raise bad_request(
+                f"prompt has {num_prompt} tokens, the model's context is {max_model_len}",
+                param=prompt_param, code="context_length_exceeded")
+        if requested is None:
+            max_tokens = remaining if default_cap is None else min(remaining, default_cap)
+        elif requested > remaining:
+            raise bad_request(
+                f"prompt ({num_prompt} tokens) plus max_tokens ({requested}) exceeds the "
+                f"model's context of {max_model_len} tokens",
+                param="max_tokens", code="context_length_exceeded")
+        else:
+            max_tokens = requested
+        return _Job(request_id=f"{prefix}-{uuid.uuid4().hex}", is_chat=prefix == "chatcmpl",
+                    model=self.engine.model_name, prompt_ids=prompt_ids,
+                    params=body.to_sampling_params(max_tokens),
+                    include_usage=body.include_usage)
+
+    async def _run(self, job: _Job, stream: bool, request: Request) -> Response:
+        outputs = self.engine.generate(job.prompt_ids, job.params, job.request_id)
+        watch = RequestWatch(request.receive, self.drain_expired)
+        is_streaming = False
+        try:
+            first = await watch.run(_first(outputs))
+            if stream:
+                is_streaming = True
+                return EventStreamResponse(self._events(job, outputs, first), watch)
+            final = await watch.run(_last(outputs, first))
+            return self._full_response(job, final)
+        except ClientDisconnected:
+            self._count(job, "abort")
+            return Response(status_code=499)
+        except (RequestError, EngineDeadError, APIError) as error:
+            self._count(job, None)
+            if isinstance(error, RequestError):
+                raise from_request_error(error) from None
+            if isinstance(error, EngineDeadError):
+                raise from_engine_dead(error) from None
+            raise
+        finally:
+            if not is_streaming:
+                await outputs.aclose()  # type: ignore[attr-defined]
+                watch.close()
+
+    def _full_response(self, job: _Job, final: RequestOutput) -> Response:
+        completion = final.outputs[0]
+        job.num_generated = len(completion.token_ids)
+        reason = completion.finish_reason or "stop"
+        if reason == "abort":
+            raise _aborted_by_engine()
+        if job.is_chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": completion.text},
+                      "logprobs": None, "finish_reason": reason}
+        else:
+            choice = {"index": 0, "text": completion.text, "logprobs": None,
+                      "finish_reason": reason}
+        self._count(job, reason)
+        body = job.envelope(False, choices=[choice], usage=job.usage())
+        return Response(msgspec.json.encode(body), media_type=JSON)
+
+    async def _events(self, job: _Job, outputs: AsyncIterator[RequestOutput],
+                      first: RequestOutput) -> AsyncIterator[bytes]:
+        outcome = "abort"  # what the request counts as if the stream stops early
+        is_error = False
+        try:
+            if job.is_chat:
+                yield self._chunk(job, {"role": "assistant", "content": ""}, None)
+            output: RequestOutput | None = first
+            while output is not None:
+                completion = output.outputs[0]
+                job.num_generated = len(completion.token_ids)
+                reason = completion.finish_reason if output.finished else None
+                if reason == "abort":
+                    error = _aborted_by_engine()
+                    outcome, is_error = error.label, True
+                    yield sse_event(error.body())
+                    return
+                if completion.delta_text or reason is not None:
+                    text = completion.delta_text
+                    delta = ({"content": text} if text else {}) if job.is_chat else text
+                    yield self._chunk(job, delta, reason)
+                if reason is not None:
+                    outcome = reason
+                    break
+                output = await anext(outputs, None)
+            if job.include_usage:
+                yield sse_event(job.envelope(True, choices=[], usage=job.usage()))
+            yield DONE_EVENT
+        except (RequestError, EngineDeadError) as exc:
+            error = (from_request_error(exc) if isinstance(exc, RequestError)
+                     else from_engine_dead(exc))
+            outcome, is_error = error.label, True
+            yield sse_event(error.body())
+        finally:
+            await outputs.aclose()  # type: ignore[attr-defined]
+            self._count(job, outcome, is_error=is_error)
+
+    @staticmethod
+    def _chunk(job: _Job, delta: dict[str, str] | str, reason: str | None) -> bytes:
+        if job.is_chat:
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+        else:
+            choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": reason}
+        chunk = job.envelope(True, choices=[choice])
+        if job.include_usage:
+            chunk["usage"] = None
+        return sse_event(chunk)
+
+    def _count(self, job: _Job, outcome: str | None, *, is_error: bool = False) -> None:
+        """Count tokens always; the outcome as a finish reason or, for errors, an error type.
+
+        Errors answered before streaming are counted by the exception handlers (outcome None).
+        """
+        self.metrics.record_tokens(len(job.prompt_ids), job.num_generated)
+        if outcome is not None and is_error:
+            self.metrics.record_error(outcome)
+        elif outcome is not None:
+            self.metrics.record_finished(outcome)
+        logger.debug("request.finished", extra={
+            "request_id": job.request_id, "outcome": outcome,
+            "num_prompt_tokens": len(job.prompt_ids), "num_generated_tokens": job.num_generated})
+
+
+async def _last(outputs: AsyncIterator[RequestOutput], first: RequestOutput) -> RequestOutput:
+    final = first
+    while not final.finished:
+        nxt = await anext(outputs, None)
+        if nxt is None:
+            break
+        final = nxt
+    return final
+
+
+async def _first(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
+    first = await anext(outputs, None)
+    if first is None:
+        raise APIError(500, "engine returned no output", type=INTERNAL)
+    return first

@@ -1,0 +1,101 @@
+"""Request lifetime on the HTTP side: client disconnects, drain deadlines, SSE responses.
+
+A `RequestWatch` races a request's work (waiting for the first token, collecting the
+completion, streaming chunks) against the client going away and against the server's drain
+deadline. Losing the race cancels the work, which closes the engine's output generator and so
+aborts the request in the engine: its KV blocks are freed at once, not when the text would
+have been complete.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
+
+import msgspec
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from otel_engine.entrypoints.errors import APIError, draining
+
+T = TypeVar("T")
+
+SSE_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
+DONE_EVENT = b"data: [DONE]\n\n"
+
+
+class ClientDisconnected(Exception):
+    """The client closed the connection before the response was complete."""
+
+
+def sse_event(payload: object) -> bytes:
+    return b"data: " + msgspec.json.encode(payload) + b"\n\n"
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class RequestWatch:
+    """Watches one request for a client disconnect and for the end of the drain period."""
+
+    def __init__(self, receive: Receive, drain_expired: asyncio.Event) -> None:
+        self._disconnect = asyncio.ensure_future(_wait_disconnect(receive))
+        self._drain = asyncio.ensure_future(drain_expired.wait())
+
+    async def run(self, work: Awaitable[T]) -> T:
+        """Await `work`; raise `ClientDisconnected` or a 503 `APIError` if it lost the race."""
+        task = asyncio.ensure_future(work)
+        try:
+            await asyncio.wait({task, self._disconnect, self._drain},
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        if not task.cancelled():
+            return task.result()
+        if self._disconnect.done():
+            raise ClientDisconnected
+        raise draining()
+
+    def close(self) -> None:
+        self._disconnect.cancel()
+        self._drain.cancel()
+
+
+class EventStreamResponse(Response):
+    """Server-sent events from `events`, raced against the request's `RequestWatch`.
+
+    `events` yields complete SSE frames and handles engine errors itself (as error events);
+    this class only handles the transport: disconnects and the drain deadline.
+    """
+
+    def __init__(self, events: AsyncIterator[bytes], watch: RequestWatch) -> None:
+        super().__init__(status_code=200)
+        self._events = events
+        self._watch = watch
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+        try:
+            await self._watch.run(self._pump(send))
+        except ClientDisconnected:
+            pass
+        except APIError as error:
+            await send({"type": "http.response.body", "body": sse_event(error.body()),
+                        "more_body": True})
+        finally:
+            await self._events.aclose()  # type: ignore[attr-defined]
+            self._watch.close()
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _pump(self, send: Send) -> None:
+        async for frame in self._events:
+            await send({"type": "http.response.body", "body": frame, "more_body": True})

@@ -1,0 +1,177 @@
+"""Executors: run one step's `ModelInput` and return rank 0's sampled tokens.
+
+`UniprocExecutor` runs the model in the calling process (TP=1). `MultiprocExecutor` drives
+`--tensor-parallel-size` worker processes over ZMQ and watches them: a worker that reports a
+failure, or whose process sentinel fires (killed, OOM), turns the current or next
+`execute()` into `WorkerError` within a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing.connection
+import threading
+import time
+
+import zmq
+
+from otel_engine.config import EngineConfig
+from otel_engine.executor.model_runner import ModelRunner
+from otel_engine.ipc.codec import Codec
+from otel_engine.ipc.messages import (
+    ErrorInfo,
+    ModelInput,
+    ModelOutput,
+    StopWorker,
+    WorkerFailure,
+    WorkerRequest,
+    WorkerResponse,
+)
+from otel_engine.ipc.paths import IpcDir, free_tcp_port
+from otel_engine.ipc.process import ChildProcess, spawn
+from otel_engine.observability.faults import maybe_inject
+
+logger = logging.getLogger(__name__)
+
+_POLL_MS = 50
+
+
+class WorkerError(Exception):
+    """A worker failed or died; carries the flattened cause."""
+
+    def __init__(self, info: ErrorInfo) -> None:
+        super().__init__(f"{info.process}: {info.type}: {info.message}")
+        self.info = info
+
+
+class UniprocExecutor:
+    """The model runs right here (TP=1)."""
+
+    def __init__(self, config: EngineConfig, model_dir: str) -> None:
+        maybe_inject("worker", phase="load", rank=0)
+        self.runner = ModelRunner(config, model_dir, rank=0)
+
+    def execute(self, step: ModelInput) -> list[int]:
+        maybe_inject("worker", phase="run", rank=0, step=step.step_id)
+        return self.runner.execute(step)
+
+    def check_health(self) -> None:
+        """Nothing to watch: a failure raises in `execute` itself."""
+
+    def shutdown(self) -> None:
+        pass
+
+
+class MultiprocExecutor:
+    """`tensor_parallel_size` worker processes, rank 0 samples."""
+
+    def __init__(self, config: EngineConfig, model_dir: str, ipc_dir: IpcDir) -> None:
+        self.config = config
+        self.tp_size = config.parallel.tensor_parallel_size
+        self._requests: Codec[WorkerRequest] = Codec(WorkerRequest)
+        self._responses: Codec[WorkerResponse] = Codec(WorkerResponse)
+        self._context = zmq.Context(io_threads=1)
+        self._inputs = []
+        self.workers: list[ChildProcess] = []
+        self._failure: ErrorInfo | None = None
+        self._stopping = False
+        self._results = self._context.socket(zmq.PULL)
+        self._results.bind(ipc_dir.address("worker-out"))
+        dist_init = f"tcp://127.0.0.1:{free_tcp_port()}"
+        for rank in range(self.tp_size):
+            socket = self._context.socket(zmq.PUSH)
+            address = ipc_dir.address(f"worker-in-{rank}")
+            socket.bind(address)
+            self._inputs.append(socket)
+        try:
+            for rank in range(self.tp_size):
+                self.workers.append(
+                    spawn(
+                        f"otel-worker-{rank}",
+                        "otel_engine.executor.worker:run_worker",
+                        config.encode(),
+                        model_dir,
+                        rank,
+                        dist_init,
+                        ipc_dir.address(f"worker-in-{rank}"),
+                        ipc_dir.address("worker-out"),
+                        role="worker",
+                        rank=rank,
+                    )
+                )
+            deadline = time.monotonic() + config.timeouts.engine_ready_timeout
+            for worker in self.workers:
+                worker.wait_ready(deadline)
+        except BaseException:
+            self.shutdown()
+            raise
+        self._monitor = threading.Thread(target=self._watch_workers, name="worker-monitor", daemon=True)
+        self._monitor.start()
+
+    def _watch_workers(self) -> None:
+        sentinels = {w.sentinel: w for w in self.workers}
+        dead = multiprocessing.connection.wait(list(sentinels))
+        if self._stopping:
+            return
+        worker = sentinels[dead[0]]
+        worker.process.join(0.5)
+        code = worker.process.exitcode
+        how = f"killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
+        logger.error("worker.died", extra={"worker": worker.name, "exitcode": code})
+        if self._failure is None:
+            self._failure = ErrorInfo(type="WorkerDied", message=f"{worker.name} {how}", process=worker.name)
+
+    def check_health(self) -> None:
+        """Raise WorkerError if a worker has died or reported a failure."""
+        if self._failure is None and self._results.poll(0):
+            self._take_result(-1)
+        if self._failure is not None:
+            raise WorkerError(self._failure)
+
+    def execute(self, step: ModelInput) -> list[int]:
+        self.check_health()
+        data = self._requests.encode(step)
+        for socket in self._inputs:
+            socket.send(data, copy=False)
+        while True:
+            if self._results.poll(_POLL_MS):
+                result = self._take_result(step.step_id)
+                if result is not None:
+                    return result
+            if self._failure is not None:
+                raise WorkerError(self._failure)
+
+    def _take_result(self, step_id: int) -> list[int] | None:
+        message = self._responses.decode(self._results.recv(copy=False).buffer)
+        if isinstance(message, WorkerFailure):
+            if self._failure is None or self._failure.type == "WorkerDied":
+                self._failure = message.error
+            raise WorkerError(self._failure)
+        if isinstance(message, ModelOutput) and message.step_id == step_id:
+            return message.sampled_token_ids
+        return None
+
+    def shutdown(self) -> None:
+        """Ask workers to stop, then escalate (SIGTERM, SIGKILL); always reaps them."""
+        self._stopping = True
+        stop = self._requests.encode(StopWorker())
+        for socket in self._inputs:
+            try:
+                socket.send(stop, flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+        budget = self.config.timeouts.shutdown_timeout
+        for worker in self.workers:
+            worker.stop(timeout=min(budget, 10.0))
+        for socket in [*self._inputs, self._results]:
+            socket.close(linger=0)
+        self._context.term()
+
+
+Executor = UniprocExecutor | MultiprocExecutor
+
+
+def make_executor(config: EngineConfig, model_dir: str, ipc_dir: IpcDir) -> Executor:
+    if config.parallel.tensor_parallel_size == 1:
+        return UniprocExecutor(config, model_dir)
+    return MultiprocExecutor(config, model_dir, ipc_dir)

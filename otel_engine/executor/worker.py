@@ -1,0 +1,85 @@
+"""A tensor-parallel worker process: its model shard and a busy loop over ZMQ.
+
+Every rank receives the same `ModelInput`, runs its shard (collectives over
+torch.distributed), and rank 0 returns the sampled tokens. An exception in the loop is
+reported as `WorkerFailure` before the process exits, so the engine core fails fast
+instead of waiting on a collective that will never complete.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import zmq
+
+from otel_engine.config import EngineConfig
+from otel_engine.executor.model_runner import ModelRunner
+from otel_engine.ipc.codec import Codec, error_info
+from otel_engine.ipc.messages import ModelInput, ModelOutput, WorkerFailure, WorkerRequest, WorkerResponse
+from otel_engine.ipc.process import ReadyChannel
+from otel_engine.observability.faults import maybe_inject
+
+logger = logging.getLogger(__name__)
+
+
+def run_worker(
+    channel: ReadyChannel,
+    config_bytes: bytes,
+    model_dir: str,
+    rank: int,
+    dist_init: str,
+    input_address: str,
+    output_address: str,
+) -> None:
+    """Process target of `otel-worker-{rank}`."""
+    config = EngineConfig.decode(config_bytes)
+    tp_size = config.parallel.tensor_parallel_size
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp_size))
+    backend = "nccl" if config.model.device == "cuda" else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(
+        backend,
+        init_method=dist_init,
+        rank=rank,
+        world_size=tp_size,
+        timeout=timedelta(seconds=config.timeouts.engine_ready_timeout),
+    )
+    maybe_inject("worker", phase="load", rank=rank)
+    runner = ModelRunner(config, model_dir, rank=rank)
+    context = zmq.Context(io_threads=1)
+    inputs = context.socket(zmq.PULL)
+    inputs.connect(input_address)
+    outputs = context.socket(zmq.PUSH)
+    outputs.connect(output_address)
+    channel.ready()
+    logger.info("worker.ready", extra={"rank": rank})
+    _busy_loop(runner, rank, inputs, outputs)
+    inputs.close(linger=0)
+    outputs.close(linger=1000)
+    context.term()
+    dist.destroy_process_group()
+
+
+def _busy_loop(runner: ModelRunner, rank: int, inputs: zmq.Socket, outputs: zmq.Socket) -> None:
+    requests: Codec[WorkerRequest] = Codec(WorkerRequest)
+    responses: Codec[WorkerResponse] = Codec(WorkerResponse)
+    while True:
+        message = requests.decode(inputs.recv(copy=False).buffer)
+        if not isinstance(message, ModelInput):
+            return
+        try:
+            maybe_inject("worker", phase="run", rank=rank, step=message.step_id)
+            sampled = runner.execute(message)
+        except Exception as exc:
+            logger.exception("worker.step_failed", extra={"rank": rank, "step": message.step_id})
+            info = error_info(exc, f"worker-{rank}")
+            outputs.send(responses.encode(WorkerFailure(rank=rank, error=info)))
+            outputs.close(linger=2000)
+            os._exit(1)
+        if rank == 0:
+            outputs.send(responses.encode(ModelOutput(message.step_id, sampled)))

@@ -1,0 +1,1 @@
+"""Inter-process communication: message types, their codec, and the spawn trampoline."""

@@ -1,0 +1,151 @@
+"""Every type that crosses a process boundary. msgpack via msgspec; never pickle.
+
+Frames between the front end (api_server / LLM) and the engine core, between the engine
+core and its workers, and the ready handshake every child sends its parent. A fatal
+failure anywhere becomes one `EngineDead` frame to the front end; a worker reports its own
+failure as `WorkerFailure`.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from otel_engine.sampling_params import SamplingParams
+
+# ---- Handshake: every child to its parent, once -------------------------------------------
+
+
+class ErrorInfo(msgspec.Struct, frozen=True):
+    """An exception flattened to strings, so it can cross any process boundary."""
+
+    type: str
+    message: str
+    traceback: str = ""
+    process: str = ""  # e.g. "engine_core", "worker-1"
+
+
+class Ready(msgspec.Struct, frozen=True, tag="ready", array_like=True):
+    """The child finished starting. `info` carries facts the parent needs (limits)."""
+
+    process: str
+    pid: int
+    info: dict[str, int] = {}
+
+
+class Failed(msgspec.Struct, frozen=True, tag="failed", array_like=True):
+    """The child could not start; the parent re-raises this as EngineStartupError."""
+
+    error: ErrorInfo
+
+
+HandshakeMessage = Ready | Failed
+
+# ---- Front end -> engine core ------------------------------------------------------------
+
+
+class AddRequest(msgspec.Struct, frozen=True, tag="add", array_like=True):
+    """A new request, sent once in full. `trace_context` is W3C traceparent/tracestate."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    trace_context: dict[str, str] = {}
+
+
+class AbortRequests(msgspec.Struct, frozen=True, tag="abort", array_like=True):
+    """Stop these requests now (client gone, stop string matched) and free their blocks."""
+
+    request_ids: list[str]
+
+
+class Shutdown(msgspec.Struct, frozen=True, tag="shutdown", array_like=True):
+    """Orderly stop of the engine core and its workers."""
+
+
+CoreRequest = AddRequest | AbortRequests | Shutdown
+
+# ---- Engine core -> front end -----------------------------------------------------------
+
+
+class RequestUpdate(msgspec.Struct, frozen=True, array_like=True):
+    """New tokens of one request in one step; `finish_reason` set on its last update."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | None = None
+    num_preemptions: int = 0
+
+
+class StepOutputs(msgspec.Struct, frozen=True, tag="outputs", array_like=True):
+    """The results of one engine step, plus the scheduler's state for metrics."""
+
+    step_id: int
+    updates: list[RequestUpdate]
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_preemptions: int = 0
+
+
+class EngineDead(msgspec.Struct, frozen=True, tag="dead", array_like=True):
+    """The engine cannot continue. Every in-flight request fails with EngineDeadError."""
+
+    error: ErrorInfo
+
+
+CoreOutput = StepOutputs | EngineDead
+
+# ---- Engine core -> workers (tensor parallel) ---------------------------------------------
+
+
+class ModelInput(msgspec.Struct, frozen=True, tag="execute", array_like=True):
+    """One step's batch, flattened: the same bytes go to every rank.
+
+    Sequences are ordered decodes first. Per token: `input_ids`, `positions`,
+    `slot_mapping`. Per sequence: `query_lens`, `seq_lens` (context after this step),
+    `block_tables`. Per sampled sequence (rank 0 only uses these): `sample_indices`
+    (sequence index), and the sampling fields.
+    """
+
+    step_id: int
+    input_ids: list[int]
+    positions: list[int]
+    slot_mapping: list[int]
+    num_decodes: int
+    query_lens: list[int]
+    seq_lens: list[int]
+    block_tables: list[list[int]]
+    sample_indices: list[int]
+    temperatures: list[float]
+    top_ps: list[float]
+    top_ks: list[int]
+    seeds: list[int | None]
+    output_positions: list[int]
+
+
+class StopWorker(msgspec.Struct, frozen=True, tag="stop", array_like=True):
+    """Leave the busy loop and exit cleanly."""
+
+
+WorkerRequest = ModelInput | StopWorker
+
+# ---- Workers -> engine core --------------------------------------------------------------
+
+
+class ModelOutput(msgspec.Struct, frozen=True, tag="sampled", array_like=True):
+    """Rank 0's sampled token per sampled sequence of step `step_id`."""
+
+    step_id: int
+    sampled_token_ids: list[int]
+
+
+class WorkerFailure(msgspec.Struct, frozen=True, tag="worker_failure", array_like=True):
+    """A worker's busy loop caught an exception; the engine core treats it as fatal."""
+
+    rank: int
+    error: ErrorInfo
+
+
+WorkerResponse = ModelOutput | WorkerFailure

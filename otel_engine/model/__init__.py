@@ -1,0 +1,1 @@
+"""Model code: the Llama-family decoder, its layers, paged attention, sampling and loading."""

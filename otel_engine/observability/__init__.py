@@ -1,0 +1,1 @@
+"""Logging, tracing, metrics and crash dumps."""

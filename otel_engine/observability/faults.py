@@ -1,0 +1,79 @@
+"""Fault injection for tests and chaos drills: `OTEL_ENGINE_FAULT` (DESIGN.md section 5).
+
+`OTEL_ENGINE_FAULT="<where>:<kind>[:rank=R][:step=S][:phase=P]"` with where in
+{worker, engine_core}, kind in {raise, oom, exit, hang}, phase in {run, load}. Read from
+the environment by every process; nothing else can set it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+ENV_VAR = "OTEL_ENGINE_FAULT"
+WHERE = ("worker", "engine_core")
+KINDS = ("raise", "oom", "exit", "hang")
+PHASES = ("run", "load")
+
+
+class InjectedFault(RuntimeError):
+    """The error raised by `kind=raise`."""
+
+
+class InjectedOutOfMemoryError(RuntimeError):
+    """The error raised by `kind=oom`: named like torch.OutOfMemoryError, no device needed."""
+
+
+@dataclass(frozen=True, slots=True)
+class Fault:
+    where: str
+    kind: str
+    rank: int = 0
+    step: int = 1
+    phase: str = "run"
+
+    @classmethod
+    def parse(cls, text: str) -> Fault:
+        parts = text.split(":")
+        if len(parts) < 2 or parts[0] not in WHERE or parts[1] not in KINDS:
+            raise ValueError(f"{ENV_VAR}={text!r}: expected <{'|'.join(WHERE)}>:<{'|'.join(KINDS)}>[:key=value]")
+        options: dict[str, str] = {}
+        for part in parts[2:]:
+            key, _, value = part.partition("=")
+            if key not in ("rank", "step", "phase") or not value:
+                raise ValueError(f"{ENV_VAR}={text!r}: unknown option {part!r}")
+            options[key] = value
+        phase = options.get("phase", "run")
+        if phase not in PHASES:
+            raise ValueError(f"{ENV_VAR}={text!r}: phase must be one of {PHASES}")
+        return cls(parts[0], parts[1], int(options.get("rank", 0)), int(options.get("step", 1)), phase)
+
+
+def configured_fault() -> Fault | None:
+    text = os.environ.get(ENV_VAR, "").strip()
+    return Fault.parse(text) if text else None
+
+
+def maybe_inject(where: str, *, phase: str, rank: int = 0, step: int = 0) -> None:
+    """Fire the configured fault if it matches this place; cheap when none is set."""
+    fault = _FAULT
+    if fault is None or fault.where != where or fault.phase != phase or fault.rank != rank:
+        return
+    if phase == "run" and fault.step != step:
+        return
+    logger.warning("fault.injected", extra={"where": where, "kind": fault.kind, "rank": rank, "step": step})
+    if fault.kind == "raise":
+        raise InjectedFault(f"injected fault in {where} rank {rank} ({phase} step {step})")
+    if fault.kind == "oom":
+        raise InjectedOutOfMemoryError(f"injected out-of-memory in {where} rank {rank}")
+    if fault.kind == "exit":
+        os._exit(137)
+    while True:  # hang
+        time.sleep(3600)
+
+
+_FAULT = configured_fault()

@@ -1,0 +1,1 @@
+"""Scheduling: requests, the KV block allocator and the continuous-batching scheduler."""

@@ -1,0 +1,90 @@
+"""A request as the scheduler sees it: tokens, progress, KV blocks, and why it finished."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from otel_engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """One generation request inside the engine core.
+
+    `num_computed_tokens` counts tokens whose K/V are in the cache; the request needs a
+    sample when a step brings it to `num_tokens`. Preemption frees the blocks and resets
+    it to 0 (recompute: prompt and outputs are prefilled again).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_preemptions: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | None = None
+    first_scheduled_time: float | None = None
+    trace_context: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Token ids in [start, end) of prompt + outputs."""
+        num_prompt = len(self.prompt_token_ids)
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt : end - num_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
+
+    def append_token(self, token_id: int) -> None:
+        """Record a sampled token and finish the request if it hit a stop condition."""
+        self.output_token_ids.append(token_id)
+        params = self.sampling_params
+        if token_id in params.stop_token_ids:
+            self.status = RequestStatus.FINISHED_STOPPED
+            self.stop_reason = token_id
+        elif not params.ignore_eos and token_id in self.eos_token_ids:
+            self.status = RequestStatus.FINISHED_STOPPED
+        elif len(self.output_token_ids) >= params.max_tokens:
+            self.status = RequestStatus.FINISHED_LENGTH
+
+    @property
+    def finish_reason(self) -> str | None:
+        return FINISH_REASONS.get(self.status)

@@ -1,0 +1,177 @@
+"""Continuous batching with chunked prefill and preemption by recompute.
+
+Each step spends a token budget: running requests first (a decode token each, or the next
+chunk of a prefill), then waiting ones in arrival order. When the KV cache cannot grow a
+running request, the most recently arrived running request is preempted: its blocks are
+freed and it goes back to the front of the queue to be recomputed later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from otel_engine.sched.kv_cache import BlockAllocator
+from otel_engine.sched.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    """Tokens [start, start + num_tokens) of one request, computed this step."""
+
+    request: Request
+    start: int
+    num_tokens: int
+
+    @property
+    def needs_sample(self) -> bool:
+        return self.start + self.num_tokens == self.request.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One step's batch. Decode chunks (one token) come before prefill chunks."""
+
+    step_id: int
+    chunks: list[ScheduledChunk]
+    preempted_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    """Decides which tokens of which requests run in each step."""
+
+    def __init__(
+        self,
+        allocator: BlockAllocator,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+    ) -> None:
+        self.allocator = allocator
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_steps = 0
+        self.num_preemptions = 0
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def add(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort(self, request_ids: Iterable[str]) -> list[Request]:
+        """Finish the given requests at once and free their blocks; unknown ids are ignored."""
+        aborted = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = RequestStatus.FINISHED_ABORTED
+            self._release(request)
+            aborted.append(request)
+        return aborted
+
+    def schedule(self) -> SchedulerOutput:
+        self.num_steps += 1
+        output = SchedulerOutput(step_id=self.num_steps, chunks=[])
+        budget = self._schedule_running(output, self.max_num_batched_tokens)
+        if not output.preempted_request_ids:
+            self._schedule_waiting(output, budget)
+        output.chunks.sort(key=lambda c: c.num_tokens > 1)
+        return output
+
+    def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            end = request.num_computed_tokens + num_new
+            while not self.allocator.can_allocate(request, end):
+                victim = self.running.pop()
+                self._preempt(victim, output)
+                if victim is request:
+                    return budget
+            self.allocator.allocate(request, end)
+            output.chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_new))
+            budget -= num_new
+            index += 1
+        return budget
+
+    def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            end = request.num_computed_tokens + num_new
+            if not self.allocator.can_allocate(request, end):
+                break
+            self.waiting.popleft()
+            self.allocator.allocate(request, end)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            output.chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_new))
+            budget -= num_new
+
+    def _preempt(self, request: Request, output: SchedulerOutput) -> None:
+        self.allocator.free(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(request)
+        self.num_preemptions += 1
+        output.preempted_request_ids.append(request.request_id)
+
+    def update(self, output: SchedulerOutput, sampled: list[int]) -> list[Request]:
+        """Advance progress after a step. `sampled` has one token per chunk that
+        `needs_sample`, in chunk order. Returns the requests that got a new token."""
+        updated = []
+        samples = iter(sampled)
+        for chunk in output.chunks:
+            request = chunk.request
+            token_id = next(samples) if chunk.needs_sample else None
+            if request.status != RequestStatus.RUNNING:
+                continue
+            request.num_computed_tokens += chunk.num_tokens
+            if token_id is None:
+                continue
+            request.append_token(token_id)
+            if not request.status.is_finished and request.num_tokens >= self.max_model_len:
+                request.status = RequestStatus.FINISHED_LENGTH
+            if request.status.is_finished:
+                self.running.remove(request)
+                self._release(request)
+            updated.append(request)
+        return updated
+
+    def _release(self, request: Request) -> None:
+        self.allocator.free(request)
+        del self.requests[request.request_id]
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)

@@ -1,0 +1,1 @@
+"""Test helpers: a tiny random Llama checkpoint, reference generation, and process control."""

@@ -1,0 +1,183 @@
+"""A tiny random Llama checkpoint written in seconds, with no network, and a reference greedy.
+
+`write_tiny_llama` produces a complete Hugging Face directory (config.json, model.safetensors,
+tokenizer.json, tokenizer_config.json with a ChatML chat template) whose tokenizer is a
+byte-level BPE trained here on a built-in corpus, so multi-byte text round-trips. Weights are
+random but scaled so that greedy continuations vary with the prompt and the top logits are
+well separated (engine-vs-transformers parity is then robust to float rounding).
+
+`hf_greedy` is the reference: transformers' LlamaForCausalLM in float32, one prompt at a time,
+argmax at every step over the whole sequence, exactly `max_new_tokens` tokens, never
+stopping at EOS.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+ENDOFTEXT = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+SPECIAL_TOKENS = [ENDOFTEXT, IM_START, IM_END]
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+CORPUS = [
+    "The engine schedules requests in steps. Each step takes the waiting requests, gives them "
+    "blocks of the key value cache, runs the model once for the whole batch, and samples one "
+    "new token for every running sequence.",
+    "When a worker process dies, the engine core notices within a second, writes a crash dump "
+    "with the state of the scheduler, answers every client with an error, and shuts down.",
+    "A quick brown fox jumps over the lazy dog. The five boxing wizards jump quickly. "
+    "Pack my box with five dozen liquor jugs. How vexingly quick daft zebras jump!",
+    "Once upon a time there was a small town by the sea. The people of the town were fishers, "
+    "bakers and carpenters, and every morning the bells rang at seven o'clock.",
+    "Observability means that you can ask new questions of a running system without shipping "
+    "new code: traces show where the time went, metrics show trends, and logs tell the story.",
+    "def generate(prompt, max_tokens=16):\n    return model.sample(prompt, max_tokens)\n",
+    "Numbers: 0 1 2 3 4 5 6 7 8 9 10 42 100 256 1024 3.14159 2.71828 -1 +1 = < > ( ) [ ] { }",
+    "You are a helpful assistant. What is the capital of France? The capital of France is "
+    "Paris. What is two plus two? Two plus two is four.",
+    "héllo wörld 世界 🌍 naïve café résumé Grüße 日本語のテキスト Ελληνικά русский текст 👋🏽 ✨",
+    "<|im_start|>user\nHello there!<|im_end|>\n"
+    "<|im_start|>assistant\nHi! How can I help?<|im_end|>",
+]
+
+
+def _train_tokenizer(vocab_size: int) -> Tokenizer:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=1,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(CORPUS * 4, trainer=trainer)
+    return tokenizer
+
+
+def _save_tokenizer(tokenizer: Tokenizer, out: Path) -> None:
+    from transformers import PreTrainedTokenizerFast
+
+    hf_tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token=IM_START,
+        eos_token=IM_END,
+        unk_token=ENDOFTEXT,
+        pad_token=ENDOFTEXT,
+        model_max_length=512,
+    )
+    hf_tokenizer.chat_template = CHAT_TEMPLATE
+    hf_tokenizer.save_pretrained(out)
+    # transformers 4.x readers need a class name they know and the template inside the config.
+    config_path = out / "tokenizer_config.json"
+    tokenizer_config = json.loads(config_path.read_text())
+    tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    tokenizer_config["chat_template"] = CHAT_TEMPLATE
+    config_path.write_text(json.dumps(tokenizer_config, indent=2, ensure_ascii=False))
+
+
+def _scale_weights(model: Any, seed: int) -> None:
+    """Re-draw every matrix with a larger std so logits spread out; norms stay at one."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() < 2:
+                continue
+            std = 0.5 if "embed_tokens" in name or "lm_head" in name else 0.25
+            param.copy_(torch.randn(param.shape, generator=generator) * std)
+
+
+def write_tiny_llama(
+    path: str | os.PathLike[str],
+    *,
+    num_layers: int = 2,
+    hidden: int = 64,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int = 128,
+    vocab: int = 768,
+    tie: bool = False,
+    seed: int = 0,
+) -> str:
+    """Write a random LlamaForCausalLM checkpoint with a trained BPE tokenizer; return its dir."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = _train_tokenizer(vocab)
+    _save_tokenizer(tokenizer, out)
+
+    config_kwargs: dict[str, Any] = {
+        "vocab_size": tokenizer.get_vocab_size(),
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": hidden // heads,
+        "max_position_embeddings": 512,
+        "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-5,
+        "hidden_act": "silu",
+        "tie_word_embeddings": tie,
+        "bos_token_id": tokenizer.token_to_id(IM_START),
+        "eos_token_id": tokenizer.token_to_id(IM_END),
+        "pad_token_id": tokenizer.token_to_id(ENDOFTEXT),
+        "architectures": ["LlamaForCausalLM"],
+    }
+    config = LlamaConfig(**config_kwargs)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).float()
+    _scale_weights(model, seed)
+    if tie:
+        model.tie_weights()
+    model.save_pretrained(out, safe_serialization=True)
+
+    # Readers written against transformers 4.x expect these two top-level keys.
+    config_path = out / "config.json"
+    saved = json.loads(config_path.read_text())
+    saved.setdefault("rope_theta", 10000.0)
+    saved.setdefault("torch_dtype", "float32")
+    config_path.write_text(json.dumps(saved, indent=2))
+    return str(out)
+
+
+def hf_greedy(
+    model_dir: str | os.PathLike[str], prompts: list[list[int]], max_new_tokens: int
+) -> list[list[int]]:
+    """Greedy continuations from transformers in float32: exactly max_new_tokens per prompt."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model.eval()
+    results: list[list[int]] = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = list(prompt)
+            for _ in range(max_new_tokens):
+                # Whole-sequence forward each step: no KV-cache API that changes across versions.
+                logits = model(input_ids=torch.tensor([ids]), use_cache=False).logits
+                ids.append(int(logits[0, -1].argmax()))
+            results.append(ids[len(prompt) :])
+    return results
