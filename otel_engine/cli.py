@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from otel_engine.config import DEVICES, DTYPES, EngineConfig
+from otel_engine.observability.setup import setup_process
 
 logger = logging.getLogger("otel_engine.api_server")
 
@@ -99,11 +100,6 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     return {name: getattr(args, name) for name in ENGINE_FLAGS if getattr(args, name) is not None}
 
 
-def _configure_logging(config: EngineConfig) -> None:
-    logging.basicConfig(level=config.observability.log_level,
-                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
-
-
 def _fail(message: str) -> int:
     print(f"otel-engine: error: {message}", file=sys.stderr, flush=True)
     return 1
@@ -181,7 +177,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = EngineConfig.from_kwargs(**options)
     except (TypeError, ValueError) as error:
         parser.error(str(error))
-    _configure_logging(config)
+    setup_process(role="api_server", level=config.observability.log_level)
     if args.command == "serve":
         return serve(args, config)
     return generate(args, options)

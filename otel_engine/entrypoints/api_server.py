@@ -195,10 +195,12 @@ def build_app(state: ServerState) -> FastAPI:
 class ApiServer(uvicorn.Server):
     """uvicorn plus a drain on shutdown and an exit once the engine is dead."""
 
-    def __init__(self, config: uvicorn.Config, state: ServerState, drain_timeout: float) -> None:
+    def __init__(self, config: uvicorn.Config, state: ServerState, drain_timeout: float,
+                 exit_on_engine_death: bool = True) -> None:
         super().__init__(config)
         self.state = state
         self.drain_timeout = drain_timeout
+        self.exit_on_engine_death = exit_on_engine_death
         self.exit_code = 0
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
@@ -207,14 +209,14 @@ class ApiServer(uvicorn.Server):
             logger.info("server.listening", extra={"address": _address(self, sockets)})
 
     async def on_tick(self, counter: int) -> bool:
-        if self.state.engine.is_dead and not self.should_exit:
+        if self.state.engine.is_dead and self.exit_code == 0:
             error = self.state.engine.dead_error
             logger.error("engine.dead", extra={
                 "cause_type": error.cause_type if error else None,
                 "failed_process": error.failed_process if error else None})
             self.state.metrics.engine_healthy.set(0)
             self.exit_code = 1
-            self.should_exit = True
+            self.should_exit = self.should_exit or self.exit_on_engine_death
         return await super().on_tick(counter)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
@@ -246,13 +248,18 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def make_server(engine: AsyncLLM, *, api_key: str | None = None,
-                drain_timeout: float | None = None) -> ApiServer:
-    """An `ApiServer` for `engine`, ready to `run(sockets=[bind_socket(...)])`."""
+                drain_timeout: float | None = None, exit_on_engine_death: bool = True) -> ApiServer:
+    """An `ApiServer` for `engine`, ready to `run(sockets=[bind_socket(...)])`.
+
+    With `exit_on_engine_death=False` the server stays up answering 503 after the engine
+    died (an embedding host program decides what to do); `exit_code` is 1 either way.
+    """
     state = ServerState(engine=engine, api_key=api_key)
     timeout = engine.config.timeouts.shutdown_timeout if drain_timeout is None else drain_timeout
     config = uvicorn.Config(build_app(state), log_config=None, lifespan="off",
                             timeout_graceful_shutdown=5, timeout_keep_alive=30)
-    return ApiServer(config, state, drain_timeout=timeout)
+    return ApiServer(config, state, drain_timeout=timeout,
+                     exit_on_engine_death=exit_on_engine_death)
 
 
 def run_server(engine: AsyncLLM, sock: socket.socket, *, api_key: str | None = None) -> int:

@@ -58,8 +58,11 @@ def bad_request(message: str, *, param: str | None = None, code: str | None = No
     return APIError(400, message, param=param, code=code)
 
 
+_PARAM_OF_CODE = {"invalid_prompt": "prompt", "context_length_exceeded": "max_tokens"}
+
+
 def from_request_error(error: RequestError) -> APIError:
-    return APIError(400, error.message, code=error.code)
+    return APIError(400, error.message, param=_PARAM_OF_CODE.get(error.code), code=error.code)
 
 
 def from_engine_dead(error: EngineDeadError) -> APIError:

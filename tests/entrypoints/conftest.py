@@ -48,11 +48,15 @@ class ServerLoop:
             time.sleep(0.01)
         return f"http://127.0.0.1:{port}"
 
-    def stop(self, server: ApiServer, timeout: float = 30.0) -> None:
+    def wait(self, server: ApiServer, timeout: float = 30.0) -> None:
+        """Wait until `server` has stopped serving by itself."""
         for running, future in self._running:
             if running is server:
-                server.should_exit = True
                 future.result(timeout)
+
+    def stop(self, server: ApiServer, timeout: float = 30.0) -> None:
+        server.should_exit = True
+        self.wait(server, timeout)
 
     def close(self) -> None:
         for server, future in self._running:

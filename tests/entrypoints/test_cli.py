@@ -1,0 +1,150 @@
+"""`otel-engine serve | generate`: the flags, offline generation, and the server's lifecycle."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from otel_engine import LLM, SamplingParams
+from otel_engine.cli import build_parser, main
+from tests.helpers.procs import ServerProcess, free_port
+
+DESIGN_SERVE_FLAGS = {
+    "--model", "--host", "--port", "--tensor-parallel-size", "--dtype", "--device",
+    "--max-num-seqs", "--max-num-batched-tokens", "--max-model-len", "--block-size",
+    "--num-kv-blocks", "--otlp-endpoint", "--otlp-protocol", "--log-format", "--log-level",
+    "--api-key", "--engine-ready-timeout", "--step-timeout", "--shutdown-timeout",
+}
+EXTRA_FLAGS = {"--served-model-name", "--kv-cache-memory-gib", "--seed"}
+PROMPTS = ["The engine schedules", "Once upon a time"]
+
+
+def _flags(command: str) -> set[str]:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, type(parser._subparsers._actions[-1])))
+    return {opt for action in sub.choices[command]._actions for opt in action.option_strings}
+
+
+def _run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "otel_engine.cli", *args], capture_output=True,
+                          text=True, timeout=timeout, check=False,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def test_serve_has_exactly_the_documented_flags() -> None:
+    """`serve` takes DESIGN.md's flags plus --served-model-name, --kv-cache-memory-gib, --seed."""
+    assert DESIGN_SERVE_FLAGS | EXTRA_FLAGS | {"-h", "--help"} == _flags("serve")
+
+
+def test_serve_defaults_bind_localhost_8000() -> None:
+    """The server binds 127.0.0.1:8000 unless told otherwise."""
+    args = build_parser().parse_args(["serve"])
+
+    assert ("127.0.0.1", 8000) == (args.host, args.port)
+
+
+def test_invalid_engine_option_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    """A value EngineConfig rejects exits with status 2 and names the option."""
+    with pytest.raises(SystemExit) as excinfo:
+        main(["generate", "--block-size", "3", "hello"])
+
+    assert 2 == excinfo.value.code
+    assert "block_size" in capsys.readouterr().err
+
+
+def test_generate_prints_each_completion(tiny_model_dir: str,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """`generate` prints the greedy completion of every prompt, in order."""
+    with LLM(model=tiny_model_dir) as llm:
+        expected = llm.generate(PROMPTS, SamplingParams(max_tokens=6, temperature=0))
+
+    code = main(["generate", "--model", tiny_model_dir, "--max-tokens", "6", *PROMPTS])
+
+    assert 0 == code
+    assert "".join(o.outputs[0].text + "\n" for o in expected) == capsys.readouterr().out
+
+
+def test_generate_reads_prompts_file(tiny_model_dir: str, tmp_path: Path,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """--prompts-file gives the same output as the same prompts on the command line."""
+    path = tmp_path / "prompts.txt"
+    path.write_text("\n".join(PROMPTS) + "\n")
+    main(["generate", "--model", tiny_model_dir, "--max-tokens", "4", *PROMPTS])
+    expected = capsys.readouterr().out
+
+    main(["generate", "--model", tiny_model_dir, "--max-tokens", "4", "--prompts-file",
+          str(path)])
+
+    assert expected == capsys.readouterr().out
+
+
+def test_generate_chat_applies_template(tiny_model_dir: str,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """--chat completes the chat-templated prompt (no second BOS)."""
+    with LLM(model=tiny_model_dir) as llm:
+        text = llm.tokenizer.apply_chat_template(
+            [{"role": "user", "content": PROMPTS[0]}], add_generation_prompt=True,
+            tokenize=False)
+        ids = llm.tokenizer.encode(text, add_special_tokens=False)
+        expected = llm.generate([ids], SamplingParams(max_tokens=5, temperature=0))
+
+    main(["generate", "--model", tiny_model_dir, "--max-tokens", "5", "--chat", PROMPTS[0]])
+
+    assert expected[0].outputs[0].text + "\n" == capsys.readouterr().out
+
+
+def test_generate_without_prompts_fails(capsys: pytest.CaptureFixture[str]) -> None:
+    """`generate` with no prompt exits 1 with one error line."""
+    assert 1 == main(["generate"])
+    assert capsys.readouterr().err.startswith("otel-engine: error:")
+
+
+def test_serve_startup_failure_exits_1_with_one_line(tmp_path: Path) -> None:
+    """A bad model path: exit code 1 and a last stderr line that says why."""
+    result = _run_cli("serve", "--model", str(tmp_path / "missing"), "--port", str(free_port()))
+
+    assert 1 == result.returncode
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("otel-engine: error: engine startup failed:")
+
+
+def test_serve_busy_port_exits_1_before_engine_start(tiny_model_dir: str) -> None:
+    """A port already in use fails at once with a clear line, before loading the model."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        started = time.monotonic()
+        result = _run_cli("serve", "--model", tiny_model_dir, "--port",
+                          str(busy.getsockname()[1]))
+
+    assert 1 == result.returncode
+    assert "cannot bind" in result.stderr.strip().splitlines()[-1]
+    assert time.monotonic() - started < 30
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_serve_stops_cleanly_on_signal(tiny_model_dir: str, signum: int) -> None:
+    """serve answers, then on SIGTERM/SIGINT exits 0 with no child left, logging its lifecycle."""
+    with ServerProcess(["--model", tiny_model_dir]) as server:
+        server.wait_healthy()
+        import openai
+
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
+        result = client.completions.create(model="tiny", prompt="Hello", max_tokens=3)
+        assert 1 <= result.usage.completion_tokens <= 3
+        assert server.descendants()
+
+        os.kill(server.pid, signum)
+        code = server.wait(timeout=60)
+        log = "\n".join(server.lines())
+
+    assert 0 == code
+    for event in ("engine.ready", "server.listening", "shutdown.begin", "shutdown.complete"):
+        assert event in log
