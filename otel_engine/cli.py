@@ -20,10 +20,25 @@ from otel_engine.observability.setup import setup_process
 logger = logging.getLogger("otel_engine.api_server")
 
 ENGINE_FLAGS = (
-    "model", "served_model_name", "dtype", "device", "max_model_len", "seed", "block_size",
-    "num_kv_blocks", "kv_cache_memory_gib", "max_num_seqs", "max_num_batched_tokens",
-    "tensor_parallel_size", "engine_ready_timeout", "step_timeout", "shutdown_timeout",
-    "otlp_endpoint", "otlp_protocol", "log_format", "log_level",
+    "model",
+    "served_model_name",
+    "dtype",
+    "device",
+    "max_model_len",
+    "seed",
+    "block_size",
+    "num_kv_blocks",
+    "kv_cache_memory_gib",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "tensor_parallel_size",
+    "engine_ready_timeout",
+    "step_timeout",
+    "shutdown_timeout",
+    "otlp_endpoint",
+    "otlp_protocol",
+    "log_format",
+    "log_level",
 )
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
@@ -31,36 +46,48 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     """Flags shared by `serve` and `generate`; None means the `EngineConfig` default."""
     model = parser.add_argument_group("model")
-    model.add_argument("--model", help="HF model directory or .gguf file "
-                       "(default: SmolLM2-135M-Instruct)")
-    model.add_argument("--served-model-name", help="model name in the API (default: the "
-                       "model directory's name)")
+    model.add_argument(
+        "--model", help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)"
+    )
+    model.add_argument(
+        "--served-model-name", help="model name in the API (default: the model directory's name)"
+    )
     model.add_argument("--dtype", choices=DTYPES, help="weight and activation dtype")
     model.add_argument("--device", choices=DEVICES, help="cpu or cuda")
-    model.add_argument("--max-model-len", type=int, metavar="N",
-                       help="context length (default: the model's)")
+    model.add_argument(
+        "--max-model-len", type=int, metavar="N", help="context length (default: the model's)"
+    )
     model.add_argument("--seed", type=int, help="engine seed for requests without one")
-    model.add_argument("--tensor-parallel-size", type=int, metavar="N",
-                       help="number of worker ranks")
+    model.add_argument(
+        "--tensor-parallel-size", type=int, metavar="N", help="number of worker ranks"
+    )
     cache = parser.add_argument_group("KV cache and batching")
     cache.add_argument("--block-size", type=int, metavar="N", help="tokens per KV block")
-    cache.add_argument("--num-kv-blocks", type=int, metavar="N",
-                       help="KV blocks (wins over --kv-cache-memory-gib)")
-    cache.add_argument("--kv-cache-memory-gib", type=float, metavar="GIB",
-                       help="memory budget for the KV cache")
+    cache.add_argument(
+        "--num-kv-blocks", type=int, metavar="N", help="KV blocks (wins over --kv-cache-memory-gib)"
+    )
+    cache.add_argument(
+        "--kv-cache-memory-gib", type=float, metavar="GIB", help="memory budget for the KV cache"
+    )
     cache.add_argument("--max-num-seqs", type=int, metavar="N", help="sequences per step")
-    cache.add_argument("--max-num-batched-tokens", type=int, metavar="N",
-                       help="tokens per step")
+    cache.add_argument("--max-num-batched-tokens", type=int, metavar="N", help="tokens per step")
     timeouts = parser.add_argument_group("timeouts (seconds)")
-    timeouts.add_argument("--engine-ready-timeout", type=float, metavar="S",
-                          help="how long startup may take")
-    timeouts.add_argument("--step-timeout", type=float, metavar="S",
-                          help="step watchdog: a step longer than this is a hang")
-    timeouts.add_argument("--shutdown-timeout", type=float, metavar="S",
-                          help="drain and shutdown deadline")
+    timeouts.add_argument(
+        "--engine-ready-timeout", type=float, metavar="S", help="how long startup may take"
+    )
+    timeouts.add_argument(
+        "--step-timeout",
+        type=float,
+        metavar="S",
+        help="step watchdog: a step longer than this is a hang",
+    )
+    timeouts.add_argument(
+        "--shutdown-timeout", type=float, metavar="S", help="drain and shutdown deadline"
+    )
     telemetry = parser.add_argument_group("telemetry")
-    telemetry.add_argument("--otlp-endpoint", metavar="URL",
-                           help="OTLP collector (default: the OTEL_* variables)")
+    telemetry.add_argument(
+        "--otlp-endpoint", metavar="URL", help="OTLP collector (default: the OTEL_* variables)"
+    )
     telemetry.add_argument("--otlp-protocol", choices=("grpc", "http/protobuf"))
     telemetry.add_argument("--log-format", choices=("json", "console"))
     telemetry.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS)
@@ -69,28 +96,38 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     """The whole command line: `serve` and `generate` subcommands."""
     parser = argparse.ArgumentParser(
-        prog="otel-engine", description="An LLM serving engine whose failures are "
-        "observable and clean.")
+        prog="otel-engine",
+        description="An LLM serving engine whose failures are observable and clean.",
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    serve = commands.add_parser("serve", help="run the OpenAI-compatible HTTP server",
-                                description="Run the OpenAI-compatible HTTP server.")
+    serve = commands.add_parser(
+        "serve",
+        help="run the OpenAI-compatible HTTP server",
+        description="Run the OpenAI-compatible HTTP server.",
+    )
     server = serve.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="address to bind")
     server.add_argument("--port", type=int, default=8000, help="port to bind")
-    server.add_argument("--api-key", default=os.environ.get("OTEL_ENGINE_API_KEY"),
-                        help="require 'Authorization: Bearer KEY' on /v1 "
-                        "(default: $OTEL_ENGINE_API_KEY)")
+    server.add_argument(
+        "--api-key",
+        default=os.environ.get("OTEL_ENGINE_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1 (default: $OTEL_ENGINE_API_KEY)",
+    )
     _add_engine_flags(serve)
 
-    generate = commands.add_parser("generate", help="complete prompts offline and print them",
-                                   description="Complete prompts offline and print them.")
+    generate = commands.add_parser(
+        "generate",
+        help="complete prompts offline and print them",
+        description="Complete prompts offline and print them.",
+    )
     generate.add_argument("prompts", nargs="*", metavar="PROMPT")
     generate.add_argument("--prompts-file", metavar="PATH", help="one prompt per line")
     generate.add_argument("--max-tokens", type=int, default=64, help="tokens per completion")
     generate.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    generate.add_argument("--chat", action="store_true",
-                          help="wrap each prompt in the model's chat template")
+    generate.add_argument(
+        "--chat", action="store_true", help="wrap each prompt in the model's chat template"
+    )
     _add_engine_flags(generate)
     return parser
 
@@ -128,8 +165,9 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
         sock.close()
         logger.error("engine.startup_failed", exc_info=error)
         return _fail(f"engine startup failed: {type(error).__name__}: {error}")
-    logger.info("engine.ready", extra={"model": engine.model_name,
-                                       "max_model_len": engine.max_model_len})
+    logger.info(
+        "engine.ready", extra={"model": engine.model_name, "max_model_len": engine.max_model_len}
+    )
     try:
         exit_code = run_server(engine, sock, api_key=args.api_key)
     finally:
@@ -165,7 +203,8 @@ def generate(args: argparse.Namespace, options: dict[str, Any]) -> int:
 
 def _chat_prompt(tokenizer: Any, prompt: str) -> list[int]:
     text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+    )
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 

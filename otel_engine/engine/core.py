@@ -41,6 +41,8 @@ class EngineCore:
         self.executor: Executor = make_executor(config, model_dir, ipc_dir)
         self.started_at = time.monotonic()
         self.last_step_at = self.started_at
+        self.step_started_at: float | None = None  # read by the step watchdog thread
+        self.current_step_id = 0
 
     @property
     def has_work(self) -> bool:
@@ -69,13 +71,18 @@ class EngineCore:
 
     def step(self) -> StepOutputs:
         scheduler = self.scheduler
+        self.step_started_at = time.monotonic()
         output = scheduler.schedule()
-        maybe_inject("engine_core", phase="run", step=output.step_id)
+        self.current_step_id = output.step_id
         sampled: list[int] = []
-        if not output.is_empty:
-            model_input = prepare_model_input(output.step_id, output.chunks, self.config.cache.block_size)
-            sampled = self.executor.execute(model_input)
-        updated = scheduler.update(output, sampled)
+        try:
+            maybe_inject("engine_core", phase="run", step=output.step_id)
+            if not output.is_empty:
+                model_input = prepare_model_input(output.step_id, output.chunks, self.config.cache.block_size)
+                sampled = self.executor.execute(model_input)
+            updated = scheduler.update(output, sampled)
+        finally:
+            self.step_started_at = None
         self.last_step_at = time.monotonic()
         return StepOutputs(
             step_id=output.step_id,

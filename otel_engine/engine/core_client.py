@@ -9,7 +9,6 @@ interval. Chosen once, at construction.
 from __future__ import annotations
 
 import logging
-import multiprocessing.connection
 import threading
 import time
 
@@ -29,7 +28,7 @@ from otel_engine.ipc.messages import (
     StepOutputs,
 )
 from otel_engine.ipc.paths import IpcDir
-from otel_engine.ipc.process import spawn
+from otel_engine.ipc.process import spawn, wait_for_death
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +93,7 @@ class MPClient:
         self._outputs.bind(self.ipc_dir.address("core-out"))
         self._death: ErrorInfo | None = None
         self._stopping = False
+        self._monitor: threading.Thread | None = None
         self.core = spawn(
             "otel-engine-core",
             "otel_engine.engine.core_proc:run_engine_core",
@@ -114,13 +114,11 @@ class MPClient:
         self._monitor.start()
 
     def _watch_core(self) -> None:
-        multiprocessing.connection.wait([self.core.sentinel])
+        wait_for_death([self.core])
         if self._stopping:
             return
-        self.core.process.join(0.5)
-        code = self.core.process.exitcode
-        how = f"killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
-        logger.error("engine_core.died", extra={"exitcode": code})
+        how = self.core.describe_exit()
+        logger.error("engine_core.died", extra={"exitcode": self.core.exitcode})
         self._death = ErrorInfo(type="EngineCoreDied", message=f"the engine core {how}", process="engine_core")
 
     def add_request(self, message: AddRequest) -> None:
@@ -156,6 +154,9 @@ class MPClient:
         except zmq.ZMQError:
             pass
         self.core.stop(timeout=self.config.timeouts.shutdown_timeout)
+        if self._monitor is not None:
+            self._monitor.join(timeout=1.0)
+        self.core.close()
         self._inputs.close(linger=0)
         self._outputs.close(linger=0)
         self._context.term()

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 
 import zmq
 
 from otel_engine.config import EngineConfig
 from otel_engine.engine.core import EngineCore
+from otel_engine.executor.executor import step_timeout_error
 from otel_engine.ipc.codec import Codec, error_info
 from otel_engine.ipc.messages import (
     AbortRequests,
@@ -50,6 +53,7 @@ def run_engine_core(
     inputs.connect(input_address)
     outputs = context.socket(zmq.PUSH)
     outputs.connect(output_address)
+    watchdog = StepWatchdog(core, context, output_address)
     channel.ready(
         max_model_len=core.limits.max_model_len,
         num_kv_blocks=core.limits.num_kv_blocks,
@@ -65,6 +69,7 @@ def run_engine_core(
         info = error_info(exc, getattr(getattr(exc, "info", None), "process", "") or PROCESS_NAME)
         outputs.send(encoder.encode(EngineDead(error=info)))
     finally:
+        watchdog.stop()
         core.shutdown()
         inputs.close(linger=0)
         outputs.close(linger=2000)
@@ -72,6 +77,42 @@ def run_engine_core(
     logger.info("engine.stopped", extra={"exit_code": exit_code})
     if exit_code:
         os._exit(exit_code)
+
+
+class StepWatchdog:
+    """Thread `step-watchdog`: a step running past --step-timeout is fatal.
+
+    It works whatever hangs (a worker's collective, the model at TP=1, the scheduler):
+    the watchdog reports `EngineDead` on its own socket, kills the workers and exits,
+    without waiting for the stuck main thread.
+    """
+
+    def __init__(self, core: EngineCore, context: zmq.Context, output_address: str) -> None:
+        self.core = core
+        self.timeout = core.config.timeouts.step_timeout
+        self._stop = threading.Event()
+        self._socket = context.socket(zmq.PUSH)
+        self._socket.connect(output_address)
+        self._thread = threading.Thread(target=self._watch, name="step-watchdog", daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        core = self.core
+        while not self._stop.wait(min(0.5, self.timeout / 4)):
+            started = core.step_started_at
+            if started is None or time.monotonic() - started < self.timeout:
+                continue
+            info = step_timeout_error(core.current_step_id, core.config, PROCESS_NAME)
+            logger.error("engine.step_timeout", extra={"step": core.current_step_id, "timeout_s": self.timeout})
+            self._socket.send(Codec(CoreOutput).encode(EngineDead(error=info)))
+            core.executor.kill()
+            self._socket.close(linger=2000)
+            os._exit(1)
+        self._socket.close(linger=0)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2.0)
 
 
 def _busy_loop(core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket, encoder: Codec[CoreOutput]) -> None:

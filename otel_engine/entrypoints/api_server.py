@@ -8,29 +8,19 @@ finish or get 503 at the deadline) and an exit with code 1 once the engine is de
 
 from __future__ import annotations
 
-import asyncio
-import hmac
 import logging
 import signal
 import socket
 import threading
-import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import uvicorn
 from fastapi import FastAPI, Request
 from starlette.responses import Response
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from otel_engine.entrypoints.errors import (
-    APIError,
-    draining,
-    engine_unavailable,
-    error_response,
-    install_error_handlers,
-)
-from otel_engine.entrypoints.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from otel_engine.entrypoints.errors import error_response, install_error_handlers
+from otel_engine.entrypoints.guard import GuardMiddleware, ServerState
+from otel_engine.entrypoints.metrics import CONTENT_TYPE_LATEST
 from otel_engine.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
 from otel_engine.entrypoints.serving import OpenAIServing
 
@@ -38,121 +28,6 @@ if TYPE_CHECKING:
     from otel_engine import AsyncLLM
 
 logger = logging.getLogger("otel_engine.api_server")
-
-MAX_BODY_BYTES = 4 * 1024 * 1024
-
-
-@dataclass(slots=True)
-class ServerState:
-    """What the guard, the routes and the runner share about one server."""
-
-    engine: AsyncLLM
-    api_key: str | None = None
-    max_body_bytes: int = MAX_BODY_BYTES
-    metrics: ServerMetrics = field(default_factory=ServerMetrics)
-    num_in_flight: int = 0
-    is_draining: bool = False
-    drain_expired: asyncio.Event = field(default_factory=asyncio.Event)
-
-    def unavailable(self) -> APIError | None:
-        """The 503 every new request gets, or None while the server serves."""
-        if self.engine.is_dead:
-            self.metrics.engine_healthy.set(0)
-            return engine_unavailable(self.engine.dead_error)
-        if self.is_draining:
-            return draining()
-        return None
-
-    async def drain(self, timeout: float) -> None:
-        """Refuse new requests, wait up to `timeout` for in-flight ones, then end them."""
-        self.is_draining = True
-        deadline = time.monotonic() + timeout
-        while self.num_in_flight and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        if self.num_in_flight:
-            logger.warning("shutdown.drain_expired", extra={"num_in_flight": self.num_in_flight})
-        self.drain_expired.set()
-        while self.num_in_flight and time.monotonic() < deadline + 5.0:
-            await asyncio.sleep(0.05)
-
-
-class GuardMiddleware:
-    """Checks every /v1 request before the app sees it: API key, availability, body size.
-
-    The body is read here (up to the cap) and replayed to the app, so an oversized body is
-    refused whether or not it announced its length.
-    """
-
-    def __init__(self, app: ASGIApp, state: ServerState) -> None:
-        self.app = app
-        self.state = state
-        self._api_key = state.api_key.encode() if state.api_key else None
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
-            await self.app(scope, receive, send)
-            return
-        error = self._check_headers(scope)
-        body = b""
-        if error is None and scope["method"] in ("POST", "PUT", "PATCH"):
-            body, error = await self._read_body(receive)
-        if error is not None:
-            self.state.metrics.record_error(error.label)
-            await error_response(error)(scope, receive, send)
-            return
-        self.state.num_in_flight += 1
-        self.state.metrics.requests_in_flight.inc()
-        try:
-            await self.app(scope, _replay(body, receive), send)
-        finally:
-            self.state.num_in_flight -= 1
-            self.state.metrics.requests_in_flight.dec()
-
-    def _check_headers(self, scope: Scope) -> APIError | None:
-        headers = dict(scope["headers"])
-        if self._api_key is not None:
-            given = headers.get(b"authorization", b"")
-            if not hmac.compare_digest(given, b"Bearer " + self._api_key):
-                return APIError(401, "invalid or missing API key", code="invalid_api_key")
-        unavailable = self.state.unavailable()
-        if unavailable is not None:
-            return unavailable
-        length = headers.get(b"content-length")
-        if length is not None and (not length.isdigit() or int(length) > self.state.max_body_bytes):
-            return _too_large(self.state.max_body_bytes)
-        return None
-
-    async def _read_body(self, receive: Receive) -> tuple[bytes, APIError | None]:
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return b"", APIError(400, "client disconnected", code="client_disconnected")
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.state.max_body_bytes:
-                return b"", _too_large(self.state.max_body_bytes)
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                return b"".join(chunks), None
-
-
-def _too_large(limit: int) -> APIError:
-    return APIError(413, f"request body exceeds {limit} bytes", code="request_too_large")
-
-
-def _replay(body: bytes, receive: Receive) -> Receive:
-    is_sent = False
-
-    async def replayed() -> Message:
-        nonlocal is_sent
-        if is_sent:
-            return await receive()
-        is_sent = True
-        return {"type": "http.request", "body": body, "more_body": False}
-
-    return replayed
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -176,8 +51,13 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, object]:
-        card = {"id": state.engine.model_name, "object": "model", "created": 0,
-                "owned_by": "otel-engine", "max_model_len": state.engine.max_model_len}
+        card = {
+            "id": state.engine.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "otel-engine",
+            "max_model_len": state.engine.max_model_len,
+        }
         return {"object": "list", "data": [card]}
 
     @app.post("/v1/completions")
@@ -195,8 +75,13 @@ def build_app(state: ServerState) -> FastAPI:
 class ApiServer(uvicorn.Server):
     """uvicorn plus a drain on shutdown and an exit once the engine is dead."""
 
-    def __init__(self, config: uvicorn.Config, state: ServerState, drain_timeout: float,
-                 exit_on_engine_death: bool = True) -> None:
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        state: ServerState,
+        drain_timeout: float,
+        exit_on_engine_death: bool = True,
+    ) -> None:
         super().__init__(config)
         self.state = state
         self.drain_timeout = drain_timeout
@@ -211,9 +96,13 @@ class ApiServer(uvicorn.Server):
     async def on_tick(self, counter: int) -> bool:
         if self.state.engine.is_dead and self.exit_code == 0:
             error = self.state.engine.dead_error
-            logger.error("engine.dead", extra={
-                "cause_type": error.cause_type if error else None,
-                "failed_process": error.failed_process if error else None})
+            logger.error(
+                "server.engine_dead",
+                extra={
+                    "cause_type": error.cause_type if error else None,
+                    "failed_process": error.failed_process if error else None,
+                },
+            )
             self.state.metrics.engine_healthy.set(0)
             self.exit_code = 1
             self.should_exit = self.should_exit or self.exit_on_engine_death
@@ -235,7 +124,8 @@ def _address(server: uvicorn.Server, sockets: list[socket.socket] | None) -> str
 def bind_socket(host: str, port: int) -> socket.socket:
     """Bind (but do not listen) early, so a busy port fails before the engine starts."""
     family, kind, proto, _, address = socket.getaddrinfo(
-        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
     sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
@@ -243,12 +133,16 @@ def bind_socket(host: str, port: int) -> socket.socket:
     except OSError:
         sock.close()
         raise
-    sock.set_inheritable(True)
     return sock
 
 
-def make_server(engine: AsyncLLM, *, api_key: str | None = None,
-                drain_timeout: float | None = None, exit_on_engine_death: bool = True) -> ApiServer:
+def make_server(
+    engine: AsyncLLM,
+    *,
+    api_key: str | None = None,
+    drain_timeout: float | None = None,
+    exit_on_engine_death: bool = True,
+) -> ApiServer:
     """An `ApiServer` for `engine`, ready to `run(sockets=[bind_socket(...)])`.
 
     With `exit_on_engine_death=False` the server stays up answering 503 after the engine
@@ -256,10 +150,16 @@ def make_server(engine: AsyncLLM, *, api_key: str | None = None,
     """
     state = ServerState(engine=engine, api_key=api_key)
     timeout = engine.config.timeouts.shutdown_timeout if drain_timeout is None else drain_timeout
-    config = uvicorn.Config(build_app(state), log_config=None, lifespan="off",
-                            timeout_graceful_shutdown=5, timeout_keep_alive=30)
-    return ApiServer(config, state, drain_timeout=timeout,
-                     exit_on_engine_death=exit_on_engine_death)
+    config = uvicorn.Config(
+        build_app(state),
+        log_config=None,
+        lifespan="off",
+        timeout_graceful_shutdown=5,
+        timeout_keep_alive=30,
+    )
+    return ApiServer(
+        config, state, drain_timeout=timeout, exit_on_engine_death=exit_on_engine_death
+    )
 
 
 def run_server(engine: AsyncLLM, sock: socket.socket, *, api_key: str | None = None) -> int:

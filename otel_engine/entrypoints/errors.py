@@ -8,6 +8,7 @@ Messages never echo request content (prompts, token ids) and never carry a trace
 from __future__ import annotations
 
 import logging
+from http import HTTPStatus
 from typing import Any
 
 import msgspec
@@ -45,8 +46,14 @@ class APIError(Exception):
         self.code = code
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type,
-                          "param": self.param, "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
     @property
     def label(self) -> str:
@@ -68,8 +75,9 @@ def from_request_error(error: RequestError) -> APIError:
 def from_engine_dead(error: EngineDeadError) -> APIError:
     """500 naming the cause class and the failed process, never the traceback."""
     where = f" in {error.failed_process}" if error.failed_process else ""
-    return APIError(500, f"engine failed: {error.cause_type}{where}", type=INTERNAL,
-                    code="engine_dead")
+    return APIError(
+        500, f"engine failed: {error.cause_type}{where}", type=INTERNAL, code="engine_dead"
+    )
 
 
 def engine_unavailable(error: EngineDeadError | None) -> APIError:
@@ -82,8 +90,9 @@ def draining() -> APIError:
 
 
 def error_response(error: APIError) -> Response:
-    return Response(msgspec.json.encode(error.body()), status_code=error.status,
-                    media_type="application/json")
+    return Response(
+        msgspec.json.encode(error.body()), status_code=error.status, media_type="application/json"
+    )
 
 
 def from_validation_error(exc: RequestValidationError) -> APIError:
@@ -99,12 +108,12 @@ def from_validation_error(exc: RequestValidationError) -> APIError:
         return bad_request(f"invalid request body: {first.get('msg', 'invalid')}")
     param = str(loc[0])
     if first.get("type") == "missing":
-        return bad_request(f"missing required parameter '{param}'", param=param,
-                           code="missing_required_parameter")
+        return bad_request(
+            f"missing required parameter '{param}'", param=param, code="missing_required_parameter"
+        )
     same_field = [e for e in errors if [p for p in e.get("loc", ()) if p != "body"][:1] == [param]]
     detail = "invalid type" if len(same_field) > 1 else first.get("msg", "invalid value")
-    return bad_request(f"invalid value for '{param}': {detail}", param=param,
-                       code="invalid_value")
+    return bad_request(f"invalid value for '{param}': {detail}", param=param, code="invalid_value")
 
 
 def _record(request: Request, error: APIError) -> None:
@@ -116,7 +125,7 @@ def _record(request: Request, error: APIError) -> None:
 async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, APIError)
     _record(request, exc)
-    if exc.status >= 500:
+    if exc.status >= HTTPStatus.INTERNAL_SERVER_ERROR:
         logger.warning("request.failed", extra={"status": exc.status, "code": exc.code})
     return error_response(exc)
 
@@ -128,8 +137,11 @@ async def _validation_error(request: Request, exc: Exception) -> Response:
 
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, StarletteHTTPException)
-    error = APIError(exc.status_code, str(exc.detail),
-                     type=INVALID_REQUEST if exc.status_code < 500 else INTERNAL)
+    error = APIError(
+        exc.status_code,
+        str(exc.detail),
+        type=INVALID_REQUEST if exc.status_code < HTTPStatus.INTERNAL_SERVER_ERROR else INTERNAL,
+    )
     response = await _api_error(request, error)
     if exc.headers:
         response.headers.update(exc.headers)
@@ -147,8 +159,7 @@ async def _engine_dead(request: Request, exc: Exception) -> Response:
 
 
 async def _unexpected(request: Request, exc: Exception) -> Response:
-    logger.error("request.internal_error", exc_info=exc,
-                 extra={"error_type": type(exc).__name__})
+    logger.error("request.internal_error", exc_info=exc, extra={"error_type": type(exc).__name__})
     error = APIError(500, f"internal error: {type(exc).__name__}", type=INTERNAL)
     return await _api_error(request, error)
 

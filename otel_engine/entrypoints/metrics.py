@@ -18,23 +18,37 @@ class ServerMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.request_success = Counter(
-            "otel_engine_request_success", "Requests that finished, by finish reason.",
-            ["finish_reason"], registry=self.registry)
+            "otel_engine_request_success",
+            "Requests that finished, by finish reason.",
+            ["finish_reason"],
+            registry=self.registry,
+        )
         self.request_errors = Counter(
-            "otel_engine_request_errors", "Requests that failed, by error type.",
-            ["error_type"], registry=self.registry)
+            "otel_engine_request_errors",
+            "Requests that failed, by error type.",
+            ["error_type"],
+            registry=self.registry,
+        )
         self.prompt_tokens = Counter(
-            "otel_engine_prompt_tokens", "Prompt tokens of admitted requests.",
-            registry=self.registry)
+            "otel_engine_prompt_tokens",
+            "Prompt tokens of admitted requests.",
+            registry=self.registry,
+        )
         self.generation_tokens = Counter(
-            "otel_engine_generation_tokens", "Generated tokens, streamed or returned.",
-            registry=self.registry)
+            "otel_engine_generation_tokens",
+            "Generated tokens, streamed or returned.",
+            registry=self.registry,
+        )
         self.requests_in_flight = Gauge(
-            "otel_engine_http_requests_in_flight", "API requests being served now.",
-            registry=self.registry)
+            "otel_engine_http_requests_in_flight",
+            "API requests being served now.",
+            registry=self.registry,
+        )
         self.engine_healthy = Gauge(
-            "otel_engine_engine_healthy", "1 while the engine serves, 0 once it is dead.",
-            registry=self.registry)
+            "otel_engine_engine_healthy",
+            "1 while the engine serves, 0 once it is dead.",
+            registry=self.registry,
+        )
         self.engine_healthy.set(1)
 
     def record_finished(self, finish_reason: str) -> None:

@@ -8,7 +8,7 @@ unknown fields are ignored so that newer clients keep working.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -112,14 +112,14 @@ class CompletionRequest(_SamplingFields):
 
     def single_prompt(self) -> str | TokenIds:
         """The one prompt of this request (batches of prompts are not supported)."""
-        prompt = self.prompt
+        prompt: object = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
                 raise unsupported("prompt", "exactly one prompt per request is supported")
-            prompt = prompt[0]  # type: ignore[assignment]
+            prompt = prompt[0]
         if not prompt:
             raise bad_request("prompt must not be empty", param="prompt", code="invalid_value")
-        return prompt  # type: ignore[return-value]
+        return cast("str | TokenIds", prompt)
 
 
 class ContentPart(_Strict):

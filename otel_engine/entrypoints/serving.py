@@ -67,13 +67,21 @@ class _Job:
             kind = "chat.completion.chunk" if is_chunk else "chat.completion"
         else:
             kind = "text_completion"
-        return {"id": self.request_id, "object": kind, "created": self.created,
-                "model": self.model, **fields}
+        return {
+            "id": self.request_id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+            **fields,
+        }
 
     def usage(self) -> dict[str, int]:
         num_prompt = len(self.prompt_ids)
-        return {"prompt_tokens": num_prompt, "completion_tokens": self.num_generated,
-                "total_tokens": num_prompt + self.num_generated}
+        return {
+            "prompt_tokens": num_prompt,
+            "completion_tokens": self.num_generated,
+            "total_tokens": num_prompt + self.num_generated,
+        }
 
 
 def _aborted_by_engine() -> APIError:
@@ -83,8 +91,9 @@ def _aborted_by_engine() -> APIError:
 class OpenAIServing:
     """Turns validated OpenAI requests into engine requests and engine outputs into bodies."""
 
-    def __init__(self, engine: AsyncLLM, metrics: ServerMetrics,
-                 drain_expired: asyncio.Event) -> None:
+    def __init__(
+        self, engine: AsyncLLM, metrics: ServerMetrics, drain_expired: asyncio.Event
+    ) -> None:
         self.engine = engine
         self.metrics = metrics
         self.drain_expired = drain_expired
@@ -93,60 +102,89 @@ class OpenAIServing:
         self._check_common(body)
         prompt = body.single_prompt()
         prompt_ids = self.engine.encode(prompt) if isinstance(prompt, str) else prompt
-        job = self._admit("cmpl", prompt_ids, body.requested_max_tokens(),
-                          DEFAULT_COMPLETION_MAX_TOKENS, body, "prompt")
+        job = self._admit(
+            body,
+            prompt_ids,
+            prefix="cmpl",
+            default_cap=DEFAULT_COMPLETION_MAX_TOKENS,
+            prompt_param="prompt",
+        )
         return await self._run(job, body.stream, request)
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         self._check_common(body)
         text = self._render_chat(body)
         prompt_ids = self.engine.encode(text, add_special_tokens=False)
-        job = self._admit("chatcmpl", prompt_ids, body.requested_max_tokens(), None, body,
-                          "messages")
+        job = self._admit(
+            body, prompt_ids, prefix="chatcmpl", default_cap=None, prompt_param="messages"
+        )
         return await self._run(job, body.stream, request)
 
     def _check_common(self, body: CompletionRequest | ChatCompletionRequest) -> None:
         if body.model is not None and body.model != self.engine.model_name:
-            raise APIError(404, f"model '{body.model}' does not exist", param="model",
-                           code="model_not_found")
+            raise APIError(
+                404, f"model '{body.model}' does not exist", param="model", code="model_not_found"
+            )
         body.check_supported()
 
     def _render_chat(self, body: ChatCompletionRequest) -> str:
         tokenizer = self.engine.tokenizer
         if not getattr(tokenizer, "chat_template", None):
-            raise bad_request("this model has no chat template; use /v1/completions",
-                              param="messages", code="unsupported_parameter")
+            raise bad_request(
+                "this model has no chat template; use /v1/completions",
+                param="messages",
+                code="unsupported_parameter",
+            )
         try:
             text = tokenizer.apply_chat_template(
-                body.template_messages(), add_generation_prompt=True, tokenize=False)
+                body.template_messages(), add_generation_prompt=True, tokenize=False
+            )
         except (jinja2.TemplateError, ValueError, TypeError) as error:
-            raise bad_request(f"chat template rejected the messages: {type(error).__name__}",
-                              param="messages", code="invalid_value") from None
+            raise bad_request(
+                f"chat template rejected the messages: {type(error).__name__}",
+                param="messages",
+                code="invalid_value",
+            ) from None
         return str(text)
 
-    def _admit(self, prefix: str, prompt_ids: list[int], requested: int | None,
-               default_cap: int | None, body: CompletionRequest | ChatCompletionRequest,
-               prompt_param: str) -> _Job:
+    def _admit(
+        self,
+        body: CompletionRequest | ChatCompletionRequest,
+        prompt_ids: list[int],
+        *,
+        prefix: str,
+        default_cap: int | None,
+        prompt_param: str,
+    ) -> _Job:
         max_model_len = self.engine.max_model_len
         num_prompt = len(prompt_ids)
         remaining = max_model_len - num_prompt
+        requested = body.requested_max_tokens()
         if remaining < 1:
             raise bad_request(
                 f"prompt has {num_prompt} tokens, the model's context is {max_model_len}",
-                param=prompt_param, code="context_length_exceeded")
+                param=prompt_param,
+                code="context_length_exceeded",
+            )
         if requested is None:
             max_tokens = remaining if default_cap is None else min(remaining, default_cap)
         elif requested > remaining:
             raise bad_request(
                 f"prompt ({num_prompt} tokens) plus max_tokens ({requested}) exceeds the "
                 f"model's context of {max_model_len} tokens",
-                param="max_tokens", code="context_length_exceeded")
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
         else:
             max_tokens = requested
-        return _Job(request_id=f"{prefix}-{uuid.uuid4().hex}", is_chat=prefix == "chatcmpl",
-                    model=self.engine.model_name, prompt_ids=prompt_ids,
-                    params=body.to_sampling_params(max_tokens),
-                    include_usage=body.include_usage)
+        return _Job(
+            request_id=f"{prefix}-{uuid.uuid4().hex}",
+            is_chat=prefix == "chatcmpl",
+            model=self.engine.model_name,
+            prompt_ids=prompt_ids,
+            params=body.to_sampling_params(max_tokens),
+            include_usage=body.include_usage,
+        )
 
     async def _run(self, job: _Job, stream: bool, request: Request) -> Response:
         outputs = self.engine.generate(job.prompt_ids, job.params, job.request_id)
@@ -181,17 +219,26 @@ class OpenAIServing:
         if reason == "abort":
             raise _aborted_by_engine()
         if job.is_chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": completion.text},
-                      "logprobs": None, "finish_reason": reason}
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": completion.text},
+                "logprobs": None,
+                "finish_reason": reason,
+            }
         else:
-            choice = {"index": 0, "text": completion.text, "logprobs": None,
-                      "finish_reason": reason}
+            choice = {
+                "index": 0,
+                "text": completion.text,
+                "logprobs": None,
+                "finish_reason": reason,
+            }
         self._count(job, reason)
         body = job.envelope(False, choices=[choice], usage=job.usage())
         return Response(msgspec.json.encode(body), media_type=JSON)
 
-    async def _events(self, job: _Job, outputs: AsyncIterator[RequestOutput],
-                      first: RequestOutput) -> AsyncIterator[bytes]:
+    async def _events(
+        self, job: _Job, outputs: AsyncIterator[RequestOutput], first: RequestOutput
+    ) -> AsyncIterator[bytes]:
         outcome = "abort"  # what the request counts as if the stream stops early
         is_error = False
         try:
@@ -219,8 +266,16 @@ class OpenAIServing:
                 yield sse_event(job.envelope(True, choices=[], usage=job.usage()))
             yield DONE_EVENT
         except (RequestError, EngineDeadError) as exc:
-            error = (from_request_error(exc) if isinstance(exc, RequestError)
-                     else from_engine_dead(exc))
+            error = (
+                from_request_error(exc) if isinstance(exc, RequestError) else from_engine_dead(exc)
+            )
+            outcome, is_error = error.label, True
+            yield sse_event(error.body())
+        except Exception as exc:  # a bug here must still end the stream with an error event
+            logger.error(
+                "request.internal_error", exc_info=exc, extra={"request_id": job.request_id}
+            )
+            error = APIError(500, f"internal error: {type(exc).__name__}", type=INTERNAL)
             outcome, is_error = error.label, True
             yield sse_event(error.body())
         finally:
@@ -248,9 +303,15 @@ class OpenAIServing:
             self.metrics.record_error(outcome)
         elif outcome is not None:
             self.metrics.record_finished(outcome)
-        logger.debug("request.finished", extra={
-            "request_id": job.request_id, "outcome": outcome,
-            "num_prompt_tokens": len(job.prompt_ids), "num_generated_tokens": job.num_generated})
+        logger.debug(
+            "request.finished",
+            extra={
+                "request_id": job.request_id,
+                "outcome": outcome,
+                "num_prompt_tokens": len(job.prompt_ids),
+                "num_generated_tokens": job.num_generated,
+            },
+        )
 
 
 async def _last(outputs: AsyncIterator[RequestOutput], first: RequestOutput) -> RequestOutput:

@@ -53,8 +53,9 @@ class RequestWatch:
         """Await `work`; raise `ClientDisconnected` or a 503 `APIError` if it lost the race."""
         task = asyncio.ensure_future(work)
         try:
-            await asyncio.wait({task, self._disconnect, self._drain},
-                               return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(
+                {task, self._disconnect, self._drain}, return_when=asyncio.FIRST_COMPLETED
+            )
         finally:
             if not task.done():
                 task.cancel()
@@ -89,8 +90,9 @@ class EventStreamResponse(Response):
         except ClientDisconnected:
             pass
         except APIError as error:
-            await send({"type": "http.response.body", "body": sse_event(error.body()),
-                        "more_body": True})
+            await send(
+                {"type": "http.response.body", "body": sse_event(error.body()), "more_body": True}
+            )
         finally:
             await self._events.aclose()  # type: ignore[attr-defined]
             self._watch.close()

@@ -9,7 +9,6 @@ failure, or whose process sentinel fires (killed, OOM), turns the current or nex
 from __future__ import annotations
 
 import logging
-import multiprocessing.connection
 import threading
 import time
 
@@ -28,7 +27,7 @@ from otel_engine.ipc.messages import (
     WorkerResponse,
 )
 from otel_engine.ipc.paths import IpcDir, free_tcp_port
-from otel_engine.ipc.process import ChildProcess, spawn
+from otel_engine.ipc.process import ChildProcess, spawn, wait_for_death
 from otel_engine.observability.faults import maybe_inject
 
 logger = logging.getLogger(__name__)
@@ -44,6 +43,15 @@ class WorkerError(Exception):
         self.info = info
 
 
+def step_timeout_error(step_id: int, config: EngineConfig, process: str) -> ErrorInfo:
+    timeout = config.timeouts.step_timeout
+    return ErrorInfo(
+        type="StepTimeout",
+        message=f"step {step_id} made no progress in {timeout:g} s (see --step-timeout)",
+        process=process,
+    )
+
+
 class UniprocExecutor:
     """The model runs right here (TP=1)."""
 
@@ -57,6 +65,9 @@ class UniprocExecutor:
 
     def check_health(self) -> None:
         """Nothing to watch: a failure raises in `execute` itself."""
+
+    def kill(self) -> None:
+        """No child processes to kill."""
 
     def shutdown(self) -> None:
         pass
@@ -75,6 +86,7 @@ class MultiprocExecutor:
         self.workers: list[ChildProcess] = []
         self._failure: ErrorInfo | None = None
         self._stopping = False
+        self._monitor: threading.Thread | None = None
         self._results = self._context.socket(zmq.PULL)
         self._results.bind(ipc_dir.address("worker-out"))
         dist_init = f"tcp://127.0.0.1:{free_tcp_port()}"
@@ -109,15 +121,11 @@ class MultiprocExecutor:
         self._monitor.start()
 
     def _watch_workers(self) -> None:
-        sentinels = {w.sentinel: w for w in self.workers}
-        dead = multiprocessing.connection.wait(list(sentinels))
+        worker = wait_for_death(self.workers)
         if self._stopping:
             return
-        worker = sentinels[dead[0]]
-        worker.process.join(0.5)
-        code = worker.process.exitcode
-        how = f"killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
-        logger.error("worker.died", extra={"worker": worker.name, "exitcode": code})
+        how = worker.describe_exit()
+        logger.error("worker.died", extra={"worker": worker.name, "exitcode": worker.exitcode})
         if self._failure is None:
             self._failure = ErrorInfo(type="WorkerDied", message=f"{worker.name} {how}", process=worker.name)
 
@@ -133,6 +141,7 @@ class MultiprocExecutor:
         data = self._requests.encode(step)
         for socket in self._inputs:
             socket.send(data, copy=False)
+        deadline = time.monotonic() + self.config.timeouts.step_timeout
         while True:
             if self._results.poll(_POLL_MS):
                 result = self._take_result(step.step_id)
@@ -140,6 +149,8 @@ class MultiprocExecutor:
                     return result
             if self._failure is not None:
                 raise WorkerError(self._failure)
+            if time.monotonic() > deadline:
+                raise WorkerError(step_timeout_error(step.step_id, self.config, "worker"))
 
     def _take_result(self, step_id: int) -> list[int] | None:
         message = self._responses.decode(self._results.recv(copy=False).buffer)
@@ -150,6 +161,12 @@ class MultiprocExecutor:
         if isinstance(message, ModelOutput) and message.step_id == step_id:
             return message.sampled_token_ids
         return None
+
+    def kill(self) -> None:
+        """SIGKILL every worker now (fatal paths where a graceful stop cannot work)."""
+        self._stopping = True
+        for worker in self.workers:
+            worker.kill()
 
     def shutdown(self) -> None:
         """Ask workers to stop, then escalate (SIGTERM, SIGKILL); always reaps them."""
@@ -163,6 +180,10 @@ class MultiprocExecutor:
         budget = self.config.timeouts.shutdown_timeout
         for worker in self.workers:
             worker.stop(timeout=min(budget, 10.0))
+        if self._monitor is not None:
+            self._monitor.join(timeout=1.0)
+        for worker in self.workers:
+            worker.close()
         for socket in [*self._inputs, self._results]:
             socket.close(linger=0)
         self._context.term()

@@ -81,8 +81,7 @@ class ModelRunner:
             max_positions=self.limits.max_model_len,
         )
         self.model.load_weights(iter_weights(model_dir))
-        num_slots = self.limits.num_kv_blocks * self.block_size
-        shape = (num_slots, self.model.num_kv_heads, self.model.head_dim)
+        shape = (self.model.num_kv_heads, self.limits.num_kv_blocks, self.block_size, self.model.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=self.dtype, device=self.device),
              torch.zeros(shape, dtype=self.dtype, device=self.device))

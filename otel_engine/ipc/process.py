@@ -1,25 +1,28 @@
 """The spawn trampoline: every child process starts here.
 
-`spawn()` starts a child with the `spawn` start method (never fork: no inherited threads,
-locks or tracer providers). The child sets its process title, configures logging for its
-role, starts a thread that exits the process when the parent dies, and runs its target.
-The target reports READY through `ReadyChannel` once it can serve; an exception before
-that becomes a FAILED message with the traceback. The parent waits for the handshake and
-the child's sentinel together, so a child that dies during startup is noticed at once.
+`spawn()` starts a fresh interpreter at `child_main` (: no inherited
+threads, locks or tracer providers, no pickle, and callers need no `__main__` guard). The
+child reads its target and plain-data arguments as msgpack from stdin, sets its process
+title, configures logging for its role, starts a thread that exits the process when the
+parent dies (EOF on the death pipe), and runs its target. The target reports READY through
+`ReadyChannel` once it can serve; an exception before that becomes a FAILED message with
+the traceback. The parent waits on the handshake pipe and the child's pidfd together, so a
+child that dies during startup is noticed at once.
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
-import multiprocessing
-import multiprocessing.connection
 import os
+import select
+import subprocess
+import sys
 import threading
 import time
-from dataclasses import dataclass
-from multiprocessing.connection import Connection
 from typing import Any
+
+import msgspec
 
 from otel_engine.errors import EngineStartupError
 from otel_engine.ipc.codec import Codec, error_info
@@ -29,11 +32,23 @@ logger = logging.getLogger(__name__)
 _handshake: Codec[HandshakeMessage] = Codec(HandshakeMessage)
 
 
+class Launch(msgspec.Struct, frozen=True):
+    """What the parent tells a new child on its stdin."""
+
+    name: str
+    target: str  # "module:function", called as function(ReadyChannel, *args)
+    role: str
+    rank: int | None
+    ready_fd: int
+    death_fd: int
+    args: list[Any]
+
+
 class ReadyChannel:
     """The child's end of the startup handshake."""
 
-    def __init__(self, conn: Connection, process_name: str) -> None:
-        self._conn = conn
+    def __init__(self, fd: int, process_name: str) -> None:
+        self._fd = fd
         self.process_name = process_name
         self.sent = False
 
@@ -46,100 +61,153 @@ class ReadyChannel:
     def _send(self, message: HandshakeMessage) -> None:
         if not self.sent:
             self.sent = True
-            self._conn.send_bytes(_handshake.encode(message))
-            self._conn.close()
+            with os.fdopen(self._fd, "wb") as pipe:
+                pipe.write(_handshake.encode(message))
 
 
-@dataclass
 class ChildProcess:
-    """A started child and the parent's end of its handshake."""
+    """A started child: its Popen, pidfd (the death sentinel) and handshake pipe."""
 
-    name: str
-    process: multiprocessing.process.BaseProcess
-    conn: Connection
+    def __init__(self, name: str, popen: subprocess.Popen[bytes], ready_fd: int) -> None:
+        self.name = name
+        self.popen = popen
+        self.pid = popen.pid
+        self._ready_fd = ready_fd
+        self.sentinel = os.pidfd_open(popen.pid)
 
     @property
-    def pid(self) -> int | None:
-        return self.process.pid
+    def exitcode(self) -> int | None:
+        return self.popen.poll()
 
-    @property
-    def sentinel(self) -> int:
-        return self.process.sentinel
+    def is_alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def join(self, timeout: float) -> None:
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def kill(self) -> None:
+        if self.is_alive():
+            self.popen.kill()
+
+    def describe_exit(self) -> str:
+        self.join(0.5)
+        code = self.exitcode
+        if code is None:
+            return "is unresponsive"
+        return f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
 
     def wait_ready(self, deadline: float) -> Ready:
         """Block until READY; raise EngineStartupError on FAILED, death or timeout."""
-        remaining = deadline - time.monotonic()
-        ready = multiprocessing.connection.wait([self.conn, self.process.sentinel], max(0.0, remaining))
-        if self.conn in ready:
-            try:
-                message = _handshake.decode(self.conn.recv_bytes())
-            except EOFError:
-                message = None
-            if isinstance(message, Ready):
-                return message
-            if isinstance(message, Failed):
-                err = message.error
+        data = b""
+        while True:
+            remaining = deadline - time.monotonic()
+            readable, _, _ = select.select([self._ready_fd, self.sentinel], [], [], max(0.0, remaining))
+            if self._ready_fd in readable:
+                chunk = os.read(self._ready_fd, 1 << 16)
+                data += chunk
+                if chunk:
+                    continue
+                if data:
+                    return self._handshake(data)
+            if not readable:
                 raise EngineStartupError(
-                    f"{err.process or self.name} failed to start: {err.type}: {err.message}",
-                    failed_process=err.process or self.name,
-                    traceback=err.traceback,
+                    f"{self.name} was not ready in time (see --engine-ready-timeout)",
+                    failed_process=self.name,
                 )
-        if not ready:
-            raise EngineStartupError(
-                f"{self.name} was not ready in time (see --engine-ready-timeout)",
-                failed_process=self.name,
-            )
-        self.process.join(1.0)
+            if self.sentinel in readable and self._ready_fd not in readable:
+                raise EngineStartupError(
+                    f"{self.name} {self.describe_exit()} during startup", failed_process=self.name
+                )
+            if not data:
+                raise EngineStartupError(
+                    f"{self.name} {self.describe_exit()} during startup", failed_process=self.name
+                )
+
+    def _handshake(self, data: bytes) -> Ready:
+        message = _handshake.decode(data)
+        if isinstance(message, Ready):
+            return message
+        err = message.error
         raise EngineStartupError(
-            f"{self.name} died during startup (exit code {self.process.exitcode})",
-            failed_process=self.name,
+            f"{err.process or self.name} failed to start: {err.type}: {err.message}",
+            failed_process=err.process or self.name,
+            traceback=err.traceback,
         )
 
     def stop(self, timeout: float) -> None:
         """Wait for a graceful exit, then SIGTERM, then SIGKILL; always reaps."""
-        process = self.process
-        process.join(timeout)
-        if process.is_alive():
-            logger.warning("child did not exit in time, terminating", extra={"child": self.name})
-            process.terminate()
-            process.join(min(timeout, 5.0))
-        if process.is_alive():
-            process.kill()
-            process.join(5.0)
-        self.conn.close()
+        self.join(timeout)
+        if self.is_alive():
+            logger.warning("child.terminate", extra={"child": self.name})
+            self.popen.terminate()
+            self.join(min(timeout, 5.0))
+        if self.is_alive():
+            logger.warning("child.kill", extra={"child": self.name})
+            self.popen.kill()
+            self.join(5.0)
+        self._close_fd("_ready_fd")
+
+    def close(self) -> None:
+        """Release the pidfd; only once nothing waits on it any more."""
+        self._close_fd("_ready_fd")
+        self._close_fd("sentinel")
+
+    def _close_fd(self, attr: str) -> None:
+        fd = getattr(self, attr)
+        if fd >= 0:
+            setattr(self, attr, -1)
+            os.close(fd)
+
+
+def wait_for_death(children: list[ChildProcess]) -> ChildProcess:
+    """Block until one of `children` exits (its pidfd becomes readable); return it."""
+    by_fd = {child.sentinel: child for child in children}
+    readable, _, _ = select.select(list(by_fd), [], [])
+    return by_fd[readable[0]]
 
 
 def spawn(name: str, target: str, *args: Any, role: str, rank: int | None = None) -> ChildProcess:
     """Start `target` ("module:function") as process `name`; arguments must be plain data."""
-    context = multiprocessing.get_context("spawn")
-    parent_conn, child_conn = context.Pipe(duplex=False)
-    process = context.Process(
-        target=_trampoline,
-        name=name,
-        args=(name, target, role, rank, child_conn, args),
-        daemon=False,
+    ready_r, ready_w = os.pipe()
+    death_r, death_w = os.pipe()
+    launch = Launch(name, target, role, rank, ready_w, death_r, list(args))
+    popen = subprocess.Popen(
+        [sys.executable, "-c", "from otel_engine.ipc.process import child_main; child_main()"],
+        stdin=subprocess.PIPE,
+        pass_fds=(ready_w, death_r),
+        close_fds=True,
     )
-    process.start()
-    child_conn.close()
-    return ChildProcess(name=name, process=process, conn=parent_conn)
+    os.close(ready_w)
+    os.close(death_r)
+    _DEATH_PIPES.append(death_w)  # kept open for this process's lifetime: EOF means we died
+    assert popen.stdin is not None
+    popen.stdin.write(msgspec.msgpack.encode(launch))
+    popen.stdin.close()
+    return ChildProcess(name, popen, ready_r)
 
 
-def _trampoline(
-    name: str, target: str, role: str, rank: int | None, conn: Connection, args: tuple[Any, ...]
-) -> None:
-    channel = ReadyChannel(conn, name)
+_DEATH_PIPES: list[int] = []
+
+
+def child_main() -> None:
+    """Entry point of every child process (see `spawn`)."""
+    launch = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=Launch)
+    channel = ReadyChannel(launch.ready_fd, launch.name)
     try:
-        _set_title(name)
-        _watch_parent()
+        _set_title(launch.name)
+        _watch_parent(launch.death_fd)
         from otel_engine.observability.setup import setup_process
 
-        setup_process(role=role, rank=rank)
-        module_name, function_name = target.split(":")
+        setup_process(role=launch.role, rank=launch.rank)
+        module_name, function_name = launch.target.split(":")
         function = getattr(importlib.import_module(module_name), function_name)
-        function(channel, *args)
+        function(channel, *launch.args)
     except BaseException as exc:
         if not channel.sent:
-            logger.exception("process.startup_failed", extra={"child": name})
+            logger.exception("process.startup_failed", extra={"child": launch.name})
             channel.failed(exc)
             os._exit(1)
         raise
@@ -154,15 +222,14 @@ def _set_title(name: str) -> None:
         pass
 
 
-def _watch_parent() -> None:
-    """Exit this process as soon as the parent is gone (its sentinel pipe closes)."""
-    parent = multiprocessing.parent_process()
-    if parent is None:
-        return
+def _watch_parent(death_fd: int) -> None:
+    """Exit this process as soon as the parent is gone (EOF on the death pipe)."""
 
     def watch() -> None:
-        multiprocessing.connection.wait([parent.sentinel])
-        logger.error("parent.died", extra={"parent_pid": parent.pid})
+        while os.read(death_fd, 1):
+            pass
+        logger.error("parent.died")
         os._exit(1)
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+

@@ -1,7 +1,7 @@
 """Paged attention in plain torch: K/V live in fixed-size blocks, read through block tables.
 
-The cache of one layer is two tensors [num_slots, num_kv_heads, head_dim] with
-slot = block_id * block_size + offset. Decode sequences (one query token) are batched
+The cache of one layer is two tensors [num_kv_heads, num_blocks, block_size, head_dim];
+a token's slot is block_id * block_size + offset. Decode sequences (one query token) are batched
 together; prefill chunks run one sequence at a time with a causal mask that accounts for
 the tokens already cached. Query heads are grouped over their KV head and multiplied with
 plain matmuls (torch's SDPA is slow in bfloat16 on CPU, see PERF-NOTES).
@@ -30,8 +30,8 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # [num_tokens] where each new token's K/V is written
     num_decodes: int
-    decode_slots: torch.Tensor | None  # [num_decodes, max_len] cache slots to read
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_len] additive
+    decode_blocks: torch.Tensor | None  # [num_decodes, max_blocks] block tables, 0-padded
+    decode_mask: torch.Tensor | None  # [1, num_decodes, 1, max_len] additive, float32
     prefills: list[PrefillSeq]
 
 
@@ -47,24 +47,22 @@ def build_metadata(
     device: torch.device,
 ) -> AttentionMetadata:
     """Turn the step's block tables into gather indices and masks."""
-    neg_inf = torch.finfo(dtype).min
-    decode_slots = decode_mask = None
+    neg_inf = float("-inf")
+    dtype = torch.float32  # masks are added to float32 scores
+    decode_blocks = decode_mask = None
     if num_decodes:
         max_blocks = max(len(t) for t in block_tables[:num_decodes])
-        table = torch.tensor(
+        decode_blocks = torch.tensor(
             [t + [0] * (max_blocks - len(t)) for t in block_tables[:num_decodes]],
             dtype=torch.long,
             device=device,
         )
-        offsets = torch.arange(block_size, device=device)
-        decode_slots = (table.unsqueeze(-1) * block_size + offsets).flatten(1)
-        max_len = max(seq_lens[:num_decodes])
-        decode_slots = decode_slots[:, :max_len].contiguous()
+        max_len = max_blocks * block_size
         lens = torch.tensor(seq_lens[:num_decodes], device=device).unsqueeze(1)
         invalid = torch.arange(max_len, device=device).unsqueeze(0) >= lens
         decode_mask = torch.zeros(invalid.shape, dtype=dtype, device=device)
         decode_mask.masked_fill_(invalid, neg_inf)
-        decode_mask = decode_mask.view(num_decodes, 1, 1, max_len)
+        decode_mask = decode_mask.view(1, num_decodes, 1, max_len)
     prefills = []
     query_start = num_decodes
     for i in range(num_decodes, len(query_lens)):
@@ -81,7 +79,7 @@ def build_metadata(
         mask.masked_fill_(key_pos > query_pos, neg_inf)
         prefills.append(PrefillSeq(query_start, query_start + num_query, slots, mask))
         query_start += num_query
-    return AttentionMetadata(slot_mapping, num_decodes, decode_slots, decode_mask, prefills)
+    return AttentionMetadata(slot_mapping, num_decodes, decode_blocks, decode_mask, prefills)
 
 
 def paged_attention(
@@ -93,33 +91,46 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """Write this step's K/V into the cache, then attend. q [T, Hq, D] -> [T, Hq * D]."""
+    """Write this step's K/V into the cache, then attend. q [T, Hq, D] -> [T, Hq * D].
+
+    The caches are head-major [Hkv, num_blocks, block_size, D]: gathering whole blocks
+    yields [Hkv, batch, len, D], which batched matmuls consume without another copy.
+    """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads
-    k_cache.index_copy_(0, meta.slot_mapping, k)
-    v_cache.index_copy_(0, meta.slot_mapping, v)
+    k_slots = k_cache.view(num_kv_heads, -1, head_dim)
+    v_slots = v_cache.view(num_kv_heads, -1, head_dim)
+    k_slots.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+    v_slots.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
     out = torch.empty_like(q)
-    num_decodes = meta.num_decodes
-    if num_decodes:
-        assert meta.decode_slots is not None and meta.decode_mask is not None
-        qd = q[:num_decodes].view(num_decodes, num_kv_heads, group, head_dim)
-        kd = k_cache[meta.decode_slots].permute(0, 2, 3, 1)  # [B, Hkv, D, L]
-        scores = torch.matmul(qd, kd).mul_(scale).add_(meta.decode_mask)
-        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-        vd = v_cache[meta.decode_slots].transpose(1, 2)  # [B, Hkv, L, D]
-        out[:num_decodes] = torch.matmul(probs, vd).view(num_decodes, num_heads, head_dim)
+    batch = meta.num_decodes
+    if batch:
+        assert meta.decode_blocks is not None and meta.decode_mask is not None
+        blocks = meta.decode_blocks.view(-1)
+        max_len = meta.decode_mask.shape[-1]
+        keys = k_cache.index_select(1, blocks).view(num_kv_heads * batch, max_len, head_dim)
+        values = v_cache.index_select(1, blocks).view(num_kv_heads * batch, max_len, head_dim)
+        qd = q[:batch].view(batch, num_kv_heads, group, head_dim).transpose(0, 1)
+        scores = torch.bmm(qd.reshape(num_kv_heads * batch, group, head_dim), keys.transpose(1, 2))
+        scores = scores.view(num_kv_heads, batch, group, max_len).float().mul_(scale)
+        probs = torch.softmax(scores.add_(meta.decode_mask), dim=-1).to(q.dtype)
+        context = torch.bmm(probs.view(num_kv_heads * batch, group, max_len), values)
+        out[:batch] = context.view(num_kv_heads, batch, group, head_dim).transpose(0, 1).reshape(
+            batch, num_heads, head_dim
+        )
     for seq in meta.prefills:
         rows = slice(seq.query_start, seq.query_end)
         num_query = seq.query_end - seq.query_start
         if seq.slots is None:
-            keys, values = k[rows], v[rows]
+            keys, values = k[rows].transpose(0, 1), v[rows].transpose(0, 1)
         else:
-            keys, values = k_cache[seq.slots], v_cache[seq.slots]
+            keys, values = k_slots.index_select(1, seq.slots), v_slots.index_select(1, seq.slots)
         qp = q[rows].view(num_query, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
-        scores = torch.matmul(qp, keys.permute(1, 2, 0).unsqueeze(1)).mul_(scale)
-        scores.add_(seq.mask)
-        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-        context = torch.matmul(probs, values.transpose(0, 1).unsqueeze(1))  # [Hkv, G, Q, D]
+        qp = qp.reshape(num_kv_heads, group * num_query, head_dim)
+        scores = torch.bmm(qp, keys.transpose(1, 2)).view(num_kv_heads, group, num_query, -1)
+        scores = scores.float().mul_(scale).add_(seq.mask)
+        probs = torch.softmax(scores, dim=-1).to(q.dtype).view(num_kv_heads, group * num_query, -1)
+        context = torch.bmm(probs, values).view(num_kv_heads, group, num_query, head_dim)
         out[rows] = context.permute(2, 0, 1, 3).reshape(num_query, num_heads, head_dim)
     return out.view(num_tokens, num_heads * head_dim)

@@ -29,8 +29,9 @@ class ServerLoop:
 
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="test-servers",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self.loop.run_forever, name="test-servers", daemon=True
+        )
         self._thread.start()
         self._running: list[tuple[ApiServer, Future[None]]] = []
 
@@ -82,14 +83,20 @@ class Served:
     def openai(self, **kwargs: Any) -> Any:
         import openai
 
-        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=kwargs.pop("api_key", "x"),
-                             max_retries=0, timeout=60, **kwargs)
+        return openai.OpenAI(
+            base_url=f"{self.base_url}/v1",
+            api_key=kwargs.pop("api_key", "x"),
+            max_retries=0,
+            timeout=60,
+            **kwargs,
+        )
 
     def async_openai(self, **kwargs: Any) -> Any:
         import openai
 
-        return openai.AsyncOpenAI(base_url=f"{self.base_url}/v1", api_key="x", max_retries=0,
-                                  timeout=120, **kwargs)
+        return openai.AsyncOpenAI(
+            base_url=f"{self.base_url}/v1", api_key="x", max_retries=0, timeout=120, **kwargs
+        )
 
     def http(self) -> httpx.Client:
         return httpx.Client(base_url=self.base_url, timeout=60, trust_env=False)
@@ -102,8 +109,9 @@ class Served:
             text = client.get("/metrics").text
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
-                if sample.name == name and all(sample.labels.get(k) == v
-                                               for k, v in labels.items()):
+                if sample.name == name and all(
+                    sample.labels.get(k) == v for k, v in labels.items()
+                ):
                     return float(sample.value)
         return 0.0
 

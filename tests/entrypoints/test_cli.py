@@ -17,13 +17,34 @@ from otel_engine.cli import build_parser, main
 from tests.helpers.procs import ServerProcess, free_port
 
 DESIGN_SERVE_FLAGS = {
-    "--model", "--host", "--port", "--tensor-parallel-size", "--dtype", "--device",
-    "--max-num-seqs", "--max-num-batched-tokens", "--max-model-len", "--block-size",
-    "--num-kv-blocks", "--otlp-endpoint", "--otlp-protocol", "--log-format", "--log-level",
-    "--api-key", "--engine-ready-timeout", "--step-timeout", "--shutdown-timeout",
+    "--model",
+    "--host",
+    "--port",
+    "--tensor-parallel-size",
+    "--dtype",
+    "--device",
+    "--max-num-seqs",
+    "--max-num-batched-tokens",
+    "--max-model-len",
+    "--block-size",
+    "--num-kv-blocks",
+    "--otlp-endpoint",
+    "--otlp-protocol",
+    "--log-format",
+    "--log-level",
+    "--api-key",
+    "--engine-ready-timeout",
+    "--step-timeout",
+    "--shutdown-timeout",
 }
 EXTRA_FLAGS = {"--served-model-name", "--kv-cache-memory-gib", "--seed"}
 PROMPTS = ["The engine schedules", "Once upon a time"]
+
+
+@pytest.fixture(autouse=True)
+def _keep_test_logging(monkeypatch: pytest.MonkeyPatch) -> None:
+    """main() in this process must not reconfigure the test process's logging."""
+    monkeypatch.setattr("otel_engine.cli.setup_process", lambda **_: None)
 
 
 def _flags(command: str) -> set[str]:
@@ -33,9 +54,14 @@ def _flags(command: str) -> set[str]:
 
 
 def _run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "otel_engine.cli", *args], capture_output=True,
-                          text=True, timeout=timeout, check=False,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return subprocess.run(
+        [sys.executable, "-m", "otel_engine.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
 
 
 def test_serve_has_exactly_the_documented_flags() -> None:
@@ -59,8 +85,9 @@ def test_invalid_engine_option_is_a_usage_error(capsys: pytest.CaptureFixture[st
     assert "block_size" in capsys.readouterr().err
 
 
-def test_generate_prints_each_completion(tiny_model_dir: str,
-                                         capsys: pytest.CaptureFixture[str]) -> None:
+def test_generate_prints_each_completion(
+    tiny_model_dir: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     """`generate` prints the greedy completion of every prompt, in order."""
     with LLM(model=tiny_model_dir) as llm:
         expected = llm.generate(PROMPTS, SamplingParams(max_tokens=6, temperature=0))
@@ -71,27 +98,28 @@ def test_generate_prints_each_completion(tiny_model_dir: str,
     assert "".join(o.outputs[0].text + "\n" for o in expected) == capsys.readouterr().out
 
 
-def test_generate_reads_prompts_file(tiny_model_dir: str, tmp_path: Path,
-                                     capsys: pytest.CaptureFixture[str]) -> None:
+def test_generate_reads_prompts_file(
+    tiny_model_dir: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """--prompts-file gives the same output as the same prompts on the command line."""
     path = tmp_path / "prompts.txt"
     path.write_text("\n".join(PROMPTS) + "\n")
     main(["generate", "--model", tiny_model_dir, "--max-tokens", "4", *PROMPTS])
     expected = capsys.readouterr().out
 
-    main(["generate", "--model", tiny_model_dir, "--max-tokens", "4", "--prompts-file",
-          str(path)])
+    main(["generate", "--model", tiny_model_dir, "--max-tokens", "4", "--prompts-file", str(path)])
 
     assert expected == capsys.readouterr().out
 
 
-def test_generate_chat_applies_template(tiny_model_dir: str,
-                                        capsys: pytest.CaptureFixture[str]) -> None:
+def test_generate_chat_applies_template(
+    tiny_model_dir: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     """--chat completes the chat-templated prompt (no second BOS)."""
     with LLM(model=tiny_model_dir) as llm:
         text = llm.tokenizer.apply_chat_template(
-            [{"role": "user", "content": PROMPTS[0]}], add_generation_prompt=True,
-            tokenize=False)
+            [{"role": "user", "content": PROMPTS[0]}], add_generation_prompt=True, tokenize=False
+        )
         ids = llm.tokenizer.encode(text, add_special_tokens=False)
         expected = llm.generate([ids], SamplingParams(max_tokens=5, temperature=0))
 
@@ -121,8 +149,7 @@ def test_serve_busy_port_exits_1_before_engine_start(tiny_model_dir: str) -> Non
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         started = time.monotonic()
-        result = _run_cli("serve", "--model", tiny_model_dir, "--port",
-                          str(busy.getsockname()[1]))
+        result = _run_cli("serve", "--model", tiny_model_dir, "--port", str(busy.getsockname()[1]))
 
     assert 1 == result.returncode
     assert "cannot bind" in result.stderr.strip().splitlines()[-1]
@@ -132,7 +159,7 @@ def test_serve_busy_port_exits_1_before_engine_start(tiny_model_dir: str) -> Non
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_serve_stops_cleanly_on_signal(tiny_model_dir: str, signum: int) -> None:
     """serve answers, then on SIGTERM/SIGINT exits 0 with no child left, logging its lifecycle."""
-    with ServerProcess(["--model", tiny_model_dir]) as server:
+    with ServerProcess(["--model", tiny_model_dir, "--served-model-name", "tiny"]) as server:
         server.wait_healthy()
         import openai
 

@@ -14,10 +14,14 @@ MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 def test_completion_stream_equals_non_stream(served: Served) -> None:
     """At temperature 0 the streamed deltas concatenate to the non-streamed text."""
     client = served.openai()
-    full = client.completions.create(model=served.model, prompt=PROMPT, max_tokens=24,
-                                     temperature=0)
-    chunks = list(client.completions.create(model=served.model, prompt=PROMPT, max_tokens=24,
-                                            temperature=0, stream=True))
+    full = client.completions.create(
+        model=served.model, prompt=PROMPT, max_tokens=24, temperature=0
+    )
+    chunks = list(
+        client.completions.create(
+            model=served.model, prompt=PROMPT, max_tokens=24, temperature=0, stream=True
+        )
+    )
 
     assert full.choices[0].text == "".join(c.choices[0].text for c in chunks if c.choices)
     assert full.choices[0].finish_reason == chunks[-1].choices[0].finish_reason
@@ -26,9 +30,13 @@ def test_completion_stream_equals_non_stream(served: Served) -> None:
 
 def test_completion_response_shape(served: Served) -> None:
     """A completion has a cmpl- id, the served model name and consistent usage."""
-    result = served.openai().completions.create(model=served.model, prompt=PROMPT,
-                                                max_tokens=5, temperature=0,
-                                                extra_body={"ignore_eos": True})
+    result = served.openai().completions.create(
+        model=served.model,
+        prompt=PROMPT,
+        max_tokens=5,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
 
     assert result.id.startswith("cmpl-")
     assert "text_completion" == result.object
@@ -40,8 +48,9 @@ def test_completion_response_shape(served: Served) -> None:
 
 def test_completion_default_max_tokens_is_16(served: Served) -> None:
     """Without max_tokens a completion stops after 16 tokens, like OpenAI's default."""
-    result = served.openai().completions.create(model=served.model, prompt=PROMPT,
-                                                temperature=0, extra_body={"ignore_eos": True})
+    result = served.openai().completions.create(
+        model=served.model, prompt=PROMPT, temperature=0, extra_body={"ignore_eos": True}
+    )
 
     assert 16 == result.usage.completion_tokens
 
@@ -50,12 +59,13 @@ def test_completion_accepts_token_ids(served: Served) -> None:
     """A prompt of token ids, bare or in a one-element list, gives the same text as the string."""
     client = served.openai()
     ids = served.engine.encode(PROMPT)
-    by_text = client.completions.create(model=served.model, prompt=PROMPT, max_tokens=8,
-                                        temperature=0)
-    by_ids = client.completions.create(model=served.model, prompt=ids, max_tokens=8,
-                                       temperature=0)
-    by_list = client.completions.create(model=served.model, prompt=[ids], max_tokens=8,
-                                        temperature=0)
+    by_text = client.completions.create(
+        model=served.model, prompt=PROMPT, max_tokens=8, temperature=0
+    )
+    by_ids = client.completions.create(model=served.model, prompt=ids, max_tokens=8, temperature=0)
+    by_list = client.completions.create(
+        model=served.model, prompt=[ids], max_tokens=8, temperature=0
+    )
 
     assert by_text.choices[0].text == by_ids.choices[0].text == by_list.choices[0].text
 
@@ -63,14 +73,19 @@ def test_completion_accepts_token_ids(served: Served) -> None:
 def test_chat_stream_equals_non_stream(served: Served) -> None:
     """Chat: the role chunk, then content deltas that concatenate to the full message."""
     client = served.openai()
-    full = client.chat.completions.create(model=served.model, messages=MESSAGES,
-                                          max_tokens=24, temperature=0)
-    chunks = list(client.chat.completions.create(model=served.model, messages=MESSAGES,
-                                                 max_tokens=24, temperature=0, stream=True))
+    full = client.chat.completions.create(
+        model=served.model, messages=MESSAGES, max_tokens=24, temperature=0
+    )
+    chunks = list(
+        client.chat.completions.create(
+            model=served.model, messages=MESSAGES, max_tokens=24, temperature=0, stream=True
+        )
+    )
 
     assert "assistant" == chunks[0].choices[0].delta.role
     assert full.choices[0].message.content == "".join(
-        c.choices[0].delta.content or "" for c in chunks)
+        c.choices[0].delta.content or "" for c in chunks
+    )
     assert full.choices[0].finish_reason == chunks[-1].choices[0].finish_reason
     assert full.id.startswith("chatcmpl-")
     assert "chat.completion" == full.object
@@ -80,11 +95,13 @@ def test_chat_stream_equals_non_stream(served: Served) -> None:
 def test_chat_applies_template_without_extra_bos(served: Served) -> None:
     """Chat prompt tokens are the chat template's text encoded without added special tokens."""
     template = served.engine.tokenizer.apply_chat_template(
-        MESSAGES, add_generation_prompt=True, tokenize=False)
+        MESSAGES, add_generation_prompt=True, tokenize=False
+    )
     expected = len(served.engine.encode(template, add_special_tokens=False))
 
-    result = served.openai().chat.completions.create(model=served.model, messages=MESSAGES,
-                                                     max_tokens=2, temperature=0)
+    result = served.openai().chat.completions.create(
+        model=served.model, messages=MESSAGES, max_tokens=2, temperature=0
+    )
 
     assert expected == result.usage.prompt_tokens
 
@@ -92,17 +109,30 @@ def test_chat_applies_template_without_extra_bos(served: Served) -> None:
 def test_chat_max_completion_tokens(served: Served) -> None:
     """max_completion_tokens bounds the chat completion (and wins over max_tokens)."""
     result = served.openai().chat.completions.create(
-        model=served.model, messages=MESSAGES, max_completion_tokens=3, max_tokens=10,
-        temperature=0, extra_body={"ignore_eos": True})
+        model=served.model,
+        messages=MESSAGES,
+        max_completion_tokens=3,
+        max_tokens=10,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
 
     assert 3 == result.usage.completion_tokens
 
 
 def test_stream_include_usage(served: Served) -> None:
     """include_usage adds a last chunk with usage and no choices; other chunks have null usage."""
-    chunks = list(served.openai().chat.completions.create(
-        model=served.model, messages=MESSAGES, max_tokens=6, temperature=0, stream=True,
-        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    chunks = list(
+        served.openai().chat.completions.create(
+            model=served.model,
+            messages=MESSAGES,
+            max_tokens=6,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
 
     assert [] == chunks[-1].choices
     assert 6 == chunks[-1].usage.completion_tokens
@@ -125,8 +155,13 @@ def test_sse_wire_format(served: Served) -> None:
 def test_stop_string_ends_completion(served: Served) -> None:
     """A stop string taken from the greedy output cuts the text before it, reason 'stop'."""
     client = served.openai()
-    kwargs = {"model": served.model, "prompt": PROMPT, "max_tokens": 24, "temperature": 0,
-              "extra_body": {"ignore_eos": True}}
+    kwargs = {
+        "model": served.model,
+        "prompt": PROMPT,
+        "max_tokens": 24,
+        "temperature": 0,
+        "extra_body": {"ignore_eos": True},
+    }
     text = client.completions.create(**kwargs).choices[0].text
     stop = text[len(text) // 2 :][:3]
 
@@ -141,8 +176,13 @@ def test_same_seed_same_text(served: Served) -> None:
     client = served.openai()
 
     def sample(seed: int) -> str:
-        return client.completions.create(model=served.model, prompt=PROMPT, max_tokens=16,
-                                         temperature=1.0, seed=seed).choices[0].text
+        return (
+            client.completions.create(
+                model=served.model, prompt=PROMPT, max_tokens=16, temperature=1.0, seed=seed
+            )
+            .choices[0]
+            .text
+        )
 
     assert sample(1234) == sample(1234)
 
@@ -165,9 +205,15 @@ def test_64_concurrent_streams_complete(served: Served) -> None:
 
     async def one(client: object, index: int) -> int:
         stream = await client.completions.create(  # type: ignore[attr-defined]
-            model=served.model, prompt=f"{PROMPT} {index}", max_tokens=12, temperature=0.7,
-            seed=index, stream=True, stream_options={"include_usage": True},
-            extra_body={"ignore_eos": True})
+            model=served.model,
+            prompt=f"{PROMPT} {index}",
+            max_tokens=12,
+            temperature=0.7,
+            seed=index,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
         usage = None
         async for chunk in stream:
             usage = chunk.usage or usage
@@ -186,11 +232,14 @@ def test_metrics_count_requests_and_tokens(served: Served) -> None:
     before_gen = served.metric("otel_engine_generation_tokens_total")
     before_prompt = served.metric("otel_engine_prompt_tokens_total")
 
-    result = served.openai().completions.create(model=served.model, prompt=PROMPT,
-                                                max_tokens=7, extra_body={"ignore_eos": True})
+    result = served.openai().completions.create(
+        model=served.model, prompt=PROMPT, max_tokens=7, extra_body={"ignore_eos": True}
+    )
 
-    assert before_ok + 1 == served.metric("otel_engine_request_success_total",
-                                          finish_reason="length")
+    assert before_ok + 1 == served.metric(
+        "otel_engine_request_success_total", finish_reason="length"
+    )
     assert before_gen + 7 == served.metric("otel_engine_generation_tokens_total")
     assert before_prompt + result.usage.prompt_tokens == served.metric(
-        "otel_engine_prompt_tokens_total")
+        "otel_engine_prompt_tokens_total"
+    )

@@ -45,8 +45,9 @@ async def _stream_then_full(base_url: str, model: str) -> tuple[list[Any], httpx
             full = asyncio.create_task(client.post("/v1/completions", json=body))
             async for line in lines:
                 if line:
-                    events.append(line if line == "data: [DONE]"
-                                  else json.loads(line.removeprefix("data: ")))
+                    events.append(
+                        line if line == "data: [DONE]" else json.loads(line.removeprefix("data: "))
+                    )
         return events, await full
 
 

@@ -8,7 +8,7 @@ from typing import Any
 import openai
 import pytest
 
-from otel_engine.entrypoints.api_server import MAX_BODY_BYTES
+from otel_engine.entrypoints.guard import MAX_BODY_BYTES
 from tests.entrypoints.conftest import API_KEY, Served
 
 PROMPT = "Once upon a time"
@@ -34,8 +34,9 @@ def _completion(served: Served, **fields: Any) -> Any:
 @pytest.mark.parametrize("content", ["{not json", "[1, 2]", "", '"just a string"'])
 def test_malformed_json_is_400(served: Served, content: str) -> None:
     """A body that is not a JSON object is a 400 invalid_request_error (not FastAPI's 422)."""
-    response = _post(served, "/v1/completions", content=content,
-                     headers={"content-type": "application/json"})
+    response = _post(
+        served, "/v1/completions", content=content, headers={"content-type": "application/json"}
+    )
 
     assert 400 == response.status_code
     assert "invalid_request_error" == _error(response)["type"]
@@ -49,8 +50,10 @@ def test_missing_field_is_400_naming_it(served: Served) -> None:
     assert "messages" == _error(response)["param"]
 
 
-@pytest.mark.parametrize(("field", "value"), [("max_tokens", "5"), ("temperature", "hot"),
-                                              ("prompt", 5), ("stop", 3), ("stream", "yes")])
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("max_tokens", "5"), ("temperature", "hot"), ("prompt", 5), ("stop", 3), ("stream", "yes")],
+)
 def test_wrong_type_is_400(served: Served, field: str, value: object) -> None:
     """A field of the wrong type is a 400 whose param names the field."""
     response = _completion(served, **{field: value})
@@ -59,9 +62,17 @@ def test_wrong_type_is_400(served: Served, field: str, value: object) -> None:
     assert field == _error(response)["param"]
 
 
-@pytest.mark.parametrize(("field", "value"), [("temperature", 2.5), ("temperature", -1),
-                                              ("top_p", 0), ("top_p", 1.5), ("max_tokens", 0),
-                                              ("top_k", -2)])
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("temperature", 2.5),
+        ("temperature", -1),
+        ("top_p", 0),
+        ("top_p", 1.5),
+        ("max_tokens", 0),
+        ("top_k", -2),
+    ],
+)
 def test_out_of_range_sampling_param_is_400(served: Served, field: str, value: float) -> None:
     """Sampling parameters out of range are a 400 naming the parameter."""
     response = _completion(served, **{field: value})
@@ -134,8 +145,12 @@ def test_unknown_route_is_404_with_error_body(served: Served) -> None:
 
 def test_body_over_cap_by_content_length_is_413(served: Served) -> None:
     """A body larger than the cap is refused with 413 by its Content-Length."""
-    response = _post(served, "/v1/completions", content=b" " * (MAX_BODY_BYTES + 1),
-                     headers={"content-type": "application/json"})
+    response = _post(
+        served,
+        "/v1/completions",
+        content=b" " * (MAX_BODY_BYTES + 1),
+        headers={"content-type": "application/json"},
+    )
 
     assert 413 == response.status_code
     assert "request_too_large" == _error(response)["code"]
@@ -148,8 +163,9 @@ def test_chunked_body_over_cap_is_413(served: Served) -> None:
         for _ in range(MAX_BODY_BYTES // 65536 + 2):
             yield b" " * 65536
 
-    response = _post(served, "/v1/completions", content=chunks(),
-                     headers={"content-type": "application/json"})
+    response = _post(
+        served, "/v1/completions", content=chunks(), headers={"content-type": "application/json"}
+    )
 
     assert 413 == response.status_code
 
@@ -179,8 +195,9 @@ def test_errors_are_counted_by_type(served: Served) -> None:
 
     _completion(served, model="nope")
 
-    assert before + 1 == served.metric("otel_engine_request_errors_total",
-                                       error_type="model_not_found")
+    assert before + 1 == served.metric(
+        "otel_engine_request_errors_total", error_type="model_not_found"
+    )
 
 
 def test_missing_api_key_is_401(keyed: Served) -> None:
@@ -200,7 +217,8 @@ def test_wrong_api_key_is_401_in_openai_client(keyed: Served) -> None:
 def test_right_api_key_is_served(keyed: Served) -> None:
     """The right key is served."""
     result = keyed.openai(api_key=API_KEY).completions.create(
-        model=keyed.model, prompt=PROMPT, max_tokens=2)
+        model=keyed.model, prompt=PROMPT, max_tokens=2
+    )
 
     assert 1 <= result.usage.completion_tokens <= 2
 
@@ -216,7 +234,9 @@ def test_truncated_request_keeps_server_up(served: Served) -> None:
     """A client that sends half a body and disconnects does not disturb the server."""
     host, port = served.base_url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port))) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
-                     b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"pro")
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+            b'Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{"pro'
+        )
 
     assert 200 == _completion(served, max_tokens=2).status_code

@@ -24,8 +24,9 @@ def slow_engine(engine: AsyncLLM, monkeypatch: pytest.MonkeyPatch) -> AsyncLLM:
     """The real engine, with 20 ms between the outputs a client sees (to outlast a drain)."""
     original = engine.generate
 
-    async def slowed(prompt: Any, params: SamplingParams,
-                     request_id: str) -> AsyncIterator[RequestOutput]:
+    async def slowed(
+        prompt: Any, params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
         outputs = original(prompt, params, request_id)
         try:
             async for output in outputs:
@@ -75,8 +76,9 @@ def draining(server_loop: ServerLoop, slow_engine: AsyncLLM) -> Iterator[tuple[S
     server_loop.wait(served.server)
 
 
-def test_in_flight_stream_finishes_during_drain(draining: tuple[Served, Any],
-                                                server_loop: ServerLoop) -> None:
+def test_in_flight_stream_finishes_during_drain(
+    draining: tuple[Served, Any], server_loop: ServerLoop
+) -> None:
     """The stream in flight at shutdown runs to its end and gets [DONE]."""
     served, events = draining
     server_loop.wait(served.server)
@@ -97,8 +99,9 @@ def test_new_request_during_drain_is_503(draining: tuple[Served, Any]) -> None:
     assert 503 == health.status_code
 
 
-def test_stream_past_drain_deadline_gets_503_event(server_loop: ServerLoop,
-                                                   slow_engine: AsyncLLM) -> None:
+def test_stream_past_drain_deadline_gets_503_event(
+    server_loop: ServerLoop, slow_engine: AsyncLLM
+) -> None:
     """A stream still running at the drain deadline ends with a 503-type error event."""
     served = _start(server_loop, slow_engine, drain_timeout=0.5)
     thread, events = _stream_in_thread(served, max_tokens=400)
@@ -113,8 +116,9 @@ def test_stream_past_drain_deadline_gets_503_event(server_loop: ServerLoop,
     assert 0 == slow_engine.num_in_flight
 
 
-def test_shutdown_with_nothing_in_flight_is_quick(server_loop: ServerLoop,
-                                                  engine: AsyncLLM) -> None:
+def test_shutdown_with_nothing_in_flight_is_quick(
+    server_loop: ServerLoop, engine: AsyncLLM
+) -> None:
     """An idle server stops well within a second and refuses connections afterwards."""
     served = _start(server_loop, engine, drain_timeout=30)
     started = time.monotonic()

@@ -1,0 +1,198 @@
+"""Shared pieces of the benchmarks: prompts, statistics, the server process and its memory.
+
+`ServerProcess` starts `python -m otel_engine.cli serve` with its output in a temporary log
+file, remembers every descendant it has seen, and on `stop()` sends SIGTERM to the server
+only, waits, and kills by pid whatever it started that is still alive.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import psutil
+
+FIRST_ORDINARY_TOKEN_ID = 1000  # keeps random prompts clear of special and byte tokens
+
+
+def random_prompts(num: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
+    """`num` distinct prompts of `length` random token ids; the same for the same seed."""
+    rng = random.Random(seed)
+    prompts: list[list[int]] = []
+    seen: set[tuple[int, ...]] = set()
+    while len(prompts) < num:
+        prompt = [rng.randrange(FIRST_ORDINARY_TOKEN_ID, vocab_size) for _ in range(length)]
+        if tuple(prompt) not in seen:
+            seen.add(tuple(prompt))
+            prompts.append(prompt)
+    return prompts
+
+
+def quantile(values: list[float], q: float) -> float | None:
+    """Linear-interpolated quantile; None for an empty list."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q
+    low = int(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+def fmt(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def print_table(headers: list[str], rows: list[list[str]]) -> None:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    print("  ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True)))
+    for row in rows:
+        print("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _is_alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _role(proc: psutil.Process, server_pid: int) -> str:
+    """A short label: the process title the engine set, or what its command line says."""
+    if proc.pid == server_pid:
+        return "api_server"
+    try:
+        name, cmdline = proc.name(), proc.cmdline()
+    except psutil.Error:
+        return "?"
+    if name.startswith("otel-"):
+        return name
+    text = " ".join(cmdline)
+    for marker in ("resource_tracker", "semaphore_tracker", "forkserver"):
+        if marker in text:
+            return marker
+    return (cmdline[0] if cmdline else name)[:40]
+
+
+@dataclass
+class MemoryPeaks:
+    """Peak RSS per process of a tree, sampled by `ServerProcess.sample_memory`."""
+
+    peaks: dict[int, tuple[str, float]] = field(default_factory=dict)
+
+    def as_rows(self) -> list[dict[str, Any]]:
+        return [{"pid": pid, "role": role, "peak_rss_mb": round(mb, 1)}
+                for pid, (role, mb) in sorted(self.peaks.items())]
+
+    @property
+    def total_mb(self) -> float:
+        return sum(mb for _, mb in self.peaks.values())
+
+
+class ServerProcess:
+    """The `otel-engine serve` subprocess of one benchmark run."""
+
+    def __init__(self, args: list[str], port: int) -> None:
+        self.port = port
+        self.base_url = f"http://127.0.0.1:{port}"
+        self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - lives as long as the server
+            prefix="otel-bench-server-", suffix=".log", delete=False)
+        command = [sys.executable, "-m", "otel_engine.cli", "serve", "--host", "127.0.0.1",
+                   "--port", str(port), *args]
+        self.started_at = time.monotonic()
+        self.proc = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        self.seen: dict[int, psutil.Process] = {}
+        self._remember()
+
+    def _remember(self) -> list[psutil.Process]:
+        try:
+            root = psutil.Process(self.proc.pid)
+            tree = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+        for proc in tree:
+            self.seen.setdefault(proc.pid, proc)
+        return tree
+
+    def wait_ready(self, timeout: float) -> float:
+        """Seconds from process start until `/health` answered 200; raises on failure."""
+        deadline = self.started_at + timeout
+        with httpx.Client(timeout=2.0) as client:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"server exited with {self.proc.returncode} before "
+                                       f"ready; log tail:\n{self.log_tail()}")
+                with contextlib.suppress(httpx.HTTPError):
+                    if client.get(self.base_url + "/health").status_code == 200:
+                        self._remember()
+                        return time.monotonic() - self.started_at
+                time.sleep(0.1)
+        raise TimeoutError(f"server not ready after {timeout:.0f} s; log tail:\n"
+                           f"{self.log_tail()}")
+
+    def sample_memory(self, stop: threading.Event, peaks: MemoryPeaks,
+                      interval: float = 0.5) -> None:
+        """Until `stop` is set, record the peak RSS of the server and its descendants."""
+        while True:
+            for proc in self._remember():
+                try:
+                    mb = proc.memory_info().rss / 2**20
+                except psutil.Error:
+                    continue
+                role, peak = peaks.peaks.get(proc.pid, (_role(proc, self.proc.pid), 0.0))
+                peaks.peaks[proc.pid] = (role, max(peak, mb))
+            if stop.wait(interval):
+                return
+
+    def stop(self, timeout: float = 60.0) -> dict[str, Any]:
+        """SIGTERM the server, wait, then kill by pid anything it started still alive."""
+        self._remember()
+        result: dict[str, Any] = {"signal": "SIGTERM"}
+        began = time.monotonic()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            result["exit_code"] = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            result["exit_code"] = self.proc.wait()
+            result["killed_server"] = True
+        result["shutdown_seconds"] = round(time.monotonic() - began, 2)
+        deadline = time.monotonic() + 10.0
+        while any(_is_alive(p) for p in self.seen.values()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        leftovers = [p for p in self.seen.values() if _is_alive(p)]
+        for proc in leftovers:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        result["killed_leftovers"] = [f"{p.pid} ({_role(p, self.proc.pid)})" for p in leftovers]
+        self.log.close()
+        if result["exit_code"] == 0 and not leftovers and result["shutdown_seconds"] < 10:
+            os.unlink(self.log.name)
+        else:
+            result["server_log"] = self.log.name
+        return result
+
+    def log_tail(self, num_bytes: int = 3000) -> str:
+        self.log.flush()
+        with open(self.log.name, "rb") as file:
+            file.seek(max(0, os.path.getsize(self.log.name) - num_bytes))
+            return file.read().decode(errors="replace")

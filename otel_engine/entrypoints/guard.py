@@ -1,0 +1,156 @@
+"""What every /v1 request passes before the app: API key, availability, body size.
+
+`ServerState` is what the guard, the routes and the runner share about one server: the
+engine, the metrics, the number of requests in flight and the drain state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from otel_engine.entrypoints.errors import APIError, draining, engine_unavailable, error_response
+from otel_engine.entrypoints.metrics import ServerMetrics
+
+if TYPE_CHECKING:
+    from otel_engine import AsyncLLM
+
+logger = logging.getLogger("otel_engine.api_server")
+
+MAX_BODY_BYTES = 4 * 1024 * 1024
+DRAIN_CANCEL_GRACE_S = 5.0  # for requests to send their 503 once the drain deadline passed
+
+
+@dataclass(slots=True)
+class ServerState:
+    """What the guard, the routes and the runner share about one server."""
+
+    engine: AsyncLLM
+    api_key: str | None = None
+    max_body_bytes: int = MAX_BODY_BYTES
+    metrics: ServerMetrics = field(default_factory=ServerMetrics)
+    num_in_flight: int = 0
+    is_draining: bool = False
+    drain_expired: asyncio.Event = field(default_factory=asyncio.Event)
+    _idle: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def unavailable(self) -> APIError | None:
+        """The 503 every new request gets, or None while the server serves."""
+        if self.engine.is_dead:
+            self.metrics.engine_healthy.set(0)
+            return engine_unavailable(self.engine.dead_error)
+        if self.is_draining:
+            return draining()
+        return None
+
+    def enter(self) -> None:
+        self.num_in_flight += 1
+        self.metrics.requests_in_flight.inc()
+        self._idle.clear()
+
+    def leave(self) -> None:
+        self.num_in_flight -= 1
+        self.metrics.requests_in_flight.dec()
+        if not self.num_in_flight:
+            self._idle.set()
+
+    async def drain(self, grace_s: float) -> None:
+        """Refuse new requests, wait up to `grace_s` for in-flight ones, then end them."""
+        self.is_draining = True
+        if await self._wait_idle(grace_s):
+            return
+        logger.warning("shutdown.drain_expired", extra={"num_in_flight": self.num_in_flight})
+        self.drain_expired.set()
+        await self._wait_idle(DRAIN_CANCEL_GRACE_S)
+
+    async def _wait_idle(self, seconds: float) -> bool:
+        if not self.num_in_flight:
+            return True
+        try:
+            async with asyncio.timeout(seconds):
+                await self._idle.wait()
+        except TimeoutError:
+            return False
+        return True
+
+
+class GuardMiddleware:
+    """Checks every /v1 request before the app sees it: API key, availability, body size.
+
+    The body is read here (up to the cap) and replayed to the app, so an oversized body is
+    refused whether or not it announced its length.
+    """
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+        self._api_key = state.api_key.encode() if state.api_key else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            await self.app(scope, receive, send)
+            return
+        self.state.enter()
+        try:
+            error = self._check_headers(scope)
+            body = b""
+            if error is None and scope["method"] in ("POST", "PUT", "PATCH"):
+                body, error = await self._read_body(receive)
+            if error is not None:
+                self.state.metrics.record_error(error.label)
+                await error_response(error)(scope, receive, send)
+                return
+            await self.app(scope, _replay(body, receive), send)
+        finally:
+            self.state.leave()
+
+    def _check_headers(self, scope: Scope) -> APIError | None:
+        headers = dict(scope["headers"])
+        if self._api_key is not None:
+            given = headers.get(b"authorization", b"")
+            if not hmac.compare_digest(given, b"Bearer " + self._api_key):
+                return APIError(401, "invalid or missing API key", code="invalid_api_key")
+        unavailable = self.state.unavailable()
+        if unavailable is not None:
+            return unavailable
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.state.max_body_bytes:
+            return _too_large(self.state.max_body_bytes)
+        return None
+
+    async def _read_body(self, receive: Receive) -> tuple[bytes, APIError | None]:
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return b"", APIError(400, "client disconnected", code="client_disconnected")
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.state.max_body_bytes:
+                return b"", _too_large(self.state.max_body_bytes)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks), None
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"request body exceeds {limit} bytes", code="request_too_large")
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    is_sent = False
+
+    async def replayed() -> Message:
+        nonlocal is_sent
+        if is_sent:
+            return await receive()
+        is_sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replayed

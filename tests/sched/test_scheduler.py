@@ -1,0 +1,481 @@
+"""The continuous-batching scheduler: chunked prefill, decode-first batches, aborts,
+preemption by recompute, and its bookkeeping invariants under long random workloads.
+
+Pure Python: the model is replaced by sampled token ids drawn from a seeded generator.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from otel_engine.sampling_params import SamplingParams
+from otel_engine.sched.kv_cache import BlockAllocator
+from otel_engine.sched.request import Request, RequestStatus
+from otel_engine.sched.scheduler import Scheduler, SchedulerOutput
+
+EOS = 0
+STOP_TOKEN = 1
+
+
+def make_scheduler(
+    num_blocks: int = 16,
+    block_size: int = 4,
+    max_num_seqs: int = 8,
+    max_num_batched_tokens: int = 16,
+    max_model_len: int | None = None,
+) -> Scheduler:
+    return Scheduler(
+        BlockAllocator(num_blocks, block_size),
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len or num_blocks * block_size,
+    )
+
+
+def make_request(request_id: str, num_prompt: int, max_tokens: int = 8, **params: object) -> Request:
+    return Request(
+        request_id,
+        [100 + i for i in range(num_prompt)],
+        SamplingParams(max_tokens=max_tokens, **params),  # type: ignore[arg-type]
+        eos_token_ids=frozenset({EOS}),
+    )
+
+
+def run_step(scheduler: Scheduler, token: int = 7) -> tuple[SchedulerOutput, list[Request]]:
+    """One schedule/update round in which every sampled token is `token`."""
+    output = scheduler.schedule()
+    sampled = [token for chunk in output.chunks if chunk.needs_sample]
+    return output, scheduler.update(output, sampled)
+
+
+# ---- behaviours --------------------------------------------------------------------------
+
+
+def test_long_prompt_is_prefilled_in_chunks() -> None:
+    """A 40-token prompt with a 16-token budget runs as 16 + 16 + 8, sampling only at the end."""
+    scheduler = make_scheduler(max_num_batched_tokens=16)
+    request = make_request("long", 40)
+    scheduler.add(request)
+
+    chunks = []
+    for _ in range(3):
+        output, updated = run_step(scheduler)
+        assert 1 == len(output.chunks)
+        chunks.append((output.chunks[0].start, output.chunks[0].num_tokens, bool(updated)))
+
+    assert [(0, 16, False), (16, 16, False), (32, 8, True)] == chunks
+    assert 1 == request.num_output_tokens
+    assert 40 == request.num_prompt_tokens
+
+
+def test_prefill_chunk_needs_sample_only_when_it_reaches_the_end() -> None:
+    """Only the chunk that completes the sequence asks for a token."""
+    scheduler = make_scheduler(max_num_batched_tokens=8)
+    scheduler.add(make_request("r", 12))
+
+    first = scheduler.schedule()
+    scheduler.update(first, [])
+    second = scheduler.schedule()
+
+    assert not first.chunks[0].needs_sample
+    assert second.chunks[0].needs_sample
+
+
+def test_decode_chunks_come_before_prefill_chunks() -> None:
+    """A batch with a running decode and a new prompt lists the decode first."""
+    scheduler = make_scheduler(max_num_batched_tokens=32)
+    scheduler.add(make_request("first", 6))
+    run_step(scheduler)
+    scheduler.add(make_request("second", 10))
+
+    output = scheduler.schedule()
+
+    assert [("first", 1), ("second", 10)] == [
+        (c.request.request_id, c.num_tokens) for c in output.chunks
+    ]
+
+
+def test_running_requests_are_served_before_waiting_ones() -> None:
+    """The budget goes to the running prefill first; the newcomer gets what is left."""
+    scheduler = make_scheduler(max_num_batched_tokens=10)
+    scheduler.add(make_request("first", 25))
+    run_step(scheduler)
+    scheduler.add(make_request("second", 25))
+
+    output = scheduler.schedule()
+
+    assert [("first", 10, 10)] == [
+        (c.request.request_id, c.start, c.num_tokens) for c in output.chunks
+    ]
+
+
+def test_budget_is_shared_across_waiting_requests() -> None:
+    """Three short prompts fit one step; a fourth is cut to the remaining budget."""
+    scheduler = make_scheduler(max_num_batched_tokens=16)
+    for index in range(4):
+        scheduler.add(make_request(f"r{index}", 5))
+
+    output = scheduler.schedule()
+
+    assert {"r0": 5, "r1": 5, "r2": 5, "r3": 1} == {
+        c.request.request_id: c.num_tokens for c in output.chunks
+    }
+    assert 16 == output.num_batched_tokens
+
+
+def test_max_num_seqs_limits_running_requests() -> None:
+    """With max_num_seqs=2 the third request waits even though budget and cache allow it."""
+    scheduler = make_scheduler(max_num_seqs=2, max_num_batched_tokens=64)
+    for index in range(3):
+        scheduler.add(make_request(f"r{index}", 4))
+
+    run_step(scheduler)
+
+    assert 2 == scheduler.num_running
+    assert 1 == scheduler.num_waiting
+
+
+def test_request_waits_when_cache_is_full() -> None:
+    """A prompt whose first chunk needs more blocks than are free stays queued."""
+    scheduler = make_scheduler(num_blocks=4, block_size=4, max_num_batched_tokens=64)
+    scheduler.add(make_request("big", 12))
+    scheduler.add(make_request("next", 8))
+
+    output = scheduler.schedule()
+
+    assert ["big"] == [c.request.request_id for c in output.chunks]
+    assert ["next"] == [r.request_id for r in scheduler.waiting]
+
+
+def test_finishing_by_max_tokens_frees_blocks() -> None:
+    """After max_tokens samples the request is finished by length and owns no block."""
+    scheduler = make_scheduler()
+    request = make_request("r", 5, max_tokens=3)
+    scheduler.add(request)
+
+    for _ in range(3):
+        run_step(scheduler)
+
+    assert RequestStatus.FINISHED_LENGTH == request.status
+    assert "length" == request.finish_reason
+    assert [] == request.block_ids
+    assert 16 == scheduler.allocator.num_free_blocks
+    assert not scheduler.has_unfinished
+
+
+def test_eos_finishes_unless_ignored() -> None:
+    """EOS stops a request; with ignore_eos it keeps going."""
+    scheduler = make_scheduler()
+    stops = make_request("stops", 3)
+    ignores = make_request("ignores", 3, ignore_eos=True)
+    scheduler.add(stops)
+    scheduler.add(ignores)
+
+    run_step(scheduler, token=EOS)
+
+    assert RequestStatus.FINISHED_STOPPED == stops.status
+    assert stops.stop_reason is None
+    assert RequestStatus.RUNNING == ignores.status
+
+
+def test_stop_token_id_finishes_with_its_id() -> None:
+    """A stop token id finishes the request and is reported as the stop reason."""
+    scheduler = make_scheduler()
+    request = make_request("r", 3, stop_token_ids=(STOP_TOKEN,))
+    scheduler.add(request)
+
+    run_step(scheduler, token=STOP_TOKEN)
+
+    assert "stop" == request.finish_reason
+    assert STOP_TOKEN == request.stop_reason
+
+
+def test_max_model_len_finishes_by_length() -> None:
+    """A sequence that reaches max_model_len ends even below max_tokens."""
+    scheduler = make_scheduler(max_model_len=6)
+    request = make_request("r", 4, max_tokens=10)
+    scheduler.add(request)
+
+    run_step(scheduler)
+    run_step(scheduler)
+
+    assert RequestStatus.FINISHED_LENGTH == request.status
+    assert 6 == request.num_tokens
+
+
+def test_abort_running_request_frees_blocks_at_once() -> None:
+    """Aborting a running request returns its blocks before the next step."""
+    scheduler = make_scheduler()
+    request = make_request("r", 9)
+    scheduler.add(request)
+    run_step(scheduler)
+    assert request.block_ids
+
+    aborted = scheduler.abort(["r"])
+
+    assert [request] == aborted
+    assert RequestStatus.FINISHED_ABORTED == request.status
+    assert [] == request.block_ids
+    assert 16 == scheduler.allocator.num_free_blocks
+    assert [] == scheduler.running
+    assert not scheduler.has_unfinished
+
+
+def test_abort_waiting_request_removes_it_from_the_queue() -> None:
+    """A queued request can be aborted before it ever runs."""
+    scheduler = make_scheduler()
+    scheduler.add(make_request("r", 4))
+
+    scheduler.abort(["r"])
+
+    assert 0 == scheduler.num_waiting
+    assert scheduler.schedule().is_empty
+
+
+def test_abort_unknown_id_is_ignored() -> None:
+    """Unknown and already finished ids are skipped without error."""
+    scheduler = make_scheduler()
+    scheduler.add(make_request("r", 4))
+
+    assert [] == scheduler.abort(["nope"])
+    assert 1 == scheduler.num_waiting
+
+
+def test_abort_between_schedule_and_update_skips_its_sample() -> None:
+    """A request aborted mid-step gets no token; the others still get theirs, in order."""
+    scheduler = make_scheduler(max_num_batched_tokens=32)
+    first, second = make_request("a", 4), make_request("b", 4)
+    scheduler.add(first)
+    scheduler.add(second)
+    output = scheduler.schedule()
+
+    scheduler.abort(["a"])
+    updated = scheduler.update(output, [11, 22])
+
+    assert [second] == updated
+    assert [] == first.output_token_ids
+    assert [22] == second.output_token_ids
+
+
+def test_duplicate_request_id_is_rejected() -> None:
+    """Two live requests cannot share an id."""
+    scheduler = make_scheduler()
+    scheduler.add(make_request("r", 4))
+
+    with pytest.raises(ValueError, match="duplicate"):
+        scheduler.add(make_request("r", 4))
+
+
+def test_preemption_evicts_the_latest_running_request() -> None:
+    """When a decode cannot grow, the last running request loses its blocks and goes back
+    to the front of the queue with its progress reset; nothing new is admitted that step."""
+    scheduler = make_scheduler(num_blocks=4, block_size=4, max_num_batched_tokens=64)
+    first, second = make_request("first", 8), make_request("second", 8)
+    scheduler.add(first)
+    scheduler.add(second)
+    run_step(scheduler)  # both prefilled: 2 blocks each, cache full
+    scheduler.add(make_request("third", 1))
+
+    output, _ = run_step(scheduler)
+
+    assert ["second"] == output.preempted_request_ids
+    assert ["first"] == [c.request.request_id for c in output.chunks]
+    assert RequestStatus.PREEMPTED == second.status
+    assert (0, [], 1) == (second.num_computed_tokens, second.block_ids, second.num_preemptions)
+    assert ["second", "third"] == [r.request_id for r in scheduler.waiting]
+    assert 1 == scheduler.num_preemptions
+
+
+def test_preempted_request_recomputes_prompt_and_outputs() -> None:
+    """On re-admission the request prefills prompt plus generated tokens, from position 0."""
+    scheduler = make_scheduler(num_blocks=4, block_size=4, max_num_batched_tokens=64)
+    first = make_request("first", 8, max_tokens=2)
+    second = make_request("second", 8)
+    scheduler.add(first)
+    scheduler.add(second)
+    run_step(scheduler)
+    run_step(scheduler)  # second preempted, holding one output token
+    assert 1 == second.num_output_tokens
+
+    output, updated = run_step(scheduler)  # first finishes: its blocks free up
+    output, updated = run_step(scheduler)
+
+    assert [(second, 0, 9)] == [(c.request, c.start, c.num_tokens) for c in output.chunks]
+    assert [second] == updated
+    assert 2 == second.num_output_tokens
+
+
+def test_preempting_the_only_request_schedules_nothing_for_it() -> None:
+    """A request that cannot grow while it is alone preempts itself and waits."""
+    scheduler = make_scheduler(num_blocks=2, block_size=2, max_num_batched_tokens=64)
+    request = make_request("r", 4, max_tokens=4)
+    scheduler.add(request)
+    run_step(scheduler)
+
+    output = scheduler.schedule()
+
+    assert ["r"] == output.preempted_request_ids
+    assert output.is_empty
+
+
+# ---- invariants under random workloads ---------------------------------------------------
+
+
+@dataclass
+class Workload:
+    """Knobs of one randomized run."""
+
+    seed: int
+    num_blocks: int = 24
+    block_size: int = 4
+    max_num_seqs: int = 6
+    max_num_batched_tokens: int = 24
+    num_steps: int = 1200
+    add_probability: float = 0.35
+    abort_probability: float = 0.05
+    mid_step_abort_probability: float = 0.02
+    stats: dict[str, int] = field(default_factory=dict)
+
+
+def check_invariants(scheduler: Scheduler) -> None:
+    """No block leaked or double-owned; queues and statuses agree with each other."""
+    allocator = scheduler.allocator
+    owned = [b for r in scheduler.requests.values() for b in r.block_ids]
+    free = list(allocator._free)  # the allocator's free list is what we audit
+    assert len(owned) == len(set(owned)), "a block is owned twice"
+    assert len(free) == len(set(free)), "a block is free twice"
+    assert sorted(owned + free) == list(range(allocator.num_blocks)), "a block leaked"
+
+    running_ids = [r.request_id for r in scheduler.running]
+    waiting_ids = [r.request_id for r in scheduler.waiting]
+    assert len(running_ids) == len(set(running_ids))
+    assert len(waiting_ids) == len(set(waiting_ids))
+    assert sorted(running_ids + waiting_ids) == sorted(scheduler.requests)
+    assert len(scheduler.running) <= scheduler.max_num_seqs
+    for request in scheduler.running:
+        assert RequestStatus.RUNNING == request.status
+        assert 0 < request.num_computed_tokens < request.num_tokens + 1
+        assert len(request.block_ids) * allocator.block_size >= request.num_computed_tokens
+    for request in scheduler.waiting:
+        assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+        assert (0, []) == (request.num_computed_tokens, request.block_ids)
+
+
+def check_output(scheduler: Scheduler, output: SchedulerOutput) -> None:
+    """The batch respects the budgets, covers each request once, and lists decodes first."""
+    assert output.num_batched_tokens <= scheduler.max_num_batched_tokens
+    assert len(output.chunks) <= scheduler.max_num_seqs
+    ids = [c.request.request_id for c in output.chunks]
+    assert len(ids) == len(set(ids))
+    sizes = [c.num_tokens for c in output.chunks]
+    assert sizes == sorted(sizes, key=lambda n: n > 1)
+    block_size = scheduler.allocator.block_size
+    for chunk in output.chunks:
+        request = chunk.request
+        assert RequestStatus.RUNNING == request.status
+        assert request.num_computed_tokens == chunk.start
+        assert 0 < chunk.num_tokens
+        assert chunk.start + chunk.num_tokens <= request.num_tokens
+        assert len(request.block_ids) * block_size >= chunk.start + chunk.num_tokens
+    for request_id in output.preempted_request_ids:
+        assert request_id not in ids
+
+
+def new_request(rng: random.Random, request_id: str, max_len: int) -> Request:
+    num_prompt = rng.randint(1, max(1, max_len // 2))
+    max_tokens = rng.randint(1, max(1, min(24, max_len - num_prompt)))
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        ignore_eos=rng.random() < 0.5,
+        stop_token_ids=(STOP_TOKEN,) if rng.random() < 0.3 else (),
+    )
+    prompt = [rng.randrange(2, 500) for _ in range(num_prompt)]
+    return Request(request_id, prompt, params, eos_token_ids=frozenset({EOS}))
+
+
+def sample_tokens(rng: random.Random, count: int) -> list[int]:
+    return [rng.choice((EOS, STOP_TOKEN)) if rng.random() < 0.04 else rng.randrange(2, 500)
+            for _ in range(count)]
+
+
+def run_workload(work: Workload) -> dict[str, int]:
+    """Random adds, aborts (between steps and mid-step), schedules and updates; then drain."""
+    rng = random.Random(work.seed)
+    max_len = work.num_blocks * work.block_size
+    scheduler = make_scheduler(
+        work.num_blocks, work.block_size, work.max_num_seqs, work.max_num_batched_tokens, max_len
+    )
+    everyone: dict[str, Request] = {}
+    stats = {"steps": 0, "aborts": 0, "preemptions": 0, "chunked": 0}
+    step = 0
+    while step < work.num_steps or scheduler.has_unfinished:
+        step += 1
+        assert step < work.num_steps + 20_000, "the scheduler stopped making progress"
+        if step < work.num_steps and rng.random() < work.add_probability:
+            request = new_request(rng, f"r{len(everyone)}", max_len)
+            everyone[request.request_id] = request
+            scheduler.add(request)
+        if step < work.num_steps and scheduler.requests and rng.random() < work.abort_probability:
+            stats["aborts"] += len(scheduler.abort([rng.choice(sorted(scheduler.requests))]))
+        check_invariants(scheduler)
+        output = scheduler.schedule()
+        check_output(scheduler, output)
+        stats["preemptions"] += len(output.preempted_request_ids)
+        stats["chunked"] += sum(1 for c in output.chunks if c.num_tokens > 1 and c.start > 0)
+        if output.chunks and rng.random() < work.mid_step_abort_probability:
+            stats["aborts"] += len(scheduler.abort([output.chunks[-1].request.request_id]))
+        num_samples = sum(1 for c in output.chunks if c.needs_sample)
+        updated = scheduler.update(output, sample_tokens(rng, num_samples))
+        for request in updated:
+            assert request.num_output_tokens <= request.sampling_params.max_tokens
+            assert request.num_tokens <= max_len
+        check_invariants(scheduler)
+        stats["steps"] += 1
+    assert all(r.status.is_finished for r in everyone.values())
+    assert all(r.block_ids == [] for r in everyone.values())
+    assert work.num_blocks == scheduler.allocator.num_free_blocks
+    assert (0, 0) == (scheduler.num_running, scheduler.num_waiting)
+    stats["requests"] = len(everyone)
+    return stats
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_workload_keeps_invariants(seed: int) -> None:
+    """1,200+ random steps with a small cache: no leak, no double ownership, budgets held,
+    every request ends finished or aborted and every block is free at the end."""
+    stats = run_workload(Workload(seed=seed))
+
+    assert stats["steps"] >= 1200
+    assert stats["requests"] > 300
+    assert stats["preemptions"] > 0
+    assert stats["aborts"] > 0
+    assert stats["chunked"] > 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    block_size=st.sampled_from([1, 2, 4, 8]),
+    num_blocks=st.integers(2, 32),
+    max_num_seqs=st.integers(1, 8),
+    max_num_batched_tokens=st.integers(1, 48),
+)
+def test_random_configs_keep_invariants(
+    seed: int, block_size: int, num_blocks: int, max_num_seqs: int, max_num_batched_tokens: int
+) -> None:
+    """The same invariants hold for any cache size, block size and budget."""
+    work = Workload(
+        seed=seed,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        num_steps=150,
+    )
+
+    run_workload(work)
