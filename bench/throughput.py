@@ -23,6 +23,7 @@ import platform
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from common import (
@@ -38,6 +39,22 @@ from common import (
 SEED = 1234
 
 
+def measure(phase: str, batch: int, run_once: Callable[[], int],
+            repeat: int) -> dict[str, Any]:
+    """Run `run_once` (which returns output tokens) `repeat` times; keep the fastest run."""
+    runs = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        tokens = run_once()
+        wall = time.perf_counter() - start
+        runs.append({"batch": batch, "output_tokens": tokens, "wall_s": round(wall, 2),
+                     "tok_s": round(tokens / wall, 1)})
+        print(f"[{phase}] batch {batch:>3}: {tokens} tokens in {wall:.2f} s = "
+              f"{tokens / wall:.1f} tok/s", flush=True)
+    best = max(runs, key=lambda r: r["tok_s"])
+    return {**best, "runs_tok_s": [r["tok_s"] for r in runs]}
+
+
 def run_offline(args: argparse.Namespace, vocab_size: int) -> list[dict[str, Any]]:
     from otel_engine import LLM, SamplingParams
 
@@ -50,14 +67,12 @@ def run_offline(args: argparse.Namespace, vocab_size: int) -> list[dict[str, Any
         llm.generate(warmup, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
         for batch in args.batch_sizes:
             prompts = random_prompts(batch, args.prompt_len, vocab_size, SEED + batch)
-            start = time.perf_counter()
-            outputs = llm.generate(prompts, params)
-            wall = time.perf_counter() - start
-            tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-            results.append({"batch": batch, "output_tokens": tokens, "wall_s": round(wall, 2),
-                            "tok_s": round(tokens / wall, 1)})
-            print(f"[offline] batch {batch:>3}: {tokens} tokens in {wall:.2f} s = "
-                  f"{tokens / wall:.1f} tok/s", flush=True)
+
+            def run_once(prompts: list[list[int]] = prompts) -> int:
+                outputs = llm.generate(prompts, params)
+                return sum(len(o.outputs[0].token_ids) for o in outputs)
+
+            results.append(measure("offline", batch, run_once, args.repeat))
     return results
 
 
@@ -84,13 +99,8 @@ def run_hf(args: argparse.Namespace, model_dir: str, vocab_size: int) -> list[di
     results = []
     for batch in args.batch_sizes:
         prompts = random_prompts(batch, args.prompt_len, vocab_size, SEED + batch)
-        start = time.perf_counter()
-        tokens = generate(prompts, args.output_len)
-        wall = time.perf_counter() - start
-        results.append({"batch": batch, "output_tokens": tokens, "wall_s": round(wall, 2),
-                        "tok_s": round(tokens / wall, 1)})
-        print(f"[hf] batch {batch:>3}: {tokens} tokens in {wall:.2f} s = "
-              f"{tokens / wall:.1f} tok/s", flush=True)
+        results.append(measure("hf", batch, lambda p=prompts: generate(p, args.output_len),
+                               args.repeat))
     return results
 
 
@@ -196,8 +206,9 @@ def run_http(args: argparse.Namespace, vocab_size: int) -> dict[str, Any]:
 
 def print_summary(report: dict[str, Any]) -> None:
     print(f"\n== summary: {report['model']} ({report['dtype']}), prompt {report['prompt_len']} "
-          f"+ output {report['output_len']} tokens; load before {report['load_before']}, "
-          f"after {report['load_after']}")
+          f"+ output {report['output_len']} tokens, {report['cpu_count']} CPUs")
+    print(f"CPU busy before start {report['cpu_busy_before_pct']:.0f}%; load averages (1/5/15 "
+          f"min): " + "; ".join(f"{k} {v}" for k, v in report["load"].items()))
     offline = {r["batch"]: r for r in report.get("offline", [])}
     hf = {r["batch"]: r for r in report.get("hf", [])}
     http = {r["concurrency"]: r for r in report.get("http", {}).get("levels", [])}
@@ -238,6 +249,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="HTTP requests per level = this x concurrency (at least "
                         "--min-requests)")
     parser.add_argument("--min-requests", type=int, default=4)
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="measure each offline and HF batch this many times; keep the best")
     parser.add_argument("--startup-timeout", type=float, default=600.0)
     parser.add_argument("--skip-offline", action="store_true")
     parser.add_argument("--skip-hf", action="store_true")
@@ -250,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    import psutil
     import torch
 
     from otel_engine.model.loader import default_model_path, load_model_arch, prepare_model_dir
@@ -261,14 +275,19 @@ def main(argv: list[str] | None = None) -> int:
         "batch_sizes": args.batch_sizes, "prompt_len": args.prompt_len,
         "output_len": args.output_len, "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
-        "python": platform.python_version(), "load_before": _load()}
+        "python": platform.python_version(),
+        "cpu_busy_before_pct": psutil.cpu_percent(interval=1.0), "load": {"start": _load()}}
+    print(f"CPU busy before start: {report['cpu_busy_before_pct']:.0f}%, load average "
+          f"{report['load']['start']}", flush=True)
     if not args.skip_offline:
         report["offline"] = run_offline(args, vocab_size)
+        report["load"]["after_offline"] = _load()
     if not args.skip_hf:
         report["hf"] = run_hf(args, model_dir, vocab_size)
+        report["load"]["after_hf"] = _load()
     if not args.skip_http:
         report["http"] = run_http(args, vocab_size)
-    report["load_after"] = _load()
+        report["load"]["after_http"] = _load()
     print_summary(report)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as file:

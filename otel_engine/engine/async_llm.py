@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 import weakref
 from collections.abc import AsyncIterator
 from typing import Any
@@ -51,10 +52,16 @@ class AsyncLLM:
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped = threading.Event()
+        self.last_progress_at = time.monotonic()
         client = self._frontend.client
         assert isinstance(client, MPClient)
         self._client = client
-        self._io_thread = threading.Thread(target=self._pump_outputs, name="core-output-io", daemon=True)
+        self._io_thread = threading.Thread(
+            target=_pump_outputs,
+            args=(weakref.ref(self), client, self._stopped),
+            name="core-output-io",
+            daemon=True,
+        )
         self._io_thread.start()
         self._finalizer = weakref.finalize(self, _shutdown, self._stopped, self._frontend, self._io_thread)
 
@@ -65,6 +72,13 @@ class AsyncLLM:
     @property
     def num_in_flight(self) -> int:
         return len(self._queues)
+
+    @property
+    def is_stalled(self) -> bool:
+        """Work is pending but no step finished within the step watchdog's window."""
+        if not self._queues:
+            return False
+        return time.monotonic() - self.last_progress_at > self.config.timeouts.step_timeout
 
     def encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         return self._frontend.inputs.encode(prompt, add_special_tokens)
@@ -88,6 +102,8 @@ class AsyncLLM:
             raise RuntimeError("AsyncLLM is bound to the event loop of its first request")
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._frontend.add_request(request_id, prompt, params)
+        if not self._queues:
+            self.last_progress_at = time.monotonic()
         self._queues[request_id] = queue
         finished = False
         try:
@@ -109,17 +125,6 @@ class AsyncLLM:
         if queue is not None:
             queue.put_nowait(asyncio.CancelledError(f"request {request_id} aborted"))
 
-    def _pump_outputs(self) -> None:
-        """Thread `core-output-io`: receive frames, hand them to the event loop."""
-        while not self._stopped.is_set():
-            output = self._client.get_output()
-            if output is None or self._loop is None:
-                continue
-            if isinstance(output, EngineDead):
-                self._call_in_loop(self._fail_all, output.error)
-                return
-            self._call_in_loop(self._deliver, output)
-
     def _call_in_loop(self, function: Any, argument: Any) -> None:
         loop = self._loop
         if loop is not None and not loop.is_closed():
@@ -129,6 +134,7 @@ class AsyncLLM:
                 pass
 
     def _deliver(self, step: StepOutputs) -> None:
+        self.last_progress_at = time.monotonic()
         results, to_abort = self._frontend.outputs.process(step)
         if to_abort:
             self._client.abort_requests(to_abort)
@@ -153,6 +159,24 @@ class AsyncLLM:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _pump_outputs(ref: weakref.ref[AsyncLLM], client: MPClient, stopped: threading.Event) -> None:
+    """Thread `core-output-io`: receive frames, hand them to the event loop.
+
+    Holds only a weak reference, so an AsyncLLM that is dropped can still be collected.
+    """
+    while not stopped.is_set():
+        output = client.get_output()
+        llm = ref()
+        if llm is None:
+            return
+        if output is not None and llm._loop is not None:
+            if isinstance(output, EngineDead):
+                llm._call_in_loop(llm._fail_all, output.error)
+                return
+            llm._call_in_loop(llm._deliver, output)
+        del llm
 
 
 def _shutdown(stopped: threading.Event, frontend: Frontend, io_thread: threading.Thread) -> None:

@@ -71,7 +71,7 @@ class EngineCore:
 
     def step(self) -> StepOutputs:
         scheduler = self.scheduler
-        self.step_started_at = time.monotonic()
+        started = self.step_started_at = time.monotonic()
         output = scheduler.schedule()
         self.current_step_id = output.step_id
         sampled: list[int] = []
@@ -83,7 +83,8 @@ class EngineCore:
             updated = scheduler.update(output, sampled)
         finally:
             self.step_started_at = None
-        self.last_step_at = time.monotonic()
+        now = time.monotonic()
+        self.last_step_at = now
         return StepOutputs(
             step_id=output.step_id,
             updates=[
@@ -100,6 +101,8 @@ class EngineCore:
             num_waiting=scheduler.num_waiting,
             kv_cache_usage=scheduler.allocator.usage,
             num_preemptions=len(output.preempted_request_ids),
+            num_batched_tokens=output.num_batched_tokens,
+            step_duration_s=now - started,
         )
 
     def shutdown(self) -> None:

@@ -86,7 +86,9 @@ class StepOutputs(msgspec.Struct, frozen=True, tag="outputs", array_like=True):
     num_running: int = 0
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
-    num_preemptions: int = 0
+    num_preemptions: int = 0  # preemptions during this step
+    num_batched_tokens: int = 0
+    step_duration_s: float = 0.0
 
 
 class EngineDead(msgspec.Struct, frozen=True, tag="dead", array_like=True):

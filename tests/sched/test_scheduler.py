@@ -7,7 +7,7 @@ Pure Python: the model is replaced by sampled token ids drawn from a seeded gene
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pytest
 from hypothesis import given, settings
@@ -299,10 +299,9 @@ def test_preempted_request_recomputes_prompt_and_outputs() -> None:
     scheduler.add(first)
     scheduler.add(second)
     run_step(scheduler)
-    run_step(scheduler)  # second preempted, holding one output token
-    assert 1 == second.num_output_tokens
+    run_step(scheduler)  # second is preempted holding one output token; first finishes
+    assert (1, "length") == (second.num_output_tokens, first.finish_reason)
 
-    output, updated = run_step(scheduler)  # first finishes: its blocks free up
     output, updated = run_step(scheduler)
 
     assert [(second, 0, 9)] == [(c.request, c.start, c.num_tokens) for c in output.chunks]
@@ -310,17 +309,20 @@ def test_preempted_request_recomputes_prompt_and_outputs() -> None:
     assert 2 == second.num_output_tokens
 
 
-def test_preempting_the_only_request_schedules_nothing_for_it() -> None:
-    """A request that cannot grow while it is alone preempts itself and waits."""
-    scheduler = make_scheduler(num_blocks=2, block_size=2, max_num_batched_tokens=64)
-    request = make_request("r", 4, max_tokens=4)
-    scheduler.add(request)
-    run_step(scheduler)
+def test_request_that_cannot_grow_may_preempt_itself() -> None:
+    """When the latest running request is the one that needs a block, it is the victim:
+    the requests before it keep their chunks."""
+    scheduler = make_scheduler(num_blocks=4, block_size=4, max_num_batched_tokens=64)
+    first, second = make_request("first", 7), make_request("second", 8)
+    scheduler.add(first)
+    scheduler.add(second)
+    run_step(scheduler)  # first holds 8 slots for 8 tokens, second needs a third block
 
     output = scheduler.schedule()
 
-    assert ["r"] == output.preempted_request_ids
-    assert output.is_empty
+    assert ["second"] == output.preempted_request_ids
+    assert [(first, 7, 1)] == [(c.request, c.start, c.num_tokens) for c in output.chunks]
+    assert [first] == scheduler.running
 
 
 # ---- invariants under random workloads ---------------------------------------------------
@@ -339,7 +341,6 @@ class Workload:
     add_probability: float = 0.35
     abort_probability: float = 0.05
     mid_step_abort_probability: float = 0.02
-    stats: dict[str, int] = field(default_factory=dict)
 
 
 def check_invariants(scheduler: Scheduler) -> None:
