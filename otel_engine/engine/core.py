@@ -51,7 +51,8 @@ class EngineCore:
     def add_request(self, message: AddRequest) -> RequestUpdate | None:
         """Queue a request; a request the engine can never run is finished as aborted."""
         num_tokens = len(message.prompt_token_ids) + message.sampling_params.max_tokens
-        if not message.prompt_token_ids or num_tokens > self.limits.max_model_len:
+        is_duplicate = message.request_id in self.scheduler.requests
+        if is_duplicate or not message.prompt_token_ids or num_tokens > self.limits.max_model_len:
             logger.warning("request.rejected", extra={"request_id": message.request_id})
             return RequestUpdate(message.request_id, [], finish_reason="abort")
         self.scheduler.add(

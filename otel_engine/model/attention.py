@@ -103,7 +103,7 @@ def paged_attention(
     v_slots = v_cache.view(num_kv_heads, -1, head_dim)
     k_slots.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
     v_slots.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     batch = meta.num_decodes
     if batch:
         assert meta.decode_blocks is not None and meta.decode_mask is not None

@@ -60,13 +60,11 @@ class RotaryEmbedding:
         self.sin = (emb.sin() * attention_factor).to(dtype=dtype, device=device)
         self.half = head_dim // 2
 
-    def __call__(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q [T, Hq, D] and k [T, Hkv, D] by their token positions."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin rows for this step's positions, [T, 1, D]; done once per step."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
-    def _rotate_half(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat((-x[..., self.half :], x[..., : self.half]), dim=-1)
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate x [T, H, D] (q and k heads together) by their positions."""
+        rotated = torch.cat((-x[..., self.half :], x[..., : self.half]), dim=-1)
+        return x * cos + rotated * sin

@@ -140,14 +140,14 @@ class LlamaModel:
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         hidden = F.embedding(input_ids, self.embed)
+        cos, sin = self.rotary.lookup(positions)
+        num_qk_heads = self.num_heads + self.num_kv_heads
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             x = rms_norm(hidden, layer.input_norm, eps)
             qkv = F.linear(x, layer.qkv, layer.qkv_bias)
-            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-            q = q.view(-1, self.num_heads, self.head_dim)
-            k = k.view(-1, self.num_kv_heads, self.head_dim)
-            v = v.view(-1, self.num_kv_heads, self.head_dim)
-            q, k = self.rotary(positions, q, k)
+            qk = qkv[:, : q_size + kv_size].view(-1, num_qk_heads, self.head_dim)
+            q, k = self.rotary.apply(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+            v = qkv[:, q_size + kv_size :].view(-1, self.num_kv_heads, self.head_dim)
             attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
             hidden = hidden + self._all_reduce(F.linear(attn, layer.o_proj))
             x = rms_norm(hidden, layer.post_norm, eps)

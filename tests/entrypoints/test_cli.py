@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import socket
@@ -49,8 +50,8 @@ def _keep_test_logging(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _flags(command: str) -> set[str]:
     parser = build_parser()
-    sub = next(a for a in parser._actions if isinstance(a, type(parser._subparsers._actions[-1])))
-    return {opt for action in sub.choices[command]._actions for opt in action.option_strings}
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return {opt for action in commands.choices[command]._actions for opt in action.option_strings}
 
 
 def _run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:

@@ -1,0 +1,207 @@
+"""The front end's output processor: incremental detokenization (multi-byte safe), stop
+strings cut from the text and never streamed in part, and finish reasons."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from otel_engine.engine.output import OutputProcessor
+from otel_engine.ipc.messages import RequestUpdate, StepOutputs
+from otel_engine.model.loader import load_tokenizer
+from otel_engine.outputs import RequestOutput
+from otel_engine.sampling_params import SamplingParams
+from tests.helpers.tiny_model import IM_END
+
+MULTIBYTE = "héllo wörld 世界 🌍"
+UNSEEN = "東京 🎉 ñandú Ωmega"  # characters the tokenizer never saw: split into bytes
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir: str) -> Any:
+    return load_tokenizer(tiny_model_dir)
+
+
+def encode(tokenizer: Any, text: str) -> list[int]:
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def feed(
+    processor: OutputProcessor,
+    token_ids: list[int],
+    *,
+    request_id: str = "r",
+    last_finish: str | None = None,
+) -> tuple[list[RequestOutput], list[str]]:
+    """Send token ids one step at a time; the last update carries `last_finish`."""
+    outputs: list[RequestOutput] = []
+    aborts: list[str] = []
+    for index, token_id in enumerate(token_ids):
+        finish = last_finish if index == len(token_ids) - 1 else None
+        step = StepOutputs(step_id=index + 1, updates=[RequestUpdate(request_id, [token_id], finish)])
+        results, to_abort = processor.process(step)
+        outputs += results
+        aborts += to_abort
+        if results and results[-1].finished:
+            break
+    return outputs, aborts
+
+
+def start(tokenizer: Any, params: SamplingParams, request_id: str = "r") -> OutputProcessor:
+    processor = OutputProcessor(tokenizer)
+    processor.add(request_id, [1, 2, 3], params, "prompt", time.time())
+    return processor
+
+
+def deltas(outputs: list[RequestOutput]) -> str:
+    return "".join(o.outputs[0].delta_text for o in outputs)
+
+
+@pytest.mark.parametrize("text", [MULTIBYTE, UNSEEN])
+def test_multibyte_text_decodes_one_token_at_a_time(tokenizer: Any, text: str) -> None:
+    """Fed one token per step, the deltas add up to the full decode, with no broken characters."""
+    token_ids = encode(tokenizer, text)
+    processor = start(tokenizer, SamplingParams(max_tokens=64))
+
+    outputs, _ = feed(processor, token_ids, last_finish="length")
+
+    assert tokenizer.decode(token_ids) == deltas(outputs)
+    assert text == outputs[-1].outputs[0].text
+    assert all("\ufffd" not in o.outputs[0].delta_text for o in outputs)
+
+
+def test_unseen_characters_span_several_tokens(tokenizer: Any) -> None:
+    """The test text above really splits characters: some tokens alone are not valid UTF-8."""
+    token_ids = encode(tokenizer, UNSEEN)
+
+    assert any("\ufffd" in tokenizer.decode([t]) for t in token_ids)
+
+
+def test_text_and_token_ids_are_cumulative(tokenizer: Any) -> None:
+    """Each output's text and token ids extend the previous output's."""
+    token_ids = encode(tokenizer, "The engine schedules requests in steps.")
+    processor = start(tokenizer, SamplingParams(max_tokens=64))
+
+    outputs, _ = feed(processor, token_ids, last_finish="length")
+
+    for before, after in zip(outputs, outputs[1:], strict=False):
+        assert after.outputs[0].text.startswith(before.outputs[0].text)
+    assert token_ids == outputs[-1].outputs[0].token_ids
+    assert token_ids == [t for o in outputs for t in o.outputs[0].delta_token_ids]
+
+
+def test_engine_finish_reason_passes_through(tokenizer: Any) -> None:
+    """A finish reason from the engine ends the request; the state is dropped."""
+    processor = start(tokenizer, SamplingParams(max_tokens=3))
+
+    outputs, aborts = feed(processor, encode(tokenizer, "one two three"), last_finish="length")
+
+    assert [False] * (len(outputs) - 1) + [True] == [o.finished for o in outputs]
+    assert "length" == outputs[-1].outputs[0].finish_reason
+    assert [] == aborts
+    assert {} == processor.states
+
+
+def test_stop_string_is_cut_and_reported(tokenizer: Any) -> None:
+    """The text ends before the stop string; finish reason "stop" names it; the engine is
+    asked to abort the request."""
+    text = "The engine schedules requests in steps."
+    processor = start(tokenizer, SamplingParams(max_tokens=64, stop=("requests",)))
+
+    outputs, aborts = feed(processor, encode(tokenizer, text))
+
+    final = outputs[-1].outputs[0]
+    assert "The engine schedules " == final.text
+    assert ("stop", "requests") == (final.finish_reason, final.stop_reason)
+    assert ["r"] == aborts
+    assert final.text == deltas(outputs)
+
+
+def test_partial_stop_string_is_never_streamed(tokenizer: Any) -> None:
+    """A stop string spread over several tokens: nothing of it appears in any delta."""
+    text = "héllo wörld 世界 🌍 naïve café"
+    stop = "wörld 世"
+    processor = start(tokenizer, SamplingParams(max_tokens=64, stop=(stop,)))
+
+    outputs, _ = feed(processor, encode(tokenizer, text))
+
+    final_text = outputs[-1].outputs[0].text
+    assert "héllo " == final_text
+    for output in outputs:
+        assert final_text.startswith(output.outputs[0].text)
+    assert final_text == deltas(outputs)
+
+
+def test_held_back_text_is_released_when_no_stop_follows(tokenizer: Any) -> None:
+    """A suffix that looks like the start of a stop string is held, then released."""
+    text = "héllo wörld 世界 🌍"
+    processor = start(tokenizer, SamplingParams(max_tokens=64, stop=("wörlx",)))
+
+    outputs, _ = feed(processor, encode(tokenizer, text), last_finish="length")
+
+    decoded = [tokenizer.decode(o.outputs[0].token_ids) for o in outputs]
+    assert any(len(o.outputs[0].text) < len(d) for o, d in zip(outputs, decoded, strict=True))
+    assert text == deltas(outputs)
+    assert "length" == outputs[-1].outputs[0].finish_reason
+
+
+def test_earliest_of_several_stop_strings_wins(tokenizer: Any) -> None:
+    """With two stop strings in the text, the cut is at the one that starts first."""
+    text = "A quick brown fox jumps over the lazy dog."
+    processor = start(tokenizer, SamplingParams(max_tokens=64, stop=("lazy", "brown")))
+
+    outputs, _ = feed(processor, encode(tokenizer, text))
+
+    assert ("A quick ", "brown") == (outputs[-1].outputs[0].text, outputs[-1].outputs[0].stop_reason)
+
+
+def test_stop_string_on_the_engines_last_token_is_not_aborted(tokenizer: Any) -> None:
+    """When the engine already finished the request, a stop match changes the reason only."""
+    processor = start(tokenizer, SamplingParams(max_tokens=3, stop=("fox",)))
+
+    outputs, aborts = feed(processor, encode(tokenizer, "A quick brown fox"), last_finish="length")
+
+    assert [] == aborts
+    assert ("stop", "fox") == (outputs[-1].outputs[0].finish_reason, outputs[-1].outputs[0].stop_reason)
+
+
+@pytest.mark.parametrize(("skip", "expected"), [(True, "hi"), (False, f"hi{IM_END}")])
+def test_special_tokens_follow_skip_special_tokens(tokenizer: Any, skip: bool, expected: str) -> None:
+    """The end-of-turn token is dropped from the text only when skip_special_tokens is set."""
+    token_ids = [*encode(tokenizer, "hi"), tokenizer.convert_tokens_to_ids(IM_END)]
+    processor = start(tokenizer, SamplingParams(max_tokens=8, skip_special_tokens=skip))
+
+    outputs, _ = feed(processor, token_ids, last_finish="stop")
+
+    assert expected == outputs[-1].outputs[0].text
+
+
+def test_updates_for_unknown_requests_are_ignored(tokenizer: Any) -> None:
+    """An update for a request the front end no longer tracks produces nothing."""
+    processor = start(tokenizer, SamplingParams())
+
+    results, aborts = processor.process(StepOutputs(step_id=1, updates=[RequestUpdate("gone", [5])]))
+
+    assert ([], []) == (results, aborts)
+
+
+def test_requests_in_one_step_are_decoded_separately(tokenizer: Any) -> None:
+    """Two requests interleaved in the same steps keep their own text."""
+    processor = OutputProcessor(tokenizer)
+    first, second = encode(tokenizer, "héllo wörld"), encode(tokenizer, "世界 🌍 café")
+    for request_id in ("a", "b"):
+        processor.add(request_id, [1], SamplingParams(max_tokens=64), None, time.time())
+    texts = {"a": "", "b": ""}
+    for index in range(max(len(first), len(second))):
+        updates = [
+            RequestUpdate(rid, [ids[index]], "length" if index == len(ids) - 1 else None)
+            for rid, ids in (("a", first), ("b", second))
+            if index < len(ids)
+        ]
+        results, _ = processor.process(StepOutputs(step_id=index + 1, updates=updates))
+        for result in results:
+            texts[result.request_id] += result.outputs[0].delta_text
+
+    assert {"a": "héllo wörld", "b": "世界 🌍 café"} == texts
