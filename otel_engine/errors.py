@@ -36,13 +36,27 @@ class EngineDeadError(OtelEngineError):
 
 
 class EngineStartupError(OtelEngineError):
-    """A process failed while starting (bad path, bad weights, exception in init)."""
+    """A process failed while starting (bad path, bad weights, exception in init).
 
-    def __init__(self, message: str, *, failed_process: str = "", traceback: str = "") -> None:
+    `failed_process` names the process that failed (`otel-worker-1`), `cause_type` and
+    `cause_message` its original exception, `traceback` the child's formatted traceback.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        failed_process: str = "",
+        traceback: str = "",
+        cause_type: str = "EngineStartupError",
+        cause_message: str = "",
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.failed_process = failed_process
         self.traceback = traceback
+        self.cause_type = cause_type
+        self.cause_message = cause_message or message
 
 
 class RequestError(OtelEngineError):

@@ -26,7 +26,7 @@ import msgspec
 
 from otel_engine.errors import EngineStartupError
 from otel_engine.ipc.codec import Codec, error_info
-from otel_engine.ipc.messages import Failed, HandshakeMessage, Ready
+from otel_engine.ipc.messages import ErrorInfo, Failed, HandshakeMessage, Ready
 
 logger = logging.getLogger(__name__)
 _handshake: Codec[HandshakeMessage] = Codec(HandshakeMessage)
@@ -56,7 +56,12 @@ class ReadyChannel:
         self._send(Ready(process=self.process_name, pid=os.getpid(), info=info))
 
     def failed(self, exc: BaseException) -> None:
-        self._send(Failed(error=error_info(exc, self.process_name)))
+        """Report a startup failure; a grandchild's failure is passed on as it is."""
+        if isinstance(exc, EngineStartupError) and exc.failed_process:
+            info = ErrorInfo(type=exc.cause_type, message=exc.cause_message, traceback=exc.traceback, process=exc.failed_process)
+        else:
+            info = error_info(exc, self.process_name)
+        self._send(Failed(error=info))
 
     def _send(self, message: HandshakeMessage) -> None:
         if not self.sent:
@@ -116,14 +121,16 @@ class ChildProcess:
                 raise EngineStartupError(
                     f"{self.name} was not ready in time (see --engine-ready-timeout)",
                     failed_process=self.name,
+                    cause_type="StartupTimeout",
+                    cause_message="not ready in time (see --engine-ready-timeout)",
                 )
-            if self.sentinel in readable and self._ready_fd not in readable:
+            if not data or self._ready_fd not in readable:
+                how = f"{self.describe_exit()} during startup"
                 raise EngineStartupError(
-                    f"{self.name} {self.describe_exit()} during startup", failed_process=self.name
-                )
-            if not data:
-                raise EngineStartupError(
-                    f"{self.name} {self.describe_exit()} during startup", failed_process=self.name
+                    f"{self.name} {how}",
+                    failed_process=self.name,
+                    cause_type="ProcessDied",
+                    cause_message=how,
                 )
 
     def _handshake(self, data: bytes) -> Ready:
@@ -135,6 +142,8 @@ class ChildProcess:
             f"{err.process or self.name} failed to start: {err.type}: {err.message}",
             failed_process=err.process or self.name,
             traceback=err.traceback,
+            cause_type=err.type,
+            cause_message=err.message,
         )
 
     def stop(self, timeout: float) -> None:
