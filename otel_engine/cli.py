@@ -163,16 +163,27 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
         return 0
     except Exception as error:
         sock.close()
-        logger.error("engine.startup_failed", exc_info=error)
+        logger.error(
+            "engine.startup_failed",
+            exc_info=error,
+            extra={
+                "failed_process": getattr(error, "failed_process", ""),
+                "child_traceback": getattr(error, "traceback", ""),
+            },
+        )
         return _fail(f"engine startup failed: {type(error).__name__}: {error}")
-    logger.info(
-        "engine.ready", extra={"model": engine.model_name, "max_model_len": engine.max_model_len}
-    )
+    exit_code = 0
     try:
+        logger.info(
+            "engine.ready",
+            extra={"model": engine.model_name, "max_model_len": engine.max_model_len},
+        )
         exit_code = run_server(engine, sock, api_key=args.api_key)
+    except KeyboardInterrupt:
+        logger.info("shutdown.begin", extra={"phase": "before_serving"})
     finally:
         engine.shutdown()
-        logger.info("shutdown.complete")
+        logger.info("shutdown.complete", extra={"exit_code": exit_code})
     return exit_code
 
 

@@ -66,8 +66,8 @@ def _stream_in_thread(served: Served, max_tokens: int) -> tuple[threading.Thread
 
 @pytest.fixture
 def draining(server_loop: ServerLoop, slow_engine: AsyncLLM) -> Iterator[tuple[Served, Any]]:
-    """A server told to shut down while one 100-token stream is in flight (5 s drain)."""
-    served = _start(server_loop, slow_engine, drain_timeout=5)
+    """A server told to shut down while one 100-token stream is in flight (30 s drain)."""
+    served = _start(server_loop, slow_engine, drain_timeout=30)
     thread, events = _stream_in_thread(served, max_tokens=100)
     served.server.should_exit = True
     time.sleep(0.3)
