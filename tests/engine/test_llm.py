@@ -8,13 +8,16 @@ import json
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from otel_engine import LLM, RequestError, SamplingParams
+from otel_engine.engine.core_client import InprocClient
+from otel_engine.sched.scheduler import Scheduler
 
-SAMPLED = {"temperature": 1.0, "top_p": 0.9, "top_k": 50}
-SMALL_CACHE = {"block_size": 4, "num_kv_blocks": 40, "max_num_batched_tokens": 24}
+SAMPLED: dict[str, Any] = {"temperature": 1.0, "top_p": 0.9, "top_k": 50}
+SMALL_CACHE: dict[str, Any] = {"block_size": 4, "num_kv_blocks": 40, "max_num_batched_tokens": 24}
 
 
 @pytest.fixture(scope="module")
@@ -30,12 +33,19 @@ def small_llm(tiny_model_dir: str) -> Iterator[LLM]:
         yield engine
 
 
-def greedy(max_tokens: int = 16, **params: object) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **params)  # type: ignore[arg-type]
+def inprocess_scheduler(llm: LLM) -> Scheduler:
+    """The scheduler of an engine core that runs in this process."""
+    client = llm._frontend.client
+    assert isinstance(client, InprocClient)
+    return client.core.scheduler
+
+
+def greedy(max_tokens: int = 16, **params: Any) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **params)
 
 
 def seeded(seed: int, max_tokens: int = 16) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, seed=seed, ignore_eos=True, **SAMPLED)  # type: ignore[arg-type]
+    return SamplingParams(max_tokens=max_tokens, seed=seed, ignore_eos=True, **SAMPLED)
 
 
 def token_ids(outputs: list) -> list[list[int]]:
@@ -67,7 +77,7 @@ def test_same_seed_same_output_in_any_batch(llm: LLM, tiny_prompts: list[list[in
 
     batch = llm.generate(
         [tiny_prompts[0], target, tiny_prompts[5], tiny_prompts[1]],
-        [greedy(), seeded(7), seeded(8, max_tokens=5), SamplingParams(max_tokens=9, **SAMPLED)],  # type: ignore[arg-type]
+        [greedy(), seeded(7), seeded(8, max_tokens=5), SamplingParams(max_tokens=9, **SAMPLED)],
     )
 
     assert alone.outputs[0].token_ids == batch[1].outputs[0].token_ids
@@ -79,8 +89,11 @@ def test_same_seed_same_output_under_preemption(
     """Seeded requests batched on a tiny cache (chunked, preempted, recomputed) sample what
     they sample alone on a large cache."""
     params = [seeded(100 + i) for i in range(len(tiny_prompts))]
-    alone = [llm.generate([p], s)[0].outputs[0].token_ids for p, s in zip(tiny_prompts, params, strict=True)]
-    scheduler = small_llm._frontend.client.core.scheduler
+    alone = [
+        llm.generate([p], s)[0].outputs[0].token_ids
+        for p, s in zip(tiny_prompts, params, strict=True)
+    ]
+    scheduler = inprocess_scheduler(small_llm)
     before = scheduler.num_preemptions
 
     batched = token_ids(small_llm.generate(tiny_prompts, params))
@@ -98,7 +111,7 @@ def test_different_seeds_give_different_outputs(llm: LLM, tiny_prompts: list[lis
 
 def test_unseeded_sampling_varies(llm: LLM, tiny_prompts: list[list[int]]) -> None:
     """Without a seed, repeated sampling of one prompt does not repeat one completion."""
-    params = SamplingParams(max_tokens=16, ignore_eos=True, **SAMPLED)  # type: ignore[arg-type]
+    params = SamplingParams(max_tokens=16, ignore_eos=True, **SAMPLED)
 
     outputs = llm.generate([tiny_prompts[2]] * 4, params)
 
@@ -183,7 +196,9 @@ def eos_case(
         yield engine, full, position
 
 
-def test_eos_ends_generation(eos_case: tuple[LLM, list[int], int], tiny_prompts: list[list[int]]) -> None:
+def test_eos_ends_generation(
+    eos_case: tuple[LLM, list[int], int], tiny_prompts: list[list[int]]
+) -> None:
     """Reaching an EOS id finishes with "stop"; the EOS token is the last one returned."""
     engine, full, position = eos_case
 
@@ -226,11 +241,14 @@ def test_invalid_sampling_params_are_rejected(llm: LLM, tiny_prompts: list[list[
         llm.generate([tiny_prompts[0]], SamplingParams(temperature=3.0))
 
 
+@pytest.mark.slow
 def test_default_model_knows_the_capital_of_france() -> None:
     """SmolLM2-135M-Instruct, greedy, answers the chat question with Paris."""
     with LLM() as llm:
         messages = [{"role": "user", "content": "What is the capital of France?"}]
-        prompt = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        prompt = llm.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
 
         (output,) = llm.generate([prompt], SamplingParams(max_tokens=20, temperature=0.0))
 

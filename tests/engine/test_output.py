@@ -3,6 +3,7 @@ strings cut from the text and never streamed in part, and finish reasons."""
 
 from __future__ import annotations
 
+import itertools
 import time
 from typing import Any
 
@@ -40,7 +41,9 @@ def feed(
     aborts: list[str] = []
     for index, token_id in enumerate(token_ids):
         finish = last_finish if index == len(token_ids) - 1 else None
-        step = StepOutputs(step_id=index + 1, updates=[RequestUpdate(request_id, [token_id], finish)])
+        step = StepOutputs(
+            step_id=index + 1, updates=[RequestUpdate(request_id, [token_id], finish)]
+        )
         results, to_abort = processor.process(step)
         outputs += results
         aborts += to_abort
@@ -86,7 +89,7 @@ def test_text_and_token_ids_are_cumulative(tokenizer: Any) -> None:
 
     outputs, _ = feed(processor, token_ids, last_finish="length")
 
-    for before, after in zip(outputs, outputs[1:], strict=False):
+    for before, after in itertools.pairwise(outputs):
         assert after.outputs[0].text.startswith(before.outputs[0].text)
     assert token_ids == outputs[-1].outputs[0].token_ids
     assert token_ids == [t for o in outputs for t in o.outputs[0].delta_token_ids]
@@ -154,7 +157,10 @@ def test_earliest_of_several_stop_strings_wins(tokenizer: Any) -> None:
 
     outputs, _ = feed(processor, encode(tokenizer, text))
 
-    assert ("A quick ", "brown") == (outputs[-1].outputs[0].text, outputs[-1].outputs[0].stop_reason)
+    assert ("A quick ", "brown") == (
+        outputs[-1].outputs[0].text,
+        outputs[-1].outputs[0].stop_reason,
+    )
 
 
 def test_stop_string_on_the_engines_last_token_is_not_aborted(tokenizer: Any) -> None:
@@ -164,11 +170,16 @@ def test_stop_string_on_the_engines_last_token_is_not_aborted(tokenizer: Any) ->
     outputs, aborts = feed(processor, encode(tokenizer, "A quick brown fox"), last_finish="length")
 
     assert [] == aborts
-    assert ("stop", "fox") == (outputs[-1].outputs[0].finish_reason, outputs[-1].outputs[0].stop_reason)
+    assert ("stop", "fox") == (
+        outputs[-1].outputs[0].finish_reason,
+        outputs[-1].outputs[0].stop_reason,
+    )
 
 
 @pytest.mark.parametrize(("skip", "expected"), [(True, "hi"), (False, f"hi{IM_END}")])
-def test_special_tokens_follow_skip_special_tokens(tokenizer: Any, skip: bool, expected: str) -> None:
+def test_special_tokens_follow_skip_special_tokens(
+    tokenizer: Any, skip: bool, expected: str
+) -> None:
     """The end-of-turn token is dropped from the text only when skip_special_tokens is set."""
     token_ids = [*encode(tokenizer, "hi"), tokenizer.convert_tokens_to_ids(IM_END)]
     processor = start(tokenizer, SamplingParams(max_tokens=8, skip_special_tokens=skip))
@@ -182,7 +193,9 @@ def test_updates_for_unknown_requests_are_ignored(tokenizer: Any) -> None:
     """An update for a request the front end no longer tracks produces nothing."""
     processor = start(tokenizer, SamplingParams())
 
-    results, aborts = processor.process(StepOutputs(step_id=1, updates=[RequestUpdate("gone", [5])]))
+    results, aborts = processor.process(
+        StepOutputs(step_id=1, updates=[RequestUpdate("gone", [5])])
+    )
 
     assert ([], []) == (results, aborts)
 

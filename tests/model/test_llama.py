@@ -69,7 +69,9 @@ def make_request(request_id: str, token_ids: list[int], block_ids: list[int]) ->
     return request
 
 
-def run_chunks(runner: ModelRunner, step_id: int, chunks: list[ScheduledChunk]) -> list[torch.Tensor]:
+def run_chunks(
+    runner: ModelRunner, step_id: int, chunks: list[ScheduledChunk]
+) -> list[torch.Tensor]:
     """Run one step; return each chunk's logits rows, in the given chunk order."""
     step = prepare_model_input(step_id, chunks, BLOCK_SIZE)
     logits = forward_logits(runner, step)
@@ -138,12 +140,22 @@ def test_mixed_batch_equals_sequences_alone(
     rows = run_chunks(
         runner,
         3,
-        [ScheduledChunk(decoding, 8, 1), ScheduledChunk(fresh, 0, 13), ScheduledChunk(later, 10, 11)],
+        [
+            ScheduledChunk(decoding, 8, 1),
+            ScheduledChunk(fresh, 0, 13),
+            ScheduledChunk(later, 10, 11),
+        ],
     )
 
-    torch.testing.assert_close(rows[0], hf_logits(hf_model, decoding.prompt_token_ids)[8:], atol=ATOL, rtol=0)
-    torch.testing.assert_close(rows[1], hf_logits(hf_model, fresh.prompt_token_ids), atol=ATOL, rtol=0)
-    torch.testing.assert_close(rows[2], hf_logits(hf_model, later.prompt_token_ids)[10:], atol=ATOL, rtol=0)
+    torch.testing.assert_close(
+        rows[0], hf_logits(hf_model, decoding.prompt_token_ids)[8:], atol=ATOL, rtol=0
+    )
+    torch.testing.assert_close(
+        rows[1], hf_logits(hf_model, fresh.prompt_token_ids), atol=ATOL, rtol=0
+    )
+    torch.testing.assert_close(
+        rows[2], hf_logits(hf_model, later.prompt_token_ids)[10:], atol=ATOL, rtol=0
+    )
 
 
 def test_batched_decodes_of_different_lengths(
@@ -156,8 +168,12 @@ def test_batched_decodes_of_different_lengths(
 
     rows = run_chunks(runner, 2, [ScheduledChunk(short, 3, 1), ScheduledChunk(long, 21, 1)])
 
-    torch.testing.assert_close(rows[0], hf_logits(hf_model, short.prompt_token_ids)[3:], atol=ATOL, rtol=0)
-    torch.testing.assert_close(rows[1], hf_logits(hf_model, long.prompt_token_ids)[21:], atol=ATOL, rtol=0)
+    torch.testing.assert_close(
+        rows[0], hf_logits(hf_model, short.prompt_token_ids)[3:], atol=ATOL, rtol=0
+    )
+    torch.testing.assert_close(
+        rows[1], hf_logits(hf_model, long.prompt_token_ids)[21:], atol=ATOL, rtol=0
+    )
 
 
 def test_scattered_block_table_gives_same_logits(
@@ -167,9 +183,9 @@ def test_scattered_block_table_gives_same_logits(
     tokens = tiny_prompts[4] + [3]
     request = make_request("scattered", tokens, [90, 2, 77, 31, 8, 55])
 
-    first, = run_chunks(runner, 1, [ScheduledChunk(request, 0, 9)])
-    second, = run_chunks(runner, 2, [ScheduledChunk(request, 9, 12)])
-    third, = run_chunks(runner, 3, [ScheduledChunk(request, 21, 1)])
+    (first,) = run_chunks(runner, 1, [ScheduledChunk(request, 0, 9)])
+    (second,) = run_chunks(runner, 2, [ScheduledChunk(request, 9, 12)])
+    (third,) = run_chunks(runner, 3, [ScheduledChunk(request, 21, 1)])
 
     got = torch.cat([first, second, third])
     torch.testing.assert_close(got, hf_logits(hf_model, tokens), atol=ATOL, rtol=0)

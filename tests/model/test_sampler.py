@@ -125,7 +125,9 @@ def test_same_seed_same_token_whatever_the_batch(sampler: Sampler) -> None:
 
     alone = sample(sampler, row, seeds=[1234], positions=[7])
     batch = torch.cat([others[:2], row, others[2:]])
-    together = sample(sampler, batch, seeds=[None, 5, 1234, None, 9, 11], positions=[0, 0, 7, 0, 0, 0])
+    together = sample(
+        sampler, batch, seeds=[None, 5, 1234, None, 9, 11], positions=[0, 0, 7, 0, 0, 0]
+    )
 
     assert alone[0] == together[2]
 

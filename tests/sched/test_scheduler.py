@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -37,11 +38,11 @@ def make_scheduler(
     )
 
 
-def make_request(request_id: str, num_prompt: int, max_tokens: int = 8, **params: object) -> Request:
+def make_request(request_id: str, num_prompt: int, max_tokens: int = 8, **params: Any) -> Request:
     return Request(
         request_id,
         [100 + i for i in range(num_prompt)],
-        SamplingParams(max_tokens=max_tokens, **params),  # type: ignore[arg-type]
+        SamplingParams(max_tokens=max_tokens, **params),
         eos_token_ids=frozenset({EOS}),
     )
 
@@ -400,8 +401,10 @@ def new_request(rng: random.Random, request_id: str, max_len: int) -> Request:
 
 
 def sample_tokens(rng: random.Random, count: int) -> list[int]:
-    return [rng.choice((EOS, STOP_TOKEN)) if rng.random() < 0.04 else rng.randrange(2, 500)
-            for _ in range(count)]
+    return [
+        rng.choice((EOS, STOP_TOKEN)) if rng.random() < 0.04 else rng.randrange(2, 500)
+        for _ in range(count)
+    ]
 
 
 def run_workload(work: Workload) -> dict[str, int]:

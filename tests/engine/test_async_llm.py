@@ -1,0 +1,203 @@
+"""`AsyncLLM` streaming: deltas that add up, stop strings never streamed in part, concurrent
+requests, early close aborting the request in the engine, and request errors."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncGenerator, Callable, Iterator
+from typing import Any, cast
+
+import pytest
+
+from otel_engine import AsyncLLM, EngineDeadError, RequestError, RequestOutput, SamplingParams
+from otel_engine.ipc.messages import StepOutputs
+from tests.helpers.tiny_model import hf_greedy
+
+
+@pytest.fixture(scope="module")
+def loop() -> Iterator[asyncio.AbstractEventLoop]:
+    """One event loop for the module: an AsyncLLM is bound to the loop of its first request."""
+    event_loop = asyncio.new_event_loop()
+    yield event_loop
+    event_loop.close()
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir: str) -> Iterator[AsyncLLM]:
+    with AsyncLLM(tiny_model_dir) as async_llm:
+        yield async_llm
+
+
+@pytest.fixture
+def run(loop: asyncio.AbstractEventLoop) -> Callable[[Any], Any]:
+    def run_until_complete(coro: Any) -> Any:
+        return loop.run_until_complete(asyncio.wait_for(coro, timeout=60))
+
+    return run_until_complete
+
+
+def greedy(max_tokens: int = 16, **params: Any) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **params)
+
+
+async def collect(
+    engine: AsyncLLM, prompt: list[int] | str, params: SamplingParams, request_id: str
+) -> list[RequestOutput]:
+    return [output async for output in engine.generate(prompt, params, request_id)]
+
+
+def test_stream_deltas_add_up_to_the_final_output(
+    engine: AsyncLLM, run: Callable[[Any], Any], tiny_model_dir: str, tiny_prompts: list[list[int]]
+) -> None:
+    """One output per token; delta texts and delta ids concatenate to the final text and ids,
+    which are transformers' greedy tokens; only the last output is finished."""
+    prompt = tiny_prompts[3]
+
+    outputs = run(collect(engine, prompt, greedy(10), "stream-1"))
+
+    final = outputs[-1].outputs[0]
+    assert hf_greedy(tiny_model_dir, [prompt], 10)[0] == final.token_ids
+    assert 10 == len(outputs)
+    assert [False] * 9 + [True] == [o.finished for o in outputs]
+    assert final.text == "".join(o.outputs[0].delta_text for o in outputs)
+    assert final.token_ids == [t for o in outputs for t in o.outputs[0].delta_token_ids]
+
+
+def _boundary_stop(outputs: list[RequestOutput]) -> tuple[str, int, int]:
+    """A stop string made of the last two characters of one token's text and the first two
+    of the next token's: returns (stop, its index in the final text, the output that ends
+    with the stop's first half)."""
+    texts = [o.outputs[0].text for o in outputs]
+    final = texts[-1]
+    for k in range(1, len(texts) - 1):
+        before, this, after = texts[k - 1], texts[k], texts[k + 1]
+        if len(this) - len(before) < 2 or len(after) - len(this) < 2:
+            continue
+        stop = this[-2:] + after[len(this) : len(this) + 2]
+        if "\ufffd" not in stop and stop.strip() and final.find(stop) == len(this) - 2:
+            return stop, len(this) - 2, k
+    raise AssertionError("no token boundary usable for a stop string")
+
+
+def test_stream_never_shows_a_partial_stop_string(
+    engine: AsyncLLM, run: Callable[[Any], Any], tiny_prompts: list[list[int]]
+) -> None:
+    """With a stop string spanning two tokens: the text stops before it, finish reason is
+    "stop", the first half was held back when it arrived, and every streamed prefix is a
+    prefix of the final text (so no delta ever held part of the stop string)."""
+    prompt = tiny_prompts[5]
+    plain = run(collect(engine, prompt, greedy(24), "stop-plain"))
+    stop, index, held_at = _boundary_stop(plain)
+
+    outputs = run(collect(engine, prompt, greedy(24, stop=(stop,)), "stop-1"))
+
+    final = outputs[-1].outputs[0]
+    assert plain[-1].outputs[0].text[:index] == final.text
+    assert ("stop", stop) == (final.finish_reason, final.stop_reason)
+    assert final.text == "".join(o.outputs[0].delta_text for o in outputs)
+    assert all(final.text.startswith(o.outputs[0].text) for o in outputs)
+    assert plain[held_at].outputs[0].text[:-2] == outputs[held_at].outputs[0].text
+
+
+def test_concurrent_requests_each_get_their_own_stream(
+    engine: AsyncLLM, run: Callable[[Any], Any], tiny_model_dir: str, tiny_prompts: list[list[int]]
+) -> None:
+    """Four requests in flight together finish with their own lengths and greedy tokens."""
+    prompts = tiny_prompts[:4]
+    lengths = [3, 9, 6, 12]
+
+    async def all_at_once() -> list[list[RequestOutput]]:
+        return await asyncio.gather(
+            *(
+                collect(engine, p, greedy(n), f"conc-{i}")
+                for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))
+            )
+        )
+
+    streams = run(all_at_once())
+
+    expected = hf_greedy(tiny_model_dir, prompts, max(lengths))
+    assert lengths == [len(s) for s in streams]
+    assert [e[:n] for e, n in zip(expected, lengths, strict=True)] == [
+        s[-1].outputs[0].token_ids for s in streams
+    ]
+
+
+def test_closing_the_stream_aborts_the_request(
+    engine: AsyncLLM,
+    run: Callable[[Any], Any],
+    tiny_prompts: list[list[int]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Leaving a stream early aborts its request in the engine: the next request's last step
+    reports nothing else running or waiting."""
+    steps: list[StepOutputs] = []
+    process = engine._frontend.outputs.process
+
+    def recording(step: StepOutputs) -> Any:
+        steps.append(step)
+        return process(step)
+
+    monkeypatch.setattr(engine._frontend.outputs, "process", recording)
+
+    async def leave_early() -> None:
+        stream = cast(
+            AsyncGenerator[RequestOutput], engine.generate(tiny_prompts[2], greedy(400), "leaves")
+        )
+        async with contextlib.aclosing(stream):
+            async for output in stream:
+                if len(output.outputs[0].token_ids) >= 2:
+                    break
+
+    run(leave_early())
+    assert 0 == engine.num_in_flight
+    outputs = run(collect(engine, tiny_prompts[0], greedy(8), "after-leave"))
+
+    assert outputs[-1].finished
+    assert (0, 0) == (steps[-1].num_running, steps[-1].num_waiting)
+
+
+def test_invalid_request_fails_alone(
+    engine: AsyncLLM, run: Callable[[Any], Any], tiny_prompts: list[list[int]]
+) -> None:
+    """A prompt over the context length raises RequestError; the engine serves the next one."""
+    with pytest.raises(RequestError) as info:
+        run(collect(engine, tiny_prompts[-1] * 5, greedy(8), "too-long"))
+
+    assert "context_length_exceeded" == info.value.code
+    assert run(collect(engine, tiny_prompts[0], greedy(2), "after-too-long"))[-1].finished
+
+
+def test_duplicate_request_id_is_rejected(
+    engine: AsyncLLM, run: Callable[[Any], Any], tiny_prompts: list[list[int]]
+) -> None:
+    """A second request with the id of one in flight is refused; the first completes."""
+
+    async def twice() -> list[RequestOutput]:
+        first = engine.generate(tiny_prompts[1], greedy(6), "same-id")
+        head = await first.__anext__()
+        with pytest.raises(ValueError, match="already in flight"):
+            await collect(engine, tiny_prompts[2], greedy(6), "same-id")
+        return [head] + [o async for o in first]
+
+    outputs = run(twice())
+
+    assert 6 == len(outputs[-1].outputs[0].token_ids)
+
+
+def test_async_llm_needs_an_engine_core_process(tiny_model_dir: str) -> None:
+    """multiprocess=False is refused: the streaming engine runs its core in a process."""
+    with pytest.raises(ValueError, match="multiprocess"):
+        AsyncLLM(tiny_model_dir, multiprocess=False)
+
+
+def test_generate_after_shutdown_raises_engine_dead(
+    tiny_model_dir: str, tiny_prompts: list[list[int]]
+) -> None:
+    """A shut-down engine answers new requests with EngineDeadError at once."""
+    engine = AsyncLLM(tiny_model_dir)
+    engine.shutdown()
+
+    with pytest.raises(EngineDeadError):
+        asyncio.run(collect(engine, tiny_prompts[0], greedy(2), "late"))
