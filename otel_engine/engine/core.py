@@ -9,6 +9,9 @@ from __future__ import annotations
 import logging
 import time
 
+from opentelemetry import trace
+from opentelemetry.trace import Status, StatusCode
+
 from otel_engine.config import EngineConfig
 from otel_engine.executor.executor import Executor, make_executor
 from otel_engine.executor.model_runner import EngineLimits, prepare_model_input, resolve_limits
@@ -16,9 +19,10 @@ from otel_engine.ipc.messages import AddRequest, RequestUpdate, StepOutputs
 from otel_engine.ipc.paths import IpcDir
 from otel_engine.model.loader import load_model_arch
 from otel_engine.observability.faults import maybe_inject
+from otel_engine.observability.tracing import get_tracer, inject_context, link_from
 from otel_engine.sched.kv_cache import BlockAllocator
 from otel_engine.sched.request import Request
-from otel_engine.sched.scheduler import Scheduler
+from otel_engine.sched.scheduler import Scheduler, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +47,10 @@ class EngineCore:
         self.last_step_at = self.started_at
         self.step_started_at: float | None = None  # read by the step watchdog thread
         self.current_step_id = 0
+        self._tracer = get_tracer()
+        self.is_tracing = is_tracing()
+        self.current_step_context: dict[str, str] = {}
+        self.failed_step_context: dict[str, str] = {}
 
     @property
     def has_work(self) -> bool:
@@ -62,7 +70,7 @@ class EngineCore:
                 sampling_params=message.sampling_params,
                 eos_token_ids=self.eos_token_ids,
                 arrival_time=message.arrival_time,
-                trace_context=message.trace_context,
+                trace_link=link_from(message.trace_context) if self.is_tracing else None,
             )
         )
         return None
@@ -71,33 +79,45 @@ class EngineCore:
         self.scheduler.abort(request_ids)
 
     def step(self) -> StepOutputs:
+        """Schedule, execute and update one batch.
+
+        With tracing on, the step is a span `engine_core.step` linked to the request spans
+        of its batch; on failure it ends with status ERROR and its context is kept in
+        `failed_step_context` for the `EngineDead` frame.
+        """
         scheduler = self.scheduler
         started = self.step_started_at = time.monotonic()
         output = scheduler.schedule()
         self.current_step_id = output.step_id
+        span = self._start_step_span(output) if self.is_tracing else None
         sampled: list[int] = []
         try:
             maybe_inject("engine_core", phase="run", step=output.step_id)
             if not output.is_empty:
-                model_input = prepare_model_input(output.step_id, output.chunks, self.config.cache.block_size)
+                model_input = prepare_model_input(
+                    output.step_id,
+                    output.chunks,
+                    self.config.cache.block_size,
+                    inject_context(trace.set_span_in_context(span)) if span else {},
+                )
                 sampled = self.executor.execute(model_input)
             updated = scheduler.update(output, sampled)
+        except BaseException as exc:
+            if span is not None:
+                self.failed_step_context = inject_context(trace.set_span_in_context(span))
+                span.record_exception(exc)
+                span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
+                span.end()
+            raise
         finally:
             self.step_started_at = None
+        if span is not None:
+            span.end()
         now = time.monotonic()
         self.last_step_at = now
         return StepOutputs(
             step_id=output.step_id,
-            updates=[
-                RequestUpdate(
-                    r.request_id,
-                    [r.output_token_ids[-1]],
-                    r.finish_reason,
-                    r.stop_reason,
-                    r.num_preemptions,
-                )
-                for r in updated
-            ],
+            updates=[_update(r) for r in updated],
             num_running=scheduler.num_running,
             num_waiting=scheduler.num_waiting,
             kv_cache_usage=scheduler.allocator.usage,
@@ -106,5 +126,41 @@ class EngineCore:
             step_duration_s=now - started,
         )
 
+    def _start_step_span(self, output: SchedulerOutput) -> trace.Span:
+        links = [c.request.trace_link for c in output.chunks if c.request.trace_link is not None]
+        span = self._tracer.start_span(
+            "engine_core.step",
+            links=links,
+            attributes={
+                "otel_engine.step.id": output.step_id,
+                "otel_engine.step.num_requests": len(output.chunks),
+                "otel_engine.step.num_batched_tokens": output.num_batched_tokens,
+                "otel_engine.step.num_preemptions": len(output.preempted_request_ids),
+            },
+        )
+        self.current_step_context = inject_context(trace.set_span_in_context(span))
+        return span
+
     def shutdown(self) -> None:
         self.executor.shutdown()
+
+
+def is_tracing() -> bool:
+    """True when this process exports spans (an SDK tracer provider is installed)."""
+    from opentelemetry.sdk.trace import TracerProvider
+
+    return isinstance(trace.get_tracer_provider(), TracerProvider)
+
+
+def _update(request: Request) -> RequestUpdate:
+    queue_time = None
+    if request.num_output_tokens == 1 and request.first_scheduled_time is not None:
+        queue_time = max(0.0, request.first_scheduled_time - request.arrival_time)
+    return RequestUpdate(
+        request.request_id,
+        [request.output_token_ids[-1]],
+        request.finish_reason,
+        request.stop_reason,
+        request.num_preemptions,
+        queue_time,
+    )

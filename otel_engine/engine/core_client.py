@@ -70,7 +70,7 @@ class InprocClient:
         except Exception as exc:
             logger.exception("engine.failed")
             process = getattr(getattr(exc, "info", None), "process", "") or "engine_core"
-            self._death = EngineDead(error=error_info(exc, process))
+            self._death = EngineDead(error=error_info(exc, process), trace_context=self.core.failed_step_context)
             return self._death
 
     def shutdown(self) -> None:

@@ -29,6 +29,7 @@ from otel_engine.ipc.messages import (
 )
 from otel_engine.ipc.paths import IpcDir
 from otel_engine.ipc.process import ReadyChannel
+from otel_engine.observability.tracing import shutdown_telemetry
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +68,7 @@ def run_engine_core(
         exit_code = 1
         logger.exception("engine.failed")
         info = error_info(exc, getattr(getattr(exc, "info", None), "process", "") or PROCESS_NAME)
-        outputs.send(encoder.encode(EngineDead(error=info)))
+        outputs.send(encoder.encode(EngineDead(error=info, trace_context=core.failed_step_context)))
     finally:
         watchdog.stop()
         core.shutdown()
@@ -75,6 +76,7 @@ def run_engine_core(
         outputs.close(linger=2000)
         context.term()
     logger.info("engine.stopped", extra={"exit_code": exit_code})
+    shutdown_telemetry(timeout_s=config.timeouts.shutdown_timeout / 3)
     if exit_code:
         os._exit(exit_code)
 
@@ -104,9 +106,11 @@ class StepWatchdog:
                 continue
             info = step_timeout_error(core.current_step_id, core.config, PROCESS_NAME)
             logger.error("engine.step_timeout", extra={"step": core.current_step_id, "timeout_s": self.timeout})
-            self._socket.send(Codec(CoreOutput).encode(EngineDead(error=info)))
+            dead = EngineDead(error=info, trace_context=core.current_step_context)
+            self._socket.send(Codec(CoreOutput).encode(dead))
             core.executor.kill()
             self._socket.close(linger=2000)
+            shutdown_telemetry(timeout_s=2.0)
             os._exit(1)
         self._socket.close(linger=0)
 

@@ -12,6 +12,7 @@ from otel_engine.engine.input import InputProcessor
 from otel_engine.engine.output import OutputProcessor
 from otel_engine.errors import EngineDeadError
 from otel_engine.ipc.messages import AddRequest, ErrorInfo
+from otel_engine.observability.tracing import inject_context
 from otel_engine.model.loader import load_model_arch, load_tokenizer, prepare_model_dir
 from otel_engine.sampling_params import SamplingParams
 
@@ -56,7 +57,7 @@ class Frontend:
         self.outputs.add(
             request_id, token_ids, params, prompt if isinstance(prompt, str) else None, arrival
         )
-        self.client.add_request(AddRequest(request_id, token_ids, params, arrival))
+        self.client.add_request(AddRequest(request_id, token_ids, params, arrival, inject_context()))
 
     def abort(self, request_ids: list[str]) -> None:
         for request_id in request_ids:

@@ -9,12 +9,13 @@ string: a suffix that could still grow into one is held back until it cannot.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from tokenizers.decoders import DecodeStream
 
-from otel_engine.ipc.messages import StepOutputs
+from otel_engine.ipc.messages import RequestUpdate, StepOutputs
 from otel_engine.outputs import CompletionOutput, RequestOutput
 from otel_engine.sampling_params import SamplingParams
 
@@ -32,6 +33,7 @@ class RequestState:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     num_emitted_chars: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
 
     def held_back(self) -> int:
         """Length of the text suffix that could be the start of a stop string."""
@@ -71,11 +73,13 @@ class OutputProcessor:
         """Returns the outputs to deliver and the request ids the engine must abort."""
         results = []
         to_abort = []
+        now = time.time()
         for update in step.updates:
             state = self.states.get(update.request_id)
             if state is None:
                 continue
             finish_reason, stop_reason = update.finish_reason, update.stop_reason
+            _record_timing(state, update, now)
             start = len(state.token_ids)
             num_chars_before = len(state.text)
             for token_id in update.new_token_ids:
@@ -102,6 +106,7 @@ class OutputProcessor:
                 stop_reason=stop_reason,
             )
             if finished:
+                state.metrics["finished_time"] = now
                 del self.states[state.request_id]
             results.append(
                 RequestOutput(
@@ -110,6 +115,7 @@ class OutputProcessor:
                     outputs=[completion],
                     finished=finished,
                     prompt=state.prompt,
+                    metrics=state.metrics,
                 )
             )
         return results, to_abort
@@ -128,3 +134,14 @@ class OutputProcessor:
             return None
         state.text = state.text[: best[0]]
         return best[1]
+
+
+def _record_timing(state: RequestState, update: RequestUpdate, now: float) -> None:
+    """Wall-clock timings for metrics and spans: arrival, queue, first token, preemptions."""
+    metrics = state.metrics
+    if not metrics:
+        metrics["arrival_time"] = state.arrival_time
+        metrics["first_token_time"] = now
+    if update.queue_time_s is not None:
+        metrics["queue_time_s"] = update.queue_time_s
+    metrics["num_preemptions"] = update.num_preemptions

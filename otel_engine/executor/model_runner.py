@@ -116,7 +116,9 @@ class ModelRunner:
         )
 
 
-def prepare_model_input(step_id: int, chunks: list, block_size: int) -> ModelInput:
+def prepare_model_input(
+    step_id: int, chunks: list, block_size: int, trace_context: dict[str, str]
+) -> ModelInput:
     """Flatten a scheduler output (decodes first) into the message every rank receives."""
     input_ids: list[int] = []
     positions: list[int] = []
@@ -159,4 +161,5 @@ def prepare_model_input(step_id: int, chunks: list, block_size: int) -> ModelInp
         top_ks=top_ks,
         seeds=seeds,
         output_positions=output_positions,
+        trace_context=trace_context,
     )

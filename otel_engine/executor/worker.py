@@ -15,13 +15,16 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import zmq
+from opentelemetry.trace import Status, StatusCode
 
 from otel_engine.config import EngineConfig
 from otel_engine.executor.model_runner import ModelRunner
 from otel_engine.ipc.codec import Codec, error_info
 from otel_engine.ipc.messages import ModelInput, ModelOutput, WorkerFailure, WorkerRequest, WorkerResponse
 from otel_engine.ipc.process import ReadyChannel
+from otel_engine.engine.core import is_tracing
 from otel_engine.observability.faults import maybe_inject
+from otel_engine.observability.tracing import extract_context, get_tracer, shutdown_telemetry
 
 logger = logging.getLogger(__name__)
 
@@ -63,23 +66,40 @@ def run_worker(
     outputs.close(linger=1000)
     context.term()
     dist.destroy_process_group()
+    shutdown_telemetry(timeout_s=2.0)
 
 
 def _busy_loop(runner: ModelRunner, rank: int, inputs: zmq.Socket, outputs: zmq.Socket) -> None:
     requests: Codec[WorkerRequest] = Codec(WorkerRequest)
     responses: Codec[WorkerResponse] = Codec(WorkerResponse)
+    tracer = get_tracer()
+    tracing = is_tracing()
     while True:
         message = requests.decode(inputs.recv(copy=False).buffer)
         if not isinstance(message, ModelInput):
             return
+        span = None
+        if tracing and message.trace_context:
+            span = tracer.start_span(
+                "worker.execute",
+                context=extract_context(message.trace_context),
+                attributes={"otel_engine.step.id": message.step_id, "otel_engine.worker.rank": rank},
+            )
         try:
             maybe_inject("worker", phase="run", rank=rank, step=message.step_id)
             sampled = runner.execute(message)
         except Exception as exc:
             logger.exception("worker.step_failed", extra={"rank": rank, "step": message.step_id})
+            if span is not None:
+                span.record_exception(exc)
+                span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
+                span.end()
             info = error_info(exc, f"worker-{rank}")
             outputs.send(responses.encode(WorkerFailure(rank=rank, error=info)))
             outputs.close(linger=2000)
+            shutdown_telemetry(timeout_s=2.0)
             os._exit(1)
+        if span is not None:
+            span.end()
         if rank == 0:
             outputs.send(responses.encode(ModelOutput(message.step_id, sampled)))

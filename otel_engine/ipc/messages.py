@@ -75,7 +75,8 @@ class RequestUpdate(msgspec.Struct, frozen=True, array_like=True):
     new_token_ids: list[int]
     finish_reason: str | None = None
     stop_reason: int | None = None
-    num_preemptions: int = 0
+    num_preemptions: int = 0  # so far, cumulative
+    queue_time_s: float | None = None  # arrival to first scheduled; on the first update only
 
 
 class StepOutputs(msgspec.Struct, frozen=True, tag="outputs", array_like=True):
@@ -92,9 +93,13 @@ class StepOutputs(msgspec.Struct, frozen=True, tag="outputs", array_like=True):
 
 
 class EngineDead(msgspec.Struct, frozen=True, tag="dead", array_like=True):
-    """The engine cannot continue. Every in-flight request fails with EngineDeadError."""
+    """The engine cannot continue. Every in-flight request fails with EngineDeadError.
+
+    `trace_context` points at the failing step's span, so request spans can link to it.
+    """
 
     error: ErrorInfo
+    trace_context: dict[str, str] = {}
 
 
 CoreOutput = StepOutputs | EngineDead
@@ -125,6 +130,7 @@ class ModelInput(msgspec.Struct, frozen=True, tag="execute", array_like=True):
     top_ks: list[int]
     seeds: list[int | None]
     output_positions: list[int]
+    trace_context: dict[str, str] = {}  # the engine core's step span (workers' parent)
 
 
 class StopWorker(msgspec.Struct, frozen=True, tag="stop", array_like=True):

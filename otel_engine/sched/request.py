@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from otel_engine.sampling_params import SamplingParams
 
@@ -42,7 +43,7 @@ class Request:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_ids: frozenset[int] = frozenset()
-    arrival_time: float = field(default_factory=time.monotonic)
+    arrival_time: float = field(default_factory=time.time)  # wall clock, set by the front end
     output_token_ids: list[int] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -50,7 +51,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | None = None
     first_scheduled_time: float | None = None
-    trace_context: dict[str, str] = field(default_factory=dict)
+    trace_link: Any = None  # an OpenTelemetry Link to the request's span, when tracing
 
     @property
     def num_prompt_tokens(self) -> int:

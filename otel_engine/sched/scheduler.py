@@ -8,6 +8,7 @@ freed and it goes back to the front of the queue to be recomputed later.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -128,6 +129,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.allocator.allocate(request, end)
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.time()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             output.chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_new))
