@@ -1,0 +1,282 @@
+"""The engine's Prometheus metrics (`otel_engine_*`), in a private registry per server.
+
+`EngineMetrics` is fed by the api_server: once per engine step (`on_step`, from the stats
+the engine core ships with each step's outputs) and once per request (`on_request_finished`
+or `on_request_error`). Label children are bound once up front; an observation costs about
+a microsecond. Latency histograms use the bucket boundaries of the OpenTelemetry GenAI
+`gen_ai.server.*` metrics. `render()` answers GET /metrics; `otlp_metrics.py` exports the
+same registry over OTLP when an endpoint is set.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+# gen_ai.server.time_to_first_token
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+)
+# gen_ai.server.time_per_output_token
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+# gen_ai.server.request.duration (also used for queue time, which has no convention)
+REQUEST_DURATION_BUCKETS = (
+    0.01,
+    0.02,
+    0.04,
+    0.08,
+    0.16,
+    0.32,
+    0.64,
+    1.28,
+    2.56,
+    5.12,
+    10.24,
+    20.48,
+    40.96,
+    81.92,
+)
+# gen_ai.client.token.usage
+TOKEN_BUCKETS = (
+    1,
+    4,
+    16,
+    64,
+    256,
+    1024,
+    4096,
+    16384,
+    65536,
+    262144,
+    1048576,
+    4194304,
+    16777216,
+    67108864,
+)
+STEP_DURATION_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+STEP_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+FINISH_REASONS = ("stop", "length", "abort")
+HEALTH_STATES = ("starting", "healthy", "draining", "dead")
+
+
+class StepStats(Protocol):
+    """What `on_step` reads (`StepOutputs` has these). Optional extras, read when present:
+    `step_duration_s`, `num_scheduled_seqs`, `num_scheduled_tokens`."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_preemptions: int
+
+
+class EngineMetrics:
+    """Every `otel_engine_*` family of DESIGN.md section 4, with per-step and per-request hooks."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.requests_running = Gauge(
+            "otel_engine_requests_running", "Requests in the engine's running batch.", registry=r
+        )
+        self.requests_waiting = Gauge(
+            "otel_engine_requests_waiting", "Requests queued in the engine.", registry=r
+        )
+        self.kv_cache_usage = Gauge(
+            "otel_engine_kv_cache_usage_ratio",
+            "Fraction of KV cache blocks in use (0-1).",
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "otel_engine_prompt_tokens", "Prompt tokens of finished or failed requests.", registry=r
+        )
+        self.generation_tokens = Counter(
+            "otel_engine_generation_tokens",
+            "Generated tokens of finished or failed requests.",
+            registry=r,
+        )
+        self.request_success = Counter(
+            "otel_engine_request_success",
+            "Requests that finished, by finish reason.",
+            ["finish_reason"],
+            registry=r,
+        )
+        self.request_errors = Counter(
+            "otel_engine_request_errors",
+            "Requests that failed, by error type.",
+            ["error_type"],
+            registry=r,
+        )
+        self.time_to_first_token = Histogram(
+            "otel_engine_time_to_first_token_seconds",
+            "Arrival to first output token.",
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.time_per_output_token = Histogram(
+            "otel_engine_time_per_output_token_seconds",
+            "Mean time per output token after the first.",
+            buckets=TPOT_BUCKETS,
+            registry=r,
+        )
+        self.e2e_latency = Histogram(
+            "otel_engine_e2e_request_latency_seconds",
+            "Arrival to last output token.",
+            buckets=REQUEST_DURATION_BUCKETS,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            "otel_engine_request_queue_time_seconds",
+            "Arrival to first scheduled.",
+            buckets=REQUEST_DURATION_BUCKETS,
+            registry=r,
+        )
+        self.request_prompt_tokens = Histogram(
+            "otel_engine_request_prompt_tokens",
+            "Prompt tokens per request.",
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.request_generation_tokens = Histogram(
+            "otel_engine_request_generation_tokens",
+            "Generated tokens per request.",
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.step_duration = Histogram(
+            "otel_engine_step_duration_seconds",
+            "Wall time of one engine step.",
+            buckets=STEP_DURATION_BUCKETS,
+            registry=r,
+        )
+        self.step_batch_size = Histogram(
+            "otel_engine_step_batch_size",
+            "Sequences scheduled per engine step.",
+            buckets=BATCH_SIZE_BUCKETS,
+            registry=r,
+        )
+        self.step_tokens = Histogram(
+            "otel_engine_step_tokens",
+            "Tokens computed per engine step.",
+            buckets=STEP_TOKENS_BUCKETS,
+            registry=r,
+        )
+        self.preemptions = Counter(
+            "otel_engine_preemptions", "Requests preempted (KV blocks reclaimed).", registry=r
+        )
+        self.health_state = Gauge(
+            "otel_engine_engine_health_state",
+            "1 for the engine's current state, else 0.",
+            ["state"],
+            registry=r,
+        )
+        self._success = {reason: self.request_success.labels(reason) for reason in FINISH_REASONS}
+        self._errors: dict[str, Any] = {}
+        self._health = {state: self.health_state.labels(state) for state in HEALTH_STATES}
+        self.set_health("starting")
+
+    def on_step(self, stats: StepStats) -> None:
+        """Scheduler state after one engine step, and that step's cost."""
+        self.requests_running.set(stats.num_running)
+        self.requests_waiting.set(stats.num_waiting)
+        self.kv_cache_usage.set(stats.kv_cache_usage)
+        if stats.num_preemptions:
+            self.preemptions.inc(stats.num_preemptions)
+        duration = getattr(stats, "step_duration_s", None)
+        if duration is not None:
+            self.step_duration.observe(duration)
+        num_seqs = getattr(stats, "num_scheduled_seqs", None)
+        if num_seqs:
+            self.step_batch_size.observe(num_seqs)
+        num_tokens = getattr(stats, "num_scheduled_tokens", None)
+        if num_tokens:
+            self.step_tokens.observe(num_tokens)
+
+    def on_request_finished(
+        self,
+        *,
+        finish_reason: str,
+        num_prompt_tokens: int,
+        num_generation_tokens: int,
+        e2e_s: float,
+        queue_s: float | None = None,
+        ttft_s: float | None = None,
+        tpot_s: float | None = None,
+    ) -> None:
+        """A request that ended normally; TPOT defaults to (e2e - ttft) / (n - 1)."""
+        child = self._success.get(finish_reason)
+        if child is None:
+            child = self._success[finish_reason] = self.request_success.labels(finish_reason)
+        child.inc()
+        self._count_tokens(num_prompt_tokens, num_generation_tokens)
+        self.request_prompt_tokens.observe(num_prompt_tokens)
+        self.request_generation_tokens.observe(num_generation_tokens)
+        self.e2e_latency.observe(e2e_s)
+        if queue_s is not None:
+            self.queue_time.observe(queue_s)
+        if ttft_s is not None:
+            self.time_to_first_token.observe(ttft_s)
+            if tpot_s is None and num_generation_tokens > 1:
+                tpot_s = (e2e_s - ttft_s) / (num_generation_tokens - 1)
+        if tpot_s is not None:
+            self.time_per_output_token.observe(tpot_s)
+
+    def on_request_error(
+        self, error_type: str, *, num_prompt_tokens: int = 0, num_generation_tokens: int = 0
+    ) -> None:
+        """A failed request (4xx kind, abort, engine error); keep `error_type` low-cardinality."""
+        child = self._errors.get(error_type)
+        if child is None:
+            child = self._errors[error_type] = self.request_errors.labels(error_type)
+        child.inc()
+        self._count_tokens(num_prompt_tokens, num_generation_tokens)
+
+    def set_health(self, state: str) -> None:
+        """One of HEALTH_STATES: starting, healthy, draining, dead."""
+        if state not in self._health:
+            raise ValueError(f"health state must be one of {HEALTH_STATES}, got {state!r}")
+        for name, child in self._health.items():
+            child.set(1 if name == state else 0)
+
+    def render(self) -> tuple[bytes, str]:
+        """Prometheus text exposition of the registry, and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def _count_tokens(self, num_prompt: int, num_generated: int) -> None:
+        if num_prompt:
+            self.prompt_tokens.inc(num_prompt)
+        if num_generated:
+            self.generation_tokens.inc(num_generated)

@@ -1,0 +1,232 @@
+"""Per-process OpenTelemetry: tracer provider, OTLP exporters, W3C context across IPC.
+
+Every process builds its own providers after it starts (never inherited). The resource
+says which process it is: `service.name` (default `otel-engine`; `OTEL_SERVICE_NAME` and
+`OTEL_RESOURCE_ATTRIBUTES` win), `service.version`, `service.instance.id` (one per engine
+instance), `process.pid`, `otel_engine.process.role`, `otel_engine.worker.rank`.
+
+Export is OTLP over gRPC (the default) or HTTP/protobuf. The `--otlp-endpoint` flag is a
+base URL (HTTP appends `/v1/traces`, `/v1/logs`, `/v1/metrics`); without it the SDK reads
+the standard variables itself (`OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT`, headers, timeout,
+compression, `OTEL_TRACES_SAMPLER`, `OTEL_BSP_*`). With no endpoint at all no provider is
+installed: the API's no-op tracer costs next to nothing and no exporter thread runs.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.sdk.resources import OTELResourceDetector, Resource
+from opentelemetry.trace import Link
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from otel_engine.config import ObservabilityConfig
+
+logger = logging.getLogger(__name__)
+
+PROTOCOLS = ("grpc", "http/protobuf")
+DEFAULT_PROTOCOL = "grpc"
+DEFAULT_SERVICE_NAME = "otel-engine"
+ROLE_KEY = "otel_engine.process.role"
+RANK_KEY = "otel_engine.worker.rank"
+TRACER_NAME = "otel_engine"
+
+_W3C = TraceContextTextMapPropagator()
+_CLOSERS: list[tuple[str, Callable[[float], None]]] = []
+_ATEXIT_REGISTERED = False
+
+
+def resolve_protocol(config: ObservabilityConfig, signal: str) -> str:
+    """The flag, else `OTEL_EXPORTER_OTLP_{SIGNAL}_PROTOCOL`, else `..._PROTOCOL`, else grpc."""
+    protocol = (
+        config.otlp_protocol
+        or os.environ.get(f"OTEL_EXPORTER_OTLP_{signal.upper()}_PROTOCOL")
+        or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+        or DEFAULT_PROTOCOL
+    ).strip()
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"OTLP protocol must be one of {PROTOCOLS}, got {protocol!r}")
+    return protocol
+
+
+def is_enabled(config: ObservabilityConfig, signal: str) -> bool:
+    """True when an endpoint is configured for `signal` and no variable turns export off."""
+    if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return False
+    if os.environ.get(f"OTEL_{signal.upper()}_EXPORTER", "otlp").strip().lower() == "none":
+        return False
+    return bool(
+        config.otlp_endpoint
+        or os.environ.get(f"OTEL_EXPORTER_OTLP_{signal.upper()}_ENDPOINT")
+        or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    )
+
+
+def _flag_endpoint(config: ObservabilityConfig, signal: str, protocol: str) -> str | None:
+    endpoint = config.otlp_endpoint
+    if not endpoint:
+        return None
+    if "://" not in endpoint:
+        endpoint = f"http://{endpoint}"
+    if protocol == "grpc":
+        return endpoint
+    return f"{endpoint.rstrip('/')}/v1/{signal}"
+
+
+def make_exporter(config: ObservabilityConfig, signal: str) -> Any:
+    """An OTLP exporter for "traces", "logs" or "metrics"; the SDK reads the OTEL_* variables."""
+    protocol = resolve_protocol(config, signal)
+    endpoint = _flag_endpoint(config, signal, protocol)
+    if protocol == "grpc":
+        if signal == "traces":
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+            return OTLPSpanExporter(endpoint=endpoint)
+        if signal == "logs":
+            from opentelemetry.exporter.otlp.proto.grpc._log_exporter import OTLPLogExporter
+
+            return OTLPLogExporter(endpoint=endpoint)
+        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
+
+        return OTLPMetricExporter(endpoint=endpoint)
+    if signal == "traces":
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as Span
+
+        return Span(endpoint=endpoint)
+    if signal == "logs":
+        from opentelemetry.exporter.otlp.proto.http._log_exporter import OTLPLogExporter as Log
+
+        return Log(endpoint=endpoint)
+    from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter as Metric
+
+    return Metric(endpoint=endpoint)
+
+
+def build_resource(role: str, rank: int | None, instance_id: str | None) -> Resource:
+    """This process's resource; the OTEL_* variables win over the service.* defaults."""
+    import otel_engine
+
+    defaults: dict[str, Any] = {
+        "service.name": DEFAULT_SERVICE_NAME,
+        "service.version": getattr(otel_engine, "__version__", "unknown"),
+    }
+    if instance_id:
+        defaults["service.instance.id"] = instance_id
+    own: dict[str, Any] = {"process.pid": os.getpid(), ROLE_KEY: role}
+    if rank is not None:
+        own[RANK_KEY] = rank
+    from_env = OTELResourceDetector().detect().attributes
+    return Resource.create({**defaults, **from_env, **own})
+
+
+def register_closer(name: str, close: Callable[[float], None]) -> None:
+    """Run `close(deadline)` in `shutdown_telemetry`; `deadline` is a time.monotonic() value."""
+    global _ATEXIT_REGISTERED
+    _CLOSERS.append((name, close))
+    if not _ATEXIT_REGISTERED:
+        _ATEXIT_REGISTERED = True
+        atexit.register(shutdown_telemetry)
+
+
+def configure_tracing(
+    *, role: str, rank: int | None, config: ObservabilityConfig, instance_id: str | None = None
+) -> bool:
+    """Install this process's tracer provider (and OTLP log export when `otlp_logs`).
+
+    Returns True when spans are exported; False leaves the no-op tracer in place.
+    """
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    resource: Resource | None = None
+    if config.otlp_logs and is_enabled(config, "logs"):
+        resource = build_resource(role, rank, instance_id)
+        _configure_log_export(config, resource)
+    if not is_enabled(config, "traces"):
+        return False
+    resource = resource or build_resource(role, rank, instance_id)
+    provider = TracerProvider(resource=resource, shutdown_on_exit=False)
+    provider.add_span_processor(BatchSpanProcessor(make_exporter(config, "traces")))
+    trace.set_tracer_provider(provider)
+
+    def close(deadline: float) -> None:
+        provider.force_flush(max(1, int((deadline - time.monotonic()) * 1000)))
+        provider.shutdown()
+
+    register_closer("traces", close)
+    return True
+
+
+def _configure_log_export(config: ObservabilityConfig, resource: Resource) -> None:
+    from otel_engine.observability.log_export import close_log_export, start_log_export
+
+    provider, handler = start_log_export(config, resource)
+    register_closer("logs", lambda deadline: close_log_export(provider, handler, deadline))
+
+
+def shutdown_telemetry(timeout_s: float = 5.0) -> bool:
+    """Flush and shut down every provider and exporter within `timeout_s`; idempotent.
+
+    Returns False if the time ran out (what was left is dropped, never waited on longer).
+    """
+    closers = list(_CLOSERS)
+    _CLOSERS.clear()
+    if not closers:
+        return True
+    deadline = time.monotonic() + timeout_s
+
+    def run() -> None:
+        for name, close in closers:
+            try:
+                close(deadline)
+            except Exception:
+                logger.warning("telemetry.shutdown_failed", extra={"signal": name}, exc_info=True)
+
+    worker = threading.Thread(target=run, name="telemetry-shutdown", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive():
+        logger.warning("telemetry.shutdown_timeout", extra={"timeout_s": timeout_s})
+        return False
+    return True
+
+
+def get_tracer(name: str = TRACER_NAME) -> trace.Tracer:
+    """A tracer from the current provider (the no-op one until a provider is installed)."""
+    import otel_engine
+
+    return trace.get_tracer(name, getattr(otel_engine, "__version__", None))
+
+
+def inject_context(context: Context | None = None) -> dict[str, str]:
+    """W3C `traceparent`/`tracestate` of the current (or given) span, for IPC messages.
+
+    Empty when no valid span is active, so messages stay small when tracing is off.
+    """
+    carrier: dict[str, str] = {}
+    _W3C.inject(carrier, context=context)
+    return carrier
+
+
+def extract_context(carrier: Mapping[str, str] | None) -> Context:
+    """The context a carrier from `inject_context` (or an HTTP request) describes."""
+    return _W3C.extract(carrier or {})
+
+
+def link_from(carrier: Mapping[str, str] | None) -> Link | None:
+    """A span link to the span a carrier describes (None if it holds no valid context)."""
+    span_context = trace.get_current_span(extract_context(carrier)).get_span_context()
+    return Link(span_context) if span_context.is_valid else None
+
+
+def links_from(carriers: Iterable[Mapping[str, str] | None]) -> list[Link]:
+    """Links from many carriers (a step's batch) to their request spans."""
+    return [link for link in map(link_from, carriers) if link is not None]

@@ -1,0 +1,225 @@
+"""Prometheus metrics: every `otel_engine_*` family, per-step and per-request updates, OTLP."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from otel_engine.config import ObservabilityConfig
+from otel_engine.ipc.messages import StepOutputs
+from otel_engine.observability.metrics import TTFT_BUCKETS, EngineMetrics
+from otel_engine.observability.otlp_metrics import registry_to_metrics, start_otlp_metrics
+from otel_engine.observability.tracing import shutdown_telemetry
+from tests.helpers.otlp_receiver import OtlpReceiver
+
+FAMILIES = {
+    "otel_engine_requests_running": "gauge",
+    "otel_engine_requests_waiting": "gauge",
+    "otel_engine_kv_cache_usage_ratio": "gauge",
+    "otel_engine_prompt_tokens": "counter",
+    "otel_engine_generation_tokens": "counter",
+    "otel_engine_request_success": "counter",
+    "otel_engine_request_errors": "counter",
+    "otel_engine_time_to_first_token_seconds": "histogram",
+    "otel_engine_time_per_output_token_seconds": "histogram",
+    "otel_engine_e2e_request_latency_seconds": "histogram",
+    "otel_engine_request_queue_time_seconds": "histogram",
+    "otel_engine_request_prompt_tokens": "histogram",
+    "otel_engine_request_generation_tokens": "histogram",
+    "otel_engine_step_duration_seconds": "histogram",
+    "otel_engine_step_batch_size": "histogram",
+    "otel_engine_step_tokens": "histogram",
+    "otel_engine_preemptions": "counter",
+    "otel_engine_engine_health_state": "gauge",
+}
+
+
+class Step:
+    """StepOutputs plus the optional per-step cost fields `on_step` reads when present."""
+
+    num_running = 3
+    num_waiting = 2
+    kv_cache_usage = 0.25
+    num_preemptions = 1
+    step_duration_s = 0.012
+    num_scheduled_seqs = 5
+    num_scheduled_tokens = 130
+
+
+def samples(metrics: EngineMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of the rendered text, keyed by (name, sorted labels)."""
+    body, _ = metrics.render()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(body.decode())
+        for sample in family.samples
+    }
+
+
+def finish_one(metrics: EngineMetrics) -> None:
+    metrics.on_request_finished(
+        finish_reason="stop",
+        num_prompt_tokens=12,
+        num_generation_tokens=5,
+        e2e_s=0.9,
+        queue_s=0.05,
+        ttft_s=0.1,
+    )
+
+
+def test_render_has_every_family_with_its_type() -> None:
+    """GET /metrics text lists every family of DESIGN.md section 4 with the right type."""
+    body, content_type = EngineMetrics().render()
+    assert content_type.startswith("text/plain")
+    families = {f.name: f.type for f in text_string_to_metric_families(body.decode())}
+    assert FAMILIES == {name: families.get(name) for name in FAMILIES}
+
+
+def test_finished_request_moves_counters_and_histograms() -> None:
+    """One finished request counts tokens and success and lands in each latency histogram."""
+    metrics = EngineMetrics()
+    finish_one(metrics)
+    values = samples(metrics)
+    assert 12 == values[("otel_engine_prompt_tokens_total", ())]
+    assert 5 == values[("otel_engine_generation_tokens_total", ())]
+    assert 1 == values[("otel_engine_request_success_total", (("finish_reason", "stop"),))]
+    for name in (
+        "otel_engine_time_to_first_token_seconds",
+        "otel_engine_time_per_output_token_seconds",
+        "otel_engine_e2e_request_latency_seconds",
+        "otel_engine_request_queue_time_seconds",
+        "otel_engine_request_prompt_tokens",
+    ):
+        assert 1 == values[(f"{name}_count", ())], name
+
+
+def test_tpot_is_derived_from_ttft_and_e2e() -> None:
+    """Without tpot_s, TPOT = (e2e - ttft) / (generated - 1)."""
+    metrics = EngineMetrics()
+    finish_one(metrics)
+    assert (
+        pytest.approx(0.2)
+        == samples(metrics)[("otel_engine_time_per_output_token_seconds_sum", ())]
+    )
+
+
+def test_ttft_uses_the_genai_bucket_boundaries() -> None:
+    """TTFT buckets are those of gen_ai.server.time_to_first_token (1 ms ... 10 s)."""
+    values = samples(EngineMetrics())
+    bounds = sorted(
+        float(dict(labels)["le"])
+        for name, labels in values
+        if name == "otel_engine_time_to_first_token_seconds_bucket"
+    )
+    assert [*TTFT_BUCKETS, float("inf")] == bounds
+    assert 0.001 == TTFT_BUCKETS[0]
+    assert 10.0 == TTFT_BUCKETS[-1]
+
+
+def test_on_step_sets_gauges_and_step_histograms() -> None:
+    """A step sets running/waiting/KV usage, counts preemptions, observes step cost."""
+    metrics = EngineMetrics()
+    metrics.on_step(Step())
+    values = samples(metrics)
+    assert (3, 2, 0.25, 1) == (
+        values[("otel_engine_requests_running", ())],
+        values[("otel_engine_requests_waiting", ())],
+        values[("otel_engine_kv_cache_usage_ratio", ())],
+        values[("otel_engine_preemptions_total", ())],
+    )
+    assert pytest.approx(0.012) == values[("otel_engine_step_duration_seconds_sum", ())]
+    assert 5 == values[("otel_engine_step_batch_size_sum", ())]
+    assert 130 == values[("otel_engine_step_tokens_sum", ())]
+
+
+def test_on_step_accepts_step_outputs() -> None:
+    """The engine's StepOutputs message works as it is (the optional fields are skipped)."""
+    metrics = EngineMetrics()
+    metrics.on_step(StepOutputs(step_id=4, updates=[], num_running=1, kv_cache_usage=0.5))
+    assert 0.5 == samples(metrics)[("otel_engine_kv_cache_usage_ratio", ())]
+
+
+def test_errors_are_counted_by_type() -> None:
+    """Each error type gets its own series; tokens of failed requests still count."""
+    metrics = EngineMetrics()
+    metrics.on_request_error("engine_dead", num_prompt_tokens=7)
+    metrics.on_request_error("engine_dead")
+    metrics.on_request_error("abort")
+    values = samples(metrics)
+    assert 2 == values[("otel_engine_request_errors_total", (("error_type", "engine_dead"),))]
+    assert 1 == values[("otel_engine_request_errors_total", (("error_type", "abort"),))]
+    assert 7 == values[("otel_engine_prompt_tokens_total", ())]
+
+
+def test_health_state_is_one_hot() -> None:
+    """Exactly the current health state is 1."""
+    metrics = EngineMetrics()
+    metrics.set_health("dead")
+    values = samples(metrics)
+    states = {
+        dict(labels)["state"]: value
+        for (name, labels), value in values.items()
+        if name == "otel_engine_engine_health_state"
+    }
+    assert {"starting": 0, "healthy": 0, "draining": 0, "dead": 1} == states
+
+
+def test_unknown_health_state_is_rejected() -> None:
+    """A typo in a state name fails instead of adding a series."""
+    with pytest.raises(ValueError, match="health state"):
+        EngineMetrics().set_health("ok")
+
+
+def test_two_servers_do_not_share_a_registry() -> None:
+    """Each EngineMetrics has a private registry: two in one process never collide."""
+    first, second = EngineMetrics(), EngineMetrics()
+    finish_one(first)
+    assert 0 == samples(second)[("otel_engine_prompt_tokens_total", ())]
+
+
+def test_histograms_convert_to_otlp_bucket_counts() -> None:
+    """Prometheus cumulative buckets become OTLP per-bucket counts with finite bounds."""
+    metrics = EngineMetrics()
+    for value in (0.0005, 0.05, 0.05, 20.0):
+        metrics.time_to_first_token.observe(value)
+    converted = {m.name: m for m in registry_to_metrics(metrics.registry, 0)}
+    point = converted["otel_engine_time_to_first_token_seconds"].data.data_points[0]
+    assert list(TTFT_BUCKETS) == list(point.explicit_bounds)
+    assert len(TTFT_BUCKETS) + 1 == len(point.bucket_counts)
+    assert (4, 1, 2, 1) == (
+        point.count,
+        point.bucket_counts[0],
+        point.bucket_counts[TTFT_BUCKETS.index(0.06)],
+        point.bucket_counts[-1],
+    )
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
+def test_otlp_export_of_the_registry(protocol: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With an endpoint, the same families reach an OTLP receiver (final export at shutdown)."""
+    monkeypatch.setenv("OTEL_METRIC_EXPORT_INTERVAL", "60000")
+    metrics = EngineMetrics()
+    finish_one(metrics)
+    metrics.on_request_error("abort")
+    with OtlpReceiver(protocol) as receiver:
+        config = ObservabilityConfig(otlp_endpoint=receiver.endpoint, otlp_protocol=protocol)
+        bridge = start_otlp_metrics(metrics.registry, config=config, instance_id="engine-m")
+        assert bridge is not None
+        assert shutdown_telemetry(10)
+        exported = {m["name"]: m for m in receiver.metrics()}
+    assert set(FAMILIES) == set(exported)
+    success = exported["otel_engine_request_success"]
+    assert ("sum", {"finish_reason": "stop"}, 1) == (
+        success["kind"],
+        success["points"][0]["attributes"],
+        success["points"][0]["value"],
+    )
+    assert 1 == exported["otel_engine_time_to_first_token_seconds"]["points"][0]["count"]
+    assert "api_server" == success["resource"]["otel_engine.process.role"]
+
+
+def test_no_metrics_endpoint_starts_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without an endpoint, no OTLP metrics thread starts."""
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", raising=False)
+    assert start_otlp_metrics(EngineMetrics().registry, config=ObservabilityConfig()) is None
