@@ -27,12 +27,14 @@ class EngineDeadError(OtelEngineError):
         cause_type: str = "EngineDeadError",
         failed_process: str = "",
         traceback: str = "",
+        crash_context: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
         self.cause_type = cause_type
         self.failed_process = failed_process
         self.traceback = traceback
+        self.crash_context = crash_context or {}  # W3C context of the span with the crash
 
 
 class EngineStartupError(OtelEngineError):

@@ -13,14 +13,14 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from otel_engine.config import EngineConfig
 from otel_engine.engine.core_client import MPClient
 from otel_engine.engine.frontend import Frontend, dead_error
 from otel_engine.errors import EngineDeadError
-from otel_engine.ipc.messages import EngineDead, ErrorInfo, StepOutputs
+from otel_engine.ipc.messages import EngineDead, StepOutputs
 from otel_engine.outputs import RequestOutput
 from otel_engine.sampling_params import SamplingParams
 
@@ -53,6 +53,7 @@ class AsyncLLM:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped = threading.Event()
         self.last_progress_at = time.monotonic()
+        self._step_listeners: list[Callable[[StepOutputs], None]] = []
         client = self._frontend.client
         assert isinstance(client, MPClient)
         self._client = client
@@ -133,8 +134,14 @@ class AsyncLLM:
             except RuntimeError:
                 pass
 
+    def add_step_listener(self, listener: Callable[[StepOutputs], None]) -> None:
+        """Call `listener(step)` in the event loop for every engine step (metrics)."""
+        self._step_listeners.append(listener)
+
     def _deliver(self, step: StepOutputs) -> None:
         self.last_progress_at = time.monotonic()
+        for listener in self._step_listeners:
+            listener(step)
         results, to_abort = self._frontend.outputs.process(step)
         if to_abort:
             self._client.abort_requests(to_abort)
@@ -143,8 +150,9 @@ class AsyncLLM:
             if queue is not None:
                 queue.put_nowait(result)
 
-    def _fail_all(self, info: ErrorInfo) -> None:
-        error = dead_error(info)
+    def _fail_all(self, dead: EngineDead) -> None:
+        error = dead_error(dead)
+        info = dead.error
         self.dead_error = error
         logger.error("engine.dead", extra={"cause": info.type, "failed_process": info.process})
         for queue in self._queues.values():
@@ -173,7 +181,7 @@ def _pump_outputs(ref: weakref.ref[AsyncLLM], client: MPClient, stopped: threadi
             return
         if output is not None and llm._loop is not None:
             if isinstance(output, EngineDead):
-                llm._call_in_loop(llm._fail_all, output.error)
+                llm._call_in_loop(llm._fail_all, output)
                 return
             llm._call_in_loop(llm._deliver, output)
         del llm

@@ -19,7 +19,7 @@ from otel_engine.ipc.messages import AddRequest, RequestUpdate, StepOutputs
 from otel_engine.ipc.paths import IpcDir
 from otel_engine.model.loader import load_model_arch
 from otel_engine.observability.faults import maybe_inject
-from otel_engine.observability.tracing import get_tracer, inject_context, link_from
+from otel_engine.observability.tracing import get_tracer, inject_context, is_tracing, link_from
 from otel_engine.sched.kv_cache import BlockAllocator
 from otel_engine.sched.request import Request
 from otel_engine.sched.scheduler import Scheduler, SchedulerOutput
@@ -122,7 +122,8 @@ class EngineCore:
             num_waiting=scheduler.num_waiting,
             kv_cache_usage=scheduler.allocator.usage,
             num_preemptions=len(output.preempted_request_ids),
-            num_batched_tokens=output.num_batched_tokens,
+            num_scheduled_seqs=len(output.chunks),
+            num_scheduled_tokens=output.num_batched_tokens,
             step_duration_s=now - started,
         )
 
@@ -143,13 +144,6 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
-
-
-def is_tracing() -> bool:
-    """True when this process exports spans (an SDK tracer provider is installed)."""
-    from opentelemetry.sdk.trace import TracerProvider
-
-    return isinstance(trace.get_tracer_provider(), TracerProvider)
 
 
 def _update(request: Request) -> RequestUpdate:

@@ -16,7 +16,8 @@ import zmq
 
 from otel_engine.config import EngineConfig
 from otel_engine.engine.core import EngineCore
-from otel_engine.ipc.codec import Codec, error_info
+from otel_engine.executor.executor import failure_info
+from otel_engine.ipc.codec import Codec
 from otel_engine.ipc.messages import (
     AbortRequests,
     AddRequest,
@@ -69,8 +70,9 @@ class InprocClient:
             return self.core.step()
         except Exception as exc:
             logger.exception("engine.failed")
-            process = getattr(getattr(exc, "info", None), "process", "") or "engine_core"
-            self._death = EngineDead(error=error_info(exc, process), trace_context=self.core.failed_step_context)
+            self._death = EngineDead(
+                error=failure_info(exc, "engine_core"), trace_context=self.core.failed_step_context
+            )
             return self._death
 
     def shutdown(self) -> None:

@@ -17,8 +17,8 @@ import zmq
 
 from otel_engine.config import EngineConfig
 from otel_engine.engine.core import EngineCore
-from otel_engine.executor.executor import step_timeout_error
-from otel_engine.ipc.codec import Codec, error_info
+from otel_engine.executor.executor import failure_info, step_timeout_error
+from otel_engine.ipc.codec import Codec
 from otel_engine.ipc.messages import (
     AbortRequests,
     AddRequest,
@@ -67,7 +67,7 @@ def run_engine_core(
     except Exception as exc:
         exit_code = 1
         logger.exception("engine.failed")
-        info = error_info(exc, getattr(getattr(exc, "info", None), "process", "") or PROCESS_NAME)
+        info = failure_info(exc, PROCESS_NAME)
         outputs.send(encoder.encode(EngineDead(error=info, trace_context=core.failed_step_context)))
     finally:
         watchdog.stop()

@@ -11,20 +11,23 @@ from otel_engine.engine.core_client import CoreClient, InprocClient, MPClient
 from otel_engine.engine.input import InputProcessor
 from otel_engine.engine.output import OutputProcessor
 from otel_engine.errors import EngineDeadError
-from otel_engine.ipc.messages import AddRequest, ErrorInfo
+from otel_engine.ipc.messages import AddRequest, EngineDead
+from otel_engine.observability.setup import export_child_env
 from otel_engine.observability.tracing import inject_context
 from otel_engine.model.loader import load_model_arch, load_tokenizer, prepare_model_dir
 from otel_engine.sampling_params import SamplingParams
 
 
-def dead_error(info: ErrorInfo) -> EngineDeadError:
+def dead_error(dead: EngineDead) -> EngineDeadError:
     """The client-facing error for a fatal engine failure (no traceback in the message)."""
+    info = dead.error
     where = f" in {info.process}" if info.process else ""
     return EngineDeadError(
         f"the engine failed{where}: {info.type}: {info.message}",
         cause_type=info.type,
         failed_process=info.process,
         traceback=info.traceback,
+        crash_context=dict(dead.trace_context),
     )
 
 
@@ -33,6 +36,7 @@ class Frontend:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        export_child_env(config)
         self.model_dir = prepare_model_dir(config.model.model)
         self.model_name = config.model.served_model_name or _default_name(config.model.model, self.model_dir)
         self.tokenizer: Any = load_tokenizer(self.model_dir)

@@ -57,7 +57,7 @@ class LLM:
             output = frontend.client.get_output()
             if isinstance(output, EngineDead):
                 self.shutdown()
-                raise dead_error(output.error)
+                raise dead_error(output)
             if isinstance(output, StepOutputs):
                 results, to_abort = frontend.outputs.process(output)
                 frontend.client.abort_requests(to_abort)

@@ -16,7 +16,7 @@ import zmq
 
 from otel_engine.config import EngineConfig
 from otel_engine.executor.model_runner import ModelRunner
-from otel_engine.ipc.codec import Codec
+from otel_engine.ipc.codec import Codec, error_info
 from otel_engine.ipc.messages import (
     ErrorInfo,
     ModelInput,
@@ -33,6 +33,7 @@ from otel_engine.observability.faults import maybe_inject
 logger = logging.getLogger(__name__)
 
 _POLL_MS = 50
+_FAILURE_GRACE_S = 0.3
 
 
 class WorkerError(Exception):
@@ -41,6 +42,13 @@ class WorkerError(Exception):
     def __init__(self, info: ErrorInfo) -> None:
         super().__init__(f"{info.process}: {info.type}: {info.message}")
         self.info = info
+
+
+def failure_info(exc: BaseException, process: str) -> ErrorInfo:
+    """What failed, for `EngineDead`: a worker's own error as it reported it, else `exc`."""
+    if isinstance(exc, WorkerError):
+        return exc.info
+    return error_info(exc, process)
 
 
 def step_timeout_error(step_id: int, config: EngineConfig, process: str) -> ErrorInfo:
@@ -155,8 +163,7 @@ class MultiprocExecutor:
     def _take_result(self, step_id: int) -> list[int] | None:
         message = self._responses.decode(self._results.recv(copy=False).buffer)
         if isinstance(message, WorkerFailure):
-            if self._failure is None or self._failure.type == "WorkerDied":
-                self._failure = message.error
+            self._failure = self._root_cause(message).error
             raise WorkerError(self._failure)
         if isinstance(message, ModelOutput) and message.step_id == step_id:
             return message.sampled_token_ids
@@ -167,6 +174,18 @@ class MultiprocExecutor:
         self._stopping = True
         for worker in self.workers:
             worker.kill()
+
+    def _root_cause(self, first: WorkerFailure) -> WorkerFailure:
+        """Collect the failures that follow within a moment; the earliest one is the cause."""
+        failures = [first]
+        deadline = time.monotonic() + _FAILURE_GRACE_S
+        while (remaining := deadline - time.monotonic()) > 0:
+            if not self._results.poll(int(remaining * 1000) + 1):
+                break
+            message = self._responses.decode(self._results.recv(copy=False).buffer)
+            if isinstance(message, WorkerFailure):
+                failures.append(message)
+        return min(failures, key=lambda f: f.failed_at)
 
     def shutdown(self) -> None:
         """Ask workers to stop, then escalate (SIGTERM, SIGKILL); always reaps them."""

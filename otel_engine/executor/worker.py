@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from datetime import timedelta
 
 import torch
@@ -22,9 +23,13 @@ from otel_engine.executor.model_runner import ModelRunner
 from otel_engine.ipc.codec import Codec, error_info
 from otel_engine.ipc.messages import ModelInput, ModelOutput, WorkerFailure, WorkerRequest, WorkerResponse
 from otel_engine.ipc.process import ReadyChannel
-from otel_engine.engine.core import is_tracing
 from otel_engine.observability.faults import maybe_inject
-from otel_engine.observability.tracing import extract_context, get_tracer, shutdown_telemetry
+from otel_engine.observability.tracing import (
+    extract_context,
+    get_tracer,
+    is_tracing,
+    shutdown_telemetry,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +100,7 @@ def _busy_loop(runner: ModelRunner, rank: int, inputs: zmq.Socket, outputs: zmq.
                 span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
                 span.end()
             info = error_info(exc, f"worker-{rank}")
-            outputs.send(responses.encode(WorkerFailure(rank=rank, error=info)))
+            outputs.send(responses.encode(WorkerFailure(rank, info, time.time())))
             outputs.close(linger=2000)
             shutdown_telemetry(timeout_s=2.0)
             os._exit(1)

@@ -88,7 +88,8 @@ class StepOutputs(msgspec.Struct, frozen=True, tag="outputs", array_like=True):
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
     num_preemptions: int = 0  # preemptions during this step
-    num_batched_tokens: int = 0
+    num_scheduled_seqs: int = 0
+    num_scheduled_tokens: int = 0
     step_duration_s: float = 0.0
 
 
@@ -150,10 +151,15 @@ class ModelOutput(msgspec.Struct, frozen=True, tag="sampled", array_like=True):
 
 
 class WorkerFailure(msgspec.Struct, frozen=True, tag="worker_failure", array_like=True):
-    """A worker's busy loop caught an exception; the engine core treats it as fatal."""
+    """A worker's busy loop caught an exception; the engine core treats it as fatal.
+
+    `failed_at` (wall clock) orders failures: when one rank's exception breaks a
+    collective, its peers fail too, a moment later; the earliest is the cause.
+    """
 
     rank: int
     error: ErrorInfo
+    failed_at: float = 0.0
 
 
 WorkerResponse = ModelOutput | WorkerFailure

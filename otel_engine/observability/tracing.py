@@ -230,3 +230,10 @@ def link_from(carrier: Mapping[str, str] | None) -> Link | None:
 def links_from(carriers: Iterable[Mapping[str, str] | None]) -> list[Link]:
     """Links from many carriers (a step's batch) to their request spans."""
     return [link for link in map(link_from, carriers) if link is not None]
+
+
+def is_tracing() -> bool:
+    """True when this process exports spans (an SDK tracer provider is installed)."""
+    from opentelemetry.sdk.trace import TracerProvider
+
+    return isinstance(trace.get_tracer_provider(), TracerProvider)

@@ -92,7 +92,7 @@ def assert_chunked_and_preempted(batches: list[SchedulerOutput]) -> None:
 def assert_steps_chunked_and_preempted(steps: list[StepOutputs], prompts: list[list[int]]) -> None:
     """From the frames alone: the budget held in every step (so prompts longer than it were
     chunked) and some request reports a preemption."""
-    assert all(0 < s.num_batched_tokens <= BUDGET for s in steps if s.step_id > 0)
+    assert all(0 < s.num_scheduled_tokens <= BUDGET for s in steps if s.step_id > 0)
     assert max(len(p) for p in prompts) > BUDGET
     assert any(u.num_preemptions > 0 for s in steps for u in s.updates), "no request was preempted"
 
