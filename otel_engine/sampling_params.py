@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import msgspec
 
 from otel_engine.errors import RequestError
@@ -24,6 +26,19 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+
+    # Crash dumps show limits and flags, never stop strings, stop token ids or the seed.
+    __crash_dump__: ClassVar[dict[str, str]] = {
+        "max_tokens": "value",
+        "temperature": "value",
+        "top_p": "value",
+        "top_k": "value",
+        "seed": "is_set",
+        "stop": "count",
+        "stop_token_ids": "count",
+        "ignore_eos": "value",
+        "skip_special_tokens": "value",
+    }
 
     def validate(self) -> None:
         """Raise `RequestError` when a field is out of range."""

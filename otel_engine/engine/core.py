@@ -10,14 +10,14 @@ import logging
 import time
 
 from opentelemetry import trace
-from opentelemetry.trace import Status, StatusCode
 
 from otel_engine.config import EngineConfig
-from otel_engine.executor.executor import Executor, make_executor
+from otel_engine.executor.executor import Executor, failure_info, make_executor
 from otel_engine.executor.model_runner import EngineLimits, prepare_model_input, resolve_limits
-from otel_engine.ipc.messages import AddRequest, RequestUpdate, StepOutputs
+from otel_engine.ipc.messages import AddRequest, ErrorInfo, ModelInput, RequestUpdate, StepOutputs
 from otel_engine.ipc.paths import IpcDir
 from otel_engine.model.loader import load_model_arch
+from otel_engine.observability import crash_dump
 from otel_engine.observability.faults import maybe_inject
 from otel_engine.observability.tracing import get_tracer, inject_context, is_tracing, link_from
 from otel_engine.sched.kv_cache import BlockAllocator
@@ -51,6 +51,10 @@ class EngineCore:
         self.is_tracing = is_tracing()
         self.current_step_context: dict[str, str] = {}
         self.failed_step_context: dict[str, str] = {}
+        self.current_output: SchedulerOutput | None = None  # the batch a crash dump shows
+        self.current_model_input: ModelInput | None = None
+        self.current_step_span: trace.Span | None = None
+        self.crash_recorded = False
 
     @property
     def has_work(self) -> bool:
@@ -89,12 +93,13 @@ class EngineCore:
         started = self.step_started_at = time.monotonic()
         output = scheduler.schedule()
         self.current_step_id = output.step_id
-        span = self._start_step_span(output) if self.is_tracing else None
+        self.current_output, self.current_model_input = output, None
+        span = self.current_step_span = self._start_step_span(output) if self.is_tracing else None
         sampled: list[int] = []
         try:
             maybe_inject("engine_core", phase="run", step=output.step_id)
             if not output.is_empty:
-                model_input = prepare_model_input(
+                model_input = self.current_model_input = prepare_model_input(
                     output.step_id,
                     output.chunks,
                     self.config.cache.block_size,
@@ -102,17 +107,14 @@ class EngineCore:
                 )
                 sampled = self.executor.execute(model_input)
             updated = scheduler.update(output, sampled)
-        except BaseException as exc:
-            if span is not None:
-                self.failed_step_context = inject_context(trace.set_span_in_context(span))
-                span.record_exception(exc)
-                span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
-                span.end()
+        except Exception as exc:
+            self.record_crash(failure_info(exc, "engine_core"), how=_how(exc))
             raise
         finally:
             self.step_started_at = None
         if span is not None:
             span.end()
+        self.current_step_span = None
         now = time.monotonic()
         self.last_step_at = now
         return StepOutputs(
@@ -142,8 +144,55 @@ class EngineCore:
         self.current_step_context = inject_context(trace.set_span_in_context(span))
         return span
 
+    def record_crash(self, info: ErrorInfo, *, how: str) -> None:
+        """Build the crash dump of the current step and deliver it (span event and log).
+
+        Called on every fatal path before anything is torn down; never raises. Ends the
+        step span (or a stand-alone `engine_core.crash` span outside a step) and keeps
+        its context in `failed_step_context` for the `EngineDead` frame.
+        """
+        if self.crash_recorded:
+            return
+        self.crash_recorded = True
+        try:
+            span = self.current_step_span
+            if span is None and self.is_tracing:
+                span = self._tracer.start_span("engine_core.crash")
+            failure = crash_dump.failure_summary(info.process, info.type, info.message, how)
+            dump = crash_dump.build_dump(
+                {
+                    "scheduler_output": lambda: crash_dump.scheduler_output_part(
+                        self.current_output, self.current_model_input
+                    ),
+                    "engine_config": lambda: crash_dump.engine_config_part(self.config, self.arch),
+                    "system_stats": lambda: crash_dump.system_stats_part(
+                        scheduler=self.scheduler,
+                        started_at=self.started_at,
+                        last_step_at=self.last_step_at,
+                        failure=failure,
+                        process_pids=self.executor.process_pids(),
+                    ),
+                }
+            )
+            crash_dump.report_crash(dump, span, failure, logger)
+            if span is not None:
+                self.failed_step_context = inject_context(trace.set_span_in_context(span))
+                span.end()
+            self.current_step_span = None
+        except Exception:
+            logger.exception("engine_crash_dump.failed")
+
     def shutdown(self) -> None:
         self.executor.shutdown()
+
+
+def _how(exc: BaseException) -> str:
+    info = getattr(exc, "info", None)
+    if info is not None and info.type == "WorkerDied":
+        return "died"
+    if info is not None and info.type == "StepTimeout":
+        return "timeout"
+    return "exception"
 
 
 def _update(request: Request) -> RequestUpdate:

@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 PROCESS_NAME = "engine_core"
 _IDLE_POLL_MS = 200
+_CRASH_FLUSH_S = 1.0  # bounded: clients must get their errors within about a second
 
 
 def run_engine_core(
@@ -68,6 +69,8 @@ def run_engine_core(
         exit_code = 1
         logger.exception("engine.failed")
         info = failure_info(exc, PROCESS_NAME)
+        core.record_crash(info, how="exception")
+        shutdown_telemetry(timeout_s=_CRASH_FLUSH_S)  # the dump reaches the collector first
         outputs.send(encoder.encode(EngineDead(error=info, trace_context=core.failed_step_context)))
     finally:
         watchdog.stop()
@@ -106,11 +109,12 @@ class StepWatchdog:
                 continue
             info = step_timeout_error(core.current_step_id, core.config, PROCESS_NAME)
             logger.error("engine.step_timeout", extra={"step": core.current_step_id, "timeout_s": self.timeout})
-            dead = EngineDead(error=info, trace_context=core.current_step_context)
+            core.record_crash(info, how="timeout")
+            shutdown_telemetry(timeout_s=_CRASH_FLUSH_S)
+            dead = EngineDead(error=info, trace_context=core.failed_step_context)
             self._socket.send(Codec(CoreOutput).encode(dead))
             core.executor.kill()
             self._socket.close(linger=2000)
-            shutdown_telemetry(timeout_s=2.0)
             os._exit(1)
         self._socket.close(linger=0)
 

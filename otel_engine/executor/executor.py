@@ -9,6 +9,7 @@ failure, or whose process sentinel fires (killed, OOM), turns the current or nex
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 
@@ -76,6 +77,9 @@ class UniprocExecutor:
 
     def kill(self) -> None:
         """No child processes to kill."""
+
+    def process_pids(self) -> dict[str, int | None]:
+        return {"engine_core": os.getpid()}
 
     def shutdown(self) -> None:
         pass
@@ -168,6 +172,11 @@ class MultiprocExecutor:
         if isinstance(message, ModelOutput) and message.step_id == step_id:
             return message.sampled_token_ids
         return None
+
+    def process_pids(self) -> dict[str, int | None]:
+        pids: dict[str, int | None] = {"engine_core": os.getpid()}
+        pids.update((w.name, w.pid) for w in self.workers)
+        return pids
 
     def kill(self) -> None:
         """SIGKILL every worker now (fatal paths where a graceful stop cannot work)."""

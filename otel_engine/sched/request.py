@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from otel_engine.sampling_params import SamplingParams
 
@@ -52,6 +52,24 @@ class Request:
     stop_reason: int | None = None
     first_scheduled_time: float | None = None
     trace_link: Any = None  # an OpenTelemetry Link to the request's span, when tracing
+
+    # What a crash dump may show (observability/crash_dump.py): never token ids or text.
+    # A field missing here is left out of dumps and listed by name until it is decided.
+    __crash_dump__: ClassVar[dict[str, Any]] = {
+        "request_id": "value",
+        "prompt_token_ids": "count",
+        "sampling_params": "nested",
+        "eos_token_ids": "count",
+        "arrival_time": "value",
+        "output_token_ids": "count",
+        "block_ids": "value",
+        "num_computed_tokens": "value",
+        "num_preemptions": "value",
+        "status": "value",
+        "stop_reason": "is_set",
+        "first_scheduled_time": "value",
+        "trace_link": "is_set",
+    }
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,0 +1,356 @@
+"""The crash dump: what the engine was doing when it died, without the prompts.
+
+Three parts, each built on its own so that one failing cannot stop the others:
+`scheduler_output` (the failing step's batch), `engine_config` and `system_stats`.
+Redaction is by allowlist: an object is dumped only through the `__crash_dump__` policy
+declared next to its type (`sched/request.py`, `sampling_params.py`, ...); a field the
+policy does not name is left out and listed by name and type under `unlisted_fields`, so a
+field added later stays redacted until someone decides otherwise. The dump is capped at
+`MAX_DUMP_BYTES` (requests beyond the cap are counted, not listed) and never raises.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+MAX_DUMP_BYTES = 64 * 1024
+MAX_LIST_ITEMS = 256  # block ids and other lists of safe numbers are cut here
+
+# Policies a type declares in `__crash_dump__ = {field: rule}`:
+VALUE = "value"  # a number, bool, enum or identifier: dumped as is
+COUNT = "count"  # a sequence: only its length
+IS_SET = "is_set"  # only whether it holds something
+NESTED = "nested"  # another object with its own policy
+
+Rule = str | Callable[[Any], Any]
+
+
+def dump_object(obj: Any) -> dict[str, Any]:
+    """`obj` through its type's `__crash_dump__` allowlist; unknown types are redacted whole."""
+    policy: dict[str, Rule] | None = getattr(type(obj), "__crash_dump__", None)
+    if policy is None:
+        return {"redacted": type(obj).__name__}
+    out: dict[str, Any] = {}
+    unlisted: dict[str, str] = {}
+    for name in _field_names(obj):
+        try:
+            value = getattr(obj, name)
+        except Exception as exc:
+            out[name] = {"error": _describe(exc)}
+            continue
+        rule = policy.get(name)
+        if rule is None:
+            unlisted[name] = type(value).__name__
+            continue
+        out[name] = _safe(lambda r=rule, v=value: _apply(r, v))
+    if unlisted:
+        out["unlisted_fields"] = unlisted
+    return out
+
+
+def _apply(rule: Rule, value: Any) -> Any:
+    if callable(rule):
+        return rule(value)
+    if rule == VALUE:
+        return _scalar(value)
+    if rule == COUNT:
+        return len(value)
+    if rule == IS_SET:
+        return bool(value) if not isinstance(value, (int, float)) else True
+    if rule == NESTED:
+        return dump_object(value)
+    raise ValueError(f"unknown dump rule {rule!r}")
+
+
+def _scalar(value: Any) -> Any:
+    """Numbers, bools, None, enums and short ids as is; lists of numbers cut to a bound."""
+    if isinstance(value, enum.Enum):
+        return value.name
+    if value is None or isinstance(value, bool | int | float):
+        return value
+    if isinstance(value, str):
+        return value[:128]
+    if isinstance(value, list | tuple):
+        items = [v for v in value[:MAX_LIST_ITEMS] if isinstance(v, int | float)]
+        return items if len(value) <= MAX_LIST_ITEMS else {"first": items, "total": len(value)}
+    return {"redacted": type(value).__name__}
+
+
+def _field_names(obj: Any) -> list[str]:
+    if dataclasses.is_dataclass(obj):
+        return [f.name for f in dataclasses.fields(obj)]
+    struct_fields = getattr(type(obj), "__struct_fields__", None)
+    if struct_fields is not None:
+        return list(struct_fields)
+    slots: Iterable[str] = getattr(type(obj), "__slots__", ())
+    return [s for s in slots if not s.startswith("_")] or [
+        k for k in vars(obj) if not k.startswith("_")
+    ]
+
+
+def _describe(exc: BaseException) -> str:
+    try:
+        return f"{type(exc).__name__}: {exc}"[:300]
+    except Exception:
+        return type(exc).__name__
+
+
+def _safe(build: Callable[[], Any]) -> Any:
+    """Run one part of the dump; its failure becomes a note, never an exception."""
+    try:
+        return build()
+    except Exception as exc:
+        return {"error": _describe(exc)}
+
+
+# ---- the three parts --------------------------------------------------------------------
+
+
+def scheduler_output_part(step: Any, model_input: Any = None) -> dict[str, Any]:
+    """The failing step's batch: per request its safe fields, plus totals and tensor shapes."""
+    if step is None:
+        return {"step_id": None, "requests": [], "note": "no step was running"}
+    chunks = list(step.chunks)
+    requests = []
+    budget = MAX_DUMP_BYTES // 2
+    used = 0
+    for chunk in chunks:
+        entry = _safe(lambda c=chunk: _chunk(c))
+        size = len(json.dumps(entry, default=str))
+        if used + size > budget:
+            break
+        used += size
+        requests.append(entry)
+    part: dict[str, Any] = {
+        "step_id": step.step_id,
+        "num_requests": len(chunks),
+        "num_scheduled_tokens": sum(c.num_tokens for c in chunks),
+        "num_prefill_chunks": sum(1 for c in chunks if c.num_tokens > 1),
+        "preempted_request_ids": list(step.preempted_request_ids)[:MAX_LIST_ITEMS],
+        "requests": requests,
+        "num_omitted_requests": len(chunks) - len(requests),
+    }
+    if model_input is not None:
+        part["tensors"] = _safe(lambda: _tensor_shapes(model_input))
+    return part
+
+
+def _chunk(chunk: Any) -> dict[str, Any]:
+    entry = dump_object(chunk.request)
+    entry["scheduled_start"] = chunk.start
+    entry["num_scheduled_tokens"] = chunk.num_tokens
+    entry["num_blocks"] = len(chunk.request.block_ids)
+    return entry
+
+
+def _tensor_shapes(model_input: Any) -> dict[str, Any]:
+    """The step's tensors as shape/dtype/device only (never their contents)."""
+    num_tokens = len(model_input.input_ids)
+    num_seqs = len(model_input.query_lens)
+    max_blocks = max((len(t) for t in model_input.block_tables), default=0)
+    device = getattr(model_input, "device", "cpu")
+    return {
+        "input_ids": {"shape": [num_tokens], "dtype": "int64", "device": device},
+        "positions": {"shape": [num_tokens], "dtype": "int64", "device": device},
+        "slot_mapping": {"shape": [num_tokens], "dtype": "int64", "device": device},
+        "block_tables": {"shape": [num_seqs, max_blocks], "dtype": "int64", "device": device},
+        "num_decodes": model_input.num_decodes,
+        "num_sampled": len(model_input.sample_indices),
+    }
+
+
+def engine_config_part(config: Any, arch: Any = None) -> dict[str, Any]:
+    """Model, dtype, device, parallelism, cache and scheduler limits, timeouts, versions."""
+    model = config.model
+    part: dict[str, Any] = {
+        "model": os.path.basename(os.path.normpath(model.model)) if model.model else "default",
+        "dtype": model.dtype,
+        "device": model.device,
+        "max_model_len": model.max_model_len,
+        "tensor_parallel_size": config.parallel.tensor_parallel_size,
+        "multiprocess": config.parallel.multiprocess,
+        "block_size": config.cache.block_size,
+        "num_kv_blocks": config.cache.num_kv_blocks,
+        "kv_cache_memory_gib": config.cache.kv_cache_memory_gib,
+        "max_num_seqs": config.scheduler.max_num_seqs,
+        "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
+        "engine_ready_timeout_s": config.timeouts.engine_ready_timeout,
+        "step_timeout_s": config.timeouts.step_timeout,
+        "shutdown_timeout_s": config.timeouts.shutdown_timeout,
+        "versions": _safe(_versions),
+    }
+    if arch is not None:
+        part["architecture"] = arch.architecture
+        part["num_layers"] = arch.num_hidden_layers
+        part["num_attention_heads"] = arch.num_attention_heads
+        part["num_kv_heads"] = arch.num_key_value_heads
+    return part
+
+
+def _versions() -> dict[str, str]:
+    import torch
+
+    import otel_engine
+
+    return {
+        "otel_engine": otel_engine.__version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def system_stats_part(
+    *,
+    scheduler: Any,
+    started_at: float,
+    last_step_at: float,
+    failure: dict[str, Any],
+    process_pids: dict[str, int | None],
+) -> dict[str, Any]:
+    """Scheduler state, uptime, process memory, CPU load, accelerator memory, the failure."""
+    now = time.monotonic()
+    part: dict[str, Any] = {
+        "failure": failure,
+        "num_running": _safe(lambda: scheduler.num_running),
+        "num_waiting": _safe(lambda: scheduler.num_waiting),
+        "kv_cache_usage": _safe(lambda: round(scheduler.allocator.usage, 4)),
+        "num_free_kv_blocks": _safe(lambda: scheduler.allocator.num_free_blocks),
+        "num_steps": _safe(lambda: scheduler.num_steps),
+        "num_preemptions": _safe(lambda: scheduler.num_preemptions),
+        "uptime_s": round(now - started_at, 3),
+        "seconds_since_last_step": round(now - last_step_at, 3),
+        "process_rss_mib": _safe(lambda: _rss(process_pids)),
+        "cpu_count": os.cpu_count(),
+        "load_average": _safe(lambda: [round(x, 2) for x in os.getloadavg()]),
+        "accelerator_memory": _safe(_accelerator_memory),
+    }
+    return part
+
+
+def _rss(process_pids: dict[str, int | None]) -> dict[str, Any]:
+    import psutil
+
+    out: dict[str, Any] = {}
+    for name, pid in process_pids.items():
+        if pid is None:
+            continue
+        try:
+            out[name] = round(psutil.Process(pid).memory_info().rss / 2**20, 1)
+        except psutil.Error as exc:
+            out[name] = {"error": type(exc).__name__}
+    return out
+
+
+def _accelerator_memory() -> dict[str, Any] | None:
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available():
+        return None
+    return {
+        f"cuda:{i}": {
+            "allocated_mib": round(torch.cuda.memory_allocated(i) / 2**20, 1),
+            "reserved_mib": round(torch.cuda.memory_reserved(i) / 2**20, 1),
+        }
+        for i in range(torch.cuda.device_count())
+    }
+
+
+def build_dump(parts: dict[str, Callable[[], Any]]) -> dict[str, Any]:
+    """Build every part (a failing part becomes its error), then enforce the size cap."""
+    started = time.perf_counter()
+    dump = {name: _safe(build) for name, build in parts.items()}
+    dump["build_ms"] = round((time.perf_counter() - started) * 1000, 2)
+    return cap(dump)
+
+
+def cap(dump: dict[str, Any]) -> dict[str, Any]:
+    """Drop listed requests until the JSON fits in MAX_DUMP_BYTES (they are counted)."""
+    text = to_json(dump)
+    scheduler_part = dump.get("scheduler_output")
+    while len(text) > MAX_DUMP_BYTES:
+        requests = scheduler_part.get("requests") if isinstance(scheduler_part, dict) else None
+        if not requests:
+            kept = {k: v for k, v in dump.items() if k in ("build_ms",)}
+            kept["truncated"] = f"dump exceeded {MAX_DUMP_BYTES} bytes"
+            return kept
+        removed = max(1, len(requests) // 4)
+        del requests[-removed:]
+        scheduler_part["num_omitted_requests"] = scheduler_part.get("num_omitted_requests", 0) + removed
+        text = to_json(dump)
+    return dump
+
+
+def to_json(value: Any) -> str:
+    """Compact JSON that never raises (anything odd becomes its type name)."""
+    return json.dumps(value, separators=(",", ":"), default=lambda v: f"<{type(v).__name__}>")
+
+
+# ---- delivery ---------------------------------------------------------------------------
+
+
+def failure_summary(process: str, error_type: str, message: str, how: str) -> dict[str, Any]:
+    """Which process/rank failed and how (exception, died, timeout)."""
+    rank = None
+    tail = process.rsplit("-", 1)[-1]
+    if process.startswith(("worker", "otel-worker")) and tail.isdigit():
+        rank = int(tail)
+    return {"process": process, "rank": rank, "type": error_type, "message": message[:500], "how": how}
+
+
+def report_crash(dump: dict[str, Any], span: Any, failure: dict[str, Any], logger: Any) -> None:
+    """Deliver a dump: a span event `otel_engine.crash` (plus status ERROR) and one JSON
+    log line `engine_crash_dump` (an OTLP log record too when log export is on), both in
+    the failing step span's context. Never raises."""
+    try:
+        _report(dump, span, failure, logger)
+    except Exception as exc:  # the dumper must never turn a crash into a different crash
+        try:
+            logger.error("engine_crash_dump.failed", extra={"error": _describe(exc)})
+        except Exception:
+            pass
+
+
+def _report(dump: dict[str, Any], span: Any, failure: dict[str, Any], logger: Any) -> None:
+    from opentelemetry import trace
+    from opentelemetry.trace import Status, StatusCode
+
+    rank = failure.get("rank")
+    reason = f"{failure.get('type')}: {failure.get('message')}"
+    attributes = {
+        "otel_engine.crash.scheduler_output": to_json(dump.get("scheduler_output")),
+        "otel_engine.crash.engine_config": to_json(dump.get("engine_config")),
+        "otel_engine.crash.system_stats": to_json(dump.get("system_stats")),
+        "otel_engine.crash.failed_process": str(failure.get("process")),
+        "otel_engine.crash.failed_rank": -1 if rank is None else rank,
+        "otel_engine.crash.reason": reason,
+    }
+    if span is not None and span.is_recording():
+        span.add_event(
+            "exception",
+            {"exception.type": str(failure.get("type")), "exception.message": str(failure.get("message"))},
+        )
+        span.add_event("otel_engine.crash", attributes)
+        span.set_status(Status(StatusCode.ERROR, str(failure.get("type"))))
+    extra = {
+        "scheduler_output": dump.get("scheduler_output"),
+        "engine_config": dump.get("engine_config"),
+        "system_stats": dump.get("system_stats"),
+        "failed_process": failure.get("process"),
+        "failed_rank": rank,
+        "reason": reason,
+        "exception.type": failure.get("type"),
+        "exception.message": failure.get("message"),
+        "dump_build_ms": dump.get("build_ms"),
+    }
+    if span is not None:
+        with trace.use_span(span, end_on_exit=False):
+            logger.critical("engine_crash_dump", extra=extra)
+    else:
+        logger.critical("engine_crash_dump", extra=extra)
