@@ -61,6 +61,46 @@ def print_table(headers: list[str], rows: list[list[str]]) -> None:
         print("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
 
 
+def _machine_busy_seconds() -> float:
+    times = psutil.cpu_times()
+    return float(times.user + times.nice + times.system + getattr(times, "irq", 0.0)
+                 + getattr(times, "softirq", 0.0))
+
+
+def _cpu_seconds(procs: list[psutil.Process]) -> float:
+    total = 0.0
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            times = proc.cpu_times()
+            total += times.user + times.system
+    return total
+
+
+class CpuMeter:
+    """CPU cores busy during one measurement: per named group of processes, and the rest of
+    the machine (`other`, i.e. whatever else runs there: contention)."""
+
+    def __init__(self, groups: dict[str, list[psutil.Process]]) -> None:
+        self.groups = groups
+        self.start = time.monotonic()
+        self.busy = _machine_busy_seconds()
+        self.used = {name: _cpu_seconds(procs) for name, procs in groups.items()}
+
+    def stop(self) -> dict[str, float]:
+        wall = max(time.monotonic() - self.start, 1e-6)
+        cores = {name: (_cpu_seconds(procs) - self.used[name]) / wall
+                 for name, procs in self.groups.items()}
+        busy = (_machine_busy_seconds() - self.busy) / wall
+        return {**{k: round(v, 2) for k, v in cores.items()},
+                "other": round(max(0.0, busy - sum(cores.values())), 2)}
+
+
+def own_processes() -> list[psutil.Process]:
+    """This process and its descendants (an in-process engine may still start workers)."""
+    me = psutil.Process()
+    return [me, *me.children(recursive=True)]
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
@@ -148,6 +188,10 @@ class ServerProcess:
         raise TimeoutError(f"server not ready after {timeout:.0f} s; log tail:\n"
                            f"{self.log_tail()}")
 
+    def processes(self) -> list[psutil.Process]:
+        """The server and its descendants, as seen now."""
+        return self._remember()
+
     def sample_memory(self, stop: threading.Event, peaks: MemoryPeaks,
                       interval: float = 0.5) -> None:
         """Until `stop` is set, record the peak RSS of the server and its descendants."""
@@ -162,7 +206,7 @@ class ServerProcess:
             if stop.wait(interval):
                 return
 
-    def stop(self, timeout: float = 60.0) -> dict[str, Any]:
+    def stop(self, timeout: float = 60.0, keep_log: bool = False) -> dict[str, Any]:
         """SIGTERM the server, wait, then kill by pid anything it started still alive."""
         self._remember()
         result: dict[str, Any] = {"signal": "SIGTERM"}
@@ -185,7 +229,8 @@ class ServerProcess:
                 proc.kill()
         result["killed_leftovers"] = [f"{p.pid} ({_role(p, self.proc.pid)})" for p in leftovers]
         self.log.close()
-        if result["exit_code"] == 0 and not leftovers and result["shutdown_seconds"] < 10:
+        is_clean = result["exit_code"] == 0 and not leftovers and result["shutdown_seconds"] < 10
+        if is_clean and not keep_log:
             os.unlink(self.log.name)
         else:
             result["server_log"] = self.log.name

@@ -26,11 +26,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import psutil
 from common import (
+    CpuMeter,
     MemoryPeaks,
     ServerProcess,
     fmt,
     free_port,
+    own_processes,
     print_table,
     quantile,
     random_prompts,
@@ -42,17 +45,23 @@ SEED = 1234
 def measure(phase: str, batch: int, run_once: Callable[[], int],
             repeat: int) -> dict[str, Any]:
     """Run `run_once` (which returns output tokens) `repeat` times; keep the fastest run."""
-    runs = []
+    runs: list[dict[str, Any]] = []
     for _ in range(repeat):
+        meter = CpuMeter({"bench": own_processes()})
         start = time.perf_counter()
         tokens = run_once()
         wall = time.perf_counter() - start
+        cores = meter.stop()
         runs.append({"batch": batch, "output_tokens": tokens, "wall_s": round(wall, 2),
-                     "tok_s": round(tokens / wall, 1)})
+                     "tok_s": round(tokens / wall, 1), "cpu_cores": cores})
         print(f"[{phase}] batch {batch:>3}: {tokens} tokens in {wall:.2f} s = "
-              f"{tokens / wall:.1f} tok/s", flush=True)
+              f"{tokens / wall:.1f} tok/s; CPU cores: {_cores(cores)}", flush=True)
     best = max(runs, key=lambda r: r["tok_s"])
     return {**best, "runs_tok_s": [r["tok_s"] for r in runs]}
+
+
+def _cores(cores: dict[str, float]) -> str:
+    return ", ".join(f"{name} {value:.2f}" for name, value in cores.items())
 
 
 def run_offline(args: argparse.Namespace, vocab_size: int) -> list[dict[str, Any]]:
@@ -99,8 +108,11 @@ def run_hf(args: argparse.Namespace, model_dir: str, vocab_size: int) -> list[di
     results = []
     for batch in args.batch_sizes:
         prompts = random_prompts(batch, args.prompt_len, vocab_size, SEED + batch)
-        results.append(measure("hf", batch, lambda p=prompts: generate(p, args.output_len),
-                               args.repeat))
+
+        def run_once(prompts: list[list[int]] = prompts) -> int:
+            return generate(prompts, args.output_len)
+
+        results.append(measure("hf", batch, run_once, args.repeat))
     return results
 
 
@@ -135,11 +147,17 @@ async def _http_level(base_url: str, model: str, prompts: list[list[int]], concu
     for prompt in prompts:
         queue.put_nowait(prompt)
     records: list[dict[str, Any]] = []
+    errors: list[str] = []
 
     async def worker() -> None:
         while not queue.empty():
             prompt = queue.get_nowait()
-            records.append(await _one_request(client, model, prompt, max_tokens))
+            try:
+                records.append(await _one_request(client, model, prompt, max_tokens))
+            except Exception as error:
+                cause = error.__cause__
+                errors.append(f"{type(error).__name__}: {error}"
+                              + (f" ({type(cause).__name__}: {cause})" if cause else ""))
 
     async with AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0,
                            timeout=600.0) as client:
@@ -149,7 +167,8 @@ async def _http_level(base_url: str, model: str, prompts: list[list[int]], concu
     tokens = sum(int(r["tokens"]) for r in records)
     ttfts = [r["ttft"] for r in records]
     tpots = [r["tpot"] for r in records if r["tpot"] is not None]
-    return {"concurrency": concurrency, "num_requests": len(records), "output_tokens": tokens,
+    return {"concurrency": concurrency, "num_requests": len(records), "num_errors": len(errors),
+            "first_error": errors[0] if errors else None, "output_tokens": tokens,
             "wall_s": round(wall, 2), "tok_s": round(tokens / wall, 1),
             "ttft_median_ms": _ms(quantile(ttfts, 0.5)), "ttft_p90_ms": _ms(quantile(ttfts, 0.9)),
             "tpot_median_ms": _ms(quantile(tpots, 0.5))}
@@ -174,7 +193,9 @@ def run_http(args: argparse.Namespace, vocab_size: int) -> dict[str, Any]:
         print(f"[http] server ready in {result['startup_s']:.1f} s", flush=True)
         model = _model_name(server.base_url)
         warmup = random_prompts(2, args.prompt_len, vocab_size, 0)
-        asyncio.run(_http_level(server.base_url, model, warmup, 2, 16))
+        warm = asyncio.run(_http_level(server.base_url, model, warmup, 2, 16))
+        if warm["num_errors"]:
+            print(f"[http] warm-up: {warm['first_error']}", file=sys.stderr, flush=True)
         for concurrency in args.batch_sizes:
             num = max(args.min_requests, args.requests_per_stream * concurrency)
             prompts = random_prompts(num, args.prompt_len, vocab_size, SEED + 1000 + concurrency)
@@ -182,24 +203,35 @@ def run_http(args: argparse.Namespace, vocab_size: int) -> dict[str, Any]:
             sampler = threading.Thread(target=server.sample_memory, args=(stop, peaks),
                                        name="rss-sampler", daemon=True)
             sampler.start()
+            meter = CpuMeter({"server": server.processes(), "client": [psutil.Process()]})
             try:
                 level = asyncio.run(_http_level(server.base_url, model, prompts, concurrency,
                                                 args.output_len))
             finally:
                 stop.set()
                 sampler.join()
+            level["cpu_cores"] = meter.stop()
+            if level["num_errors"]:
+                print(f"[http] {level['num_errors']} requests failed, first: "
+                      f"{level['first_error']}", file=sys.stderr, flush=True)
+            if server.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {server.proc.returncode}")
             level["peak_rss"] = peaks.as_rows()
             level["peak_rss_total_mb"] = round(peaks.total_mb, 1)
             result["levels"].append(level)
-            print(f"[http] concurrency {concurrency:>3}: {level['num_requests']} requests, "
+            print(f"[http] concurrency {concurrency:>3}: {level['num_requests']} requests "
+                  f"({level['num_errors']} failed), "
                   f"{level['tok_s']:.1f} tok/s, TTFT median {fmt(level['ttft_median_ms'], 0)} "
                   f"ms p90 {fmt(level['ttft_p90_ms'], 0)} ms, TPOT median "
-                  f"{fmt(level['tpot_median_ms'])} ms", flush=True)
+                  f"{fmt(level['tpot_median_ms'])} ms; CPU cores: {_cores(level['cpu_cores'])}",
+                  flush=True)
     except Exception as error:
-        result["error"] = f"{type(error).__name__}: {error}"
+        cause = error.__cause__ or error.__context__
+        result["error"] = f"{type(error).__name__}: {error}" + (
+            f" ({type(cause).__name__}: {cause})" if cause else "")
         print(f"[http] failed: {result['error']}", file=sys.stderr, flush=True)
     finally:
-        result["shutdown"] = server.stop()
+        result["shutdown"] = server.stop(keep_log="error" in result)
         print(f"[http] server stopped: {result['shutdown']}", flush=True)
     return result
 
@@ -221,6 +253,11 @@ def print_summary(report: dict[str, Any]) -> None:
                      fmt(s.get("ttft_p90_ms"), 0), fmt(s.get("tpot_median_ms"))])
     print_table(["B", "offline tok/s", "wall s", "hf tok/s", "otel/hf", "http tok/s",
                  "ttft p50 ms", "ttft p90 ms", "tpot p50 ms"], rows)
+    rows = [[str(b), *(_cores_cell(table.get(b, {})) for table in (offline, hf, http))]
+            for b in report["batch_sizes"]]
+    print(f"CPU cores busy during each measurement, this run / other processes "
+          f"({report['cpu_count']} CPUs; 'other' well above 0 means the numbers are low):")
+    print_table(["B", "offline", "hf", "http server+client"], rows)
     if "http" not in report:
         return
     http_report = report["http"]
@@ -234,6 +271,13 @@ def print_summary(report: dict[str, Any]) -> None:
               f"(total {last['peak_rss_total_mb']:.0f} MB):")
         for row in last["peak_rss"]:
             print(f"  {row['pid']:>8}  {row['role']:<24} {row['peak_rss_mb']:8.1f} MB")
+
+
+def _cores_cell(result: dict[str, Any]) -> str:
+    cores = result.get("cpu_cores")
+    if not cores:
+        return "-"
+    return f"{sum(v for k, v in cores.items() if k != 'other'):.2f} / {cores['other']:.2f}"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -263,7 +307,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    import psutil
     import torch
 
     from otel_engine.model.loader import default_model_path, load_model_arch, prepare_model_dir

@@ -1,7 +1,9 @@
 """`otel-engine serve | generate`: the command line (also `python -m otel_engine.cli`).
 
-`build_parser()` is the single definition of the flags; the docs are generated from it.
-Engine flags map one to one onto `EngineConfig.from_kwargs` fields.
+`build_parser()` is the single definition of the flags; docs/configuration.md is generated
+from it (`scripts/gen_configuration_docs.py`). Engine flags map one to one onto
+`EngineConfig.from_kwargs` fields. Telemetry is set up once here, before the engine starts
+its children (which inherit the settings); `serve` flushes it on every way out.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from otel_engine.config import DEVICES, DTYPES, EngineConfig
-from otel_engine.observability.setup import setup_process
+from otel_engine.observability.logging import adopt_library_loggers
+from otel_engine.observability.setup import setup_main_process
+from otel_engine.observability.tracing import shutdown_telemetry
 
 logger = logging.getLogger("otel_engine.api_server")
 
@@ -39,8 +43,11 @@ ENGINE_FLAGS = (
     "otlp_protocol",
     "log_format",
     "log_level",
+    "otlp_logs",
+    "log_prompts",
 )
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+TELEMETRY_FLUSH_S = 5.0  # the most a clean exit waits for spans, logs and metrics to leave
 
 
 def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -86,11 +93,38 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     )
     telemetry = parser.add_argument_group("telemetry")
     telemetry.add_argument(
-        "--otlp-endpoint", metavar="URL", help="OTLP collector (default: the OTEL_* variables)"
+        "--otlp-endpoint",
+        metavar="URL",
+        help="OTLP collector base URL for traces, metrics and (--otlp-logs) logs "
+        "(default: the OTEL_EXPORTER_OTLP_* variables; none: no export)",
     )
-    telemetry.add_argument("--otlp-protocol", choices=("grpc", "http/protobuf"))
-    telemetry.add_argument("--log-format", choices=("json", "console"))
-    telemetry.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS)
+    telemetry.add_argument(
+        "--otlp-protocol",
+        choices=("grpc", "http/protobuf"),
+        help="OTLP transport (default: $OTEL_EXPORTER_OTLP_PROTOCOL, else grpc)",
+    )
+    telemetry.add_argument(
+        "--otlp-logs",
+        action="store_true",
+        default=None,
+        help="also export log records over OTLP, tied to the active span",
+    )
+    telemetry.add_argument(
+        "--log-format",
+        choices=("json", "console"),
+        help="json: one JSON object per line on stderr; console: for humans (default: serve "
+        "json when stderr is not a terminal, else console; generate console)",
+    )
+    telemetry.add_argument(
+        "--log-level", type=str.upper, choices=LOG_LEVELS, help="root log level (default: INFO)"
+    )
+    telemetry.add_argument(
+        "--log-prompts",
+        action="store_true",
+        default=None,
+        help="DEBUG ONLY: log each request's prompt and stop strings (request.prompt); "
+        "the only way prompt text ever reaches the logs",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -133,8 +167,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The engine flags that were given, as `EngineConfig.from_kwargs` keyword arguments."""
-    return {name: getattr(args, name) for name in ENGINE_FLAGS if getattr(args, name) is not None}
+    """The engine flags that were given, as `EngineConfig.from_kwargs` keyword arguments;
+    the log format defaults by command (`default_log_format`)."""
+    options = {
+        name: getattr(args, name) for name in ENGINE_FLAGS if getattr(args, name) is not None
+    }
+    options.setdefault("log_format", default_log_format(args.command))
+    return options
+
+
+def default_log_format(command: str) -> str:
+    """`serve`: json unless stderr (where logs go) is a terminal; `generate`: console."""
+    if command == "serve" and not _is_terminal(sys.stderr):
+        return "json"
+    return "console"
+
+
+def _is_terminal(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):
+        return False
 
 
 def _fail(message: str) -> int:
@@ -160,6 +213,7 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
     except KeyboardInterrupt:
         sock.close()
         logger.info("shutdown.complete", extra={"phase": "startup"})
+        shutdown_telemetry(TELEMETRY_FLUSH_S)
         return 0
     except Exception as error:
         sock.close()
@@ -171,12 +225,18 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
                 "child_traceback": getattr(error, "traceback", ""),
             },
         )
+        shutdown_telemetry(TELEMETRY_FLUSH_S)
         return _fail(f"engine startup failed: {type(error).__name__}: {error}")
+    adopt_library_loggers()  # transformers & co. attach their own handlers on first use
     exit_code = 0
     try:
         logger.info(
             "engine.ready",
-            extra={"model": engine.model_name, "max_model_len": engine.max_model_len},
+            extra={
+                "model": engine.model_name,
+                "max_model_len": engine.max_model_len,
+                "tensor_parallel_size": config.parallel.tensor_parallel_size,
+            },
         )
         exit_code = run_server(engine, sock, api_key=args.api_key)
     except KeyboardInterrupt:
@@ -184,6 +244,7 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
     finally:
         engine.shutdown()
         logger.info("shutdown.complete", extra={"exit_code": exit_code})
+        shutdown_telemetry(min(TELEMETRY_FLUSH_S, config.timeouts.shutdown_timeout))
     return exit_code
 
 
@@ -227,7 +288,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = EngineConfig.from_kwargs(**options)
     except (TypeError, ValueError) as error:
         parser.error(str(error))
-    setup_process(role="api_server", level=config.observability.log_level)
+    setup_main_process(config)
     if args.command == "serve":
         return serve(args, config)
     return generate(args, options)

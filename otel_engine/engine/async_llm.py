@@ -20,7 +20,7 @@ from otel_engine.config import EngineConfig
 from otel_engine.engine.core_client import MPClient
 from otel_engine.engine.frontend import Frontend, dead_error
 from otel_engine.errors import EngineDeadError
-from otel_engine.ipc.messages import EngineDead, StepOutputs
+from otel_engine.ipc.messages import EngineDead, ErrorInfo, StepOutputs
 from otel_engine.outputs import RequestOutput
 from otel_engine.sampling_params import SamplingParams
 
@@ -77,9 +77,14 @@ class AsyncLLM:
     @property
     def is_stalled(self) -> bool:
         """Work is pending but no step finished within the step watchdog's window."""
+        return self.stalled_for > self.config.timeouts.step_timeout
+
+    @property
+    def stalled_for(self) -> float:
+        """Seconds without engine progress while requests are pending (0 when idle)."""
         if not self._queues:
-            return False
-        return time.monotonic() - self.last_progress_at > self.config.timeouts.step_timeout
+            return 0.0
+        return time.monotonic() - self.last_progress_at
 
     def encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         return self._frontend.inputs.encode(prompt, add_special_tokens)
@@ -179,12 +184,28 @@ def _pump_outputs(ref: weakref.ref[AsyncLLM], client: MPClient, stopped: threadi
         llm = ref()
         if llm is None:
             return
+        if output is None and llm.stalled_for > llm.config.timeouts.step_timeout + _STALL_GRACE_S:
+            # The core's own watchdog did not fire (the process is frozen): give up on it.
+            output = EngineDead(error=_stalled(llm.config.timeouts.step_timeout))
+            client.kill()
         if output is not None and llm._loop is not None:
             if isinstance(output, EngineDead):
                 llm._call_in_loop(llm._fail_all, output)
                 return
             llm._call_in_loop(llm._deliver, output)
         del llm
+
+
+_STALL_GRACE_S = 5.0
+
+
+def _stalled(step_timeout: float) -> ErrorInfo:
+    return ErrorInfo(
+        type="EngineStalled",
+        message=f"the engine core made no progress in {step_timeout:g} s with requests "
+        "pending and did not report it (see --step-timeout)",
+        process="engine_core",
+    )
 
 
 def _shutdown(stopped: threading.Event, frontend: Frontend, io_thread: threading.Thread) -> None:

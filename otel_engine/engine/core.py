@@ -182,8 +182,8 @@ class EngineCore:
         except Exception:
             logger.exception("engine_crash_dump.failed")
 
-    def shutdown(self) -> None:
-        self.executor.shutdown()
+    def shutdown(self, *, graceful: bool = True) -> None:
+        self.executor.shutdown(graceful=graceful)
 
 
 def _how(exc: BaseException) -> str:

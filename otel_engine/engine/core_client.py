@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import logging
 import threading
+import traceback
 import time
 
 import zmq
 
 from otel_engine.config import EngineConfig
 from otel_engine.engine.core import EngineCore
+from otel_engine.errors import EngineStartupError
 from otel_engine.executor.executor import failure_info
 from otel_engine.ipc.codec import Codec
 from otel_engine.ipc.messages import (
@@ -43,9 +45,18 @@ class InprocClient:
         self.ipc_dir = IpcDir(config.instance_id)
         try:
             self.core = EngineCore(config, model_dir, self.ipc_dir)
-        except BaseException:
+        except EngineStartupError:
             self.ipc_dir.cleanup()
             raise
+        except Exception as exc:
+            self.ipc_dir.cleanup()
+            raise EngineStartupError(
+                f"engine_core failed to start: {type(exc).__name__}: {exc}",
+                failed_process="engine_core",
+                traceback="".join(traceback.format_exception(exc)),
+                cause_type=type(exc).__name__,
+                cause_message=str(exc),
+            ) from exc
         self.max_model_len = self.core.limits.max_model_len
         self._pending: list[StepOutputs] = []
         self._death: EngineDead | None = None
@@ -109,7 +120,7 @@ class MPClient:
         try:
             ready = self.core.wait_ready(time.monotonic() + config.timeouts.engine_ready_timeout)
         except BaseException:
-            self.shutdown()
+            self.shutdown(graceful=False)  # a core still starting never reads Shutdown
             raise
         self.max_model_len = ready.info["max_model_len"]
         self._monitor = threading.Thread(target=self._watch_core, name="core-monitor", daemon=True)
@@ -146,16 +157,26 @@ class MPClient:
     def is_alive(self) -> bool:
         return self._death is None
 
-    def shutdown(self) -> None:
-        """Ask the core to stop, then escalate; sockets closed, IPC directory removed."""
+    def kill(self) -> None:
+        """SIGKILL the engine core (its workers follow through their death pipes)."""
+        self.core.kill()
+
+    def shutdown(self, *, graceful: bool = True) -> None:
+        """Ask the core to stop, then escalate; sockets closed, IPC directory removed.
+
+        Not graceful (startup failed or was interrupted): SIGTERM at once; the core's
+        workers follow through their death pipes.
+        """
         if self._stopping:
             return
         self._stopping = True
-        try:
-            self._inputs.send(self._encoder.encode(Shutdown()), flags=zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass
-        self.core.stop(timeout=self.config.timeouts.shutdown_timeout)
+        graceful_s = self.config.timeouts.shutdown_timeout if graceful and self._death is None else 0.0
+        if graceful_s:
+            try:
+                self._inputs.send(self._encoder.encode(Shutdown()), flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                graceful_s = 0.0
+        self.core.stop(timeout=graceful_s)
         if self._monitor is not None:
             self._monitor.join(timeout=1.0)
         self.core.close()

@@ -74,7 +74,7 @@ def run_engine_core(
         outputs.send(encoder.encode(EngineDead(error=info, trace_context=core.failed_step_context)))
     finally:
         watchdog.stop()
-        core.shutdown()
+        core.shutdown(graceful=exit_code == 0)
         inputs.close(linger=0)
         outputs.close(linger=2000)
         context.term()

@@ -3,16 +3,19 @@
 The engine is created before the server (so the port opens only when the engine is ready)
 and is owned by the caller; the app only uses it. `ApiServer` adds to uvicorn what an
 inference server needs: a drain period on SIGTERM (new requests get 503, in-flight ones
-finish or get 503 at the deadline) and an exit with code 1 once the engine is dead.
+finish or get 503 at the deadline) and an exit with code 1 once the engine is dead. Every
+HTTP request but the probes gets a SERVER span; `/metrics` serves the `EngineMetrics`
+registry, which `run_server` also exports over OTLP when an endpoint is configured.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import signal
 import socket
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -20,19 +23,36 @@ from starlette.responses import Response
 
 from otel_engine.entrypoints.errors import error_response, install_error_handlers
 from otel_engine.entrypoints.guard import GuardMiddleware, ServerState
-from otel_engine.entrypoints.metrics import CONTENT_TYPE_LATEST
+from otel_engine.entrypoints.http_tracing import HttpTracingMiddleware
 from otel_engine.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
 from otel_engine.entrypoints.serving import OpenAIServing
+from otel_engine.observability.otlp_metrics import start_otlp_metrics
 
 if TYPE_CHECKING:
     from otel_engine import AsyncLLM
 
 logger = logging.getLogger("otel_engine.api_server")
 
+# Recent FastAPI versions trace, meter and log requests by themselves once a provider is set;
+# our own middleware does that (with redaction and probes left out), so theirs stays off.
+_NO_NATIVE_TELEMETRY: dict[str, Any] = (
+    {
+        "telemetry": {
+            "tracing": False,
+            "metrics": False,
+            "logs": False,
+            "operation_spans": False,
+            "auto_configure": False,
+        }
+    }
+    if "telemetry" in inspect.signature(FastAPI.__init__).parameters
+    else {}
+)
+
 
 def build_app(state: ServerState) -> FastAPI:
     """The FastAPI app serving `state.engine`; the engine's lifetime stays with the caller."""
-    app = FastAPI(title="otel-engine", docs_url=None, redoc_url=None)
+    app = FastAPI(title="otel-engine", docs_url=None, redoc_url=None, **_NO_NATIVE_TELEMETRY)
     app.state.metrics = state.metrics
     install_error_handlers(app)
     serving = OpenAIServing(state.engine, state.metrics, state.drain_expired)
@@ -46,8 +66,9 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        state.metrics.engine_healthy.set(0 if state.engine.is_dead else 1)
-        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        state.update_health()
+        body, content_type = state.metrics.render()
+        return Response(body, media_type=content_type)
 
     @app.get("/v1/models")
     async def models() -> dict[str, object]:
@@ -69,6 +90,7 @@ def build_app(state: ServerState) -> FastAPI:
         return await serving.chat(body, request)
 
     app.add_middleware(GuardMiddleware, state=state)
+    app.add_middleware(HttpTracingMiddleware)
     return app
 
 
@@ -91,6 +113,7 @@ class ApiServer(uvicorn.Server):
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
         if self.started:
+            self.state.update_health()
             logger.info("server.listening", extra={"address": _address(self, sockets)})
 
     async def on_tick(self, counter: int) -> bool:
@@ -103,7 +126,7 @@ class ApiServer(uvicorn.Server):
                     "failed_process": error.failed_process if error else None,
                 },
             )
-            self.state.metrics.engine_healthy.set(0)
+            self.state.metrics.set_health("dead")
             self.exit_code = 1
             self.should_exit = self.should_exit or self.exit_on_engine_death
         return await super().on_tick(counter)
@@ -165,6 +188,12 @@ def make_server(
 def run_server(engine: AsyncLLM, sock: socket.socket, *, api_key: str | None = None) -> int:
     """Serve until SIGTERM/SIGINT (exit code 0) or until the engine dies (exit code 1)."""
     server = make_server(engine, api_key=api_key)
+    start_otlp_metrics(
+        server.state.metrics.registry,
+        config=engine.config.observability,
+        role="api_server",
+        instance_id=engine.config.instance_id,
+    )
     if threading.current_thread() is threading.main_thread():
         # uvicorn re-raises the signal it caught once it has shut down; make that a no-op so
         # that the caller can still shut the engine down and exit with the right code.

@@ -44,6 +44,7 @@ class APIError(Exception):
         self.type = type
         self.param = param
         self.code = code
+        self.is_counted = False  # the request's telemetry already recorded this error
 
     def body(self) -> dict[str, Any]:
         return {
@@ -116,17 +117,15 @@ def from_validation_error(exc: RequestValidationError) -> APIError:
     return bad_request(f"invalid value for '{param}': {detail}", param=param, code="invalid_value")
 
 
-def _record(request: Request, error: APIError) -> None:
-    metrics = getattr(request.app.state, "metrics", None)
-    if metrics is not None and request.url.path.startswith("/v1/"):
-        metrics.record_error(error.label)
-
-
 async def _api_error(request: Request, exc: Exception) -> Response:
+    """Count and log errors that no request telemetry recorded (raised before admission)."""
     assert isinstance(exc, APIError)
-    _record(request, exc)
-    if exc.status >= HTTPStatus.INTERNAL_SERVER_ERROR:
-        logger.warning("request.failed", extra={"status": exc.status, "code": exc.code})
+    metrics = getattr(request.app.state, "metrics", None)
+    if not exc.is_counted and request.url.path.startswith("/v1/"):
+        if metrics is not None:
+            metrics.on_request_error(exc.label)
+        level = logging.WARNING if exc.status >= HTTPStatus.INTERNAL_SERVER_ERROR else logging.INFO
+        logger.log(level, "request.failed", extra={"status": exc.status, "error_type": exc.label})
     return error_response(exc)
 
 

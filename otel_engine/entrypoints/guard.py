@@ -1,7 +1,8 @@
 """What every /v1 request passes before the app: API key, availability, body size.
 
 `ServerState` is what the guard, the routes and the runner share about one server: the
-engine, the metrics, the number of requests in flight and the drain state.
+engine, the metrics (fed by the engine's per-step stats), the number of requests in flight,
+the drain state and the health state it implies.
 """
 
 from __future__ import annotations
@@ -9,16 +10,20 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from otel_engine.entrypoints.errors import APIError, draining, engine_unavailable, error_response
-from otel_engine.entrypoints.metrics import ServerMetrics
+from otel_engine.observability.metrics import EngineMetrics
 
 if TYPE_CHECKING:
     from otel_engine import AsyncLLM
+    from otel_engine.ipc.messages import StepOutputs
+    from otel_engine.observability.metrics import StepStats
 
 logger = logging.getLogger("otel_engine.api_server")
 
@@ -33,35 +38,48 @@ class ServerState:
     engine: AsyncLLM
     api_key: str | None = None
     max_body_bytes: int = MAX_BODY_BYTES
-    metrics: ServerMetrics = field(default_factory=ServerMetrics)
+    metrics: EngineMetrics = field(default_factory=EngineMetrics)
     num_in_flight: int = 0
     is_draining: bool = False
     drain_expired: asyncio.Event = field(default_factory=asyncio.Event)
     _idle: asyncio.Event = field(default_factory=asyncio.Event)
 
+    def __post_init__(self) -> None:
+        self.engine.add_step_listener(step_listener(self.metrics))
+
     def unavailable(self) -> APIError | None:
         """The 503 every new request gets, or None while the server serves."""
         if self.engine.is_dead:
-            self.metrics.engine_healthy.set(0)
+            self.metrics.set_health("dead")
             return engine_unavailable(self.engine.dead_error)
         if self.is_draining:
             return draining()
         return None
 
+    def update_health(self) -> str:
+        """Set the health gauge from the engine and drain state; returns the state."""
+        if self.engine.is_dead:
+            state = "dead"
+        elif self.is_draining:
+            state = "draining"
+        else:
+            state = "healthy"
+        self.metrics.set_health(state)
+        return state
+
     def enter(self) -> None:
         self.num_in_flight += 1
-        self.metrics.requests_in_flight.inc()
         self._idle.clear()
 
     def leave(self) -> None:
         self.num_in_flight -= 1
-        self.metrics.requests_in_flight.dec()
         if not self.num_in_flight:
             self._idle.set()
 
     async def drain(self, grace_s: float) -> None:
         """Refuse new requests, wait up to `grace_s` for in-flight ones, then end them."""
         self.is_draining = True
+        self.update_health()
         if await self._wait_idle(grace_s):
             return
         logger.warning("shutdown.drain_expired", extra={"num_in_flight": self.num_in_flight})
@@ -102,7 +120,10 @@ class GuardMiddleware:
             if error is None and scope["method"] in ("POST", "PUT", "PATCH"):
                 body, error = await self._read_body(receive)
             if error is not None:
-                self.state.metrics.record_error(error.label)
+                self.state.metrics.on_request_error(error.label)
+                logger.info(
+                    "request.failed", extra={"status": error.status, "error_type": error.label}
+                )
                 await error_response(error)(scope, receive, send)
                 return
             await self.app(scope, _replay(body, receive), send)
@@ -137,6 +158,19 @@ class GuardMiddleware:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks), None
+
+
+def step_listener(metrics: EngineMetrics) -> Callable[[StepOutputs], None]:
+    """Feeds the engine's per-step stats to `metrics`; holds it weakly (servers come and go
+    while an engine lives on)."""
+    ref = weakref.ref(metrics)
+
+    def on_step(step: StepOutputs) -> None:
+        target = ref()
+        if target is not None and step.step_id:  # step 0 frames carry rejections, no step
+            target.on_step(cast("StepStats", step))  # StepStats declares its fields writable
+
+    return on_step
 
 
 def _too_large(limit: int) -> APIError:

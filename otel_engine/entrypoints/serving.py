@@ -25,11 +25,12 @@ from otel_engine.entrypoints.errors import (
     UNAVAILABLE,
     APIError,
     bad_request,
+    draining,
     from_engine_dead,
     from_request_error,
 )
-from otel_engine.entrypoints.metrics import ServerMetrics
 from otel_engine.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
+from otel_engine.entrypoints.request_telemetry import RequestTelemetry
 from otel_engine.entrypoints.streaming import (
     DONE_EVENT,
     ClientDisconnected,
@@ -42,11 +43,13 @@ from otel_engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from otel_engine import AsyncLLM, RequestOutput
+    from otel_engine.observability.metrics import EngineMetrics
 
 logger = logging.getLogger("otel_engine.api_server")
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 JSON = "application/json"
+INTERNAL_SERVER_ERROR = 500
 
 
 @dataclass(slots=True)
@@ -56,6 +59,7 @@ class _Job:
     request_id: str
     is_chat: bool
     model: str
+    request_model: str
     prompt_ids: list[int]
     params: SamplingParams
     include_usage: bool
@@ -85,18 +89,21 @@ class _Job:
 
 
 def _aborted_by_engine() -> APIError:
-    return APIError(503, "request was aborted by the engine", type=UNAVAILABLE, code="aborted")
+    return APIError(
+        503, "request was aborted by the engine", type=UNAVAILABLE, code="aborted_by_engine"
+    )
 
 
 class OpenAIServing:
     """Turns validated OpenAI requests into engine requests and engine outputs into bodies."""
 
     def __init__(
-        self, engine: AsyncLLM, metrics: ServerMetrics, drain_expired: asyncio.Event
+        self, engine: AsyncLLM, metrics: EngineMetrics, drain_expired: asyncio.Event
     ) -> None:
         self.engine = engine
         self.metrics = metrics
         self.drain_expired = drain_expired
+        self.log_prompts = engine.config.observability.log_prompts
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         self._check_common(body)
@@ -109,7 +116,7 @@ class OpenAIServing:
             default_cap=DEFAULT_COMPLETION_MAX_TOKENS,
             prompt_param="prompt",
         )
-        return await self._run(job, body.stream, request)
+        return await self._run(job, body.stream, request, prompt)
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         self._check_common(body)
@@ -118,7 +125,7 @@ class OpenAIServing:
         job = self._admit(
             body, prompt_ids, prefix="chatcmpl", default_cap=None, prompt_param="messages"
         )
-        return await self._run(job, body.stream, request)
+        return await self._run(job, body.stream, request, text)
 
     def _check_common(self, body: CompletionRequest | ChatCompletionRequest) -> None:
         if body.model is not None and body.model != self.engine.model_name:
@@ -181,38 +188,65 @@ class OpenAIServing:
             request_id=f"{prefix}-{uuid.uuid4().hex}",
             is_chat=prefix == "chatcmpl",
             model=self.engine.model_name,
+            request_model=body.model or self.engine.model_name,
             prompt_ids=prompt_ids,
             params=body.to_sampling_params(max_tokens),
             include_usage=body.include_usage,
         )
 
-    async def _run(self, job: _Job, stream: bool, request: Request) -> Response:
+    async def _run(
+        self, job: _Job, stream: bool, request: Request, prompt: str | list[int]
+    ) -> Response:
+        telemetry = RequestTelemetry(
+            self.metrics,
+            request_id=job.request_id,
+            operation="chat" if job.is_chat else "text_completion",
+            request_model=job.request_model,
+            response_model=job.model,
+            params=job.params,
+            num_prompt_tokens=len(job.prompt_ids),
+            is_stream=stream,
+        )
+        with telemetry.activate():
+            if self.log_prompts:
+                logger.info("request.prompt", extra={"prompt": prompt, "stop": job.params.stop})
+            return await self._serve(job, telemetry, stream, request)
+
+    async def _serve(
+        self, job: _Job, telemetry: RequestTelemetry, stream: bool, request: Request
+    ) -> Response:
         outputs = self.engine.generate(job.prompt_ids, job.params, job.request_id)
         watch = RequestWatch(request.receive, self.drain_expired)
         is_streaming = False
         try:
             first = await watch.run(_first(outputs))
+            telemetry.first_output(first)
             if stream:
                 is_streaming = True
-                return EventStreamResponse(self._events(job, outputs, first), watch)
-            final = await watch.run(_last(outputs, first))
-            return self._full_response(job, final)
+                return EventStreamResponse(self._events(job, telemetry, outputs, first), watch)
+            final = await watch.run(_last(outputs, first, telemetry))
+            return self._full_response(job, telemetry, final)
         except ClientDisconnected:
-            self._count(job, "abort")
+            telemetry.abort(job.num_generated)
             return Response(status_code=499)
-        except (RequestError, EngineDeadError, APIError) as error:
-            self._count(job, None)
-            if isinstance(error, RequestError):
-                raise from_request_error(error) from None
-            if isinstance(error, EngineDeadError):
-                raise from_engine_dead(error) from None
-            raise
+        except (RequestError, EngineDeadError, APIError) as exc:
+            error = exc if isinstance(exc, APIError) else _api_error(exc)
+            _record_failure(telemetry, job, error, exc)
+            raise error from None
+        except Exception as exc:
+            error = _internal_error(job, exc)
+            _record_failure(telemetry, job, error, exc)
+            raise error from None
         finally:
             if not is_streaming:
                 await outputs.aclose()  # type: ignore[attr-defined]
                 watch.close()
+                if not telemetry.is_ended:  # cancelled: the connection or the server went away
+                    telemetry.abort(job.num_generated)
 
-    def _full_response(self, job: _Job, final: RequestOutput) -> Response:
+    def _full_response(
+        self, job: _Job, telemetry: RequestTelemetry, final: RequestOutput
+    ) -> Response:
         completion = final.outputs[0]
         job.num_generated = len(completion.token_ids)
         reason = completion.finish_reason or "stop"
@@ -232,15 +266,17 @@ class OpenAIServing:
                 "logprobs": None,
                 "finish_reason": reason,
             }
-        self._count(job, reason)
+        telemetry.finish(reason, job.num_generated, final.metrics)
         body = job.envelope(False, choices=[choice], usage=job.usage())
         return Response(msgspec.json.encode(body), media_type=JSON)
 
     async def _events(
-        self, job: _Job, outputs: AsyncIterator[RequestOutput], first: RequestOutput
+        self,
+        job: _Job,
+        telemetry: RequestTelemetry,
+        outputs: AsyncIterator[RequestOutput],
+        first: RequestOutput,
     ) -> AsyncIterator[bytes]:
-        outcome = "abort"  # what the request counts as if the stream stops early
-        is_error = False
         try:
             if job.is_chat:
                 yield self._chunk(job, {"role": "assistant", "content": ""}, None)
@@ -251,7 +287,7 @@ class OpenAIServing:
                 reason = completion.finish_reason if output.finished else None
                 if reason == "abort":
                     error = _aborted_by_engine()
-                    outcome, is_error = error.label, True
+                    _record_failure(telemetry, job, error, None)
                     yield sse_event(error.body())
                     return
                 if completion.delta_text or reason is not None:
@@ -259,28 +295,34 @@ class OpenAIServing:
                     delta = ({"content": text} if text else {}) if job.is_chat else text
                     yield self._chunk(job, delta, reason)
                 if reason is not None:
-                    outcome = reason
+                    telemetry.finish(reason, job.num_generated, output.metrics)
                     break
                 output = await anext(outputs, None)
+                if output is not None:
+                    telemetry.observe(output)
             if job.include_usage:
                 yield sse_event(job.envelope(True, choices=[], usage=job.usage()))
             yield DONE_EVENT
         except (RequestError, EngineDeadError) as exc:
-            error = (
-                from_request_error(exc) if isinstance(exc, RequestError) else from_engine_dead(exc)
-            )
-            outcome, is_error = error.label, True
+            error = _api_error(exc)
+            _record_failure(telemetry, job, error, exc)
             yield sse_event(error.body())
         except Exception as exc:  # a bug here must still end the stream with an error event
-            logger.error(
-                "request.internal_error", exc_info=exc, extra={"request_id": job.request_id}
-            )
-            error = APIError(500, f"internal error: {type(exc).__name__}", type=INTERNAL)
-            outcome, is_error = error.label, True
+            error = _internal_error(job, exc)
+            _record_failure(telemetry, job, error, exc)
             yield sse_event(error.body())
         finally:
             await outputs.aclose()  # type: ignore[attr-defined]
-            self._count(job, outcome, is_error=is_error)
+            self._ended_early(telemetry, job)
+
+    def _ended_early(self, telemetry: RequestTelemetry, job: _Job) -> None:
+        """A stream that stopped without an outcome: the drain deadline or the client."""
+        if telemetry.is_ended:
+            return
+        if self.drain_expired.is_set():
+            _record_failure(telemetry, job, draining(), None)
+        else:
+            telemetry.abort(job.num_generated)
 
     @staticmethod
     def _chunk(job: _Job, delta: dict[str, str] | str, reason: str | None) -> bytes:
@@ -293,34 +335,57 @@ class OpenAIServing:
             chunk["usage"] = None
         return sse_event(chunk)
 
-    def _count(self, job: _Job, outcome: str | None, *, is_error: bool = False) -> None:
-        """Count tokens always; the outcome as a finish reason or, for errors, an error type.
 
-        Errors answered before streaming are counted by the exception handlers (outcome None).
-        """
-        self.metrics.record_tokens(len(job.prompt_ids), job.num_generated)
-        if outcome is not None and is_error:
-            self.metrics.record_error(outcome)
-        elif outcome is not None:
-            self.metrics.record_finished(outcome)
-        logger.debug(
-            "request.finished",
-            extra={
-                "request_id": job.request_id,
-                "outcome": outcome,
-                "num_prompt_tokens": len(job.prompt_ids),
-                "num_generated_tokens": job.num_generated,
-            },
+def _api_error(exc: RequestError | EngineDeadError) -> APIError:
+    if isinstance(exc, RequestError):
+        return from_request_error(exc)
+    return from_engine_dead(exc)
+
+
+def _internal_error(job: _Job, exc: Exception) -> APIError:
+    logger.error("request.internal_error", exc_info=exc, extra={"request_id": job.request_id})
+    return APIError(500, f"internal error: {type(exc).__name__}", type=INTERNAL)
+
+
+def _record_failure(
+    telemetry: RequestTelemetry, job: _Job, error: APIError, exc: BaseException | None
+) -> None:
+    """End the request's telemetry for `error`; the error handlers will not count it again."""
+    error.is_counted = True
+    if isinstance(exc, EngineDeadError):
+        telemetry.fail(
+            error.label,
+            status=error.status,
+            num_generated=job.num_generated,
+            exc=exc,
+            span_error_type=exc.cause_type,
+            crash_context=exc.crash_context,
         )
+        return
+    is_server_error = error.status >= INTERNAL_SERVER_ERROR
+    telemetry.fail(
+        error.label,
+        status=error.status,
+        num_generated=job.num_generated,
+        exc=exc if is_server_error else None,
+        span_error_type=(
+            type(exc).__qualname__
+            if is_server_error and exc is not None and not isinstance(exc, APIError)
+            else None
+        ),
+    )
 
 
-async def _last(outputs: AsyncIterator[RequestOutput], first: RequestOutput) -> RequestOutput:
+async def _last(
+    outputs: AsyncIterator[RequestOutput], first: RequestOutput, telemetry: RequestTelemetry
+) -> RequestOutput:
     final = first
     while not final.finished:
         nxt = await anext(outputs, None)
         if nxt is None:
             break
         final = nxt
+        telemetry.observe(final)
     return final
 
 

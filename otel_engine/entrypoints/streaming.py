@@ -4,14 +4,16 @@ A `RequestWatch` races a request's work (waiting for the first token, collecting
 completion, streaming chunks) against the client going away and against the server's drain
 deadline. Losing the race cancels the work, which closes the engine's output generator and so
 aborts the request in the engine: its KV blocks are freed at once, not when the text would
-have been complete.
+have been complete. The work runs in the context the watch was created in (the request's
+span and `request_id`), even when a streaming response runs it after the handler returned.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable
-from typing import TypeVar
+import contextvars
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any, TypeVar
 
 import msgspec
 from starlette.responses import Response
@@ -46,12 +48,13 @@ class RequestWatch:
     """Watches one request for a client disconnect and for the end of the drain period."""
 
     def __init__(self, receive: Receive, drain_expired: asyncio.Event) -> None:
+        self._context = contextvars.copy_context()
         self._disconnect = asyncio.ensure_future(_wait_disconnect(receive))
         self._drain = asyncio.ensure_future(drain_expired.wait())
 
-    async def run(self, work: Awaitable[T]) -> T:
+    async def run(self, work: Coroutine[Any, Any, T]) -> T:
         """Await `work`; raise `ClientDisconnected` or a 503 `APIError` if it lost the race."""
-        task = asyncio.ensure_future(work)
+        task = asyncio.get_running_loop().create_task(work, context=self._context.copy())
         try:
             await asyncio.wait(
                 {task, self._disconnect, self._drain}, return_when=asyncio.FIRST_COMPLETED

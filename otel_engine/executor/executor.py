@@ -28,7 +28,7 @@ from otel_engine.ipc.messages import (
     WorkerResponse,
 )
 from otel_engine.ipc.paths import IpcDir, free_tcp_port
-from otel_engine.ipc.process import ChildProcess, spawn, wait_for_death
+from otel_engine.ipc.process import ChildProcess, spawn, stop_all, wait_for_death
 from otel_engine.observability.faults import maybe_inject
 
 logger = logging.getLogger(__name__)
@@ -78,11 +78,12 @@ class UniprocExecutor:
     def kill(self) -> None:
         """No child processes to kill."""
 
+    def shutdown(self, *, graceful: bool = True) -> None:
+        """Nothing to stop: the model lives in this process."""
+
     def process_pids(self) -> dict[str, int | None]:
         return {"engine_core": os.getpid()}
 
-    def shutdown(self) -> None:
-        pass
 
 
 class MultiprocExecutor:
@@ -97,6 +98,7 @@ class MultiprocExecutor:
         self._inputs = []
         self.workers: list[ChildProcess] = []
         self._failure: ErrorInfo | None = None
+        self._died: ErrorInfo | None = None  # a worker that exited, as the monitor saw it
         self._stopping = False
         self._monitor: threading.Thread | None = None
         self._results = self._context.socket(zmq.PULL)
@@ -127,7 +129,7 @@ class MultiprocExecutor:
             for worker in self.workers:
                 worker.wait_ready(deadline)
         except BaseException:
-            self.shutdown()
+            self.shutdown(graceful=False)
             raise
         self._monitor = threading.Thread(target=self._watch_workers, name="worker-monitor", daemon=True)
         self._monitor.start()
@@ -138,8 +140,9 @@ class MultiprocExecutor:
             return
         how = worker.describe_exit()
         logger.error("worker.died", extra={"worker": worker.name, "exitcode": worker.exitcode})
+        self._died = ErrorInfo(type="WorkerDied", message=f"{worker.name} {how}", process=worker.name)
         if self._failure is None:
-            self._failure = ErrorInfo(type="WorkerDied", message=f"{worker.name} {how}", process=worker.name)
+            self._failure = self._died
 
     def check_health(self) -> None:
         """Raise WorkerError if a worker has died or reported a failure."""
@@ -167,7 +170,7 @@ class MultiprocExecutor:
     def _take_result(self, step_id: int) -> list[int] | None:
         message = self._responses.decode(self._results.recv(copy=False).buffer)
         if isinstance(message, WorkerFailure):
-            self._failure = self._root_cause(message).error
+            self._failure = self._root_cause(message)
             raise WorkerError(self._failure)
         if isinstance(message, ModelOutput) and message.step_id == step_id:
             return message.sampled_token_ids
@@ -184,30 +187,40 @@ class MultiprocExecutor:
         for worker in self.workers:
             worker.kill()
 
-    def _root_cause(self, first: WorkerFailure) -> WorkerFailure:
-        """Collect the failures that follow within a moment; the earliest one is the cause."""
+    def _root_cause(self, first: WorkerFailure) -> ErrorInfo:
+        """Collect what follows within a moment. A worker that died without a word is the
+        cause (its peers' collectives broke because of it); else the earliest failure."""
         failures = [first]
         deadline = time.monotonic() + _FAILURE_GRACE_S
         while (remaining := deadline - time.monotonic()) > 0:
             if not self._results.poll(int(remaining * 1000) + 1):
-                break
+                continue
             message = self._responses.decode(self._results.recv(copy=False).buffer)
             if isinstance(message, WorkerFailure):
                 failures.append(message)
-        return min(failures, key=lambda f: f.failed_at)
+        reporters = {f"otel-worker-{f.rank}" for f in failures}
+        if self._died is not None and self._died.process not in reporters:
+            return self._died
+        return min(failures, key=lambda f: f.failed_at).error
 
-    def shutdown(self) -> None:
-        """Ask workers to stop, then escalate (SIGTERM, SIGKILL); always reaps them."""
+    def shutdown(self, *, graceful: bool = True) -> None:
+        """Ask workers to stop, then escalate (SIGTERM, SIGKILL) under one deadline.
+
+        `graceful=False` (fatal paths, failed startup) skips the polite phase: a worker
+        stuck in a collective would never read `StopWorker`.
+        """
         self._stopping = True
-        stop = self._requests.encode(StopWorker())
-        for socket in self._inputs:
-            try:
-                socket.send(stop, flags=zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
-        budget = self.config.timeouts.shutdown_timeout
-        for worker in self.workers:
-            worker.stop(timeout=min(budget, 10.0))
+        graceful_s = 0.0
+        if graceful and self._failure is None:
+            graceful_s = min(self.config.timeouts.shutdown_timeout, 10.0)
+            stop = self._requests.encode(StopWorker())
+            for socket in self._inputs:
+                socket.setsockopt(zmq.SNDTIMEO, 1000)
+                try:
+                    socket.send(stop)
+                except zmq.ZMQError:
+                    graceful_s = 0.0
+        stop_all(self.workers, graceful_s=graceful_s)
         if self._monitor is not None:
             self._monitor.join(timeout=1.0)
         for worker in self.workers:

@@ -99,7 +99,7 @@ def _busy_loop(runner: ModelRunner, rank: int, inputs: zmq.Socket, outputs: zmq.
                 span.record_exception(exc)
                 span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
                 span.end()
-            info = error_info(exc, f"worker-{rank}")
+            info = error_info(exc, f"otel-worker-{rank}")
             outputs.send(responses.encode(WorkerFailure(rank, info, time.time())))
             outputs.close(linger=2000)
             shutdown_telemetry(timeout_s=2.0)

@@ -148,16 +148,7 @@ class ChildProcess:
 
     def stop(self, timeout: float) -> None:
         """Wait for a graceful exit, then SIGTERM, then SIGKILL; always reaps."""
-        self.join(timeout)
-        if self.is_alive():
-            logger.warning("child.terminate", extra={"child": self.name})
-            self.popen.terminate()
-            self.join(min(timeout, 5.0))
-        if self.is_alive():
-            logger.warning("child.kill", extra={"child": self.name})
-            self.popen.kill()
-            self.join(5.0)
-        self._close_fd("_ready_fd")
+        stop_all([self], graceful_s=timeout)
 
     def close(self) -> None:
         """Release the pidfd; only once nothing waits on it any more."""
@@ -169,6 +160,31 @@ class ChildProcess:
         if fd >= 0:
             setattr(self, attr, -1)
             os.close(fd)
+
+
+_TERM_GRACE_S = 3.0
+
+
+def stop_all(children: list[ChildProcess], graceful_s: float) -> None:
+    """Stop children together under one deadline per phase: wait `graceful_s` for them to
+    exit on their own, then SIGTERM the rest, then SIGKILL; always reaps them."""
+    _wait_all(children, graceful_s)
+    for signal_name, send in (("terminate", "terminate"), ("kill", "kill")):
+        alive = [c for c in children if c.is_alive()]
+        if not alive:
+            break
+        for child in alive:
+            logger.warning(f"child.{signal_name}", extra={"child": child.name})
+            getattr(child.popen, send)()
+        _wait_all(alive, _TERM_GRACE_S)
+    for child in children:
+        child._close_fd("_ready_fd")
+
+
+def _wait_all(children: list[ChildProcess], seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    for child in children:
+        child.join(max(0.0, deadline - time.monotonic()))
 
 
 def wait_for_death(children: list[ChildProcess]) -> ChildProcess:

@@ -151,8 +151,8 @@ def test_garbage_collected_llm_reaps_children(tiny_model_dir: str, new_children:
 def test_indivisible_tensor_parallel_size_fails_in_process(
     tiny_model_dir: str, new_children: Children
 ) -> None:
-    """TP=3 with 4 query / 2 key-value heads: ValueError naming the flag and the head counts."""
-    with pytest.raises(ValueError, match="tensor-parallel-size 3") as info:
+    """TP=3 with 4 query / 2 key-value heads: a startup error naming the flag and the head counts."""
+    with pytest.raises(EngineStartupError, match="tensor-parallel-size 3") as info:
         LLM(tiny_model_dir, tensor_parallel_size=3)
 
     assert "4 attention heads" in str(info.value)
@@ -177,7 +177,7 @@ def test_default_model_at_tp2_fails_fast(new_children: Children) -> None:
     prepare_model_dir(None)
     started = time.monotonic()
 
-    with pytest.raises(ValueError, match="tensor-parallel-size 2") as info:
+    with pytest.raises(EngineStartupError, match="tensor-parallel-size 2") as info:
         LLM(tensor_parallel_size=2)
 
     assert time.monotonic() - started < 10.0
