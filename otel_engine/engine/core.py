@@ -12,7 +12,7 @@ import time
 from opentelemetry import trace
 
 from otel_engine.config import EngineConfig
-from otel_engine.executor.executor import Executor, failure_info, make_executor
+from otel_engine.executor.executor import Executor, failure_info, how_it_failed, make_executor
 from otel_engine.executor.model_runner import EngineLimits, prepare_model_input, resolve_limits
 from otel_engine.ipc.messages import AddRequest, ErrorInfo, ModelInput, RequestUpdate, StepOutputs
 from otel_engine.ipc.paths import IpcDir
@@ -108,13 +108,15 @@ class EngineCore:
                 sampled = self.executor.execute(model_input)
             updated = scheduler.update(output, sampled)
         except Exception as exc:
-            self.record_crash(failure_info(exc, "engine_core"), how=_how(exc))
+            info = failure_info(exc, "engine_core")
+            self.record_crash(info, how=how_it_failed(info))
             raise
         finally:
             self.step_started_at = None
         if span is not None:
             span.end()
         self.current_step_span = None
+        self.current_output = self.current_model_input = None
         now = time.monotonic()
         self.last_step_at = now
         return StepOutputs(
@@ -162,9 +164,11 @@ class EngineCore:
             dump = crash_dump.build_dump(
                 {
                     "scheduler_output": lambda: crash_dump.scheduler_output_part(
-                        self.current_output, self.current_model_input
+                        self.current_output, self.current_model_input, self.config.model.device
                     ),
-                    "engine_config": lambda: crash_dump.engine_config_part(self.config, self.arch),
+                    "engine_config": lambda: crash_dump.engine_config_part(
+                        self.config, self.arch, self.limits
+                    ),
                     "system_stats": lambda: crash_dump.system_stats_part(
                         scheduler=self.scheduler,
                         started_at=self.started_at,
@@ -184,15 +188,6 @@ class EngineCore:
 
     def shutdown(self, *, graceful: bool = True) -> None:
         self.executor.shutdown(graceful=graceful)
-
-
-def _how(exc: BaseException) -> str:
-    info = getattr(exc, "info", None)
-    if info is not None and info.type == "WorkerDied":
-        return "died"
-    if info is not None and info.type == "StepTimeout":
-        return "timeout"
-    return "exception"
 
 
 def _update(request: Request) -> RequestUpdate:

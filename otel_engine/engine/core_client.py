@@ -17,7 +17,7 @@ import zmq
 
 from otel_engine.config import EngineConfig
 from otel_engine.engine.core import EngineCore
-from otel_engine.errors import EngineStartupError
+from otel_engine.errors import EngineDeadError, EngineStartupError
 from otel_engine.executor.executor import failure_info
 from otel_engine.ipc.codec import Codec
 from otel_engine.ipc.messages import (
@@ -135,6 +135,10 @@ class MPClient:
         self._death = ErrorInfo(type="EngineCoreDied", message=f"the engine core {how}", process="engine_core")
 
     def add_request(self, message: AddRequest) -> None:
+        if self._death is not None or self._stopping:
+            raise EngineDeadError(
+                "the engine is not running", cause_type=self._death.type if self._death else "EngineShutdown"
+            )
         self._inputs.send(self._encoder.encode(message))
 
     def abort_requests(self, request_ids: list[str]) -> None:

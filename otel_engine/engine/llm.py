@@ -9,6 +9,7 @@ from typing import Any
 
 from otel_engine.config import EngineConfig
 from otel_engine.engine.frontend import Frontend, dead_error
+from otel_engine.errors import EngineDeadError
 from otel_engine.ipc.messages import EngineDead, StepOutputs
 from otel_engine.outputs import RequestOutput
 from otel_engine.sampling_params import SamplingParams
@@ -47,6 +48,8 @@ class LLM:
         if len(params_list) != len(prompts):
             raise ValueError("need one SamplingParams per prompt, or a single one")
         frontend = self._frontend
+        if not self._finalizer.alive:
+            raise EngineDeadError("the engine is shut down", cause_type="EngineShutdown")
         ids = [f"offline-{next(self._counter)}" for _ in prompts]
         for prompt, p in zip(prompts, params_list, strict=True):
             frontend.inputs.process(prompt, p)

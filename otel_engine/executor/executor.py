@@ -52,6 +52,13 @@ def failure_info(exc: BaseException, process: str) -> ErrorInfo:
     return error_info(exc, process)
 
 
+def how_it_failed(info: ErrorInfo) -> str:
+    """For the crash dump: "died" (no exception), "timeout" (a hang), or "exception"."""
+    return {"WorkerDied": "died", "EngineCoreDied": "died", "StepTimeout": "timeout"}.get(
+        info.type, "exception"
+    )
+
+
 def step_timeout_error(step_id: int, config: EngineConfig, process: str) -> ErrorInfo:
     timeout = config.timeouts.step_timeout
     return ErrorInfo(

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import math
 import os
 import platform
 import sys
@@ -85,6 +86,13 @@ def _scalar(value: Any) -> Any:
 
 
 def _field_names(obj: Any) -> list[str]:
+    try:
+        return _list_fields(obj)
+    except Exception:
+        return []
+
+
+def _list_fields(obj: Any) -> list[str]:
     if dataclasses.is_dataclass(obj):
         return [f.name for f in dataclasses.fields(obj)]
     struct_fields = getattr(type(obj), "__struct_fields__", None)
@@ -114,8 +122,13 @@ def _safe(build: Callable[[], Any]) -> Any:
 # ---- the three parts --------------------------------------------------------------------
 
 
-def scheduler_output_part(step: Any, model_input: Any = None) -> dict[str, Any]:
+def scheduler_output_part(step: Any, model_input: Any = None, device: str = "cpu") -> dict[str, Any]:
     """The failing step's batch: per request its safe fields, plus totals and tensor shapes."""
+    result = _safe(lambda: _scheduler_output(step, model_input, device))
+    return result if isinstance(result, dict) else {"error": "unexpected result"}
+
+
+def _scheduler_output(step: Any, model_input: Any, device: str) -> dict[str, Any]:
     if step is None:
         return {"step_id": None, "requests": [], "note": "no step was running"}
     chunks = list(step.chunks)
@@ -124,22 +137,22 @@ def scheduler_output_part(step: Any, model_input: Any = None) -> dict[str, Any]:
     used = 0
     for chunk in chunks:
         entry = _safe(lambda c=chunk: _chunk(c))
-        size = len(json.dumps(entry, default=str))
+        size = len(to_json(entry))
         if used + size > budget:
             break
         used += size
         requests.append(entry)
     part: dict[str, Any] = {
-        "step_id": step.step_id,
+        "step_id": _scalar(step.step_id),
         "num_requests": len(chunks),
         "num_scheduled_tokens": sum(c.num_tokens for c in chunks),
         "num_prefill_chunks": sum(1 for c in chunks if c.num_tokens > 1),
-        "preempted_request_ids": list(step.preempted_request_ids)[:MAX_LIST_ITEMS],
+        "preempted_request_ids": [str(r)[:128] for r in list(step.preempted_request_ids)[:MAX_LIST_ITEMS]],
         "requests": requests,
         "num_omitted_requests": len(chunks) - len(requests),
     }
     if model_input is not None:
-        part["tensors"] = _safe(lambda: _tensor_shapes(model_input))
+        part["tensors"] = _safe(lambda: _tensor_shapes(model_input, device))
     return part
 
 
@@ -151,12 +164,11 @@ def _chunk(chunk: Any) -> dict[str, Any]:
     return entry
 
 
-def _tensor_shapes(model_input: Any) -> dict[str, Any]:
+def _tensor_shapes(model_input: Any, device: str) -> dict[str, Any]:
     """The step's tensors as shape/dtype/device only (never their contents)."""
     num_tokens = len(model_input.input_ids)
     num_seqs = len(model_input.query_lens)
     max_blocks = max((len(t) for t in model_input.block_tables), default=0)
-    device = getattr(model_input, "device", "cpu")
     return {
         "input_ids": {"shape": [num_tokens], "dtype": "int64", "device": device},
         "positions": {"shape": [num_tokens], "dtype": "int64", "device": device},
@@ -167,7 +179,7 @@ def _tensor_shapes(model_input: Any) -> dict[str, Any]:
     }
 
 
-def engine_config_part(config: Any, arch: Any = None) -> dict[str, Any]:
+def engine_config_part(config: Any, arch: Any = None, limits: Any = None) -> dict[str, Any]:
     """Model, dtype, device, parallelism, cache and scheduler limits, timeouts, versions."""
     model = config.model
     part: dict[str, Any] = {
@@ -187,6 +199,9 @@ def engine_config_part(config: Any, arch: Any = None) -> dict[str, Any]:
         "shutdown_timeout_s": config.timeouts.shutdown_timeout,
         "versions": _safe(_versions),
     }
+    if limits is not None:  # what the engine actually runs with, not only what was asked
+        part["num_kv_blocks"] = limits.num_kv_blocks
+        part["max_model_len"] = limits.max_model_len
     if arch is not None:
         part["architecture"] = arch.architecture
         part["num_layers"] = arch.num_hidden_layers
@@ -265,31 +280,66 @@ def _accelerator_memory() -> dict[str, Any] | None:
 def build_dump(parts: dict[str, Callable[[], Any]]) -> dict[str, Any]:
     """Build every part (a failing part becomes its error), then enforce the size cap."""
     started = time.perf_counter()
-    dump = {name: _safe(build) for name, build in parts.items()}
+    dump: dict[str, Any] = {name: _safe(build) for name, build in parts.items()}
     dump["build_ms"] = round((time.perf_counter() - started) * 1000, 2)
-    return cap(dump)
+    capped = _safe(lambda: cap(dump))
+    return capped if isinstance(capped, dict) and "error" not in capped else {
+        "build_ms": dump["build_ms"], "error": capped.get("error") if isinstance(capped, dict) else "cap failed"
+    }
 
 
 def cap(dump: dict[str, Any]) -> dict[str, Any]:
-    """Drop listed requests until the JSON fits in MAX_DUMP_BYTES (they are counted)."""
-    text = to_json(dump)
+    """Fit the JSON in MAX_DUMP_BYTES: drop listed requests first (they are counted), then
+    replace the largest remaining part by its size."""
+    dump = _sanitize(dump)
     scheduler_part = dump.get("scheduler_output")
-    while len(text) > MAX_DUMP_BYTES:
+    while len(to_json(dump)) > MAX_DUMP_BYTES:
         requests = scheduler_part.get("requests") if isinstance(scheduler_part, dict) else None
-        if not requests:
-            kept = {k: v for k, v in dump.items() if k in ("build_ms",)}
-            kept["truncated"] = f"dump exceeded {MAX_DUMP_BYTES} bytes"
-            return kept
-        removed = max(1, len(requests) // 4)
-        del requests[-removed:]
-        scheduler_part["num_omitted_requests"] = scheduler_part.get("num_omitted_requests", 0) + removed
-        text = to_json(dump)
+        if requests:
+            removed = max(1, len(requests) // 4)
+            del requests[-removed:]
+            omitted = scheduler_part.get("num_omitted_requests", 0)
+            scheduler_part["num_omitted_requests"] = (omitted if isinstance(omitted, int) else 0) + removed
+            continue
+        sizes = {k: len(to_json(v)) for k, v in dump.items()}
+        largest = max(sizes, key=sizes.__getitem__)
+        dump[largest] = {"truncated": f"{sizes[largest]} bytes exceeded the {MAX_DUMP_BYTES}-byte cap"}
     return dump
 
 
+_MAX_DEPTH = 12
+
+
+def _sanitize(value: Any, depth: int = 0) -> Any:
+    """Plain JSON data only: string keys, finite numbers, bounded depth and size."""
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return value
+    if isinstance(value, int):
+        return value if abs(value) < 2**63 else f"<int of {value.bit_length()} bits>"
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    if depth >= _MAX_DEPTH:
+        return "<too deep>"
+    if isinstance(value, dict):
+        return {str(k)[:128]: _sanitize(v, depth + 1) for k, v in list(value.items())[:MAX_LIST_ITEMS]}
+    if isinstance(value, list | tuple):
+        return [_sanitize(v, depth + 1) for v in list(value)[:MAX_LIST_ITEMS]]
+    return f"<{type(value).__name__}>"
+
+
 def to_json(value: Any) -> str:
-    """Compact JSON that never raises (anything odd becomes its type name)."""
-    return json.dumps(value, separators=(",", ":"), default=lambda v: f"<{type(v).__name__}>")
+    """Compact, strict JSON that never raises (anything odd is sanitized first)."""
+    try:
+        return json.dumps(value, separators=(",", ":"), allow_nan=False, default=_default)
+    except Exception:
+        try:
+            return json.dumps(_sanitize(value), separators=(",", ":"), allow_nan=False, default=_default)
+        except Exception as exc:
+            return json.dumps({"error": _describe(exc)})
+
+
+def _default(value: Any) -> str:
+    return f"<{type(value).__name__}>"
 
 
 # ---- delivery ---------------------------------------------------------------------------
@@ -331,13 +381,16 @@ def _report(dump: dict[str, Any], span: Any, failure: dict[str, Any], logger: An
         "otel_engine.crash.failed_rank": -1 if rank is None else rank,
         "otel_engine.crash.reason": reason,
     }
-    if span is not None and span.is_recording():
-        span.add_event(
-            "exception",
-            {"exception.type": str(failure.get("type")), "exception.message": str(failure.get("message"))},
-        )
-        span.add_event("otel_engine.crash", attributes)
-        span.set_status(Status(StatusCode.ERROR, str(failure.get("type"))))
+    try:
+        if span is not None and span.is_recording():
+            span.add_event(
+                "exception",
+                {"exception.type": str(failure.get("type")), "exception.message": str(failure.get("message"))},
+            )
+            span.add_event("otel_engine.crash", attributes)
+            span.set_status(Status(StatusCode.ERROR, str(failure.get("type"))))
+    except Exception as exc:
+        logger.error("engine_crash_dump.span_failed", extra={"error": _describe(exc)})
     extra = {
         "scheduler_output": dump.get("scheduler_output"),
         "engine_config": dump.get("engine_config"),
@@ -349,8 +402,8 @@ def _report(dump: dict[str, Any], span: Any, failure: dict[str, Any], logger: An
         "exception.message": failure.get("message"),
         "dump_build_ms": dump.get("build_ms"),
     }
-    if span is not None:
+    try:
         with trace.use_span(span, end_on_exit=False):
             logger.critical("engine_crash_dump", extra=extra)
-    else:
+    except Exception:
         logger.critical("engine_crash_dump", extra=extra)
