@@ -21,7 +21,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from starlette.responses import Response
 
-from otel_engine.entrypoints.errors import error_response, install_error_handlers
+from otel_engine.entrypoints.errors import engine_stalled, error_response, install_error_handlers
 from otel_engine.entrypoints.guard import GuardMiddleware, ServerState
 from otel_engine.entrypoints.http_tracing import HttpTracingMiddleware
 from otel_engine.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
@@ -60,6 +60,8 @@ def build_app(state: ServerState) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         error = state.unavailable()
+        if error is None and state.engine.is_stalled:
+            error = engine_stalled(state.engine.stalled_for)
         if error is not None:
             return error_response(error)
         return Response(b'{"status":"ok"}', media_type="application/json")

@@ -86,6 +86,14 @@ def engine_unavailable(error: EngineDeadError | None) -> APIError:
     return APIError(503, f"engine is not serving{cause}", type=UNAVAILABLE, code="engine_dead")
 
 
+def engine_stalled(seconds: float) -> APIError:
+    """/health while work is pending and no step finished within --step-timeout."""
+    return APIError(
+        503, f"engine made no progress for {seconds:.0f} s with requests pending",
+        type=UNAVAILABLE, code="engine_stalled",
+    )
+
+
 def draining() -> APIError:
     return APIError(503, "server is shutting down", type=UNAVAILABLE, code="shutting_down")
 
