@@ -1,4 +1,5 @@
-"""Shared pieces of the benchmarks: prompts, statistics, the server process and its memory.
+"""Shared pieces of the benchmarks: prompts, statistics, CPU contention, the server process
+and its memory, and an OpenAI-client load generator (`run_concurrency`).
 
 `ServerProcess` starts `python -m otel_engine.cli serve` with its output in a temporary log
 file, remembers every descendant it has seen, and on `stop()` sends SIGTERM to the server
@@ -7,6 +8,7 @@ only, waits, and kills by pid whatever it started that is still alive.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import random
@@ -175,7 +177,7 @@ class ServerProcess:
     def wait_ready(self, timeout: float) -> float:
         """Seconds from process start until `/health` answered 200; raises on failure."""
         deadline = self.started_at + timeout
-        with httpx.Client(timeout=2.0) as client:
+        with httpx.Client(timeout=2.0, trust_env=False) as client:
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
                     raise RuntimeError(f"server exited with {self.proc.returncode} before "
@@ -241,3 +243,69 @@ class ServerProcess:
         with open(self.log.name, "rb") as file:
             file.seek(max(0, os.path.getsize(self.log.name) - num_bytes))
             return file.read().decode(errors="replace")
+
+
+async def stream_completion(client: Any, model: str, prompt: list[int],
+                            max_tokens: int) -> dict[str, Any]:
+    """One streamed `/v1/completions` request: tokens, TTFT, latency and TPOT in seconds."""
+    start = time.perf_counter()
+    ttft = None
+    num_chunks = 0
+    usage_tokens = None
+    stream = await client.completions.create(
+        model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].text:
+            num_chunks += 1
+            if ttft is None:
+                ttft = time.perf_counter() - start
+        if chunk.usage is not None:
+            usage_tokens = chunk.usage.completion_tokens
+    latency = time.perf_counter() - start
+    tokens = usage_tokens if usage_tokens is not None else num_chunks
+    ttft = latency if ttft is None else ttft
+    tpot = (latency - ttft) / (tokens - 1) if tokens > 1 else None
+    return {"tokens": tokens, "ttft": ttft, "latency": latency, "tpot": tpot}
+
+
+async def run_concurrency(base_url: str, model: str, prompts: list[list[int]],
+                          concurrency: int, max_tokens: int) -> dict[str, Any]:
+    """Send `prompts` from `concurrency` client tasks, each request after the previous one;
+    output tokens/s, TTFT median and p90, TPOT median (ms), and failed requests."""
+    from openai import AsyncOpenAI, DefaultAsyncHttpxClient
+
+    queue: asyncio.Queue[list[int]] = asyncio.Queue()
+    for prompt in prompts:
+        queue.put_nowait(prompt)
+    records: list[dict[str, Any]] = []
+    errors: list[str] = []
+
+    async def worker() -> None:
+        while not queue.empty():
+            prompt = queue.get_nowait()
+            try:
+                records.append(await stream_completion(client, model, prompt, max_tokens))
+            except Exception as error:
+                cause = error.__cause__
+                errors.append(f"{type(error).__name__}: {error}"
+                              + (f" ({type(cause).__name__}: {cause})" if cause else ""))
+
+    http_client = DefaultAsyncHttpxClient(trust_env=False)  # loopback: never via a proxy
+    async with AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0,
+                           timeout=600.0, http_client=http_client) as client:
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.perf_counter() - start
+    tokens = sum(int(r["tokens"]) for r in records)
+    ttfts = [r["ttft"] for r in records]
+    tpots = [r["tpot"] for r in records if r["tpot"] is not None]
+    return {"concurrency": concurrency, "num_requests": len(records), "num_errors": len(errors),
+            "first_error": errors[0] if errors else None, "output_tokens": tokens,
+            "wall_s": round(wall, 2), "tok_s": round(tokens / wall, 1),
+            "ttft_median_ms": _ms(quantile(ttfts, 0.5)), "ttft_p90_ms": _ms(quantile(ttfts, 0.9)),
+            "tpot_median_ms": _ms(quantile(tpots, 0.5))}
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(1000 * seconds, 1)

@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/throughput.py [--model PATH] [--dtype bfloat16]
         [--batch-sizes 1,8,32] [--prompt-len 128] [--output-len 128]
-        [--skip-offline] [--skip-hf] [--skip-http] [--json out.json]
+        [--repeat N] [--skip-offline] [--skip-hf] [--skip-http] [--json out.json]
 
 Phases run one after another (never two at once, so they do not share the CPU):
 1. offline: `LLM.generate` on B random prompts, greedy, `ignore_eos`; output tokens/s;
@@ -10,7 +10,8 @@ Phases run one after another (never two at once, so they do not share the CPU):
 3. http: `otel-engine serve` in a subprocess: startup seconds, then streaming
    `/v1/completions` at concurrency B: output tokens/s, TTFT, TPOT, and the peak RSS of every
    process of the server while it serves the largest concurrency.
-Prints numbers only; nothing is asserted.
+Every measurement also says how many CPU cores it used and how many other processes took
+(contention). Prints numbers only; nothing is asserted.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import asyncio
 import json
 import os
 import platform
+import signal
 import sys
 import threading
 import time
@@ -35,11 +37,12 @@ from common import (
     free_port,
     own_processes,
     print_table,
-    quantile,
     random_prompts,
+    run_concurrency,
 )
 
 SEED = 1234
+CONTENDED_CORES = 0.25  # CPU cores taken by other processes beyond which a number is suspect
 
 
 def measure(phase: str, batch: int, run_once: Callable[[], int],
@@ -116,72 +119,41 @@ def run_hf(args: argparse.Namespace, model_dir: str, vocab_size: int) -> list[di
     return results
 
 
-async def _one_request(client: Any, model: str, prompt: list[int],
-                       max_tokens: int) -> dict[str, Any]:
-    start = time.perf_counter()
-    ttft = None
-    num_chunks = 0
-    usage_tokens = None
-    stream = await client.completions.create(
-        model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0, stream=True,
-        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
-    async for chunk in stream:
-        if chunk.choices and chunk.choices[0].text:
-            num_chunks += 1
-            if ttft is None:
-                ttft = time.perf_counter() - start
-        if chunk.usage is not None:
-            usage_tokens = chunk.usage.completion_tokens
-    latency = time.perf_counter() - start
-    tokens = usage_tokens if usage_tokens is not None else num_chunks
-    ttft = latency if ttft is None else ttft
-    tpot = (latency - ttft) / (tokens - 1) if tokens > 1 else None
-    return {"tokens": tokens, "ttft": ttft, "latency": latency, "tpot": tpot}
-
-
-async def _http_level(base_url: str, model: str, prompts: list[list[int]], concurrency: int,
-                      max_tokens: int) -> dict[str, Any]:
-    from openai import AsyncOpenAI
-
-    queue: asyncio.Queue[list[int]] = asyncio.Queue()
-    for prompt in prompts:
-        queue.put_nowait(prompt)
-    records: list[dict[str, Any]] = []
-    errors: list[str] = []
-
-    async def worker() -> None:
-        while not queue.empty():
-            prompt = queue.get_nowait()
-            try:
-                records.append(await _one_request(client, model, prompt, max_tokens))
-            except Exception as error:
-                cause = error.__cause__
-                errors.append(f"{type(error).__name__}: {error}"
-                              + (f" ({type(cause).__name__}: {cause})" if cause else ""))
-
-    async with AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0,
-                           timeout=600.0) as client:
-        start = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        wall = time.perf_counter() - start
-    tokens = sum(int(r["tokens"]) for r in records)
-    ttfts = [r["ttft"] for r in records]
-    tpots = [r["tpot"] for r in records if r["tpot"] is not None]
-    return {"concurrency": concurrency, "num_requests": len(records), "num_errors": len(errors),
-            "first_error": errors[0] if errors else None, "output_tokens": tokens,
-            "wall_s": round(wall, 2), "tok_s": round(tokens / wall, 1),
-            "ttft_median_ms": _ms(quantile(ttfts, 0.5)), "ttft_p90_ms": _ms(quantile(ttfts, 0.9)),
-            "tpot_median_ms": _ms(quantile(tpots, 0.5))}
-
-
-def _ms(seconds: float | None) -> float | None:
-    return None if seconds is None else round(1000 * seconds, 1)
-
-
 def _model_name(base_url: str) -> str:
     import httpx
 
-    return str(httpx.get(base_url + "/v1/models", timeout=10).json()["data"][0]["id"])
+    response = httpx.get(base_url + "/v1/models", timeout=10, trust_env=False)
+    return str(response.json()["data"][0]["id"])
+
+
+def _measure_level(server: ServerProcess, model: str, prompts: list[list[int]],
+                   concurrency: int, max_tokens: int) -> dict[str, Any]:
+    """One concurrency level, with the server's peak RSS and the CPU cores used."""
+    peaks, stop = MemoryPeaks(), threading.Event()
+    sampler = threading.Thread(target=server.sample_memory, args=(stop, peaks),
+                               name="rss-sampler", daemon=True)
+    sampler.start()
+    meter = CpuMeter({"server": server.processes(), "client": [psutil.Process()]})
+    try:
+        level = asyncio.run(run_concurrency(server.base_url, model, prompts, concurrency,
+                                        max_tokens))
+    finally:
+        stop.set()
+        sampler.join()
+    level["cpu_cores"] = meter.stop()
+    if level["num_errors"]:
+        print(f"[http] {level['num_errors']} requests failed, first: {level['first_error']}",
+              file=sys.stderr, flush=True)
+    if server.proc.poll() is not None:
+        raise RuntimeError(f"server exited with {server.proc.returncode}")
+    level["peak_rss"] = peaks.as_rows()
+    level["peak_rss_total_mb"] = round(peaks.total_mb, 1)
+    print(f"[http] concurrency {concurrency:>3}: {level['num_requests']} requests "
+          f"({level['num_errors']} failed), {level['tok_s']:.1f} tok/s, TTFT median "
+          f"{fmt(level['ttft_median_ms'], 0)} ms p90 {fmt(level['ttft_p90_ms'], 0)} ms, TPOT "
+          f"median {fmt(level['tpot_median_ms'])} ms; CPU cores: {_cores(level['cpu_cores'])}",
+          flush=True)
+    return level
 
 
 def run_http(args: argparse.Namespace, vocab_size: int) -> dict[str, Any]:
@@ -192,39 +164,20 @@ def run_http(args: argparse.Namespace, vocab_size: int) -> dict[str, Any]:
         result["startup_s"] = round(server.wait_ready(args.startup_timeout), 2)
         print(f"[http] server ready in {result['startup_s']:.1f} s", flush=True)
         model = _model_name(server.base_url)
-        warmup = random_prompts(2, args.prompt_len, vocab_size, 0)
-        warm = asyncio.run(_http_level(server.base_url, model, warmup, 2, 16))
-        if warm["num_errors"]:
-            print(f"[http] warm-up: {warm['first_error']}", file=sys.stderr, flush=True)
+        num_warmup = min(max(args.batch_sizes), 16)
+        warmup = random_prompts(num_warmup, args.prompt_len, vocab_size, 0)
+        warm = asyncio.run(run_concurrency(server.base_url, model, warmup, num_warmup, 8))
+        result["warmup"] = warm
+        print(f"[http] warm-up: {num_warmup} requests in {warm['wall_s']:.1f} s "
+              f"({warm['num_errors']} failed)", flush=True)
         for concurrency in args.batch_sizes:
             num = max(args.min_requests, args.requests_per_stream * concurrency)
             prompts = random_prompts(num, args.prompt_len, vocab_size, SEED + 1000 + concurrency)
-            peaks, stop = MemoryPeaks(), threading.Event()
-            sampler = threading.Thread(target=server.sample_memory, args=(stop, peaks),
-                                       name="rss-sampler", daemon=True)
-            sampler.start()
-            meter = CpuMeter({"server": server.processes(), "client": [psutil.Process()]})
-            try:
-                level = asyncio.run(_http_level(server.base_url, model, prompts, concurrency,
-                                                args.output_len))
-            finally:
-                stop.set()
-                sampler.join()
-            level["cpu_cores"] = meter.stop()
-            if level["num_errors"]:
-                print(f"[http] {level['num_errors']} requests failed, first: "
-                      f"{level['first_error']}", file=sys.stderr, flush=True)
-            if server.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {server.proc.returncode}")
-            level["peak_rss"] = peaks.as_rows()
-            level["peak_rss_total_mb"] = round(peaks.total_mb, 1)
+            runs = [_measure_level(server, model, prompts, concurrency, args.output_len)
+                    for _ in range(args.repeat)]
+            level = max(runs, key=lambda r: r["tok_s"])
+            level["runs_tok_s"] = [r["tok_s"] for r in runs]
             result["levels"].append(level)
-            print(f"[http] concurrency {concurrency:>3}: {level['num_requests']} requests "
-                  f"({level['num_errors']} failed), "
-                  f"{level['tok_s']:.1f} tok/s, TTFT median {fmt(level['ttft_median_ms'], 0)} "
-                  f"ms p90 {fmt(level['ttft_p90_ms'], 0)} ms, TPOT median "
-                  f"{fmt(level['tpot_median_ms'])} ms; CPU cores: {_cores(level['cpu_cores'])}",
-                  flush=True)
     except Exception as error:
         cause = error.__cause__ or error.__context__
         result["error"] = f"{type(error).__name__}: {error}" + (
@@ -248,15 +201,17 @@ def print_summary(report: dict[str, Any]) -> None:
     for b in report["batch_sizes"]:
         o, h, s = offline.get(b, {}), hf.get(b, {}), http.get(b, {})
         ratio = o["tok_s"] / h["tok_s"] if o and h else None
-        rows.append([str(b), fmt(o.get("tok_s")), fmt(o.get("wall_s"), 2), fmt(h.get("tok_s")),
-                     fmt(ratio, 2), fmt(s.get("tok_s")), fmt(s.get("ttft_median_ms"), 0),
+        rows.append([str(b), _rate(o), fmt(o.get("wall_s"), 2), _rate(h),
+                     fmt(ratio, 2), _rate(s), fmt(s.get("ttft_median_ms"), 0),
                      fmt(s.get("ttft_p90_ms"), 0), fmt(s.get("tpot_median_ms"))])
     print_table(["B", "offline tok/s", "wall s", "hf tok/s", "otel/hf", "http tok/s",
                  "ttft p50 ms", "ttft p90 ms", "tpot p50 ms"], rows)
     rows = [[str(b), *(_cores_cell(table.get(b, {})) for table in (offline, hf, http))]
             for b in report["batch_sizes"]]
+    if any(cell.endswith("*") for row in rows for cell in row):
+        print(f"* other processes took more than {CONTENDED_CORES} CPU cores: too low, rerun")
     print(f"CPU cores busy during each measurement, this run / other processes "
-          f"({report['cpu_count']} CPUs; 'other' well above 0 means the numbers are low):")
+          f"({report['cpu_count']} CPUs):")
     print_table(["B", "offline", "hf", "http server+client"], rows)
     if "http" not in report:
         return
@@ -271,6 +226,11 @@ def print_summary(report: dict[str, Any]) -> None:
               f"(total {last['peak_rss_total_mb']:.0f} MB):")
         for row in last["peak_rss"]:
             print(f"  {row['pid']:>8}  {row['role']:<24} {row['peak_rss_mb']:8.1f} MB")
+
+
+def _rate(result: dict[str, Any]) -> str:
+    other = result.get("cpu_cores", {}).get("other", 0.0)
+    return fmt(result.get("tok_s")) + ("*" if other > CONTENDED_CORES else "")
 
 
 def _cores_cell(result: dict[str, Any]) -> str:
@@ -294,7 +254,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "--min-requests)")
     parser.add_argument("--min-requests", type=int, default=4)
     parser.add_argument("--repeat", type=int, default=1,
-                        help="measure each offline and HF batch this many times; keep the best")
+                        help="measure each batch size / concurrency this many times; keep the "
+                        "fastest run")
     parser.add_argument("--startup-timeout", type=float, default=600.0)
     parser.add_argument("--skip-offline", action="store_true")
     parser.add_argument("--skip-hf", action="store_true")
@@ -305,6 +266,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `finally` stops the server
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     import torch
