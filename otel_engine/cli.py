@@ -1,7 +1,7 @@
 """`otel-engine serve | generate`: the command line (also `python -m otel_engine.cli`).
 
 `build_parser()` is the single definition of the flags; docs/configuration.md is generated
-from it (`scripts/gen_configuration_docs.py`). Engine flags map one to one onto
+from it (`docs/gen_configuration.py`). Engine flags map one to one onto
 `EngineConfig.from_kwargs` fields. Telemetry is set up once here, before the engine starts
 its children (which inherit the settings); `serve` flushes it on every way out.
 """

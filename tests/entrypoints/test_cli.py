@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from otel_engine import LLM, SamplingParams
-from otel_engine.cli import build_parser, main
+from otel_engine.cli import build_parser, engine_options, main
 from tests.helpers.procs import ServerProcess, free_port
 
 DESIGN_SERVE_FLAGS = {
@@ -38,14 +38,20 @@ DESIGN_SERVE_FLAGS = {
     "--step-timeout",
     "--shutdown-timeout",
 }
-EXTRA_FLAGS = {"--served-model-name", "--kv-cache-memory-gib", "--seed"}
+EXTRA_FLAGS = {
+    "--served-model-name",
+    "--kv-cache-memory-gib",
+    "--seed",
+    "--otlp-logs",
+    "--log-prompts",
+}
 PROMPTS = ["The engine schedules", "Once upon a time"]
 
 
 @pytest.fixture(autouse=True)
 def _keep_test_logging(monkeypatch: pytest.MonkeyPatch) -> None:
     """main() in this process must not reconfigure the test process's logging."""
-    monkeypatch.setattr("otel_engine.cli.setup_process", lambda **_: None)
+    monkeypatch.setattr("otel_engine.cli.setup_main_process", lambda *_, **__: None)
 
 
 def _flags(command: str) -> set[str]:
@@ -66,7 +72,8 @@ def _run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[st
 
 
 def test_serve_has_exactly_the_documented_flags() -> None:
-    """`serve` takes DESIGN.md's flags plus --served-model-name, --kv-cache-memory-gib, --seed."""
+    """`serve` takes DESIGN.md's flags plus the extras (model name, KV memory, seed, OTLP logs,
+    prompt logging)."""
     assert DESIGN_SERVE_FLAGS | EXTRA_FLAGS | {"-h", "--help"} == _flags("serve")
 
 
@@ -75,6 +82,22 @@ def test_serve_defaults_bind_localhost_8000() -> None:
     args = build_parser().parse_args(["serve"])
 
     assert ("127.0.0.1", 8000) == (args.host, args.port)
+
+
+@pytest.mark.parametrize(
+    ("command", "is_terminal", "expected"),
+    [("serve", False, "json"), ("serve", True, "console"), ("generate", False, "console")],
+)
+def test_log_format_default_follows_command_and_terminal(
+    monkeypatch: pytest.MonkeyPatch, command: str, is_terminal: bool, expected: str
+) -> None:
+    """serve logs JSON unless stderr is a terminal; generate logs for humans; a flag wins."""
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: is_terminal)
+    args = build_parser().parse_args([command])
+
+    assert expected == engine_options(args)["log_format"]
+    flagged = build_parser().parse_args([command, "--log-format", "json"])
+    assert "json" == engine_options(flagged)["log_format"]
 
 
 def test_invalid_engine_option_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:

@@ -56,8 +56,9 @@ def _wait_idle(served: Served, timeout: float = 5.0) -> None:
 
 
 def test_disconnect_mid_stream_aborts_request(served: Served, outcomes: dict[str, str]) -> None:
-    """Closing the connection after the first chunk closes the engine stream early."""
-    before = served.metric("otel_engine_request_success_total", finish_reason="abort")
+    """Closing the connection after the first chunk closes the engine stream early; the
+    request counts as an error of type `aborted`."""
+    before = served.metric("otel_engine_request_errors_total", error_type="aborted")
     with (
         served.http() as client,
         client.stream("POST", "/v1/completions", json=_long_body(served, stream=True)) as response,
@@ -68,7 +69,7 @@ def test_disconnect_mid_stream_aborts_request(served: Served, outcomes: dict[str
 
     assert ["closed early"] == list(outcomes.values())
     assert 0 == served.engine.num_in_flight
-    assert before + 1 == served.metric("otel_engine_request_success_total", finish_reason="abort")
+    assert before + 1 == served.metric("otel_engine_request_errors_total", error_type="aborted")
 
 
 def test_disconnect_while_waiting_for_full_response_aborts(

@@ -109,9 +109,10 @@ def test_new_requests_are_503_after_death(crash: Crash) -> None:
     assert "engine_dead" == response.json()["error"]["code"]
 
 
-def test_metrics_show_engine_unhealthy(crash: Crash) -> None:
-    """otel_engine_engine_healthy drops to 0."""
-    assert 0 == crash.served.metric("otel_engine_engine_healthy")
+def test_metrics_show_engine_dead(crash: Crash) -> None:
+    """The health state gauge reads `dead` (1) and no longer `healthy` (0)."""
+    assert 1 == crash.served.metric("otel_engine_engine_health_state", state="dead")
+    assert 0 == crash.served.metric("otel_engine_engine_health_state", state="healthy")
 
 
 def test_server_exits_with_code_1(crash: Crash) -> None:
