@@ -55,6 +55,10 @@ class EngineCore:
         self.current_model_input: ModelInput | None = None
         self.current_step_span: trace.Span | None = None
         self.crash_recorded = False
+        logger.info(
+            "engine.config",
+            extra={"engine_config": crash_dump.engine_config_part(config, self.arch, self.limits)},
+        )
 
     @property
     def has_work(self) -> bool:

@@ -85,7 +85,7 @@ def add_extra(logger: Any, method: str, event_dict: EventDict) -> EventDict:
     if record is not None:
         fields = vars(record)
         for key in fields.keys() - _RECORD_KEYS:
-            if not key.startswith("_"):
+            if not key.startswith("_") and key != "color_message":  # uvicorn's ANSI copy
                 event_dict.setdefault(key, fields[key])
         args = event_dict.pop("positional_args", None)
         if (
