@@ -65,8 +65,13 @@ def print_table(headers: list[str], rows: list[list[str]]) -> None:
 
 def _machine_busy_seconds() -> float:
     times = psutil.cpu_times()
-    return float(times.user + times.nice + times.system + getattr(times, "irq", 0.0)
-                 + getattr(times, "softirq", 0.0))
+    return float(
+        times.user
+        + times.nice
+        + times.system
+        + getattr(times, "irq", 0.0)
+        + getattr(times, "softirq", 0.0)
+    )
 
 
 def _cpu_seconds(procs: list[psutil.Process]) -> float:
@@ -90,11 +95,15 @@ class CpuMeter:
 
     def stop(self) -> dict[str, float]:
         wall = max(time.monotonic() - self.start, 1e-6)
-        cores = {name: (_cpu_seconds(procs) - self.used[name]) / wall
-                 for name, procs in self.groups.items()}
+        cores = {
+            name: (_cpu_seconds(procs) - self.used[name]) / wall
+            for name, procs in self.groups.items()
+        }
         busy = (_machine_busy_seconds() - self.busy) / wall
-        return {**{k: round(v, 2) for k, v in cores.items()},
-                "other": round(max(0.0, busy - sum(cores.values())), 2)}
+        return {
+            **{k: round(v, 2) for k, v in cores.items()},
+            "other": round(max(0.0, busy - sum(cores.values())), 2),
+        }
 
 
 def own_processes() -> list[psutil.Process]:
@@ -140,8 +149,10 @@ class MemoryPeaks:
     peaks: dict[int, tuple[str, float]] = field(default_factory=dict)
 
     def as_rows(self) -> list[dict[str, Any]]:
-        return [{"pid": pid, "role": role, "peak_rss_mb": round(mb, 1)}
-                for pid, (role, mb) in sorted(self.peaks.items())]
+        return [
+            {"pid": pid, "role": role, "peak_rss_mb": round(mb, 1)}
+            for pid, (role, mb) in sorted(self.peaks.items())
+        ]
 
     @property
     def total_mb(self) -> float:
@@ -155,12 +166,27 @@ class ServerProcess:
         self.port = port
         self.base_url = f"http://127.0.0.1:{port}"
         self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - lives as long as the server
-            prefix="otel-bench-server-", suffix=".log", delete=False)
-        command = [sys.executable, "-m", "otel_engine.cli", "serve", "--host", "127.0.0.1",
-                   "--port", str(port), *args]
+            prefix="otel-bench-server-", suffix=".log", delete=False
+        )
+        command = [
+            sys.executable,
+            "-m",
+            "otel_engine.cli",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            *args,
+        ]
         self.started_at = time.monotonic()
-        self.proc = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        self.proc = subprocess.Popen(
+            command,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         self.seen: dict[int, psutil.Process] = {}
         self._remember()
 
@@ -180,22 +206,24 @@ class ServerProcess:
         with httpx.Client(timeout=2.0, trust_env=False) as client:
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
-                    raise RuntimeError(f"server exited with {self.proc.returncode} before "
-                                       f"ready; log tail:\n{self.log_tail()}")
+                    raise RuntimeError(
+                        f"server exited with {self.proc.returncode} before "
+                        f"ready; log tail:\n{self.log_tail()}"
+                    )
                 with contextlib.suppress(httpx.HTTPError):
                     if client.get(self.base_url + "/health").status_code == 200:
                         self._remember()
                         return time.monotonic() - self.started_at
                 time.sleep(0.1)
-        raise TimeoutError(f"server not ready after {timeout:.0f} s; log tail:\n"
-                           f"{self.log_tail()}")
+        raise TimeoutError(f"server not ready after {timeout:.0f} s; log tail:\n{self.log_tail()}")
 
     def processes(self) -> list[psutil.Process]:
         """The server and its descendants, as seen now."""
         return self._remember()
 
-    def sample_memory(self, stop: threading.Event, peaks: MemoryPeaks,
-                      interval: float = 0.5) -> None:
+    def sample_memory(
+        self, stop: threading.Event, peaks: MemoryPeaks, interval: float = 0.5
+    ) -> None:
         """Until `stop` is set, record the peak RSS of the server and its descendants."""
         while True:
             for proc in self._remember():
@@ -245,16 +273,23 @@ class ServerProcess:
             return file.read().decode(errors="replace")
 
 
-async def stream_completion(client: Any, model: str, prompt: list[int],
-                            max_tokens: int) -> dict[str, Any]:
+async def stream_completion(
+    client: Any, model: str, prompt: list[int], max_tokens: int
+) -> dict[str, Any]:
     """One streamed `/v1/completions` request: tokens, TTFT, latency and TPOT in seconds."""
     start = time.perf_counter()
     ttft = None
     num_chunks = 0
     usage_tokens = None
     stream = await client.completions.create(
-        model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0, stream=True,
-        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        model=model,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0.0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
     async for chunk in stream:
         if chunk.choices and chunk.choices[0].text:
             num_chunks += 1
@@ -269,8 +304,9 @@ async def stream_completion(client: Any, model: str, prompt: list[int],
     return {"tokens": tokens, "ttft": ttft, "latency": latency, "tpot": tpot}
 
 
-async def run_concurrency(base_url: str, model: str, prompts: list[list[int]],
-                          concurrency: int, max_tokens: int) -> dict[str, Any]:
+async def run_concurrency(
+    base_url: str, model: str, prompts: list[list[int]], concurrency: int, max_tokens: int
+) -> dict[str, Any]:
     """Send `prompts` from `concurrency` client tasks, each request after the previous one;
     output tokens/s, TTFT median and p90, TPOT median (ms), and failed requests."""
     from openai import AsyncOpenAI, DefaultAsyncHttpxClient
@@ -288,23 +324,37 @@ async def run_concurrency(base_url: str, model: str, prompts: list[list[int]],
                 records.append(await stream_completion(client, model, prompt, max_tokens))
             except Exception as error:
                 cause = error.__cause__
-                errors.append(f"{type(error).__name__}: {error}"
-                              + (f" ({type(cause).__name__}: {cause})" if cause else ""))
+                errors.append(
+                    f"{type(error).__name__}: {error}"
+                    + (f" ({type(cause).__name__}: {cause})" if cause else "")
+                )
 
     http_client = DefaultAsyncHttpxClient(trust_env=False)  # loopback: never via a proxy
-    async with AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0,
-                           timeout=600.0, http_client=http_client) as client:
+    async with AsyncOpenAI(
+        base_url=base_url + "/v1",
+        api_key="unused",
+        max_retries=0,
+        timeout=600.0,
+        http_client=http_client,
+    ) as client:
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.perf_counter() - start
     tokens = sum(int(r["tokens"]) for r in records)
     ttfts = [r["ttft"] for r in records]
     tpots = [r["tpot"] for r in records if r["tpot"] is not None]
-    return {"concurrency": concurrency, "num_requests": len(records), "num_errors": len(errors),
-            "first_error": errors[0] if errors else None, "output_tokens": tokens,
-            "wall_s": round(wall, 2), "tok_s": round(tokens / wall, 1),
-            "ttft_median_ms": _ms(quantile(ttfts, 0.5)), "ttft_p90_ms": _ms(quantile(ttfts, 0.9)),
-            "tpot_median_ms": _ms(quantile(tpots, 0.5))}
+    return {
+        "concurrency": concurrency,
+        "num_requests": len(records),
+        "num_errors": len(errors),
+        "first_error": errors[0] if errors else None,
+        "output_tokens": tokens,
+        "wall_s": round(wall, 2),
+        "tok_s": round(tokens / wall, 1),
+        "ttft_median_ms": _ms(quantile(ttfts, 0.5)),
+        "ttft_p90_ms": _ms(quantile(ttfts, 0.9)),
+        "tpot_median_ms": _ms(quantile(tpots, 0.5)),
+    }
 
 
 def _ms(seconds: float | None) -> float | None:

@@ -45,8 +45,7 @@ SEED = 1234
 CONTENDED_CORES = 0.25  # CPU cores taken by other processes beyond which a number is suspect
 
 
-def measure(phase: str, batch: int, run_once: Callable[[], int],
-            repeat: int) -> dict[str, Any]:
+def measure(phase: str, batch: int, run_once: Callable[[], int], repeat: int) -> dict[str, Any]:
     """Run `run_once` (which returns output tokens) `repeat` times; keep the fastest run."""
     runs: list[dict[str, Any]] = []
     for _ in range(repeat):
@@ -55,10 +54,20 @@ def measure(phase: str, batch: int, run_once: Callable[[], int],
         tokens = run_once()
         wall = time.perf_counter() - start
         cores = meter.stop()
-        runs.append({"batch": batch, "output_tokens": tokens, "wall_s": round(wall, 2),
-                     "tok_s": round(tokens / wall, 1), "cpu_cores": cores})
-        print(f"[{phase}] batch {batch:>3}: {tokens} tokens in {wall:.2f} s = "
-              f"{tokens / wall:.1f} tok/s; CPU cores: {_cores(cores)}", flush=True)
+        runs.append(
+            {
+                "batch": batch,
+                "output_tokens": tokens,
+                "wall_s": round(wall, 2),
+                "tok_s": round(tokens / wall, 1),
+                "cpu_cores": cores,
+            }
+        )
+        print(
+            f"[{phase}] batch {batch:>3}: {tokens} tokens in {wall:.2f} s = "
+            f"{tokens / wall:.1f} tok/s; CPU cores: {_cores(cores)}",
+            flush=True,
+        )
     best = max(runs, key=lambda r: r["tok_s"])
     return {**best, "runs_tok_s": [r["tok_s"] for r in runs]}
 
@@ -102,9 +111,14 @@ def run_hf(args: argparse.Namespace, model_dir: str, vocab_size: int) -> list[di
     def generate(ids: list[list[int]], new_tokens: int) -> int:
         input_ids = torch.tensor(ids, dtype=torch.long)
         with torch.inference_mode():
-            out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
-                                 max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                 do_sample=False, pad_token_id=pad_id)
+            out = model.generate(
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=pad_id,
+            )
         return int(out.shape[0] * (out.shape[1] - input_ids.shape[1]))
 
     generate(random_prompts(1, args.prompt_len, vocab_size, 0), 8)
@@ -126,33 +140,41 @@ def _model_name(base_url: str) -> str:
     return str(response.json()["data"][0]["id"])
 
 
-def _measure_level(server: ServerProcess, model: str, prompts: list[list[int]],
-                   concurrency: int, max_tokens: int) -> dict[str, Any]:
+def _measure_level(
+    server: ServerProcess, model: str, prompts: list[list[int]], concurrency: int, max_tokens: int
+) -> dict[str, Any]:
     """One concurrency level, with the server's peak RSS and the CPU cores used."""
     peaks, stop = MemoryPeaks(), threading.Event()
-    sampler = threading.Thread(target=server.sample_memory, args=(stop, peaks),
-                               name="rss-sampler", daemon=True)
+    sampler = threading.Thread(
+        target=server.sample_memory, args=(stop, peaks), name="rss-sampler", daemon=True
+    )
     sampler.start()
     meter = CpuMeter({"server": server.processes(), "client": [psutil.Process()]})
     try:
-        level = asyncio.run(run_concurrency(server.base_url, model, prompts, concurrency,
-                                        max_tokens))
+        level = asyncio.run(
+            run_concurrency(server.base_url, model, prompts, concurrency, max_tokens)
+        )
     finally:
         stop.set()
         sampler.join()
     level["cpu_cores"] = meter.stop()
     if level["num_errors"]:
-        print(f"[http] {level['num_errors']} requests failed, first: {level['first_error']}",
-              file=sys.stderr, flush=True)
+        print(
+            f"[http] {level['num_errors']} requests failed, first: {level['first_error']}",
+            file=sys.stderr,
+            flush=True,
+        )
     if server.proc.poll() is not None:
         raise RuntimeError(f"server exited with {server.proc.returncode}")
     level["peak_rss"] = peaks.as_rows()
     level["peak_rss_total_mb"] = round(peaks.total_mb, 1)
-    print(f"[http] concurrency {concurrency:>3}: {level['num_requests']} requests "
-          f"({level['num_errors']} failed), {level['tok_s']:.1f} tok/s, TTFT median "
-          f"{fmt(level['ttft_median_ms'], 0)} ms p90 {fmt(level['ttft_p90_ms'], 0)} ms, TPOT "
-          f"median {fmt(level['tpot_median_ms'])} ms; CPU cores: {_cores(level['cpu_cores'])}",
-          flush=True)
+    print(
+        f"[http] concurrency {concurrency:>3}: {level['num_requests']} requests "
+        f"({level['num_errors']} failed), {level['tok_s']:.1f} tok/s, TTFT median "
+        f"{fmt(level['ttft_median_ms'], 0)} ms p90 {fmt(level['ttft_p90_ms'], 0)} ms, TPOT "
+        f"median {fmt(level['tpot_median_ms'])} ms; CPU cores: {_cores(level['cpu_cores'])}",
+        flush=True,
+    )
     return level
 
 
@@ -168,20 +190,26 @@ def run_http(args: argparse.Namespace, vocab_size: int) -> dict[str, Any]:
         warmup = random_prompts(num_warmup, args.prompt_len, vocab_size, 0)
         warm = asyncio.run(run_concurrency(server.base_url, model, warmup, num_warmup, 8))
         result["warmup"] = warm
-        print(f"[http] warm-up: {num_warmup} requests in {warm['wall_s']:.1f} s "
-              f"({warm['num_errors']} failed)", flush=True)
+        print(
+            f"[http] warm-up: {num_warmup} requests in {warm['wall_s']:.1f} s "
+            f"({warm['num_errors']} failed)",
+            flush=True,
+        )
         for concurrency in args.batch_sizes:
             num = max(args.min_requests, args.requests_per_stream * concurrency)
             prompts = random_prompts(num, args.prompt_len, vocab_size, SEED + 1000 + concurrency)
-            runs = [_measure_level(server, model, prompts, concurrency, args.output_len)
-                    for _ in range(args.repeat)]
+            runs = [
+                _measure_level(server, model, prompts, concurrency, args.output_len)
+                for _ in range(args.repeat)
+            ]
             level = max(runs, key=lambda r: r["tok_s"])
             level["runs_tok_s"] = [r["tok_s"] for r in runs]
             result["levels"].append(level)
     except Exception as error:
         cause = error.__cause__ or error.__context__
         result["error"] = f"{type(error).__name__}: {error}" + (
-            f" ({type(cause).__name__}: {cause})" if cause else "")
+            f" ({type(cause).__name__}: {cause})" if cause else ""
+        )
         print(f"[http] failed: {result['error']}", file=sys.stderr, flush=True)
     finally:
         result["shutdown"] = server.stop(keep_log="error" in result)
@@ -190,10 +218,14 @@ def run_http(args: argparse.Namespace, vocab_size: int) -> dict[str, Any]:
 
 
 def print_summary(report: dict[str, Any]) -> None:
-    print(f"\n== summary: {report['model']} ({report['dtype']}), prompt {report['prompt_len']} "
-          f"+ output {report['output_len']} tokens, {report['cpu_count']} CPUs")
-    print(f"CPU busy before start {report['cpu_busy_before_pct']:.0f}%; load averages (1/5/15 "
-          f"min): " + "; ".join(f"{k} {v}" for k, v in report["load"].items()))
+    print(
+        f"\n== summary: {report['model']} ({report['dtype']}), prompt {report['prompt_len']} "
+        f"+ output {report['output_len']} tokens, {report['cpu_count']} CPUs"
+    )
+    print(
+        f"CPU busy before start {report['cpu_busy_before_pct']:.0f}%; load averages (1/5/15 "
+        f"min): " + "; ".join(f"{k} {v}" for k, v in report["load"].items())
+    )
     offline = {r["batch"]: r for r in report.get("offline", [])}
     hf = {r["batch"]: r for r in report.get("hf", [])}
     http = {r["concurrency"]: r for r in report.get("http", {}).get("levels", [])}
@@ -201,29 +233,59 @@ def print_summary(report: dict[str, Any]) -> None:
     for b in report["batch_sizes"]:
         o, h, s = offline.get(b, {}), hf.get(b, {}), http.get(b, {})
         ratio = o["tok_s"] / h["tok_s"] if o and h else None
-        rows.append([str(b), _rate(o), fmt(o.get("wall_s"), 2), _rate(h),
-                     fmt(ratio, 2), _rate(s), fmt(s.get("ttft_median_ms"), 0),
-                     fmt(s.get("ttft_p90_ms"), 0), fmt(s.get("tpot_median_ms"))])
-    print_table(["B", "offline tok/s", "wall s", "hf tok/s", "otel/hf", "http tok/s",
-                 "ttft p50 ms", "ttft p90 ms", "tpot p50 ms"], rows)
-    rows = [[str(b), *(_cores_cell(table.get(b, {})) for table in (offline, hf, http))]
-            for b in report["batch_sizes"]]
+        rows.append(
+            [
+                str(b),
+                _rate(o),
+                fmt(o.get("wall_s"), 2),
+                _rate(h),
+                fmt(ratio, 2),
+                _rate(s),
+                fmt(s.get("ttft_median_ms"), 0),
+                fmt(s.get("ttft_p90_ms"), 0),
+                fmt(s.get("tpot_median_ms")),
+            ]
+        )
+    print_table(
+        [
+            "B",
+            "offline tok/s",
+            "wall s",
+            "hf tok/s",
+            "otel/hf",
+            "http tok/s",
+            "ttft p50 ms",
+            "ttft p90 ms",
+            "tpot p50 ms",
+        ],
+        rows,
+    )
+    rows = [
+        [str(b), *(_cores_cell(table.get(b, {})) for table in (offline, hf, http))]
+        for b in report["batch_sizes"]
+    ]
     if any(cell.endswith("*") for row in rows for cell in row):
         print(f"* other processes took more than {CONTENDED_CORES} CPU cores: too low, rerun")
-    print(f"CPU cores busy during each measurement, this run / other processes "
-          f"({report['cpu_count']} CPUs):")
+    print(
+        f"CPU cores busy during each measurement, this run / other processes "
+        f"({report['cpu_count']} CPUs):"
+    )
     print_table(["B", "offline", "hf", "http server+client"], rows)
     if "http" not in report:
         return
     http_report = report["http"]
-    print(f"http startup: {fmt(http_report.get('startup_s'))} s; shutdown: "
-          f"{http_report.get('shutdown')}")
+    print(
+        f"http startup: {fmt(http_report.get('startup_s'))} s; shutdown: "
+        f"{http_report.get('shutdown')}"
+    )
     if "error" in http_report:
         print(f"http error: {http_report['error']}")
     if http:
         last = http[max(http)]
-        print(f"peak RSS during concurrency {last['concurrency']} "
-              f"(total {last['peak_rss_total_mb']:.0f} MB):")
+        print(
+            f"peak RSS during concurrency {last['concurrency']} "
+            f"(total {last['peak_rss_total_mb']:.0f} MB):"
+        )
         for row in last["peak_rss"]:
             print(f"  {row['pid']:>8}  {row['role']:<24} {row['peak_rss_mb']:8.1f} MB")
 
@@ -243,19 +305,27 @@ def _cores_cell(result: dict[str, Any]) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", help="HF directory or .gguf file (default: the default model)")
-    parser.add_argument("--dtype", default="bfloat16",
-                        choices=("auto", "float32", "bfloat16", "float16"))
-    parser.add_argument("--batch-sizes", default="1,8,32",
-                        type=lambda s: [int(x) for x in s.split(",") if x])
+    parser.add_argument(
+        "--dtype", default="bfloat16", choices=("auto", "float32", "bfloat16", "float16")
+    )
+    parser.add_argument(
+        "--batch-sizes", default="1,8,32", type=lambda s: [int(x) for x in s.split(",") if x]
+    )
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--requests-per-stream", type=int, default=2,
-                        help="HTTP requests per level = this x concurrency (at least "
-                        "--min-requests)")
+    parser.add_argument(
+        "--requests-per-stream",
+        type=int,
+        default=2,
+        help="HTTP requests per level = this x concurrency (at least --min-requests)",
+    )
     parser.add_argument("--min-requests", type=int, default=4)
-    parser.add_argument("--repeat", type=int, default=1,
-                        help="measure each batch size / concurrency this many times; keep the "
-                        "fastest run")
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="measure each batch size / concurrency this many times; keep the fastest run",
+    )
     parser.add_argument("--startup-timeout", type=float, default=600.0)
     parser.add_argument("--skip-offline", action="store_true")
     parser.add_argument("--skip-hf", action="store_true")
@@ -276,14 +346,23 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = prepare_model_dir(args.model)
     vocab_size = load_model_arch(model_dir).vocab_size
     report: dict[str, Any] = {
-        "model": args.model or os.path.basename(default_model_path()), "dtype": args.dtype,
-        "batch_sizes": args.batch_sizes, "prompt_len": args.prompt_len,
-        "output_len": args.output_len, "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+        "model": args.model or os.path.basename(default_model_path()),
+        "dtype": args.dtype,
+        "batch_sizes": args.batch_sizes,
+        "prompt_len": args.prompt_len,
+        "output_len": args.output_len,
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
         "python": platform.python_version(),
-        "cpu_busy_before_pct": psutil.cpu_percent(interval=1.0), "load": {"start": _load()}}
-    print(f"CPU busy before start: {report['cpu_busy_before_pct']:.0f}%, load average "
-          f"{report['load']['start']}", flush=True)
+        "cpu_busy_before_pct": psutil.cpu_percent(interval=1.0),
+        "load": {"start": _load()},
+    }
+    print(
+        f"CPU busy before start: {report['cpu_busy_before_pct']:.0f}%, load average "
+        f"{report['load']['start']}",
+        flush=True,
+    )
     if not args.skip_offline:
         report["offline"] = run_offline(args, vocab_size)
         report["load"]["after_offline"] = _load()

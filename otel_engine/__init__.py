@@ -9,11 +9,11 @@ from otel_engine.sampling_params import SamplingParams
 __all__ = [
     "LLM",
     "AsyncLLM",
-    "SamplingParams",
-    "RequestOutput",
     "CompletionOutput",
     "EngineDeadError",
     "EngineStartupError",
     "RequestError",
+    "RequestOutput",
+    "SamplingParams",
 ]
 __version__ = "0.1.0"

@@ -64,7 +64,9 @@ class AsyncLLM:
             daemon=True,
         )
         self._io_thread.start()
-        self._finalizer = weakref.finalize(self, _shutdown, self._stopped, self._frontend, self._io_thread)
+        self._finalizer = weakref.finalize(
+            self, _shutdown, self._stopped, self._frontend, self._io_thread
+        )
 
     @property
     def is_dead(self) -> bool:

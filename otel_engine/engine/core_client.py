@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import logging
 import threading
-import traceback
 import time
+import traceback
 
 import zmq
 
@@ -132,12 +132,15 @@ class MPClient:
             return
         how = self.core.describe_exit()
         logger.error("engine_core.died", extra={"exitcode": self.core.exitcode})
-        self._death = ErrorInfo(type="EngineCoreDied", message=f"the engine core {how}", process="engine_core")
+        self._death = ErrorInfo(
+            type="EngineCoreDied", message=f"the engine core {how}", process="engine_core"
+        )
 
     def add_request(self, message: AddRequest) -> None:
         if self._death is not None or self._stopping:
             raise EngineDeadError(
-                "the engine is not running", cause_type=self._death.type if self._death else "EngineShutdown"
+                "the engine is not running",
+                cause_type=self._death.type if self._death else "EngineShutdown",
             )
         self._inputs.send(self._encoder.encode(message))
 
@@ -174,7 +177,9 @@ class MPClient:
         if self._stopping:
             return
         self._stopping = True
-        graceful_s = self.config.timeouts.shutdown_timeout if graceful and self._death is None else 0.0
+        graceful_s = (
+            self.config.timeouts.shutdown_timeout if graceful and self._death is None else 0.0
+        )
         if graceful_s:
             try:
                 self._inputs.send(self._encoder.encode(Shutdown()), flags=zmq.NOBLOCK)

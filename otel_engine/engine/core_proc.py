@@ -108,7 +108,10 @@ class StepWatchdog:
             if started is None or time.monotonic() - started < self.timeout:
                 continue
             info = step_timeout_error(core.current_step_id, core.config, PROCESS_NAME)
-            logger.error("engine.step_timeout", extra={"step": core.current_step_id, "timeout_s": self.timeout})
+            logger.error(
+                "engine.step_timeout",
+                extra={"step": core.current_step_id, "timeout_s": self.timeout},
+            )
             core.record_crash(info, how="timeout")
             shutdown_telemetry(timeout_s=_CRASH_FLUSH_S)
             dead = EngineDead(error=info, trace_context=core.failed_step_context)
@@ -123,7 +126,9 @@ class StepWatchdog:
         self._thread.join(timeout=2.0)
 
 
-def _busy_loop(core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket, encoder: Codec[CoreOutput]) -> None:
+def _busy_loop(
+    core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket, encoder: Codec[CoreOutput]
+) -> None:
     decoder: Codec[CoreRequest] = Codec(CoreRequest)
     executor = core.executor
     while True:

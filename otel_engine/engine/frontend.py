@@ -12,9 +12,9 @@ from otel_engine.engine.input import InputProcessor
 from otel_engine.engine.output import OutputProcessor
 from otel_engine.errors import EngineDeadError
 from otel_engine.ipc.messages import AddRequest, EngineDead
+from otel_engine.model.loader import load_model_arch, load_tokenizer, prepare_model_dir
 from otel_engine.observability.setup import export_child_env
 from otel_engine.observability.tracing import inject_context
-from otel_engine.model.loader import load_model_arch, load_tokenizer, prepare_model_dir
 from otel_engine.sampling_params import SamplingParams
 
 
@@ -38,7 +38,9 @@ class Frontend:
         self.config = config
         export_child_env(config)
         self.model_dir = prepare_model_dir(config.model.model)
-        self.model_name = config.model.served_model_name or _default_name(config.model.model, self.model_dir)
+        self.model_name = config.model.served_model_name or _default_name(
+            config.model.model, self.model_dir
+        )
         self.tokenizer: Any = load_tokenizer(self.model_dir)
         arch = load_model_arch(self.model_dir)
         self.client: CoreClient = (
@@ -50,9 +52,7 @@ class Frontend:
         self.inputs = InputProcessor(self.tokenizer, self.max_model_len, arch.vocab_size)
         self.outputs = OutputProcessor(self.tokenizer)
 
-    def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams
-    ) -> None:
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
         """Validate, register with the output processor, send to the engine core."""
         if request_id in self.outputs.states:
             raise ValueError(f"request id {request_id!r} is already in flight")
@@ -61,7 +61,9 @@ class Frontend:
         self.outputs.add(
             request_id, token_ids, params, prompt if isinstance(prompt, str) else None, arrival
         )
-        self.client.add_request(AddRequest(request_id, token_ids, params, arrival, inject_context()))
+        self.client.add_request(
+            AddRequest(request_id, token_ids, params, arrival, inject_context())
+        )
 
     def abort(self, request_ids: list[str]) -> None:
         for request_id in request_ids:

@@ -23,7 +23,9 @@ class LLM:
     ...     outputs = llm.generate(["Hello"], SamplingParams(max_tokens=8, temperature=0))
     """
 
-    def __init__(self, model: str | None = None, *, multiprocess: bool = False, **options: Any) -> None:
+    def __init__(
+        self, model: str | None = None, *, multiprocess: bool = False, **options: Any
+    ) -> None:
         self.config = EngineConfig.from_kwargs(model=model, multiprocess=multiprocess, **options)
         self._frontend = Frontend(self.config)
         self.tokenizer = self._frontend.tokenizer

@@ -89,8 +89,10 @@ def engine_unavailable(error: EngineDeadError | None) -> APIError:
 def engine_stalled(seconds: float) -> APIError:
     """/health while work is pending and no step finished within --step-timeout."""
     return APIError(
-        503, f"engine made no progress for {seconds:.0f} s with requests pending",
-        type=UNAVAILABLE, code="engine_stalled",
+        503,
+        f"engine made no progress for {seconds:.0f} s with requests pending",
+        type=UNAVAILABLE,
+        code="engine_stalled",
     )
 
 

@@ -92,7 +92,6 @@ class UniprocExecutor:
         return {"engine_core": os.getpid()}
 
 
-
 class MultiprocExecutor:
     """`tensor_parallel_size` worker processes, rank 0 samples."""
 
@@ -138,7 +137,9 @@ class MultiprocExecutor:
         except BaseException:
             self.shutdown(graceful=False)
             raise
-        self._monitor = threading.Thread(target=self._watch_workers, name="worker-monitor", daemon=True)
+        self._monitor = threading.Thread(
+            target=self._watch_workers, name="worker-monitor", daemon=True
+        )
         self._monitor.start()
 
     def _watch_workers(self) -> None:
@@ -147,7 +148,9 @@ class MultiprocExecutor:
             return
         how = worker.describe_exit()
         logger.error("worker.died", extra={"worker": worker.name, "exitcode": worker.exitcode})
-        self._died = ErrorInfo(type="WorkerDied", message=f"{worker.name} {how}", process=worker.name)
+        self._died = ErrorInfo(
+            type="WorkerDied", message=f"{worker.name} {how}", process=worker.name
+        )
         if self._failure is None:
             self._failure = self._died
 

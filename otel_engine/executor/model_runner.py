@@ -47,8 +47,12 @@ def resolve_limits(config: EngineConfig, arch: ModelArch) -> EngineLimits:
     if num_blocks is None:
         itemsize = torch.empty((), dtype=resolve_dtype(config, arch)).element_size()
         per_block = (
-            2 * arch.num_hidden_layers * block_size
-            * (arch.num_key_value_heads // tp) * arch.head_dim * itemsize
+            2
+            * arch.num_hidden_layers
+            * block_size
+            * (arch.num_key_value_heads // tp)
+            * arch.head_dim
+            * itemsize
         )
         num_blocks = max(1, int(config.cache.kv_cache_memory_gib * 2**30) // per_block)
     max_len = config.model.max_model_len or arch.max_position_embeddings
@@ -69,7 +73,9 @@ class ModelRunner:
         self.rank = rank
         self.arch = load_model_arch(model_dir)
         self.limits = resolve_limits(config, self.arch)
-        self.device = torch.device(config.model.device if config.model.device == "cpu" else f"cuda:{rank}")
+        self.device = torch.device(
+            config.model.device if config.model.device == "cpu" else f"cuda:{rank}"
+        )
         self.dtype = resolve_dtype(config, self.arch)
         self.block_size = config.cache.block_size
         self.model = LlamaModel(
@@ -81,10 +87,17 @@ class ModelRunner:
             max_positions=self.limits.max_model_len,
         )
         self.model.load_weights(iter_weights(model_dir))
-        shape = (self.model.num_kv_heads, self.limits.num_kv_blocks, self.block_size, self.model.head_dim)
+        shape = (
+            self.model.num_kv_heads,
+            self.limits.num_kv_blocks,
+            self.block_size,
+            self.model.head_dim,
+        )
         self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device),
-             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
             for _ in range(self.arch.num_hidden_layers)
         ]
         self.sampler = Sampler(self.device) if rank == 0 else None
@@ -134,7 +147,9 @@ def prepare_model_input(
         input_ids += request.token_ids(start, end)
         positions += range(start, end)
         blocks = request.block_ids
-        slot_mapping += [blocks[p // block_size] * block_size + p % block_size for p in range(start, end)]
+        slot_mapping += [
+            blocks[p // block_size] * block_size + p % block_size for p in range(start, end)
+        ]
         query_lens.append(chunk.num_tokens)
         seq_lens.append(end)
         block_tables.append(blocks)

@@ -21,7 +21,13 @@ from opentelemetry.trace import Status, StatusCode
 from otel_engine.config import EngineConfig
 from otel_engine.executor.model_runner import ModelRunner
 from otel_engine.ipc.codec import Codec, error_info
-from otel_engine.ipc.messages import ModelInput, ModelOutput, WorkerFailure, WorkerRequest, WorkerResponse
+from otel_engine.ipc.messages import (
+    ModelInput,
+    ModelOutput,
+    WorkerFailure,
+    WorkerRequest,
+    WorkerResponse,
+)
 from otel_engine.ipc.process import ReadyChannel
 from otel_engine.observability.faults import maybe_inject
 from otel_engine.observability.tracing import (
@@ -88,7 +94,10 @@ def _busy_loop(runner: ModelRunner, rank: int, inputs: zmq.Socket, outputs: zmq.
             span = tracer.start_span(
                 "worker.execute",
                 context=extract_context(message.trace_context),
-                attributes={"otel_engine.step.id": message.step_id, "otel_engine.worker.rank": rank},
+                attributes={
+                    "otel_engine.step.id": message.step_id,
+                    "otel_engine.worker.rank": rank,
+                },
             )
         try:
             maybe_inject("worker", phase="run", rank=rank, step=message.step_id)

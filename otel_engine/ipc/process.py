@@ -58,7 +58,12 @@ class ReadyChannel:
     def failed(self, exc: BaseException) -> None:
         """Report a startup failure; a grandchild's failure is passed on as it is."""
         if isinstance(exc, EngineStartupError) and exc.failed_process:
-            info = ErrorInfo(type=exc.cause_type, message=exc.cause_message, traceback=exc.traceback, process=exc.failed_process)
+            info = ErrorInfo(
+                type=exc.cause_type,
+                message=exc.cause_message,
+                traceback=exc.traceback,
+                process=exc.failed_process,
+            )
         else:
             info = error_info(exc, self.process_name)
         self._send(Failed(error=info))
@@ -109,7 +114,9 @@ class ChildProcess:
         data = b""
         while True:
             remaining = deadline - time.monotonic()
-            readable, _, _ = select.select([self._ready_fd, self.sentinel], [], [], max(0.0, remaining))
+            readable, _, _ = select.select(
+                [self._ready_fd, self.sentinel], [], [], max(0.0, remaining)
+            )
             if self._ready_fd in readable:
                 chunk = os.read(self._ready_fd, 1 << 16)
                 data += chunk
@@ -257,4 +264,3 @@ def _watch_parent(death_fd: int) -> None:
         os._exit(1)
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
-

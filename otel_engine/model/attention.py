@@ -116,8 +116,10 @@ def paged_attention(
         scores = scores.view(num_kv_heads, batch, group, max_len).float().mul_(scale)
         probs = torch.softmax(scores.add_(meta.decode_mask), dim=-1).to(q.dtype)
         context = torch.bmm(probs.view(num_kv_heads * batch, group, max_len), values)
-        out[:batch] = context.view(num_kv_heads, batch, group, head_dim).transpose(0, 1).reshape(
-            batch, num_heads, head_dim
+        out[:batch] = (
+            context.view(num_kv_heads, batch, group, head_dim)
+            .transpose(0, 1)
+            .reshape(batch, num_heads, head_dim)
         )
     for seq in meta.prefills:
         rows = slice(seq.query_start, seq.query_end)

@@ -8,6 +8,7 @@ logits.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 
 import torch
@@ -17,6 +18,10 @@ import torch.nn.functional as F
 from otel_engine.model.attention import AttentionMetadata, paged_attention
 from otel_engine.model.layers import RotaryEmbedding, rms_norm
 from otel_engine.model.loader import ModelArch
+
+
+def _pop_prefixed(staged: dict[str, torch.Tensor], prefix: str, key: str) -> torch.Tensor:
+    return staged.pop(prefix + key)
 
 
 def check_tensor_parallel(arch: ModelArch, tp_size: int) -> None:
@@ -95,17 +100,20 @@ class LlamaModel:
         self.embed = self._place(staged.pop("model.embed_tokens.weight"))
         self.norm = self._place(staged.pop("model.norm.weight"))
         lm_head = staged.pop("lm_head.weight", None)
-        self.lm_head = self.embed if lm_head is None or self.arch.tie_word_embeddings else self._place(lm_head)
+        self.lm_head = (
+            self.embed if lm_head is None or self.arch.tie_word_embeddings else self._place(lm_head)
+        )
         for i, layer in enumerate(self.layers):
-            prefix = f"model.layers.{i}."
-            take = lambda key: staged.pop(prefix + key)  # noqa: E731
+            take = functools.partial(_pop_prefixed, staged, f"model.layers.{i}.")
             layer.input_norm = self._place(take("input_layernorm.weight"))
             layer.post_norm = self._place(take("post_attention_layernorm.weight"))
             q, k, v = (take(f"self_attn.{p}_proj.weight") for p in "qkv")
             layer.qkv = self._place(torch.cat([self._rows(q), self._rows(k), self._rows(v)]))
             if self.arch.attention_bias:
                 qb, kb, vb = (take(f"self_attn.{p}_proj.bias") for p in "qkv")
-                layer.qkv_bias = self._place(torch.cat([self._rows(qb), self._rows(kb), self._rows(vb)]))
+                layer.qkv_bias = self._place(
+                    torch.cat([self._rows(qb), self._rows(kb), self._rows(vb)])
+                )
             layer.o_proj = self._place(self._cols(take("self_attn.o_proj.weight")))
             gate, up = take("mlp.gate_proj.weight"), take("mlp.up_proj.weight")
             layer.gate_up = self._place(torch.cat([self._rows(gate), self._rows(up)]))

@@ -122,7 +122,9 @@ def _safe(build: Callable[[], Any]) -> Any:
 # ---- the three parts --------------------------------------------------------------------
 
 
-def scheduler_output_part(step: Any, model_input: Any = None, device: str = "cpu") -> dict[str, Any]:
+def scheduler_output_part(
+    step: Any, model_input: Any = None, device: str = "cpu"
+) -> dict[str, Any]:
     """The failing step's batch: per request its safe fields, plus totals and tensor shapes."""
     result = _safe(lambda: _scheduler_output(step, model_input, device))
     return result if isinstance(result, dict) else {"error": "unexpected result"}
@@ -147,7 +149,9 @@ def _scheduler_output(step: Any, model_input: Any, device: str) -> dict[str, Any
         "num_requests": len(chunks),
         "num_scheduled_tokens": sum(c.num_tokens for c in chunks),
         "num_prefill_chunks": sum(1 for c in chunks if c.num_tokens > 1),
-        "preempted_request_ids": [str(r)[:128] for r in list(step.preempted_request_ids)[:MAX_LIST_ITEMS]],
+        "preempted_request_ids": [
+            str(r)[:128] for r in list(step.preempted_request_ids)[:MAX_LIST_ITEMS]
+        ],
         "requests": requests,
         "num_omitted_requests": len(chunks) - len(requests),
     }
@@ -283,9 +287,14 @@ def build_dump(parts: dict[str, Callable[[], Any]]) -> dict[str, Any]:
     dump: dict[str, Any] = {name: _safe(build) for name, build in parts.items()}
     dump["build_ms"] = round((time.perf_counter() - started) * 1000, 2)
     capped = _safe(lambda: cap(dump))
-    return capped if isinstance(capped, dict) and "error" not in capped else {
-        "build_ms": dump["build_ms"], "error": capped.get("error") if isinstance(capped, dict) else "cap failed"
-    }
+    return (
+        capped
+        if isinstance(capped, dict) and "error" not in capped
+        else {
+            "build_ms": dump["build_ms"],
+            "error": capped.get("error") if isinstance(capped, dict) else "cap failed",
+        }
+    )
 
 
 def cap(dump: dict[str, Any]) -> dict[str, Any]:
@@ -299,11 +308,15 @@ def cap(dump: dict[str, Any]) -> dict[str, Any]:
             removed = max(1, len(requests) // 4)
             del requests[-removed:]
             omitted = scheduler_part.get("num_omitted_requests", 0)
-            scheduler_part["num_omitted_requests"] = (omitted if isinstance(omitted, int) else 0) + removed
+            scheduler_part["num_omitted_requests"] = (
+                omitted if isinstance(omitted, int) else 0
+            ) + removed
             continue
         sizes = {k: len(to_json(v)) for k, v in dump.items()}
         largest = max(sizes, key=sizes.__getitem__)
-        dump[largest] = {"truncated": f"{sizes[largest]} bytes exceeded the {MAX_DUMP_BYTES}-byte cap"}
+        dump[largest] = {
+            "truncated": f"{sizes[largest]} bytes exceeded the {MAX_DUMP_BYTES}-byte cap"
+        }
     return dump
 
 
@@ -321,7 +334,9 @@ def _sanitize(value: Any, depth: int = 0) -> Any:
     if depth >= _MAX_DEPTH:
         return "<too deep>"
     if isinstance(value, dict):
-        return {str(k)[:128]: _sanitize(v, depth + 1) for k, v in list(value.items())[:MAX_LIST_ITEMS]}
+        return {
+            str(k)[:128]: _sanitize(v, depth + 1) for k, v in list(value.items())[:MAX_LIST_ITEMS]
+        }
     if isinstance(value, list | tuple):
         return [_sanitize(v, depth + 1) for v in list(value)[:MAX_LIST_ITEMS]]
     return f"<{type(value).__name__}>"
@@ -333,7 +348,9 @@ def to_json(value: Any) -> str:
         return json.dumps(value, separators=(",", ":"), allow_nan=False, default=_default)
     except Exception:
         try:
-            return json.dumps(_sanitize(value), separators=(",", ":"), allow_nan=False, default=_default)
+            return json.dumps(
+                _sanitize(value), separators=(",", ":"), allow_nan=False, default=_default
+            )
         except Exception as exc:
             return json.dumps({"error": _describe(exc)})
 
@@ -351,7 +368,13 @@ def failure_summary(process: str, error_type: str, message: str, how: str) -> di
     tail = process.rsplit("-", 1)[-1]
     if process.startswith(("worker", "otel-worker")) and tail.isdigit():
         rank = int(tail)
-    return {"process": process, "rank": rank, "type": error_type, "message": message[:500], "how": how}
+    return {
+        "process": process,
+        "rank": rank,
+        "type": error_type,
+        "message": message[:500],
+        "how": how,
+    }
 
 
 def report_crash(dump: dict[str, Any], span: Any, failure: dict[str, Any], logger: Any) -> None:
@@ -385,7 +408,10 @@ def _report(dump: dict[str, Any], span: Any, failure: dict[str, Any], logger: An
         if span is not None and span.is_recording():
             span.add_event(
                 "exception",
-                {"exception.type": str(failure.get("type")), "exception.message": str(failure.get("message"))},
+                {
+                    "exception.type": str(failure.get("type")),
+                    "exception.message": str(failure.get("message")),
+                },
             )
             span.add_event("otel_engine.crash", attributes)
             span.set_status(Status(StatusCode.ERROR, str(failure.get("type"))))

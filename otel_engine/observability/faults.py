@@ -40,7 +40,9 @@ class Fault:
     def parse(cls, text: str) -> Fault:
         parts = text.split(":")
         if len(parts) < 2 or parts[0] not in WHERE or parts[1] not in KINDS:
-            raise ValueError(f"{ENV_VAR}={text!r}: expected <{'|'.join(WHERE)}>:<{'|'.join(KINDS)}>[:key=value]")
+            raise ValueError(
+                f"{ENV_VAR}={text!r}: expected <{'|'.join(WHERE)}>:<{'|'.join(KINDS)}>[:key=value]"
+            )
         options: dict[str, str] = {}
         for part in parts[2:]:
             key, _, value = part.partition("=")
@@ -50,7 +52,9 @@ class Fault:
         phase = options.get("phase", "run")
         if phase not in PHASES:
             raise ValueError(f"{ENV_VAR}={text!r}: phase must be one of {PHASES}")
-        return cls(parts[0], parts[1], int(options.get("rank", 0)), int(options.get("step", 1)), phase)
+        return cls(
+            parts[0], parts[1], int(options.get("rank", 0)), int(options.get("step", 1)), phase
+        )
 
 
 def configured_fault() -> Fault | None:
@@ -65,7 +69,9 @@ def maybe_inject(where: str, *, phase: str, rank: int = 0, step: int = 0) -> Non
         return
     if phase == "run" and fault.step != step:
         return
-    logger.warning("fault.injected", extra={"where": where, "kind": fault.kind, "rank": rank, "step": step})
+    logger.warning(
+        "fault.injected", extra={"where": where, "kind": fault.kind, "rank": rank, "step": step}
+    )
     if fault.kind == "raise":
         raise InjectedFault(f"injected fault in {where} rank {rank} ({phase} step {step})")
     if fault.kind == "oom":

@@ -151,7 +151,7 @@ def test_garbage_collected_llm_reaps_children(tiny_model_dir: str, new_children:
 def test_indivisible_tensor_parallel_size_fails_in_process(
     tiny_model_dir: str, new_children: Children
 ) -> None:
-    """TP=3 with 4 query / 2 key-value heads: a startup error naming the flag and the head counts."""
+    """TP=3 with 4 query / 2 key-value heads: a startup error naming the flag and heads."""
     with pytest.raises(EngineStartupError, match="tensor-parallel-size 3") as info:
         LLM(tiny_model_dir, tensor_parallel_size=3)
 
