@@ -55,7 +55,7 @@ def run_engine_core(
     inputs.connect(input_address)
     outputs = context.socket(zmq.PUSH)
     outputs.connect(output_address)
-    watchdog = StepWatchdog(core, context, output_address)
+    watchdog = StepWatchdog(core, output_address)
     channel.ready(
         max_model_len=core.limits.max_model_len,
         num_kv_blocks=core.limits.num_kv_blocks,
@@ -92,11 +92,12 @@ class StepWatchdog:
     without waiting for the stuck main thread.
     """
 
-    def __init__(self, core: EngineCore, context: zmq.Context, output_address: str) -> None:
+    def __init__(self, core: EngineCore, output_address: str) -> None:
         self.core = core
         self.timeout = core.config.timeouts.step_timeout
         self._stop = threading.Event()
-        self._socket = context.socket(zmq.PUSH)
+        self._context = zmq.Context(io_threads=1)  # its own, so it can flush on exit
+        self._socket = self._context.socket(zmq.PUSH)
         self._socket.connect(output_address)
         self._thread = threading.Thread(target=self._watch, name="step-watchdog", daemon=True)
         self._thread.start()
@@ -118,8 +119,10 @@ class StepWatchdog:
             self._socket.send(Codec(CoreOutput).encode(dead))
             core.executor.kill()
             self._socket.close(linger=2000)
+            self._context.term()  # waits until the frame is delivered
             os._exit(1)
         self._socket.close(linger=0)
+        self._context.term()
 
     def stop(self) -> None:
         self._stop.set()

@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 _POLL_MS = 50
 _FAILURE_GRACE_S = 0.3
+_REPORT_WAIT_S = 1.5  # a worker that exited with code 1 reported first
 
 
 class WorkerError(Exception):
@@ -105,6 +106,8 @@ class MultiprocExecutor:
         self.workers: list[ChildProcess] = []
         self._failure: ErrorInfo | None = None
         self._died: ErrorInfo | None = None  # a worker that exited, as the monitor saw it
+        self._died_code: int | None = None
+        self._root: ErrorInfo | None = None  # the cause, once decided
         self._stopping = False
         self._monitor: threading.Thread | None = None
         self._results = self._context.socket(zmq.PULL)
@@ -148,6 +151,7 @@ class MultiprocExecutor:
             return
         how = worker.describe_exit()
         logger.error("worker.died", extra={"worker": worker.name, "exitcode": worker.exitcode})
+        self._died_code = worker.exitcode
         self._died = ErrorInfo(
             type="WorkerDied", message=f"{worker.name} {how}", process=worker.name
         )
@@ -159,6 +163,7 @@ class MultiprocExecutor:
         if self._failure is None and self._results.poll(0):
             self._take_result(-1)
         if self._failure is not None:
+            self._failure = self._root_cause([])
             raise WorkerError(self._failure)
 
     def execute(self, step: ModelInput) -> list[int]:
@@ -172,7 +177,8 @@ class MultiprocExecutor:
                 result = self._take_result(step.step_id)
                 if result is not None:
                     return result
-            if self._failure is not None:
+            if self._failure is not None:  # the monitor saw a worker die
+                self._failure = self._root_cause([])
                 raise WorkerError(self._failure)
             if time.monotonic() > deadline:
                 raise WorkerError(step_timeout_error(step.step_id, self.config, "worker"))
@@ -180,7 +186,7 @@ class MultiprocExecutor:
     def _take_result(self, step_id: int) -> list[int] | None:
         message = self._responses.decode(self._results.recv(copy=False).buffer)
         if isinstance(message, WorkerFailure):
-            self._failure = self._root_cause(message)
+            self._failure = self._root_cause([message])
             raise WorkerError(self._failure)
         if isinstance(message, ModelOutput) and message.step_id == step_id:
             return message.sampled_token_ids
@@ -197,21 +203,33 @@ class MultiprocExecutor:
         for worker in self.workers:
             worker.kill()
 
-    def _root_cause(self, first: WorkerFailure) -> ErrorInfo:
-        """Collect what follows within a moment. A worker that died without a word is the
-        cause (its peers' collectives broke because of it); else the earliest failure."""
-        failures = [first]
-        deadline = time.monotonic() + _FAILURE_GRACE_S
-        while (remaining := deadline - time.monotonic()) > 0:
-            if not self._results.poll(int(remaining * 1000) + 1):
-                continue
-            message = self._responses.decode(self._results.recv(copy=False).buffer)
-            if isinstance(message, WorkerFailure):
-                failures.append(message)
-        reporters = {f"otel-worker-{f.rank}" for f in failures}
-        if self._died is not None and self._died.process not in reporters:
-            return self._died
-        return min(failures, key=lambda f: f.failed_at).error
+    def _root_cause(self, failures: list[WorkerFailure]) -> ErrorInfo:
+        """Collect the failure reports that arrive within a moment. A worker that died
+        without a report is the cause (its peers' collectives broke because of it); else the
+        earliest report. A worker that raised reports first and then exits with code 1, so
+        its report is waited for a little longer."""
+        if self._root is not None:
+            return self._root
+        started = time.monotonic()
+        while True:
+            reporters = {f"otel-worker-{f.rank}" for f in failures}
+            silent = self._died is not None and self._died.process not in reporters
+            waited = time.monotonic() - started
+            expect_report = silent and self._died_code == 1 and waited < _REPORT_WAIT_S
+            if waited > _FAILURE_GRACE_S and not expect_report:
+                break
+            if self._results.poll(50):
+                message = self._responses.decode(self._results.recv(copy=False).buffer)
+                if isinstance(message, WorkerFailure):
+                    failures.append(message)
+        if silent and self._died is not None:
+            self._root = self._died
+        elif failures:
+            self._root = min(failures, key=lambda f: f.failed_at).error
+        else:
+            assert self._failure is not None
+            self._root = self._failure
+        return self._root
 
     def shutdown(self, *, graceful: bool = True) -> None:
         """Ask workers to stop, then escalate (SIGTERM, SIGKILL) under one deadline.

@@ -130,7 +130,7 @@ class ModelRunner:
 
 
 def prepare_model_input(
-    step_id: int, chunks: list, block_size: int, trace_context: dict[str, str]
+    step_id: int, chunks: list, block_size: int, trace_context: dict[str, str] | None = None
 ) -> ModelInput:
     """Flatten a scheduler output (decodes first) into the message every rank receives."""
     input_ids: list[int] = []
@@ -176,5 +176,5 @@ def prepare_model_input(
         top_ks=top_ks,
         seeds=seeds,
         output_positions=output_positions,
-        trace_context=trace_context,
+        trace_context=trace_context or {},
     )

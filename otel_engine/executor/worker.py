@@ -110,7 +110,10 @@ def _busy_loop(runner: ModelRunner, rank: int, inputs: zmq.Socket, outputs: zmq.
                 span.end()
             info = error_info(exc, f"otel-worker-{rank}")
             outputs.send(responses.encode(WorkerFailure(rank, info, time.time())))
+            # close() alone does not flush: terminating the context waits for delivery.
+            inputs.close(linger=0)
             outputs.close(linger=2000)
+            outputs.context.term()
             shutdown_telemetry(timeout_s=2.0)
             os._exit(1)
         if span is not None:
