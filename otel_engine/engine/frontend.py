@@ -52,11 +52,19 @@ class Frontend:
         self.inputs = InputProcessor(self.tokenizer, self.max_model_len, arch.vocab_size)
         self.outputs = OutputProcessor(self.tokenizer)
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
-        """Validate, register with the output processor, send to the engine core."""
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        token_ids: list[int] | None = None,
+    ) -> None:
+        """Validate (unless `token_ids` were already validated), register with the output
+        processor, send to the engine core."""
         if request_id in self.outputs.states:
             raise ValueError(f"request id {request_id!r} is already in flight")
-        token_ids = self.inputs.process(prompt, params)
+        if token_ids is None:
+            token_ids = self.inputs.process(prompt, params)
         arrival = time.time()
         self.outputs.add(
             request_id, token_ids, params, prompt if isinstance(prompt, str) else None, arrival

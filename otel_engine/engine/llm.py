@@ -53,10 +53,12 @@ class LLM:
         if not self._finalizer.alive:
             raise EngineDeadError("the engine is shut down", cause_type="EngineShutdown")
         ids = [f"offline-{next(self._counter)}" for _ in prompts]
-        for prompt, p in zip(prompts, params_list, strict=True):
-            frontend.inputs.process(prompt, p)
-        for request_id, prompt, p in zip(ids, prompts, params_list, strict=True):
-            frontend.add_request(request_id, prompt, p)
+        # Validate every prompt before any runs: a bad one fails the call, not the batch.
+        token_ids = [
+            frontend.inputs.process(q, p) for q, p in zip(prompts, params_list, strict=True)
+        ]
+        for request_id, prompt, p, ids_ in zip(ids, prompts, params_list, token_ids, strict=True):
+            frontend.add_request(request_id, prompt, p, ids_)
         finished: dict[str, RequestOutput] = {}
         while len(finished) < len(ids):
             output = frontend.client.get_output()
