@@ -78,11 +78,14 @@ class ReadyChannel:
 class ChildProcess:
     """A started child: its Popen, pidfd (the death sentinel) and handshake pipe."""
 
-    def __init__(self, name: str, popen: subprocess.Popen[bytes], ready_fd: int) -> None:
+    def __init__(
+        self, name: str, popen: subprocess.Popen[bytes], ready_fd: int, death_fd: int
+    ) -> None:
         self.name = name
         self.popen = popen
         self.pid = popen.pid
         self._ready_fd = ready_fd
+        self._death_fd = death_fd  # held open while we live: EOF tells the child we died
         self.sentinel = os.pidfd_open(popen.pid)
 
     @property
@@ -160,6 +163,7 @@ class ChildProcess:
     def close(self) -> None:
         """Release the pidfd; only once nothing waits on it any more."""
         self._close_fd("_ready_fd")
+        self._close_fd("_death_fd")
         self._close_fd("sentinel")
 
     def _close_fd(self, attr: str) -> None:
@@ -214,14 +218,10 @@ def spawn(name: str, target: str, *args: Any, role: str, rank: int | None = None
     )
     os.close(ready_w)
     os.close(death_r)
-    _DEATH_PIPES.append(death_w)  # kept open for this process's lifetime: EOF means we died
     assert popen.stdin is not None
     popen.stdin.write(msgspec.msgpack.encode(launch))
     popen.stdin.close()
-    return ChildProcess(name, popen, ready_r)
-
-
-_DEATH_PIPES: list[int] = []
+    return ChildProcess(name, popen, ready_r, death_w)
 
 
 def child_main() -> None:

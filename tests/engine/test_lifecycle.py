@@ -1,0 +1,46 @@
+"""Engine lifecycle edges: no file descriptors left per engine, no request to a dead core."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from otel_engine import LLM, EngineDeadError, SamplingParams
+
+PARAMS = SamplingParams(max_tokens=4, temperature=0.0)
+
+
+def _num_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_engines_leave_no_file_descriptors_behind(tiny_model_dir: str) -> None:
+    """Starting and shutting down multiprocess engines does not grow the fd table
+    (pipes, pidfds and sockets of every child are closed)."""
+    with LLM(tiny_model_dir, multiprocess=True) as llm:
+        llm.generate(["warm up"], PARAMS)
+    before = _num_fds()
+    for _ in range(2):
+        with LLM(tiny_model_dir, multiprocess=True) as llm:
+            llm.generate(["hello"], PARAMS)
+    assert before == _num_fds()
+
+
+def test_generate_after_the_engine_core_died_raises_at_once(tiny_model_dir: str) -> None:
+    """Once the engine core process is gone, generate raises EngineDeadError instead of
+    blocking on a socket nobody reads."""
+    llm = LLM(tiny_model_dir, multiprocess=True)
+    try:
+        core = llm._frontend.client.core
+        core.kill()
+        core.join(5.0)
+        with pytest.raises(EngineDeadError):
+            llm.generate(["first"], PARAMS)
+        started = time.monotonic()
+        with pytest.raises(EngineDeadError):
+            llm.generate(["second"], PARAMS)
+        assert time.monotonic() - started < 2.0
+    finally:
+        llm.shutdown()
