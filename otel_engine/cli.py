@@ -148,6 +148,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("OTEL_ENGINE_API_KEY"),
         help="require 'Authorization: Bearer KEY' on /v1 (default: $OTEL_ENGINE_API_KEY)",
     )
+    server.add_argument(
+        "--final-scrape-wait",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="after an engine failure, keep /metrics up until one scrape has read the failure "
+        "(at most S seconds) before exiting; set it above the Prometheus scrape interval "
+        "(default: 0, exit at once)",
+    )
     _add_engine_flags(serve)
 
     generate = commands.add_parser(
@@ -238,7 +247,9 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
                 "tensor_parallel_size": config.parallel.tensor_parallel_size,
             },
         )
-        exit_code = run_server(engine, sock, api_key=args.api_key)
+        exit_code = run_server(
+            engine, sock, api_key=args.api_key, final_scrape_wait=args.final_scrape_wait
+        )
     except KeyboardInterrupt:
         logger.info("shutdown.begin", extra={"phase": "before_serving"})
     finally:

@@ -15,6 +15,7 @@ import logging
 import signal
 import socket
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 import uvicorn
@@ -26,6 +27,7 @@ from otel_engine.entrypoints.guard import GuardMiddleware, ServerState
 from otel_engine.entrypoints.http_tracing import HttpTracingMiddleware
 from otel_engine.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
 from otel_engine.entrypoints.serving import OpenAIServing
+from otel_engine.observability.metrics import EngineMetrics
 from otel_engine.observability.otlp_metrics import start_otlp_metrics
 
 if TYPE_CHECKING:
@@ -67,9 +69,17 @@ def build_app(state: ServerState) -> FastAPI:
         return Response(b'{"status":"ok"}', media_type="application/json")
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
         state.update_health()
-        body, content_type = state.metrics.render()
+        # Once the engine is dead and every in-flight request has counted its error, this
+        # scrape holds the failure; the server may exit after it (--final-scrape-wait).
+        is_settled = state.engine.is_dead and not state.num_in_flight
+        # Prometheus asks for OpenMetrics, the exposition that carries exemplars (trace ids).
+        accept = request.headers.get("accept", "")
+        body, content_type = state.metrics.render(
+            openmetrics="application/openmetrics-text" in accept
+        )
+        state.is_dead_scraped = state.is_dead_scraped or is_settled
         return Response(body, media_type=content_type)
 
     @app.get("/v1/models")
@@ -97,7 +107,12 @@ def build_app(state: ServerState) -> FastAPI:
 
 
 class ApiServer(uvicorn.Server):
-    """uvicorn plus a drain on shutdown and an exit once the engine is dead."""
+    """uvicorn plus a drain on shutdown and an exit once the engine is dead.
+
+    With `final_scrape_wait` > 0 the exit after an engine death waits (at most that long) for
+    one GET /metrics that shows the failure, so a Prometheus that scrapes every 15 s still
+    records the dead state and the requests the death failed before the process is gone.
+    """
 
     def __init__(
         self,
@@ -105,12 +120,15 @@ class ApiServer(uvicorn.Server):
         state: ServerState,
         drain_timeout: float,
         exit_on_engine_death: bool = True,
+        final_scrape_wait: float = 0.0,
     ) -> None:
         super().__init__(config)
         self.state = state
         self.drain_timeout = drain_timeout
         self.exit_on_engine_death = exit_on_engine_death
+        self.final_scrape_wait = final_scrape_wait
         self.exit_code = 0
+        self._exit_deadline = 0.0
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
@@ -130,7 +148,11 @@ class ApiServer(uvicorn.Server):
             )
             self.state.metrics.set_health("dead")
             self.exit_code = 1
-            self.should_exit = self.should_exit or self.exit_on_engine_death
+            self._exit_deadline = time.monotonic() + self.final_scrape_wait
+            if self.final_scrape_wait > 0 and self.exit_on_engine_death:
+                logger.info("server.final_scrape_wait", extra={"timeout_s": self.final_scrape_wait})
+        if self.exit_code and self.exit_on_engine_death and not self.should_exit:
+            self.should_exit = self.state.is_dead_scraped or time.monotonic() >= self._exit_deadline
         return await super().on_tick(counter)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
@@ -167,13 +189,15 @@ def make_server(
     api_key: str | None = None,
     drain_timeout: float | None = None,
     exit_on_engine_death: bool = True,
+    final_scrape_wait: float = 0.0,
 ) -> ApiServer:
     """An `ApiServer` for `engine`, ready to `run(sockets=[bind_socket(...)])`.
 
     With `exit_on_engine_death=False` the server stays up answering 503 after the engine
     died (an embedding host program decides what to do); `exit_code` is 1 either way.
     """
-    state = ServerState(engine=engine, api_key=api_key)
+    metrics = EngineMetrics(model_name=engine.model_name, process_metrics=True)
+    state = ServerState(engine=engine, api_key=api_key, metrics=metrics)
     timeout = engine.config.timeouts.shutdown_timeout if drain_timeout is None else drain_timeout
     config = uvicorn.Config(
         build_app(state),
@@ -183,13 +207,23 @@ def make_server(
         timeout_keep_alive=30,
     )
     return ApiServer(
-        config, state, drain_timeout=timeout, exit_on_engine_death=exit_on_engine_death
+        config,
+        state,
+        drain_timeout=timeout,
+        exit_on_engine_death=exit_on_engine_death,
+        final_scrape_wait=final_scrape_wait,
     )
 
 
-def run_server(engine: AsyncLLM, sock: socket.socket, *, api_key: str | None = None) -> int:
+def run_server(
+    engine: AsyncLLM,
+    sock: socket.socket,
+    *,
+    api_key: str | None = None,
+    final_scrape_wait: float = 0.0,
+) -> int:
     """Serve until SIGTERM/SIGINT (exit code 0) or until the engine dies (exit code 1)."""
-    server = make_server(engine, api_key=api_key)
+    server = make_server(engine, api_key=api_key, final_scrape_wait=final_scrape_wait)
     start_otlp_metrics(
         server.state.metrics.registry,
         config=engine.config.observability,

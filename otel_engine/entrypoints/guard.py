@@ -41,6 +41,7 @@ class ServerState:
     metrics: EngineMetrics = field(default_factory=EngineMetrics)
     num_in_flight: int = 0
     is_draining: bool = False
+    is_dead_scraped: bool = False  # /metrics was served after the engine died, errors counted
     drain_expired: asyncio.Event = field(default_factory=asyncio.Event)
     _idle: asyncio.Event = field(default_factory=asyncio.Event)
 

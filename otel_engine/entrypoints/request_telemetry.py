@@ -172,6 +172,9 @@ class RequestTelemetry:
             queue_s=queue_s,
             ttft_s=ttft_s,
             tpot_s=tpot_s,
+            trace_id=(
+                format(self.span.get_span_context().trace_id, "032x") if self.is_recording else None
+            ),
         )
         fields: dict[str, Any] = {
             "finish_reason": finish_reason,

@@ -6,14 +6,33 @@ or `on_request_error`). Label children are bound once up front; an observation c
 a microsecond. Latency histograms use the bucket boundaries of the OpenTelemetry GenAI
 `gen_ai.server.*` metrics. `render()` answers GET /metrics; `otlp_metrics.py` exports the
 same registry over OTLP when an endpoint is set.
+
+With `model_name`, every sample carries a `model_name` label (the served model name), so
+dashboards can select a model across replicas; it is added at collection time by one
+wrapping collector, not per observation. Latency histograms take the request's trace id as an
+exemplar; exemplars are only visible in the OpenMetrics exposition (`render(openmetrics=True)`,
+which Prometheus asks for in its Accept header), so a latency panel can link to the trace.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any, Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
+from prometheus_client import openmetrics as _openmetrics_pkg  # noqa: F401  (subpackage import)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics_core import Metric
+from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as OPENMETRICS_TYPE
+from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
+from prometheus_client.registry import Collector
 
 # gen_ai.server.time_to_first_token
 TTFT_BUCKETS = (
@@ -91,6 +110,8 @@ STEP_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 
 
 FINISH_REASONS = ("stop", "length", "abort")
 HEALTH_STATES = ("starting", "healthy", "draining", "dead")
+# error_type values of engine failures (the rest are client errors, aborts and drains)
+ENGINE_ERROR_TYPES = ("engine_dead", "engine_stalled")
 
 
 class StepStats(Protocol):
@@ -103,12 +124,42 @@ class StepStats(Protocol):
     num_preemptions: int
 
 
+class _ConstantLabels(Collector):
+    """Collects an inner registry and adds the same labels to every sample."""
+
+    def __init__(self, inner: CollectorRegistry, labels: dict[str, str]) -> None:
+        self._inner = inner
+        self._labels = labels
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self._inner.collect():
+            family.samples = [
+                sample._replace(labels={**sample.labels, **self._labels})
+                for sample in family.samples
+            ]
+            yield family
+
+
 class EngineMetrics:
     """Every `otel_engine_*` family of DESIGN.md section 4, with per-step and per-request hooks."""
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self,
+        registry: CollectorRegistry | None = None,
+        *,
+        model_name: str | None = None,
+        process_metrics: bool = False,
+    ) -> None:
+        """`registry` is what `render()` exposes (a new one by default); `model_name` adds that
+        label to every sample; `process_metrics` adds `otel_engine_process_*` (CPU, RSS, open
+        fds, start time) of this process, whose start time changes on every restart."""
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
+        if model_name is not None:
+            r = CollectorRegistry()
+            self.registry.register(_ConstantLabels(r, {"model_name": model_name}))
+        if process_metrics:
+            ProcessCollector(namespace="otel_engine", registry=r)
         self.requests_running = Gauge(
             "otel_engine_requests_running", "Requests in the engine's running batch.", registry=r
         )
@@ -204,7 +255,10 @@ class EngineMetrics:
             registry=r,
         )
         self._success = {reason: self.request_success.labels(reason) for reason in FINISH_REASONS}
-        self._errors: dict[str, Any] = {}
+        # Engine failures start at 0, so that `increase()` sees the first one.
+        self._errors: dict[str, Any] = {
+            error_type: self.request_errors.labels(error_type) for error_type in ENGINE_ERROR_TYPES
+        }
         self._health = {state: self.health_state.labels(state) for state in HEALTH_STATES}
         self.set_health("starting")
 
@@ -235,8 +289,10 @@ class EngineMetrics:
         queue_s: float | None = None,
         ttft_s: float | None = None,
         tpot_s: float | None = None,
+        trace_id: str | None = None,
     ) -> None:
-        """A request that ended normally; TPOT defaults to (e2e - ttft) / (n - 1)."""
+        """A request that ended normally; TPOT defaults to (e2e - ttft) / (n - 1). `trace_id`
+        (32 hex digits) becomes the exemplar of the TTFT and end-to-end latency observations."""
         child = self._success.get(finish_reason)
         if child is None:
             child = self._success[finish_reason] = self.request_success.labels(finish_reason)
@@ -244,11 +300,12 @@ class EngineMetrics:
         self._count_tokens(num_prompt_tokens, num_generation_tokens)
         self.request_prompt_tokens.observe(num_prompt_tokens)
         self.request_generation_tokens.observe(num_generation_tokens)
-        self.e2e_latency.observe(e2e_s)
+        exemplar = None if trace_id is None else {"trace_id": trace_id}
+        self.e2e_latency.observe(e2e_s, exemplar)
         if queue_s is not None:
             self.queue_time.observe(queue_s)
         if ttft_s is not None:
-            self.time_to_first_token.observe(ttft_s)
+            self.time_to_first_token.observe(ttft_s, exemplar)
             if tpot_s is None and num_generation_tokens > 1:
                 tpot_s = (e2e_s - ttft_s) / (num_generation_tokens - 1)
         if tpot_s is not None:
@@ -271,8 +328,11 @@ class EngineMetrics:
         for name, child in self._health.items():
             child.set(1 if name == state else 0)
 
-    def render(self) -> tuple[bytes, str]:
-        """Prometheus text exposition of the registry, and its content type."""
+    def render(self, *, openmetrics: bool = False) -> tuple[bytes, str]:
+        """The registry in Prometheus text format (or OpenMetrics, which carries exemplars),
+        and its content type."""
+        if openmetrics:
+            return generate_openmetrics(self.registry), OPENMETRICS_TYPE
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
     def _count_tokens(self, num_prompt: int, num_generated: int) -> None:

@@ -44,6 +44,7 @@ EXTRA_FLAGS = {
     "--seed",
     "--otlp-logs",
     "--log-prompts",
+    "--final-scrape-wait",
 }
 PROMPTS = ["The engine schedules", "Once upon a time"]
 
@@ -73,7 +74,7 @@ def _run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[st
 
 def test_serve_has_exactly_the_documented_flags() -> None:
     """`serve` takes DESIGN.md's flags plus the extras (model name, KV memory, seed, OTLP logs,
-    prompt logging)."""
+    prompt logging, the final scrape after an engine failure)."""
     assert DESIGN_SERVE_FLAGS | EXTRA_FLAGS | {"-h", "--help"} == _flags("serve")
 
 

@@ -223,3 +223,61 @@ def test_no_metrics_endpoint_starts_nothing(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
     monkeypatch.delenv("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", raising=False)
     assert start_otlp_metrics(EngineMetrics().registry, config=ObservabilityConfig()) is None
+
+
+def test_engine_errors_exist_at_zero_before_the_first_one() -> None:
+    """`increase()` needs a 0 before the first engine failure to count it at all."""
+    values = samples(EngineMetrics())
+    for error_type in ("engine_dead", "engine_stalled"):
+        assert 0 == values[("otel_engine_request_errors_total", (("error_type", error_type),))]
+
+
+def test_model_name_is_a_label_of_every_sample() -> None:
+    """Dashboards select a model by `model_name`; it is on every series, process ones too."""
+    metrics = EngineMetrics(model_name="smol", process_metrics=True)
+    finish_one(metrics)
+    metrics.on_request_error("engine_dead")
+    values = samples(metrics)
+
+    assert values
+    assert all(("model_name", "smol") in labels for _, labels in values)
+    assert (
+        1
+        == values[
+            (
+                "otel_engine_request_errors_total",
+                (("error_type", "engine_dead"), ("model_name", "smol")),
+            )
+        ]
+    )
+    start_times = [
+        v for (name, _), v in values.items() if name.endswith("process_start_time_seconds")
+    ]
+    assert len(start_times) == 1
+    assert start_times[0] > 1.7e9
+
+
+def test_latency_exemplars_carry_the_trace_id_in_openmetrics_only() -> None:
+    """TTFT and e2e buckets link to the request's trace in OpenMetrics; Prometheus text has no
+    exemplars (its format cannot carry them)."""
+    trace_id = "0af7651916cd43dd8448eb211c80319c"
+    metrics = EngineMetrics(model_name="smol")
+    metrics.on_request_finished(
+        finish_reason="stop",
+        num_prompt_tokens=3,
+        num_generation_tokens=4,
+        e2e_s=0.3,
+        ttft_s=0.1,
+        trace_id=trace_id,
+    )
+    body, content_type = metrics.render(openmetrics=True)
+    text = body.decode()
+
+    assert content_type.startswith("application/openmetrics-text")
+    assert text.endswith("# EOF\n")
+    exemplar_lines = [line for line in text.splitlines() if f'trace_id="{trace_id}"' in line]
+    assert {line.split("_bucket")[0] for line in exemplar_lines} == {
+        "otel_engine_time_to_first_token_seconds",
+        "otel_engine_e2e_request_latency_seconds",
+    }
+    assert trace_id not in metrics.render()[0].decode()

@@ -399,6 +399,18 @@ def test_counters_and_histograms_move_after_requests(runs: dict[str, Run]) -> No
     assert 1 == after['otel_engine_engine_health_state{state="healthy"}']
 
 
+def test_every_sample_names_the_served_model(runs: dict[str, Run]) -> None:
+    """Dashboards select a model by the `model_name` label: every sample has the same one."""
+    names = {
+        sample.labels.get("model_name")
+        for family in text_string_to_metric_families(runs["grpc"].metrics_after)
+        for sample in family.samples
+    }
+
+    assert len(names) == 1
+    assert names.pop()
+
+
 def test_canary_appears_in_no_log_otlp_payload_or_metrics(runs: dict[str, Run]) -> None:
     """Prompt and stop-string canaries are in none of: log output (but the `request.prompt`
     lines of `--log-prompts`), raw OTLP bytes, /metrics."""
@@ -470,9 +482,12 @@ def _records(run: Run) -> list[dict[str, Any]]:
 
 
 def _samples(text: str) -> dict[str, float]:
+    """Samples by name and labels, leaving out the `model_name` label every sample has."""
     samples = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            labels = ",".join(
+                f'{k}="{v}"' for k, v in sorted(sample.labels.items()) if k != "model_name"
+            )
             samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
     return samples

@@ -1,0 +1,57 @@
+"""`--final-scrape-wait`: after an engine failure the server exits only once a GET /metrics
+has read the failure (or the wait ran out), so a slow Prometheus still records the crash."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.failures.conftest import ProcessWatch
+from tests.helpers.procs import ServerProcess
+
+WAIT_S = 30.0
+
+
+def _values(text: str) -> dict[tuple[str, str], float]:
+    """(sample name, error_type or state) -> value, for the two series a crash moves."""
+    values = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            key = sample.labels.get("error_type") or sample.labels.get("state") or ""
+            values[sample.name, key] = sample.value
+    return values
+
+
+def test_exit_waits_for_the_scrape_that_reads_the_crash(
+    start_server: Callable[..., tuple[ServerProcess, ProcessWatch]],
+) -> None:
+    """Nobody scrapes: the server outlives its usual ~2 s exit, answering 503; the first
+    scrape shows the dead state and the failed request, and the server exits 1 right after."""
+    server, watch = start_server("--final-scrape-wait", str(WAIT_S), fault="worker:raise:step=3")
+    with httpx.Client(base_url=server.base_url, timeout=30, trust_env=False) as client:
+        failed = client.post(
+            "/v1/completions", json={"model": server_model(client), "prompt": "hi", "max_tokens": 8}
+        )
+        assert failed.status_code == 500, failed.text
+        assert failed.json()["error"]["code"] == "engine_dead"
+        time.sleep(4.0)
+        assert server.returncode is None, "exited before the final scrape"
+        assert client.get("/health").status_code == 503
+
+        scraped_at = time.monotonic()
+        values = _values(client.get("/metrics").text)
+        code = server.wait(timeout=10)
+        exited_after = time.monotonic() - scraped_at
+
+    assert code == 1, server.tail()
+    assert exited_after < 3.0
+    assert values["otel_engine_engine_health_state", "dead"] == 1
+    assert values["otel_engine_request_errors_total", "engine_dead"] >= 1
+    watch.assert_all_gone(5.0)
+
+
+def server_model(client: httpx.Client) -> str:
+    return str(client.get("/v1/models").json()["data"][0]["id"])
