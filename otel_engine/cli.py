@@ -132,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="otel-engine",
         description="An LLM serving engine whose failures are observable and clean.",
+        allow_abbrev=False,  # a typo'd flag in a manifest fails instead of matching a prefix
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -139,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
         "serve",
         help="run the OpenAI-compatible HTTP server",
         description="Run the OpenAI-compatible HTTP server.",
+        allow_abbrev=False,
     )
     server = serve.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="address to bind")
@@ -163,6 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
         "generate",
         help="complete prompts offline and print them",
         description="Complete prompts offline and print them.",
+        allow_abbrev=False,
     )
     generate.add_argument("prompts", nargs="*", metavar="PROMPT")
     generate.add_argument("--prompts-file", metavar="PATH", help="one prompt per line")

@@ -45,6 +45,7 @@ class LLM:
         """
         if isinstance(prompts, str):
             prompts = [prompts]
+        prompt_list: list[str | list[int]] = list(prompts)
         params = sampling_params or SamplingParams()
         params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(params_list) != len(prompts):
@@ -55,9 +56,11 @@ class LLM:
         ids = [f"offline-{next(self._counter)}" for _ in prompts]
         # Validate every prompt before any runs: a bad one fails the call, not the batch.
         token_ids = [
-            frontend.inputs.process(q, p) for q, p in zip(prompts, params_list, strict=True)
+            frontend.inputs.process(q, p) for q, p in zip(prompt_list, params_list, strict=True)
         ]
-        for request_id, prompt, p, ids_ in zip(ids, prompts, params_list, token_ids, strict=True):
+        for request_id, prompt, p, ids_ in zip(
+            ids, prompt_list, params_list, token_ids, strict=True
+        ):
             frontend.add_request(request_id, prompt, p, ids_)
         finished: dict[str, RequestOutput] = {}
         while len(finished) < len(ids):

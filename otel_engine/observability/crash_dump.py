@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import json
 import math
 import os
@@ -51,7 +52,7 @@ def dump_object(obj: Any) -> dict[str, Any]:
         if rule is None:
             unlisted[name] = type(value).__name__
             continue
-        out[name] = _safe(lambda r=rule, v=value: _apply(r, v))
+        out[name] = _safe(functools.partial(_apply, rule, value))
     if unlisted:
         out["unlisted_fields"] = unlisted
     return out
@@ -138,7 +139,7 @@ def _scheduler_output(step: Any, model_input: Any, device: str) -> dict[str, Any
     budget = MAX_DUMP_BYTES // 2
     used = 0
     for chunk in chunks:
-        entry = _safe(lambda c=chunk: _chunk(c))
+        entry = _safe(functools.partial(_chunk, chunk))
         size = len(to_json(entry))
         if used + size > budget:
             break
@@ -304,7 +305,7 @@ def cap(dump: dict[str, Any]) -> dict[str, Any]:
     scheduler_part = dump.get("scheduler_output")
     while len(to_json(dump)) > MAX_DUMP_BYTES:
         requests = scheduler_part.get("requests") if isinstance(scheduler_part, dict) else None
-        if requests:
+        if requests and isinstance(scheduler_part, dict):
             removed = max(1, len(requests) // 4)
             del requests[-removed:]
             omitted = scheduler_part.get("num_omitted_requests", 0)

@@ -200,3 +200,10 @@ def test_serve_stops_cleanly_on_signal(tiny_model_dir: str, signum: int) -> None
     assert 0 == code
     for event in ("engine.ready", "server.listening", "shutdown.begin", "shutdown.complete"):
         assert event in log
+
+
+def test_an_abbreviated_flag_is_refused() -> None:
+    """`--otlp-log` is a typo in a manifest, not `--otlp-logs`: argparse must not guess."""
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--otlp-log"])
+    assert build_parser().parse_args(["serve", "--otlp-logs"]).otlp_logs
