@@ -19,6 +19,9 @@ import httpx
 
 PROMPT = "When a worker process dies, the engine core notices within a second."
 CLIENT_TIMEOUT_S = 30.0
+# As long as the tiny model's context (512) allows after PROMPT (17 tokens): a starved test
+# process must not see the requests complete before it injects the fault.
+MAX_TOKENS = 480
 
 
 @dataclass
@@ -40,6 +43,18 @@ class ClientResult:
         if isinstance(payload, dict) and isinstance(payload.get("error"), dict):
             return payload["error"]
         return None
+
+    @property
+    def completed(self) -> bool:
+        """The request ran to its end (a finish_reason arrived): the fault came too late."""
+        if self.is_stream:
+            return any(_finish_reason(event) is not None for event in self.events)
+        return self.status == 200 and _finish_reason(self.body) is not None
+
+
+def _finish_reason(payload: Any) -> str | None:
+    choices = payload.get("choices") if isinstance(payload, dict) else None
+    return choices[0].get("finish_reason") if choices else None
 
 
 async def _stream(
@@ -91,7 +106,7 @@ async def run_crowd(
     base_url: str,
     num_clients: int,
     *,
-    max_tokens: int = 400,
+    max_tokens: int = MAX_TOKENS,
     on_flowing: Callable[[], None] | None = None,
 ) -> list[ClientResult]:
     """Start `num_clients` requests (even indices stream); return when every one has ended."""
@@ -116,6 +131,10 @@ def assert_all_failed(results: list[ClientResult], cause: str) -> None:
     """Streams: 200, then an error event naming `cause`, no [DONE]; others: 500 naming it."""
     for index, result in enumerate(results):
         where = f"client {index} ({'stream' if result.is_stream else 'full'})"
+        assert not result.completed, (
+            f"{where} completed before the fault was injected: the test process was too slow "
+            "(starved) to inject it while the requests ran; the fault hit an idle engine"
+        )
         assert not result.hung, f"{where} hung"
         assert result.transport_error is None, f"{where}: {result.transport_error}"
         error = result.error
