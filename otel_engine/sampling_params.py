@@ -8,6 +8,8 @@ import msgspec
 
 from otel_engine.errors import RequestError
 
+MAX_TEMPERATURE = 2.0  # the OpenAI API's upper bound
+
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     """How to sample one completion. Travels to the engine core as is.
@@ -44,7 +46,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
         """Raise `RequestError` when a field is out of range."""
         if self.max_tokens < 1:
             raise RequestError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if not 0.0 <= self.temperature <= 2.0:
+        if not 0.0 <= self.temperature <= MAX_TEMPERATURE:
             raise RequestError(f"temperature must be in [0, 2], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p}")

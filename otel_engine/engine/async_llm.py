@@ -9,6 +9,7 @@ depends on signal handlers, so it works the same outside the main thread.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -136,10 +137,8 @@ class AsyncLLM:
     def _call_in_loop(self, function: Any, argument: Any) -> None:
         loop = self._loop
         if loop is not None and not loop.is_closed():
-            try:
+            with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(function, argument)
-            except RuntimeError:
-                pass
 
     def add_step_listener(self, listener: Callable[[StepOutputs], None]) -> None:
         """Call `listener(step)` in the event loop for every engine step (metrics)."""

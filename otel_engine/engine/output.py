@@ -78,7 +78,9 @@ class OutputProcessor:
             state = self.states.get(update.request_id)
             if state is None:
                 continue
-            finish_reason, stop_reason = update.finish_reason, update.stop_reason
+            finish_reason = update.finish_reason
+            # a stop token id from the core, or the stop string matched here
+            stop_reason: str | int | None = update.stop_reason
             _record_timing(state, update, now)
             start = len(state.token_ids)
             num_chars_before = len(state.text)

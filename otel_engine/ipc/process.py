@@ -12,6 +12,7 @@ child that dies during startup is noticed at once.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import os
@@ -96,10 +97,8 @@ class ChildProcess:
         return self.popen.poll() is None
 
     def join(self, timeout: float) -> None:
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.popen.wait(timeout)
-        except subprocess.TimeoutExpired:
-            pass
 
     def kill(self) -> None:
         if self.is_alive():

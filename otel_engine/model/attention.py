@@ -106,7 +106,8 @@ def paged_attention(
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     batch = meta.num_decodes
     if batch:
-        assert meta.decode_blocks is not None and meta.decode_mask is not None
+        assert meta.decode_blocks is not None
+        assert meta.decode_mask is not None
         blocks = meta.decode_blocks.view(-1)
         max_len = meta.decode_mask.shape[-1]
         keys = k_cache.index_select(1, blocks).view(num_kv_heads * batch, max_len, head_dim)

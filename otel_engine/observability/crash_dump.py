@@ -11,6 +11,7 @@ field added later stays redacted until someone decides otherwise. The dump is ca
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import functools
@@ -324,7 +325,7 @@ def cap(dump: dict[str, Any]) -> dict[str, Any]:
 _MAX_DEPTH = 12
 
 
-def _sanitize(value: Any, depth: int = 0) -> Any:
+def _sanitize(value: Any, depth: int = 0) -> Any:  # noqa: PLR0911 (one return per JSON kind)
     """Plain JSON data only: string keys, finite numbers, bounded depth and size."""
     if isinstance(value, bool) or value is None or isinstance(value, str):
         return value
@@ -385,10 +386,8 @@ def report_crash(dump: dict[str, Any], span: Any, failure: dict[str, Any], logge
     try:
         _report(dump, span, failure, logger)
     except Exception as exc:  # the dumper must never turn a crash into a different crash
-        try:
+        with contextlib.suppress(Exception):
             logger.error("engine_crash_dump.failed", extra={"error": _describe(exc)})
-        except Exception:
-            pass
 
 
 def _report(dump: dict[str, Any], span: Any, failure: dict[str, Any], logger: Any) -> None:

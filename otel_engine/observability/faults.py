@@ -39,7 +39,7 @@ class Fault:
     @classmethod
     def parse(cls, text: str) -> Fault:
         parts = text.split(":")
-        if len(parts) < 2 or parts[0] not in WHERE or parts[1] not in KINDS:
+        if len(parts) < len(("where", "kind")) or parts[0] not in WHERE or parts[1] not in KINDS:
             raise ValueError(
                 f"{ENV_VAR}={text!r}: expected <{'|'.join(WHERE)}>:<{'|'.join(KINDS)}>[:key=value]"
             )

@@ -236,7 +236,7 @@ def _is_console_handler(handler: logging.Handler) -> bool:
         return False
 
 
-def _log_warning(  # noqa: PLR0917 (the signature of warnings.showwarning)
+def _log_warning(
     message: Warning | str,
     category: type[Warning],
     filename: str,
