@@ -47,7 +47,7 @@ def test_exit_waits_for_the_scrape_that_reads_the_crash(
         exited_after = time.monotonic() - scraped_at
 
     assert code == 1, server.tail()
-    assert exited_after < 3.0
+    assert exited_after < 5.0  # vs. the 30 s it would wait without the scrape
     assert values["otel_engine_engine_health_state", "dead"] == 1
     assert values["otel_engine_request_errors_total", "engine_dead"] >= 1
     watch.assert_all_gone(5.0)
