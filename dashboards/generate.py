@@ -245,9 +245,6 @@ def row(title: str, panels: Sequence[Any], *, collapsed: bool = False) -> gdash.
 
 def variables() -> list[Any]:
     """datasource, loki, instance and model: the names shared with deploy/ and the docs."""
-    all_option = mdash.VariableOption(selected=True, text="All", value="$__all")
-    instance_query = "label_values(otel_engine_engine_health_state, instance)"
-    model_query = 'label_values(otel_engine_engine_health_state{instance=~"$instance"}, model_name)'
     return [
         gdash.DatasourceVariable("datasource")
         .label("Prometheus")
@@ -257,27 +254,31 @@ def variables() -> list[Any]:
         .label("Loki")
         .type("loki")
         .current(mdash.VariableOption(selected=True, text="Loki", value="loki")),
-        gdash.QueryVariable("instance")
-        .label("Instance")
-        .datasource(PROM)
-        .query(instance_query)
-        .refresh(mdash.VariableRefresh.ON_TIME_RANGE_CHANGED)
-        .sort(mdash.VariableSort.ALPHABETICAL_ASC)
-        .multi(True)
-        .include_all(True)
-        .all_value(".*")
-        .current(all_option),
-        gdash.QueryVariable("model")
-        .label("Model")
-        .datasource(PROM)
-        .query(model_query)
-        .refresh(mdash.VariableRefresh.ON_TIME_RANGE_CHANGED)
-        .sort(mdash.VariableSort.ALPHABETICAL_ASC)
-        .multi(True)
-        .include_all(True)
-        .all_value(".*")
-        .current(all_option),
+        _label_variable(
+            "instance", "Instance", "label_values(otel_engine_engine_health_state, instance)"
+        ),
+        _label_variable(
+            "model",
+            "Model",
+            'label_values(otel_engine_engine_health_state{instance=~"$instance"}, model_name)',
+        ),
     ]
+
+
+def _label_variable(name: str, label: str, query: str) -> gdash.QueryVariable:
+    """A multi-value label variable whose "All" matches everything (`.*`)."""
+    return (
+        gdash.QueryVariable(name)
+        .label(label)
+        .datasource(PROM)
+        .query(query)
+        .refresh(mdash.VariableRefresh.ON_TIME_RANGE_CHANGED)
+        .sort(mdash.VariableSort.ALPHABETICAL_ASC)
+        .multi(True)
+        .include_all(True)
+        .all_value(".*")
+        .current(mdash.VariableOption(selected=True, text="All", value="$__all"))
+    )
 
 
 def annotations() -> list[gdash.AnnotationQuery]:

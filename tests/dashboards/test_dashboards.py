@@ -8,21 +8,19 @@ parses them all in one run. That live Prometheus returns data for every query is
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import shutil
 import subprocess
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 import yaml
 
 from otel_engine.observability.metrics import EngineMetrics
+from tests.helpers.dashboards import GENERATE, generator
 
-GENERATE = Path(__file__).resolve().parents[2] / "dashboards" / "generate.py"
 REQUIRED_VARIABLES = {"datasource", "loki", "instance", "model"}
 # What to do: a flag to change, the operations doc, or an imperative next step.
 ACTION = re.compile(
@@ -31,16 +29,7 @@ ACTION = re.compile(
 LATENCY_TITLES = {"Time to first token", "Time per output token", "End-to-end request latency"}
 
 
-def _load_generator() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("otel_engine_dashboards_generate", GENERATE)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-gen = _load_generator()
+gen = generator()
 DASHBOARDS: dict[str, dict[str, Any]] = gen.build_dashboards()
 
 

@@ -12,7 +12,6 @@ for the one scrape that records the failure, which the test proves by what Prome
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
 import shutil
 import subprocess
@@ -20,12 +19,12 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import httpx
 import pytest
 
+from tests.helpers.dashboards import generator
 from tests.helpers.otlp_receiver import OtlpReceiver
 from tests.helpers.procs import ServerProcess, free_port
 
@@ -41,25 +40,15 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _load_generator() -> ModuleType:
-    path = REPO_ROOT / "dashboards" / "generate.py"
-    spec = importlib.util.spec_from_file_location("dashboards_generate", path)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-generator = _load_generator()
+gen = generator()
 
 
 def dashboard_queries() -> list[tuple[str, str, str]]:
     """(dashboard file, panel, raw expr) for every PromQL expression of every dashboard."""
     return [
         (name, panel, expr)
-        for name, dashboard in sorted(generator.build_dashboards().items())
-        for panel, expr in generator.prometheus_queries(dashboard)
+        for name, dashboard in sorted(gen.build_dashboards().items())
+        for panel, expr in gen.prometheus_queries(dashboard)
     ]
 
 
@@ -144,7 +133,7 @@ def wait_for_data(
     pending = list(queries)
     deadline = time.monotonic() + timeout
     while pending and time.monotonic() < deadline:
-        pending = [q for q in pending if not prometheus.query(generator.substitute(q[2]))]
+        pending = [q for q in pending if not prometheus.query(gen.substitute(q[2]))]
         if pending:
             time.sleep(1.0)
     return [f"{name} / {panel}: {expr}" for name, panel, expr in pending]
@@ -246,15 +235,15 @@ def test_there_are_queries_to_check() -> None:
     """The dashboards have panels, and some query is reserved for the crash phase."""
     queries = dashboard_queries()
     assert len(queries) >= 20
-    assert generator.AFTER_CRASH_ONLY
-    assert generator.AFTER_CRASH_ONLY <= {expr for _, _, expr in queries}
+    assert gen.AFTER_CRASH_ONLY
+    assert gen.AFTER_CRASH_ONLY <= {expr for _, _, expr in queries}
 
 
 def test_every_query_returns_data_from_a_loaded_server(
     prometheus: Prometheus, loaded: Load
 ) -> None:
     """Each panel's PromQL (not the crash-only ones) has data within two minutes of load."""
-    queries = [q for q in dashboard_queries() if q[2] not in generator.AFTER_CRASH_ONLY]
+    queries = [q for q in dashboard_queries() if q[2] not in gen.AFTER_CRASH_ONLY]
     missing = wait_for_data(prometheus, queries, DATA_TIMEOUT_S)
 
     assert not missing, "queries without data:\n" + "\n".join(missing)
@@ -334,7 +323,7 @@ def test_crash_queries_return_data_after_an_injected_crash(
     )
     assert prometheus.query(dead), "the dead state was never scraped"
     assert prometheus.query(errors), "the requests the crash failed were never scraped"
-    crash_only = [q for q in dashboard_queries() if q[2] in generator.AFTER_CRASH_ONLY]
+    crash_only = [q for q in dashboard_queries() if q[2] in gen.AFTER_CRASH_ONLY]
     missing = wait_for_data(prometheus, crash_only, 30)
     assert not missing, "crash queries without data:\n" + "\n".join(missing)
 
