@@ -55,3 +55,25 @@ def test_exit_waits_for_the_scrape_that_reads_the_crash(
 
 def server_model(client: httpx.Client) -> str:
     return str(client.get("/v1/models").json()["data"][0]["id"])
+
+
+def test_exit_comes_when_the_wait_runs_out_without_a_scrape(
+    start_server: Callable[..., tuple[ServerProcess, ProcessWatch]],
+) -> None:
+    """No scraper at all: the wait is a bound, not a hang; the server exits 1 once it passed."""
+    wait_s = 3.0
+    server, watch = start_server("--final-scrape-wait", str(wait_s), fault="worker:raise:step=3")
+    with httpx.Client(base_url=server.base_url, timeout=30, trust_env=False) as client:
+        failed = client.post(
+            "/v1/completions", json={"model": server_model(client), "prompt": "hi", "max_tokens": 8}
+        )
+        failed_at = time.monotonic()
+    assert failed.status_code == 500, failed.text
+
+    code = server.wait(timeout=wait_s + 15)
+    exited_after = time.monotonic() - failed_at
+
+    assert code == 1, server.tail()
+    assert wait_s - 0.5 < exited_after < wait_s + 8, exited_after
+    assert any(r.get("event") == "server.final_scrape_wait" for r in server.json_lines())
+    watch.assert_all_gone(5.0)
