@@ -59,18 +59,17 @@ OPS = "docs/operations.md"
 # error_type values answered with 5xx (engine failures, drain, internal errors) and aborts by
 # the client; every other error_type is a 4xx client error (see entrypoints/errors.py).
 SERVER_ERRORS = (
-    "engine_dead|engine_stalled|shutting_down|aborted_by_engine"
-    "|internal_server_error|service_unavailable_error"
+    "engine_dead|shutting_down|aborted_by_engine|internal_server_error|service_unavailable_error"
 )
 ABORTS = "aborted|client_disconnected"
-ENGINE_ERRORS = "engine_dead|engine_stalled"
 
 # Health state as one number per instance: starting contributes 0.
 HEALTH_CODE = (
     "sum by (instance, model_name) ("
     f'otel_engine_engine_health_state{{{SEL}, state="healthy"}}'
     f' or otel_engine_engine_health_state{{{SEL}, state="draining"}} * 2'
-    f' or otel_engine_engine_health_state{{{SEL}, state="dead"}} * 3)'
+    f' or otel_engine_engine_health_state{{{SEL}, state="dead"}} * 3'
+    f' or otel_engine_engine_health_state{{{SEL}, state="stalled"}} * 4)'
 )
 HEALTH_MAPPINGS: list[mdash.ValueMapping] = [
     mdash.ValueMap(
@@ -79,6 +78,7 @@ HEALTH_MAPPINGS: list[mdash.ValueMapping] = [
             "1": mdash.ValueMappingResult(text="healthy", color="green", index=1),
             "2": mdash.ValueMappingResult(text="draining", color="orange", index=2),
             "3": mdash.ValueMappingResult(text="dead", color="red", index=3),
+            "4": mdash.ValueMappingResult(text="stalled", color="purple", index=4),
         }
     )
 ]
@@ -364,8 +364,12 @@ def _all_panels(panels: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
 
 HEALTH_DESCRIPTION = (
     "Health state of each engine (otel_engine_engine_health_state): starting, healthy, "
-    "draining (SIGTERM received, finishing in-flight requests) or dead (the engine core or a "
-    "worker failed; the api_server fails every in-flight request and exits with code 1). "
+    "draining (SIGTERM received, finishing in-flight requests), stalled (requests pending and "
+    "no step finished within --step-timeout: /health answers 503 engine_stalled; a few seconds "
+    "later the engine is given up and turns dead) or dead (the engine core or a worker failed; "
+    "the api_server fails every in-flight request and exits with code 1). "
+    "If it shows stalled: a hung worker or collective, or a --step-timeout too short for the "
+    "longest prefill; the crash dump that follows says which. "
     "If it shows dead: open the Engine & failures dashboard, read the crash dump log line and "
     "follow its trace_id to the failing engine_core.step span (docs/operations.md, "
     "'Reading a crash'). Draining that never ends: in-flight requests outlive "
@@ -399,7 +403,7 @@ def overview() -> dict[str, Any]:
                 "Error ratio",
                 "Failed requests / all requests that ended (finished + failed) over the rate "
                 "window. Above a few percent: look at Failed requests by error type; engine "
-                "errors (engine_dead, engine_stalled) are server faults, see "
+                "errors (engine_dead) are server faults, see "
                 f"{OPS}; client errors point at the callers.",
                 "percentunit",
                 [
@@ -415,9 +419,9 @@ def overview() -> dict[str, Any]:
             graph(
                 "Failed requests by error type",
                 "Failed requests per second by error_type. engine_dead: the engine crashed "
-                "and took its in-flight requests with it; open the crash dump (Engine & "
-                "failures dashboard) and follow its trace_id. engine_stalled: a step ran past "
-                "--step-timeout. shutting_down: requests refused while draining. "
+                "and took its in-flight requests with it (a stall that was given up ends the "
+                "same way); open the crash dump (Engine & failures dashboard) and follow its "
+                "trace_id. shutting_down: requests refused while draining. "
                 "invalid_value, invalid_json, context_length_exceeded, model_not_found, "
                 "invalid_api_key: fix the client or its model name / key.",
                 "reqps",
@@ -534,7 +538,7 @@ def overview() -> dict[str, Any]:
                 "Requests in the running batch and queued, per instance. Waiting that keeps "
                 "growing: demand exceeds capacity; add replicas, or raise --max-num-seqs if "
                 "KV cache usage has headroom. Running stuck at a constant with no tokens "
-                "flowing: a stalled step (engine_stalled after --step-timeout).",
+                "flowing: a stalled step (health state stalled after --step-timeout).",
                 "short",
                 [
                     target(
@@ -610,16 +614,17 @@ def failures() -> dict[str, Any]:
                 red_from=1,
             ),
             single_stat(
-                "Engine errors in range by type",
-                "Requests failed by engine errors over the time range, by error_type. "
-                "engine_dead: crash (see Crash dumps); engine_stalled: a step ran longer "
-                "than --step-timeout, look for a hung worker or a too-short timeout for the "
-                "model size (docs/operations.md, 'Timeouts').",
+                "Server-side errors in range by type",
+                "Requests failed by server-side errors over the time range, by error_type. "
+                "engine_dead: an engine crash or a stall that was given up (see Crash dumps; "
+                "the dump's failure says which process and how); shutting_down: refused while "
+                "draining; internal_server_error: an api_server bug, find the "
+                "request.internal_error log line (docs/operations.md).",
                 "short",
                 [
                     target(
                         "sum by (error_type) (increase(otel_engine_request_errors_total"
-                        f'{{{SEL}, error_type=~"{ENGINE_ERRORS}"}}[$__range]))',
+                        f'{{{SEL}, error_type=~"{SERVER_ERRORS}"}}[$__range]))',
                         "{{error_type}}",
                     )
                 ],
@@ -657,16 +662,17 @@ def failures() -> dict[str, Any]:
                 red_from=1,
             ),
             graph(
-                "Engine errors per second by type",
-                "Requests failed per second by engine_dead or engine_stalled. A spike of "
+                "Server-side errors per second by type",
+                "Requests failed per second by server-side error_type. A spike of "
                 "engine_dead is one crash failing its in-flight batch: open Crash dumps and "
-                "follow the trace_id. Steady engine_stalled: steps exceed --step-timeout.",
+                "follow the trace_id. Steady shutting_down: clients keep sending to an "
+                "instance that drains; check the load balancer's readiness checks.",
                 "reqps",
                 [
                     target(
                         rate_sum(
                             "otel_engine_request_errors_total",
-                            f'error_type=~"{ENGINE_ERRORS}"',
+                            f'error_type=~"{SERVER_ERRORS}"',
                             by="error_type",
                         ),
                         "{{error_type}}",

@@ -63,6 +63,8 @@ class ServerState:
             state = "dead"
         elif self.is_draining:
             state = "draining"
+        elif self.engine.is_stalled:
+            state = "stalled"
         else:
             state = "healthy"
         self.metrics.set_health(state)

@@ -109,9 +109,10 @@ BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 STEP_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 FINISH_REASONS = ("stop", "length", "abort")
-HEALTH_STATES = ("starting", "healthy", "draining", "dead")
+# stalled: work is pending and no step finished within --step-timeout (/health answers 503)
+HEALTH_STATES = ("starting", "healthy", "draining", "stalled", "dead")
 # error_type values of engine failures (the rest are client errors, aborts and drains)
-ENGINE_ERROR_TYPES = ("engine_dead", "engine_stalled")
+ENGINE_ERROR_TYPES = ("engine_dead",)
 
 
 class StepStats(Protocol):
@@ -322,7 +323,7 @@ class EngineMetrics:
         self._count_tokens(num_prompt_tokens, num_generation_tokens)
 
     def set_health(self, state: str) -> None:
-        """One of HEALTH_STATES: starting, healthy, draining, dead."""
+        """One of HEALTH_STATES: starting, healthy, draining, stalled, dead."""
         if state not in self._health:
             raise ValueError(f"health state must be one of {HEALTH_STATES}, got {state!r}")
         for name, child in self._health.items():
