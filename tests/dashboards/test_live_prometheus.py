@@ -5,8 +5,10 @@ with two targets in job `otel-engine`: a healthy server under load from the open
 exporting traces to a real OTLP receiver, and a server with an injected worker fault. Every
 PromQL expression of `dashboards/*.json` (Grafana variables substituted) must return data
 under load; the ones that only have data after a crash (`AFTER_CRASH_ONLY`) must return data
-after the injected crash. The crash server runs with `--final-scrape-wait`, so its exit waits
-for the one scrape that records the failure, which the test proves by what Prometheus stored.
+after the injected crash, and the `OtelEngineCrashed` alert of deploy/compose/alerts.yml
+(loaded by this Prometheus) fires. The crash server runs with `--final-scrape-wait`, so its
+exit waits for the one scrape that records the failure, which the test proves by what
+Prometheus stored.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from tests.helpers.otlp_receiver import OtlpReceiver
 from tests.helpers.procs import ServerProcess, free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+ALERT_RULES = REPO_ROOT / "deploy" / "compose" / "alerts.yml"
 SCRAPE_INTERVAL = "1s"
 FAULT_STEP = 40
 FINAL_SCRAPE_WAIT_S = 20.0
@@ -64,6 +67,8 @@ class Prometheus:
             "global:\n"
             f"  scrape_interval: {SCRAPE_INTERVAL}\n"
             f"  scrape_timeout: {SCRAPE_INTERVAL}\n"
+            f"  evaluation_interval: {SCRAPE_INTERVAL}\n"
+            f"rule_files: [{str(ALERT_RULES)!r}]\n"
             "scrape_configs:\n"
             "  - job_name: otel-engine\n"
             "    metrics_path: /metrics\n"
@@ -326,6 +331,8 @@ def test_crash_queries_return_data_after_an_injected_crash(
     crash_only = [q for q in dashboard_queries() if q[2] in gen.AFTER_CRASH_ONLY]
     missing = wait_for_data(prometheus, crash_only, 30)
     assert not missing, "crash queries without data:\n" + "\n".join(missing)
+    firing = f'ALERTS{{alertname="OtelEngineCrashed", alertstate="firing", {instance}}}'
+    _wait(lambda: prometheus.query(firing), "the OtelEngineCrashed alert")
 
 
 def _wait(predicate: Callable[[], Any], what: str, timeout: float = 30) -> None:
