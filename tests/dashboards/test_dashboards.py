@@ -266,3 +266,36 @@ def test_typescript_check_rejects_a_bad_dashboard(tmp_path: Path) -> None:
     result = _typescript_check(tmp_path / "ts", json_dir)
     assert 0 != result.returncode
     assert {"bogus", "fillOpacty"} <= set(re.findall(r"bogus|fillOpacty", result.stdout))
+
+
+def _logql_check(*args: str) -> subprocess.CompletedProcess[str]:
+    """`node dashboards/ts/logql.mjs`: every LogQL query parsed by Grafana's LogQL grammar."""
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("node is not installed")
+    ts_dir = GENERATE.parent / "ts"
+    if not (ts_dir / "node_modules" / "@grafana" / "lezer-logql").is_dir():
+        pytest.skip("run `npm ci --prefix dashboards/ts` first (tests do not use the network)")
+    return subprocess.run(
+        [node, str(ts_dir / "logql.mjs"), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_every_logql_query_parses() -> None:
+    """The Loki panel and annotations (promtool cannot check them) parse as LogQL."""
+    result = _logql_check()
+    assert 0 == result.returncode, result.stdout + result.stderr
+    num_queries = int(result.stdout.split(" LogQL queries")[0].split()[-1])
+    assert num_queries >= 3  # the Crash dumps panel and one annotation per dashboard
+
+
+def test_logql_check_rejects_a_broken_query() -> None:
+    """The parse check is real: an unclosed stream selector fails it."""
+    result = _logql_check("--query", gen.CRASH_LOG_QUERY, '{service_name="otel-engine" |= "x"')
+    assert 1 == result.returncode
+    assert "query 1: LogQL syntax error" in result.stdout
+    assert "query 0" not in result.stdout
