@@ -469,6 +469,24 @@ def test_grafana_datasources_link_metrics_traces_and_logs() -> None:
     assert "$${__value.raw}" == derived["url"]
 
 
+def test_grafana_trace_to_logs_query_is_valid_logql() -> None:
+    """Tempo's "logs for this span" query, with Grafana's variables filled in as Grafana does,
+    parses with Grafana's LogQL grammar (dashboards/ts/logql.mjs)."""
+    node = shutil.which("node")
+    logql = DASHBOARDS_DIR / "ts" / "logql.mjs"
+    if node is None or not (logql.parent / "node_modules" / "@grafana" / "lezer-logql").is_dir():
+        pytest.skip("needs node and `npm ci --prefix dashboards/ts`")
+    query = datasources()["tempo"]["jsonData"]["tracesToLogsV2"]["query"]
+    filled = query.replace("$${__tags}", 'service_name="otel-engine"').replace(
+        "$${__span.traceId}", "0af7651916cd43dd8448eb211c80319c"
+    )
+    assert "$" not in filled
+    result = subprocess.run(
+        [node, str(logql), "--query", filled], capture_output=True, text=True, check=False
+    )
+    assert 0 == result.returncode, result.stdout + result.stderr
+
+
 def dashboard_mounts() -> dict[Path, str]:
     """Repo file -> container path of each dashboard compose mounts into grafana."""
     return {
