@@ -8,7 +8,6 @@ with the code they deploy: the CLI parser, the FastAPI route table, the engine's
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -61,21 +60,12 @@ def services() -> dict[str, dict[str, Any]]:
     return compose()["services"]
 
 
-def serve_parser() -> argparse.ArgumentParser:
-    """The `serve` subcommand's parser, with prefix matching off: argparse would take a
-    truncated `--otlp-log` for `--otlp-logs`, and a file that relies on that is a typo."""
-    parser = build_parser()
-    (commands,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
-    serve = commands.choices["serve"]
-    serve.allow_abbrev = False
-    return serve
-
-
 def serve_args(argv: list[str]) -> Any:
-    """`argv` as `otel-engine serve ...` would parse it; a bad flag fails the test."""
+    """`argv` as `otel-engine serve ...` would parse it (the CLI refuses abbreviated flags, so
+    a truncated `--otlp-log` fails too); a bad flag fails the test."""
     assert ["otel-engine", "serve"] == argv[:2]
     try:
-        return serve_parser().parse_args(argv[2:])
+        return build_parser().parse_args(argv[1:])
     except SystemExit as error:
         pytest.fail(f"otel-engine rejects {shlex.join(argv)} (exit {error.code})")
 
