@@ -8,7 +8,6 @@ parses them all in one run. That live Prometheus returns data for every query is
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
@@ -20,6 +19,7 @@ import yaml
 
 from otel_engine.observability.metrics import EngineMetrics
 from tests.helpers.dashboards import GENERATE, generator
+from tests.helpers.tools import prometheus_tool
 
 REQUIRED_VARIABLES = {"datasource", "loki", "instance", "model"}
 # What to do: a flag to change, the operations doc, or an imperative next step.
@@ -56,11 +56,7 @@ def _all_queries() -> list[tuple[str, str, str]]:
 
 def _promtool_check(tmp_path: Path, exprs: list[str]) -> subprocess.CompletedProcess[str]:
     """`promtool check rules` on one recording rule per expr (check:panel_N)."""
-    promtool = shutil.which("promtool")
-    if promtool is None:
-        if os.environ.get("OTEL_ENGINE_REQUIRE_PROMETHEUS"):
-            pytest.fail("promtool is missing but OTEL_ENGINE_REQUIRE_PROMETHEUS is set (CI)")
-        pytest.skip("promtool is not installed (Debian package prometheus; .ci/run installs it)")
+    promtool = prometheus_tool("promtool")
     rules = [{"record": f"check:panel_{n}", "expr": expr} for n, expr in enumerate(exprs)]
     path = tmp_path / "rules.yml"
     path.write_text(yaml.safe_dump({"groups": [{"name": "dashboards", "rules": rules}]}))

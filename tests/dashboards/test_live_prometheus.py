@@ -14,8 +14,6 @@ Prometheus stored.
 from __future__ import annotations
 
 import contextlib
-import os
-import shutil
 import subprocess
 import threading
 import time
@@ -29,6 +27,7 @@ import pytest
 from tests.helpers.dashboards import generator
 from tests.helpers.otlp_receiver import OtlpReceiver
 from tests.helpers.procs import ServerProcess, free_port
+from tests.helpers.tools import prometheus_tool
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ALERT_RULES = REPO_ROOT / "deploy" / "compose" / "alerts.yml"
@@ -36,11 +35,6 @@ SCRAPE_INTERVAL = "1s"
 FAULT_STEP = 40
 FINAL_SCRAPE_WAIT_S = 20.0
 DATA_TIMEOUT_S = 120.0
-
-pytestmark = pytest.mark.skipif(
-    shutil.which("prometheus") is None and not os.environ.get("OTEL_ENGINE_REQUIRE_PROMETHEUS"),
-    reason="Debian's prometheus is not installed (.ci/run installs it)",
-)
 
 
 gen = generator()
@@ -76,7 +70,7 @@ class Prometheus:
             f"      - targets: [{', '.join(repr(t) for t in targets)}]\n"
         )
         self.command = [
-            shutil.which("prometheus") or "prometheus",
+            prometheus_tool("prometheus"),
             f"--config.file={config}",
             f"--storage.tsdb.path={workdir / 'data'}",
             f"--web.listen-address=127.0.0.1:{self.port}",
@@ -202,10 +196,18 @@ def crash_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def healthy_server(tiny_model_dir: str, receiver: OtlpReceiver) -> Iterator[ServerProcess]:
+def healthy_port() -> int:
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def healthy_server(
+    tiny_model_dir: str, receiver: OtlpReceiver, healthy_port: int
+) -> Iterator[ServerProcess]:
     server = ServerProcess(
         ["--model", tiny_model_dir, "--served-model-name", "tiny"],
         env={**receiver.env(), "OTEL_BSP_SCHEDULE_DELAY": "200"},
+        port=healthy_port,
     )
     try:
         server.start().wait_healthy()
@@ -216,9 +218,10 @@ def healthy_server(tiny_model_dir: str, receiver: OtlpReceiver) -> Iterator[Serv
 
 @pytest.fixture(scope="module")
 def prometheus(
-    tmp_path_factory: pytest.TempPathFactory, healthy_server: ServerProcess, crash_port: int
+    tmp_path_factory: pytest.TempPathFactory, healthy_port: int, crash_port: int
 ) -> Iterator[Prometheus]:
-    targets = [f"127.0.0.1:{healthy_server.port}", f"127.0.0.1:{crash_port}"]
+    """Started before the servers, so a missing prometheus skips without starting them."""
+    targets = [f"127.0.0.1:{healthy_port}", f"127.0.0.1:{crash_port}"]
     server = Prometheus(tmp_path_factory.mktemp("prometheus"), targets)
     try:
         yield server.start()
@@ -227,7 +230,7 @@ def prometheus(
 
 
 @pytest.fixture(scope="module")
-def loaded(healthy_server: ServerProcess, prometheus: Prometheus) -> Iterator[Load]:
+def loaded(prometheus: Prometheus, healthy_server: ServerProcess) -> Iterator[Load]:
     """Load on the healthy server for the whole module, plus one rejected request."""
     with httpx.Client(base_url=healthy_server.base_url, timeout=10, trust_env=False) as client:
         client.post("/v1/completions", json={"model": "nope", "prompt": "x"})

@@ -4,29 +4,19 @@ failure leaves and stays quiet on a healthy engine), and each one says what to d
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
 
-import pytest
 import yaml
+
+from tests.helpers.tools import prometheus_tool
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RULES = REPO_ROOT / "deploy" / "compose" / "alerts.yml"
 UNIT_TESTS = Path(__file__).resolve().parent / "alerts_test.yml"
 OPERATIONS = REPO_ROOT / "docs" / "operations.md"
-
-
-def _promtool() -> str:
-    promtool = shutil.which("promtool")
-    if promtool is None:
-        if os.environ.get("OTEL_ENGINE_REQUIRE_PROMETHEUS"):
-            pytest.fail("promtool is missing but OTEL_ENGINE_REQUIRE_PROMETHEUS is set (CI)")
-        pytest.skip("promtool is not installed (Debian package prometheus; .ci/run installs it)")
-    return promtool
 
 
 def _alerts() -> list[dict[str, Any]]:
@@ -42,7 +32,10 @@ def _anchors(markdown: str) -> set[str]:
 
 def test_rules_parse() -> None:
     result = subprocess.run(
-        [_promtool(), "check", "rules", str(RULES)], capture_output=True, text=True, check=False
+        [prometheus_tool("promtool"), "check", "rules", str(RULES)],
+        capture_output=True,
+        text=True,
+        check=False,
     )
     assert result.returncode == 0, result.stdout + result.stderr
 
@@ -50,7 +43,7 @@ def test_rules_parse() -> None:
 def test_rule_unit_tests_pass() -> None:
     """Every alert has a scenario where it fires and the healthy scenario where it does not."""
     result = subprocess.run(
-        [_promtool(), "test", "rules", UNIT_TESTS.name],
+        [prometheus_tool("promtool"), "test", "rules", UNIT_TESTS.name],
         capture_output=True,
         text=True,
         check=False,

@@ -9,7 +9,6 @@ with the code they deploy: the CLI parser, the FastAPI route table, the engine's
 from __future__ import annotations
 
 import json
-import os
 import re
 import shlex
 import shutil
@@ -25,6 +24,7 @@ import yaml
 
 from otel_engine.cli import build_parser
 from otel_engine.config import EngineConfig
+from tests.helpers.tools import prometheus_tool
 
 REPO = Path(__file__).resolve().parents[2]
 DOCKERFILE = REPO / "Dockerfile"
@@ -371,11 +371,7 @@ def scrape_interval(job: dict[str, Any]) -> float:
 
 
 def test_promtool_accepts_the_prometheus_config() -> None:
-    promtool = shutil.which("promtool")
-    if promtool is None:
-        if os.environ.get("OTEL_ENGINE_REQUIRE_PROMETHEUS"):
-            pytest.fail("promtool is missing but OTEL_ENGINE_REQUIRE_PROMETHEUS is set (CI)")
-        pytest.skip("promtool is not installed (Debian package prometheus; .ci/run installs it)")
+    promtool = prometheus_tool("promtool")
     # promtool resolves files the config names relative to the config file's directory.
     result = subprocess.run(
         [promtool, "check", "config", PROMETHEUS_FILE.name],
