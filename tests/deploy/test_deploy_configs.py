@@ -24,6 +24,7 @@ import yaml
 
 from otel_engine.cli import build_parser
 from otel_engine.config import EngineConfig
+from otel_engine.observability.crash_dump import MAX_DUMP_BYTES
 from tests.helpers.tools import prometheus_tool
 
 REPO = Path(__file__).resolve().parents[2]
@@ -471,6 +472,19 @@ def test_grafana_trace_to_logs_query_is_valid_logql() -> None:
         [node, str(logql), "--query", filled], capture_output=True, text=True, check=False
     )
     assert 0 == result.returncode, result.stdout + result.stderr
+
+
+def test_tempo_and_loki_keep_a_whole_crash_dump() -> None:
+    """The dump travels as span-event attributes (Tempo) and log-record attributes (Loki's
+    structured metadata); both backends cut or refuse large ones by default (2 KiB / 64 KB),
+    so their limits must hold the largest dump the engine writes."""
+    tempo = load_yaml(COMPOSE_DIR / "tempo.yaml")
+    assert tempo["distributor"]["max_attribute_bytes"] >= 2 * MAX_DUMP_BYTES
+    size = load_yaml(COMPOSE_DIR / "loki.yaml")["limits_config"]["max_structured_metadata_size"]
+    match = re.fullmatch(r"(\d+)(KB|MB)", size)
+    assert match, size
+    number, unit = match.groups()
+    assert int(number) * {"KB": 1024, "MB": 1024 * 1024}[unit] >= 2 * MAX_DUMP_BYTES
 
 
 def dashboard_mounts() -> dict[Path, str]:
