@@ -26,7 +26,7 @@ import pytest
 
 from tests.helpers.dashboards import generator
 from tests.helpers.otlp_receiver import OtlpReceiver
-from tests.helpers.procs import ServerProcess, free_port
+from tests.helpers.procs import ServerProcess, free_port, start_logged
 from tests.helpers.tools import prometheus_tool
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -81,15 +81,7 @@ class Prometheus:
         self._popen: subprocess.Popen[bytes] | None = None
 
     def start(self) -> Prometheus:
-        with self.log_path.open("wb") as log:
-            self._popen = subprocess.Popen(
-                self.command,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                cwd=self.workdir,
-                start_new_session=True,
-            )
+        self._popen = start_logged(self.command, self.log_path, cwd=self.workdir)
         deadline = time.monotonic() + 30
         with httpx.Client(base_url=self.url, timeout=2, trust_env=False) as client:
             while time.monotonic() < deadline:

@@ -33,6 +33,20 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def start_logged(command: list[str], log_path: Path, **options: Any) -> subprocess.Popen[bytes]:
+    """`command` in its own session (so signals to the test never reach it), stdout and
+    stderr in `log_path`, no stdin."""
+    with log_path.open("wb") as log:
+        return subprocess.Popen(
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            **options,
+        )
+
+
 def children_of(pid: int) -> list[psutil.Process]:
     """Every living descendant of `pid` (recursive); empty when `pid` is gone."""
     try:
@@ -119,15 +133,7 @@ class ServerProcess:
         return self._proc().poll()
 
     def start(self) -> ServerProcess:
-        with self.log_path.open("wb") as log:
-            self._popen = subprocess.Popen(
-                self.command,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=self.env,
-                start_new_session=True,
-            )
+        self._popen = start_logged(self.command, self.log_path, env=self.env)
         self._seen[self._popen.pid] = psutil.Process(self._popen.pid)
         return self
 
