@@ -27,7 +27,6 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
-from prometheus_client import openmetrics as _openmetrics_pkg  # noqa: F401  (subpackage import)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics_core import Metric
 from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as OPENMETRICS_TYPE
