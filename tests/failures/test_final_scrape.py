@@ -77,3 +77,31 @@ def test_exit_comes_when_the_wait_runs_out_without_a_scrape(
     assert wait_s - 0.5 < exited_after < wait_s + 8, exited_after
     assert any(r.get("event") == "server.final_scrape_wait" for r in server.json_lines())
     watch.assert_all_gone(5.0)
+
+
+def test_a_scrape_counts_only_once_every_failed_request_is_counted() -> None:
+    """A scrape served while requests are still failing (in flight) could miss some of them:
+    it does not release the exit; the next one, with none in flight, does."""
+    from types import SimpleNamespace
+
+    from starlette.testclient import TestClient
+
+    from otel_engine.entrypoints.api_server import build_app
+    from otel_engine.entrypoints.guard import ServerState
+
+    engine = SimpleNamespace(
+        add_step_listener=lambda listener: None,
+        config=SimpleNamespace(observability=SimpleNamespace(log_prompts=False)),
+        is_dead=True,
+        dead_error=None,
+    )
+    state = ServerState(engine=engine)  # type: ignore[arg-type]
+    with TestClient(build_app(state)) as client:
+        state.num_in_flight = 1
+        assert client.get("/metrics").status_code == 200
+        assert not state.is_dead_scraped
+        state.num_in_flight = 0
+        body = client.get("/metrics").text
+
+    assert state.is_dead_scraped
+    assert _values(body)["otel_engine_engine_health_state", "dead"] == 1
