@@ -51,6 +51,13 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="session")
+def long_context_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The tiny model with a 4096-token context: a request for 4000 tokens decodes for
+    seconds, so a test that must act while it runs is not beaten by it on a starved machine."""
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama-long"), context=4096)
+
+
+@pytest.fixture(scope="session")
 def tiny_prompts(tiny_model_dir: str) -> list[list[int]]:
     """Token-id prompts of 3 to 120 tokens, each cut from a different text."""
     from tokenizers import Tokenizer

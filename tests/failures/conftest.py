@@ -127,10 +127,13 @@ def start_server(
     started: list[tuple[ServerProcess, ProcessWatch]] = []
 
     def start(
-        *args: str, fault: str | None = None, wait_healthy: bool = True
+        *args: str,
+        fault: str | None = None,
+        wait_healthy: bool = True,
+        model_dir: str | None = None,
     ) -> tuple[ServerProcess, ProcessWatch]:
         env = {"OTEL_ENGINE_FAULT": fault} if fault else {}
-        server = ServerProcess(server_args(tiny_model_dir, *args), env=env).start()
+        server = ServerProcess(server_args(model_dir or tiny_model_dir, *args), env=env).start()
         watch = ProcessWatch(server.pid)
         watch.seen[server.pid] = psutil.Process(server.pid)
         started.append((server, watch))

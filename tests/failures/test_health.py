@@ -2,6 +2,8 @@
 
 The engine core is frozen with SIGSTOP while four requests are in flight (nothing inside it
 can run, not even its step watchdog): within the watchdog window `/health` must answer 503.
+The requests ask for 4000 tokens of a long-context tiny model (several seconds of decoding),
+so a test process starved on two cores still freezes the core before any request finishes.
 The core is then SIGKILLed: every client gets its error and `/health` answers 503
 `engine_dead`. The server is `make_server(..., exit_on_engine_death=False)`, so `/health` can
 be read after the death (the CLI server exits instead).
@@ -27,6 +29,8 @@ from tests.failures.conftest import ProcessWatch
 from tests.failures.crowd import ClientResult, assert_all_failed, run_crowd
 
 STEP_TIMEOUT_S = 2.0
+CONTEXT = 4096
+MAX_TOKENS = 4000
 HEALTH_SLACK_S = 3.0
 
 
@@ -62,11 +66,13 @@ def _first_503(
 
 
 @pytest.fixture(scope="module")
-def outage(tiny_model_dir: str) -> Iterator[Outage]:
+def outage(long_context_model_dir: str) -> Iterator[Outage]:
     baseline = {p.pid for p in ProcessWatch(os.getpid()).sample()}
     watch = ProcessWatch(os.getpid(), ignore=baseline)
     loop = ServerLoop()
-    engine = AsyncLLM(tiny_model_dir, num_kv_blocks=128, step_timeout=STEP_TIMEOUT_S)
+    engine = AsyncLLM(
+        long_context_model_dir, num_kv_blocks=4 * CONTEXT // 16, step_timeout=STEP_TIMEOUT_S
+    )
     outage = Outage()
     try:
         core = watch.find("otel-engine-core")
@@ -80,7 +86,7 @@ def outage(tiny_model_dir: str) -> Iterator[Outage]:
 
         crowd = threading.Thread(
             target=lambda: outage.results.extend(
-                asyncio.run(run_crowd(base_url, 4, on_flowing=freeze))
+                asyncio.run(run_crowd(base_url, 4, max_tokens=MAX_TOKENS, on_flowing=freeze))
             ),
             name="crowd",
         )

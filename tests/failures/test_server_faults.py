@@ -1,11 +1,15 @@
 """Failures under the HTTP server: every in-flight client gets its error, the server exits 1.
 
 Each row starts `otel-engine serve` on the tiny model, sends four requests at once (two
-streaming, two not), and injects one fault: through `OTEL_ENGINE_FAULT` at step 60 (well
-after every request is running, long before any finishes) or by SIGKILL from outside once
-the streams flow. Every streaming client must get an SSE error event naming the cause and
-then the end of the stream, every other client a 500 naming it; the server must exit with
-code 1, and every process it started must be gone within seconds of the exit.
+streaming, two not), and injects one fault: through `OTEL_ENGINE_FAULT` at step 200 (well
+after every request is running, long before any finishes) or by SIGKILL from outside. The
+SIGKILL rows first stop the target at step 200 with a `hang` fault and kill it once its log
+says so: killed "when the streams flow" instead, a test process starved by the server on two
+cores sometimes sent the kill after every request had finished.
+
+Every streaming client must get an SSE error event naming the cause and then the end of the
+stream, every other client a 500 naming it; the server must exit with code 1, and every
+process it started must be gone within seconds of the exit.
 """
 
 from __future__ import annotations
@@ -24,9 +28,10 @@ from tests.failures.crowd import ClientResult, assert_all_failed, run_crowd
 from tests.helpers.procs import ServerProcess
 
 NUM_CLIENTS = 4
-FAULT_STEP = 60
+FAULT_STEP = 200  # of 480: every request has joined, none can have finished
 DETECTION_LIMIT_S = 5.0  # the contract is 1 s; slack for a loaded 2-core machine
 EXIT_AFTER_ERROR_S = 10.0  # the target is 5 s; slack for a loaded 2-core machine
+HANG_LOG_LIMIT_S = 20.0  # from the first streamed token to the hang fault's log line
 
 
 @dataclass(frozen=True)
@@ -36,7 +41,7 @@ class Row:
     tp: int
     cause: str
     fault: str | None = None  # OTEL_ENGINE_FAULT
-    kill: str | None = None  # title of the process to SIGKILL once the streams flow
+    kill: str | None = None  # title of the process to SIGKILL once the fault stopped it
     args: tuple[str, ...] = ()
 
 
@@ -48,7 +53,15 @@ ROWS = [
     pytest.param(
         Row(2, "WorkerDied", fault=f"worker:exit:rank=0:step={FAULT_STEP}"), id="tp2-worker0-exit"
     ),
-    pytest.param(Row(2, "WorkerDied", kill="otel-worker-1"), id="tp2-worker1-sigkill"),
+    pytest.param(
+        Row(
+            2,
+            "WorkerDied",
+            fault=f"worker:hang:rank=1:step={FAULT_STEP}",
+            kill="otel-worker-1",
+        ),
+        id="tp2-worker1-sigkill",
+    ),
     pytest.param(
         Row(
             2,
@@ -66,14 +79,29 @@ ROWS = [
         Row(1, "InjectedFault", fault=f"engine_core:raise:step={FAULT_STEP}"),
         id="tp1-engine-core-raise",
     ),
-    pytest.param(Row(1, "EngineCoreDied", kill="otel-engine-core"), id="tp1-engine-core-sigkill"),
+    pytest.param(
+        Row(
+            1,
+            "EngineCoreDied",
+            fault=f"engine_core:hang:step={FAULT_STEP}",
+            kill="otel-engine-core",
+        ),
+        id="tp1-engine-core-sigkill",
+    ),
 ]
 
 
-def _killer(watch: ProcessWatch, name: str, killed_at: list[float]) -> Callable[[], None]:
+def _killer(
+    server: ServerProcess, watch: ProcessWatch, name: str, killed_at: list[float]
+) -> Callable[[], None]:
+    """SIGKILL `name` once the server's log says the fault stopped it mid-run."""
     target = watch.find(name)
 
     def kill() -> None:
+        deadline = time.monotonic() + HANG_LOG_LIMIT_S
+        while log_time(server, "fault.injected") is None:
+            assert time.monotonic() < deadline, f"no fault.injected logged:\n{server.tail()}"
+            time.sleep(0.05)
         killed_at.append(time.time())
         os.kill(target.pid, signal.SIGKILL)
 
@@ -95,7 +123,7 @@ def test_fault_fails_every_client_and_server_exits_1(
     watch.sample()
     assert expected <= watch.titles()
     killed_at: list[float] = []
-    on_flowing = _killer(watch, row.kill, killed_at) if row.kill else None
+    on_flowing = _killer(server, watch, row.kill, killed_at) if row.kill else None
 
     results = asyncio.run(run_crowd(server.base_url, NUM_CLIENTS, on_flowing=on_flowing))
     code = wait_exit(server, timeout=60)

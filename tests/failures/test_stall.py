@@ -24,14 +24,19 @@ from tests.helpers.procs import ServerProcess
 
 STEP_TIMEOUT_S = 2.0
 STALL_GRACE_S = 5.0  # AsyncLLM waits this long past --step-timeout before giving up
+# Seconds of decoding on the long-context tiny model: the core is frozen mid-stream even when
+# this test process is starved for a while after the first token.
+MAX_TOKENS = 4000
 
 
-def test_frozen_engine_core_is_given_up_after_the_step_timeout(tiny_model_dir: str) -> None:
+def test_frozen_engine_core_is_given_up_after_the_step_timeout(
+    long_context_model_dir: str,
+) -> None:
     """SIGSTOP the core mid-stream: the stream ends with EngineDeadError(EngineStalled)
     within --step-timeout plus the grace, and the core process is gone."""
-    engine = AsyncLLM(tiny_model_dir, num_kv_blocks=128, step_timeout=STEP_TIMEOUT_S)
+    engine = AsyncLLM(long_context_model_dir, num_kv_blocks=256, step_timeout=STEP_TIMEOUT_S)
     core = psutil.Process(engine._client.core.pid)
-    params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
 
     async def stream_until_error() -> tuple[float, EngineDeadError]:
         outputs = engine.generate("hello world", params, "stalled-1")
@@ -57,17 +62,20 @@ def test_frozen_engine_core_is_given_up_after_the_step_timeout(tiny_model_dir: s
 
 def test_a_frozen_core_shows_as_stalled_then_dead_on_the_server(
     start_server: Callable[..., tuple[ServerProcess, ProcessWatch]],
+    long_context_model_dir: str,
 ) -> None:
     """SIGSTOP the engine core under a stream: past --step-timeout, /health answers 503
     `engine_stalled` and the health gauge says `stalled`; then the engine is given up, the
     stream ends with an `engine_dead` error event naming EngineStalled, and the server exits 1."""
-    server, watch = start_server("--step-timeout", str(STEP_TIMEOUT_S))
+    server, watch = start_server(
+        "--step-timeout", str(STEP_TIMEOUT_S), model_dir=long_context_model_dir
+    )
     core = watch.find("otel-engine-core")
     events: list[dict[str, Any]] = []
     flowing = threading.Event()
 
     def stream() -> None:
-        body = {"prompt": "hello", "max_tokens": 480, "ignore_eos": True, "stream": True}
+        body = {"prompt": "hello", "max_tokens": MAX_TOKENS, "ignore_eos": True, "stream": True}
         with (
             httpx.Client(base_url=server.base_url, timeout=60, trust_env=False) as client,
             client.stream("POST", "/v1/completions", json=body) as response,

@@ -72,7 +72,7 @@ def _train_tokenizer(vocab_size: int) -> Tokenizer:
     return tokenizer
 
 
-def _save_tokenizer(tokenizer: Tokenizer, out: Path) -> None:
+def _save_tokenizer(tokenizer: Tokenizer, out: Path, context: int) -> None:
     from transformers import PreTrainedTokenizerFast
 
     hf_tokenizer = PreTrainedTokenizerFast(
@@ -81,7 +81,7 @@ def _save_tokenizer(tokenizer: Tokenizer, out: Path) -> None:
         eos_token=IM_END,
         unk_token=ENDOFTEXT,
         pad_token=ENDOFTEXT,
-        model_max_length=512,
+        model_max_length=context,
     )
     hf_tokenizer.chat_template = CHAT_TEMPLATE
     hf_tokenizer.save_pretrained(out)
@@ -117,6 +117,7 @@ def write_tiny_llama(
     vocab: int = 768,
     tie: bool = False,
     seed: int = 0,
+    context: int = 512,
 ) -> str:
     """Write a random LlamaForCausalLM checkpoint with a trained BPE tokenizer; return its dir."""
     import torch
@@ -125,7 +126,7 @@ def write_tiny_llama(
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = _train_tokenizer(vocab)
-    _save_tokenizer(tokenizer, out)
+    _save_tokenizer(tokenizer, out, context)
 
     config_kwargs: dict[str, Any] = {
         "vocab_size": tokenizer.get_vocab_size(),
@@ -135,7 +136,7 @@ def write_tiny_llama(
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "head_dim": hidden // heads,
-        "max_position_embeddings": 512,
+        "max_position_embeddings": context,
         "rope_theta": 10000.0,
         "rms_norm_eps": 1e-5,
         "hidden_act": "silu",

@@ -4,7 +4,8 @@ Each fatal path runs in its own interpreter (`run_scenario`, the driver below): 
 `AsyncLLM` whose processes log JSON to one inherited, captured stderr and export spans and
 log records over OTLP/gRPC to a test receiver; three requests are in flight, with canary
 strings in their prompts and stop strings, when the fault hits after a few generated
-tokens. The paths: a worker raising and a worker SIGKILLed from outside at TP=2, a hung
+tokens. The paths: a worker raising and a worker SIGKILLed from outside at TP=2 (held by a
+`hang` fault at the same step first, so the requests cannot finish before the kill), a hung
 worker at TP=2 (the executor's step deadline) and at TP=1 (the engine core's StepWatchdog
 thread, the model being in the core), the engine core raising, an OOM-like error. The
 generated text the client saw before the crash is itself a canary. The scenarios run side
@@ -68,7 +69,7 @@ SCENARIOS = [
         "InjectedFault", ("otel-worker-1",), 1, "exception",
     ),
     Scenario(
-        "worker-sigkill-tp2", 2, None, "otel-worker-1", "INFO",
+        "worker-sigkill-tp2", 2, f"worker:hang:rank=1:step={FAULT_STEP}", "otel-worker-1", "INFO",
         "WorkerDied", ("otel-worker-1",), 1, "died",
     ),
     Scenario(
@@ -148,7 +149,7 @@ async def _drive(engine: Any, spec: dict[str, Any]) -> dict[str, Any]:
                 async for output in engine.generate(prompt, params, request_id):
                     texts[request_id] = output.outputs[0].text
                     num_tokens[request_id] = len(output.outputs[0].token_ids)
-                    if spec["kill"] and not killed and num_tokens[request_id] >= FAULT_STEP:
+                    if spec["kill"] and not killed and _all_have_tokens(num_tokens):
                         killed.append(_kill_descendant(spec["kill"]))
             except Exception as error:
                 return {
@@ -168,6 +169,11 @@ async def _drive(engine: Any, spec: dict[str, Any]) -> dict[str, Any]:
         "prompt_token_ids": [engine.encode(p) for p in PROMPTS],
         "killed_pid": killed[0] if killed else None,
     }
+
+
+def _all_have_tokens(num_tokens: dict[str, int]) -> bool:
+    """Every request streamed its first few tokens (the hang fault holds them after that)."""
+    return len(num_tokens) == len(PROMPTS) and min(num_tokens.values()) >= MIN_GENERATED_TOKENS
 
 
 def _kill_descendant(title: str) -> int:
