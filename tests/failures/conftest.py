@@ -18,17 +18,10 @@ from datetime import datetime
 import psutil
 import pytest
 
-from tests.helpers.procs import ServerProcess, assert_no_children, is_alive
+from tests.helpers.procs import ServerProcess, assert_no_children, children_of, is_alive
 
 EXIT_LIMIT_S = 20.0  # from the fault to the server's exit, on a loaded 2-core machine
 GONE_LIMIT_S = 5.0  # from the exit (or the raise) to the last child gone
-
-
-def _descendants(pid: int) -> list[psutil.Process]:
-    try:
-        return psutil.Process(pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        return []
 
 
 def title(proc: psutil.Process) -> str:
@@ -59,7 +52,7 @@ class ProcessWatch:
             self.sample()
 
     def sample(self) -> list[psutil.Process]:
-        found = [p for p in _descendants(self.root_pid) if p.pid not in self.ignore]
+        found = [p for p in children_of(self.root_pid) if p.pid not in self.ignore]
         for proc in found:
             if "resource_tracker" not in title(proc):
                 self.seen.setdefault(proc.pid, proc)
@@ -97,7 +90,7 @@ class ProcessWatch:
 @pytest.fixture
 def children() -> Iterator[ProcessWatch]:
     """Every process this test starts below the test process (by pid, sampled every 20 ms)."""
-    baseline = {p.pid for p in _descendants(os.getpid())}
+    baseline = {p.pid for p in children_of(os.getpid())}
     watch = ProcessWatch(os.getpid(), ignore=baseline)
     yield watch
     watch.kill_leftovers()
