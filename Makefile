@@ -23,13 +23,14 @@ export TRANSFORMERS_OFFLINE := 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 export PIP_PROGRESS_BAR := off
 
-.PHONY: help install run test lint bench clean distclean
+.PHONY: help install run test lint bench fuzz clean distclean
 
 help:
 	@echo "make run     serve the default model on $(HOST):$(PORT) (ARGS='--model PATH ...')"
 	@echo "make test    run the test suite (PYTEST_ARGS='-k name -x ...')"
 	@echo "make lint    ruff check and mypy"
 	@echo "make bench   run $(BENCH_SCRIPT) (ARGS=...)"
+	@echo "make fuzz    schemathesis against a real server's OpenAPI document (< 2 min)"
 	@echo "make clean   remove caches and build output (keeps .venv and .cache)"
 
 install: $(STAMP)
@@ -60,6 +61,9 @@ lint: $(STAMP)
 bench: $(STAMP)
 	@[ -f $(BENCH_SCRIPT) ] || { echo "no benchmark at $(BENCH_SCRIPT)" >&2; exit 1; }
 	$(BIN)/python $(BENCH_SCRIPT) $(ARGS)
+
+fuzz: $(STAMP)
+	$(BIN)/python -m tests.fuzz_api $(ARGS)
 
 clean:
 	rm -rf build dist .pytest_cache .ruff_cache .mypy_cache .hypothesis *.egg-info

@@ -211,6 +211,55 @@ def failures() -> dict[str, Any]:
         "otel-engine-failures",
         "otel-engine / Engine & failures",
         "Engine failures (requests killed by crashes, stalls, restarts, scrape health), crash "
-        "dumps from Loki linked to their traces, and the engine step internals.",
-        [failed, engine],
+        "dumps from Loki linked to their traces, the limits per client, and the engine step "
+        "internals.",
+        [failed, clients(), engine],
+    )
+
+
+def clients() -> Any:
+    """The limits per client at work: connections, paused and stalled streams."""
+    return row(
+        "Clients and limits",
+        [
+            graph(
+                "HTTP connections",
+                "Open connections, and connections the server closed per second to stay within "
+                "its limits, by reason: refused (503 at --max-connections, every connection "
+                "busy), evicted (an idle one closed for a new client), request_timeout (no "
+                "whole request within --request-read-timeout), write_stalled (a client that "
+                "stopped reading, after --stream-write-timeout). Sustained refused: raise "
+                "--max-connections or add replicas; bursts of request_timeout or evicted: idle "
+                "or slow clients, often a connection flood (docs/operations.md, 'Hostile "
+                "clients').",
+                "short",
+                [
+                    target(f"sum(otel_engine_http_connections{{{SEL}}})", "open"),
+                    target(
+                        rate_sum("otel_engine_http_connections_closed_total", by="reason"),
+                        "closed: {{reason}}",
+                    ),
+                ],
+            ),
+            graph(
+                "Paused and stalled streams",
+                "Streams paused because their client stopped reading (they hold no batch slot "
+                "and no KV block until the client reads again), and streams aborted per second "
+                "as client_stalled. Many paused or stalled: check the clients' network and "
+                "whether they read their streams (--stream-write-timeout drops them). Request "
+                "state held by the api_server (frontend) follows the traffic back to 0; stuck "
+                "above 0 with no traffic is a leak: collect a heap profile and report it.",
+                "short",
+                [
+                    target(f"sum(otel_engine_requests_paused{{{SEL}}})", "paused"),
+                    target(
+                        rate_sum(
+                            "otel_engine_request_errors_total", 'error_type="client_stalled"'
+                        ),
+                        "client_stalled/s",
+                    ),
+                    target(f"sum(otel_engine_frontend_requests{{{SEL}}})", "frontend requests"),
+                ],
+            ),
+        ],
     )

@@ -40,8 +40,9 @@ OPS = "docs/operations.md"
 # the client; every other error_type is a 4xx client error (see entrypoints/errors.py).
 SERVER_ERRORS = (
     "engine_dead|shutting_down|aborted_by_engine|internal_server_error|service_unavailable_error"
+    "|request_failed"
 )
-ABORTS = "aborted|client_disconnected"
+ABORTS = "aborted|client_disconnected|client_stalled"
 
 # Health state as one number per instance: starting contributes 0.
 HEALTH_CODE = (

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from otel_engine.config import DEVICES, DTYPES, EngineConfig
+from otel_engine.entrypoints.limits import CHARS_PER_TOKEN_BOUND, ServerLimits
 from otel_engine.observability.logging import adopt_library_loggers
 from otel_engine.observability.setup import setup_main_process
 from otel_engine.observability.tracing import shutdown_telemetry
@@ -127,6 +128,53 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_limit_flags(parser: argparse.ArgumentParser) -> None:
+    """What one client may cost the server (`ServerLimits`; docs/operations.md)."""
+    defaults = ServerLimits()
+    limits = parser.add_argument_group("limits per client")
+    limits.add_argument(
+        "--max-connections",
+        type=int,
+        default=defaults.max_connections,
+        metavar="N",
+        help="open HTTP connections; past it an idle one is closed for the new one, or the "
+        "new one gets 503 too_many_connections (lowered to fit the descriptor limit)",
+    )
+    limits.add_argument(
+        "--request-read-timeout",
+        type=float,
+        default=defaults.request_read_timeout,
+        metavar="S",
+        help="a connection must send a whole request (headers and body) within S seconds of "
+        "its first byte, or it is closed (408)",
+    )
+    limits.add_argument(
+        "--stream-write-timeout",
+        type=float,
+        default=defaults.stream_write_timeout,
+        metavar="S",
+        help="a response the client does not read for S seconds is aborted "
+        "(error_type client_stalled)",
+    )
+    limits.add_argument(
+        "--max-prompt-chars",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"longest prompt accepted, in characters, checked before tokenizing (default: "
+        f"{CHARS_PER_TOKEN_BOUND} per token of context)",
+    )
+
+
+def server_limits(args: argparse.Namespace) -> ServerLimits:
+    return ServerLimits(
+        max_prompt_chars=args.max_prompt_chars,
+        max_connections=args.max_connections,
+        request_read_timeout=args.request_read_timeout,
+        stream_write_timeout=args.stream_write_timeout,
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The whole command line: `serve` and `generate` subcommands."""
     parser = argparse.ArgumentParser(
@@ -159,6 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(at most S seconds) before exiting; set it above the Prometheus scrape interval "
         "(default: 0, exit at once)",
     )
+    _add_limit_flags(serve)
     _add_engine_flags(serve)
 
     generate = commands.add_parser(
@@ -251,7 +300,11 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
             },
         )
         exit_code = run_server(
-            engine, sock, api_key=args.api_key, final_scrape_wait=args.final_scrape_wait
+            engine,
+            sock,
+            api_key=args.api_key,
+            final_scrape_wait=args.final_scrape_wait,
+            limits=server_limits(args),
         )
     except KeyboardInterrupt:
         logger.info("shutdown.begin", extra={"phase": "before_serving"})

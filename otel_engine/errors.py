@@ -64,10 +64,24 @@ class EngineStartupError(OtelEngineError):
 class RequestError(OtelEngineError):
     """One request cannot be served (invalid parameters, prompt too long); others go on.
 
-    `code` is a short machine-readable reason used by the HTTP layer and the metrics.
+    `code` is a short machine-readable reason used by the HTTP layer and the metrics;
+    `param` names the offending request field when one is to blame.
     """
 
-    def __init__(self, message: str, *, code: str = "invalid_request") -> None:
+    def __init__(
+        self, message: str, *, code: str = "invalid_request", param: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code
+        self.param = param
+
+
+class RequestFailedError(OtelEngineError):
+    """One request failed inside the engine for a reason that is not the client's (its
+    output could not be processed); the engine keeps serving every other request."""
+
+    def __init__(self, message: str, *, code: str = "request_failed") -> None:
         super().__init__(message)
         self.message = message
         self.code = code

@@ -1,4 +1,9 @@
-"""Per-request sampling parameters (the public `SamplingParams`)."""
+"""Per-request sampling parameters (the public `SamplingParams`) and their bounds.
+
+`validate()` is the one place that decides whether a set of parameters can be sampled: the
+HTTP edge, `LLM.generate` and the engine core (which never trusts its input) all call it, so
+that no value can reach the sampler that it cannot represent.
+"""
 
 from __future__ import annotations
 
@@ -9,12 +14,20 @@ import msgspec
 from otel_engine.errors import RequestError
 
 MAX_TEMPERATURE = 2.0  # the OpenAI API's upper bound
+# Below this a temperature is greedy: dividing float32 logits by less overflows them.
+GREEDY_TEMPERATURE = 1e-5
+MAX_STOP_STRINGS = 16
+# Stop strings are matched on every step's new text; their length bounds that work.
+MAX_STOP_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+SEED_RANGE = (-(2**63), 2**63)
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     """How to sample one completion. Travels to the engine core as is.
 
-    `temperature == 0` is greedy. `top_k <= 0` and `top_p == 1` disable those filters.
+    `temperature` below `GREEDY_TEMPERATURE` (0 included) is greedy. `top_k <= 0` and
+    `top_p == 1` disable those filters; the most likely token always survives them.
     `seed` makes sampling reproducible for this request regardless of batching.
     Stop strings are matched on the detokenized text and are not part of the output.
     """
@@ -42,21 +55,44 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
         "skip_special_tokens": "value",
     }
 
-    def validate(self) -> None:
-        """Raise `RequestError` when a field is out of range."""
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise `RequestError` (naming the field) when a value is out of range; with
+        `vocab_size`, also when `top_k` or a stop token id exceeds the vocabulary."""
         if self.max_tokens < 1:
-            raise RequestError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if not 0.0 <= self.temperature <= MAX_TEMPERATURE:
-            raise RequestError(f"temperature must be in [0, 2], got {self.temperature}")
+            _invalid("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}")
+        if not 0.0 <= self.temperature <= MAX_TEMPERATURE:  # NaN fails too
+            _invalid("temperature", f"temperature must be in [0, 2], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
-            raise RequestError(f"top_p must be in (0, 1], got {self.top_p}")
+            _invalid("top_p", f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:
-            raise RequestError(f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}")
-        if self.seed is not None and not -(2**63) <= self.seed < 2**63:
-            raise RequestError("seed must fit in 64 bits")
+            _invalid("top_k", f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}")
+        if vocab_size is not None and self.top_k > vocab_size:
+            _invalid("top_k", f"top_k must be at most the vocabulary size {vocab_size}")
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]:
+            _invalid("seed", "seed must fit in 64 bits")
+        self._validate_stops(vocab_size)
+
+    def _validate_stops(self, vocab_size: int | None) -> None:
+        if len(self.stop) > MAX_STOP_STRINGS:
+            _invalid("stop", f"at most {MAX_STOP_STRINGS} stop strings are allowed")
         if any(not s for s in self.stop):
-            raise RequestError("stop strings must not be empty")
+            _invalid("stop", "stop strings must not be empty")
+        if any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            _invalid("stop", f"stop strings must be at most {MAX_STOP_CHARS} characters")
+        try:
+            "".join(self.stop).encode("utf-8")
+        except UnicodeEncodeError:
+            _invalid("stop", "stop strings must be valid Unicode (no lone surrogates)")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            _invalid("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} stop token ids are allowed")
+        upper = vocab_size if vocab_size is not None else 2**63
+        if any(not 0 <= t < upper for t in self.stop_token_ids):
+            _invalid("stop_token_ids", f"stop_token_ids must be in [0, {upper})")
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
+
+
+def _invalid(param: str, message: str) -> None:
+    raise RequestError(message, code="invalid_value", param=param)

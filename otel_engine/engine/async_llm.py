@@ -4,6 +4,10 @@ The engine core runs in its own process. A thread (`core-output-io`) receives it
 and hands them to the event loop that submitted the requests; an `EngineDead` frame, or the
 core's process dying, fails every in-flight request with `EngineDeadError`. Nothing here
 depends on signal handlers, so it works the same outside the main thread.
+
+Backpressure: a request whose consumer has not taken `MAX_UNDELIVERED_OUTPUTS` outputs (a
+stream whose client stopped reading) is paused in the engine, giving its slot and KV blocks
+to others, and resumed once the consumer caught up.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import threading
 import time
 import weakref
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from otel_engine.config import EngineConfig
@@ -26,6 +31,17 @@ from otel_engine.outputs import RequestOutput
 from otel_engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+MAX_UNDELIVERED_OUTPUTS = 32  # outputs waiting for their consumer before the request pauses
+RESUME_BELOW_OUTPUTS = 8  # the consumer caught up: the request runs again
+
+
+@dataclass(slots=True, eq=False)
+class _Stream:
+    """One request's undelivered outputs (or the error that ends it) and its pause state."""
+
+    queue: asyncio.Queue[RequestOutput | BaseException] = field(default_factory=asyncio.Queue)
+    is_paused: bool = False
 
 
 class AsyncLLM:
@@ -50,7 +66,8 @@ class AsyncLLM:
         self.model_name = self._frontend.model_name
         self.max_model_len = self._frontend.max_model_len
         self.dead_error: EngineDeadError | None = None
-        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._streams: dict[str, _Stream] = {}
+        self.num_paused = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped = threading.Event()
         self.last_progress_at = time.monotonic()
@@ -75,7 +92,13 @@ class AsyncLLM:
 
     @property
     def num_in_flight(self) -> int:
-        return len(self._queues)
+        return len(self._streams)
+
+    @property
+    def num_tracked(self) -> int:
+        """Requests with state in this front end (streams and output processing); 0 once
+        every request ended, whatever way it ended."""
+        return len(self._streams) + len(self._frontend.outputs.states)
 
     @property
     def is_stalled(self) -> bool:
@@ -84,8 +107,9 @@ class AsyncLLM:
 
     @property
     def stalled_for(self) -> float:
-        """Seconds without engine progress while requests are pending (0 when idle)."""
-        if not self._queues:
+        """Seconds without engine progress while requests are pending (0 when idle, or
+        when every pending request is paused for its client)."""
+        if len(self._streams) == self.num_paused:
             return 0.0
         return time.monotonic() - self.last_progress_at
 
@@ -109,11 +133,12 @@ class AsyncLLM:
             self._loop = loop
         elif self._loop is not loop:
             raise RuntimeError("AsyncLLM is bound to the event loop of its first request")
-        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        stream = _Stream()
         self._frontend.add_request(request_id, prompt, params)
-        if not self._queues:
+        if len(self._streams) == self.num_paused:
             self.last_progress_at = time.monotonic()
-        self._queues[request_id] = queue
+        self._streams[request_id] = stream
+        queue = stream.queue
         finished = False
         try:
             while not finished:
@@ -122,17 +147,37 @@ class AsyncLLM:
                     finished = True
                     raise item
                 finished = item.finished
+                if stream.is_paused and queue.qsize() < RESUME_BELOW_OUTPUTS:
+                    self._set_paused(request_id, stream, False)
                 yield item
         finally:
-            self._queues.pop(request_id, None)
+            self._forget(request_id)
             if not finished and self.dead_error is None and not self._stopped.is_set():
                 self._frontend.abort([request_id])
 
     async def abort(self, request_id: str) -> None:
-        queue = self._queues.pop(request_id, None)
+        stream = self._forget(request_id)
         self._frontend.abort([request_id])
-        if queue is not None:
-            queue.put_nowait(asyncio.CancelledError(f"request {request_id} aborted"))
+        if stream is not None:
+            stream.queue.put_nowait(asyncio.CancelledError(f"request {request_id} aborted"))
+
+    def _forget(self, request_id: str) -> _Stream | None:
+        stream = self._streams.pop(request_id, None)
+        if stream is not None and stream.is_paused:
+            self.num_paused -= 1
+        return stream
+
+    def _set_paused(self, request_id: str, stream: _Stream, is_paused: bool) -> None:
+        stream.is_paused = is_paused
+        if is_paused:
+            self.num_paused += 1
+            self._client.pause_requests([request_id])
+            logger.info("request.paused", extra={"request_id": request_id})
+            return
+        if len(self._streams) == self.num_paused:
+            self.last_progress_at = time.monotonic()  # work pending again from now
+        self.num_paused -= 1
+        self._client.resume_requests([request_id])
 
     def _call_in_loop(self, function: Any, argument: Any) -> None:
         loop = self._loop
@@ -148,21 +193,32 @@ class AsyncLLM:
         self.last_progress_at = time.monotonic()
         for listener in self._step_listeners:
             listener(step)
-        results, to_abort = self._frontend.outputs.process(step)
-        if to_abort:
-            self._client.abort_requests(to_abort)
-        for result in results:
-            queue = self._queues.get(result.request_id)
-            if queue is not None:
-                queue.put_nowait(result)
+        processed = self._frontend.outputs.process(step)
+        self._client.abort_requests(processed.to_abort)
+        streams = self._streams
+        for result in processed.outputs:
+            stream = streams.get(result.request_id)
+            if stream is None:
+                continue
+            stream.queue.put_nowait(result)
+            if (
+                not stream.is_paused
+                and not result.finished
+                and stream.queue.qsize() >= MAX_UNDELIVERED_OUTPUTS
+            ):
+                self._set_paused(result.request_id, stream, True)
+        for request_id, error in processed.failures:
+            stream = streams.get(request_id)
+            if stream is not None:
+                stream.queue.put_nowait(error)
 
     def _fail_all(self, dead: EngineDead) -> None:
         error = dead_error(dead)
         info = dead.error
         self.dead_error = error
         logger.error("engine.dead", extra={"cause": info.type, "failed_process": info.process})
-        for queue in self._queues.values():
-            queue.put_nowait(error)
+        for stream in self._streams.values():
+            stream.queue.put_nowait(error)
 
     def shutdown(self) -> None:
         """Stop the engine and reap its processes; idempotent, safe from any thread."""

@@ -8,13 +8,27 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 from opentelemetry import trace
 
 from otel_engine.config import EngineConfig
+from otel_engine.engine.validation import check_request
+from otel_engine.errors import RequestError
 from otel_engine.executor.executor import Executor, failure_info, how_it_failed, make_executor
 from otel_engine.executor.model_runner import EngineLimits, prepare_model_input, resolve_limits
-from otel_engine.ipc.messages import AddRequest, ErrorInfo, ModelInput, RequestUpdate, StepOutputs
+from otel_engine.ipc.messages import (
+    AbortRequests,
+    AddRequest,
+    CoreRequest,
+    ErrorInfo,
+    ModelInput,
+    PauseRequests,
+    RequestRejected,
+    RequestUpdate,
+    ResumeRequests,
+    StepOutputs,
+)
 from otel_engine.ipc.paths import IpcDir
 from otel_engine.model.loader import load_model_arch
 from otel_engine.observability import crash_dump
@@ -62,15 +76,26 @@ class EngineCore:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_work
 
     def add_request(self, message: AddRequest) -> RequestUpdate | None:
-        """Queue a request; a request the engine can never run is finished as aborted."""
-        num_tokens = len(message.prompt_token_ids) + message.sampling_params.max_tokens
-        is_duplicate = message.request_id in self.scheduler.requests
-        if is_duplicate or not message.prompt_token_ids or num_tokens > self.limits.max_model_len:
-            logger.warning("request.rejected", extra={"request_id": message.request_id})
-            return RequestUpdate(message.request_id, [], finish_reason="abort")
+        """Queue a request; one the engine can never run is refused on its own, with the
+        reason, and nothing else is affected."""
+        try:
+            if message.request_id in self.scheduler.requests:
+                raise RequestError("request id is already in flight", code="duplicate_request")
+            check_request(
+                message.prompt_token_ids,
+                message.sampling_params,
+                vocab_size=self.arch.vocab_size,
+                max_model_len=self.limits.max_model_len,
+            )
+        except RequestError as error:
+            logger.warning(
+                "request.rejected", extra={"request_id": message.request_id, "code": error.code}
+            )
+            rejected = RequestRejected(error.code, error.message, error.param)
+            return RequestUpdate(message.request_id, [], finish_reason="abort", rejected=rejected)
         self.scheduler.add(
             Request(
                 request_id=message.request_id,
@@ -83,8 +108,35 @@ class EngineCore:
         )
         return None
 
-    def abort_requests(self, request_ids: list[str]) -> None:
-        self.scheduler.abort(request_ids)
+    def handle(self, message: CoreRequest) -> RequestUpdate | None:
+        """Apply one message from the front end (not `Shutdown`, the shell's business);
+        returns the update of a refused request."""
+        scheduler = self.scheduler
+        if isinstance(message, AddRequest):
+            return self.add_request(message)
+        if isinstance(message, AbortRequests):
+            scheduler.abort(message.request_ids)
+        elif isinstance(message, PauseRequests):
+            scheduler.pause(message.request_ids)
+        elif isinstance(message, ResumeRequests):
+            scheduler.resume(message.request_ids)
+        return None
+
+    def state_outputs(self, updates: list[RequestUpdate] | None = None) -> StepOutputs:
+        """A frame that is no step (`step_id` 0): refusals, and the scheduler's state."""
+        return self._outputs(0, updates or [])
+
+    def _outputs(self, step_id: int, updates: list[RequestUpdate], **step: Any) -> StepOutputs:
+        scheduler = self.scheduler
+        return StepOutputs(
+            step_id=step_id,
+            updates=updates,
+            num_running=scheduler.num_running,
+            num_waiting=scheduler.num_waiting,
+            num_paused=scheduler.num_paused,
+            kv_cache_usage=scheduler.allocator.usage,
+            **step,
+        )
 
     def step(self) -> StepOutputs:
         """Schedule, execute and update one batch.
@@ -123,12 +175,9 @@ class EngineCore:
         self.current_output = self.current_model_input = None
         now = time.monotonic()
         self.last_step_at = now
-        return StepOutputs(
-            step_id=output.step_id,
-            updates=[_update(r) for r in updated],
-            num_running=scheduler.num_running,
-            num_waiting=scheduler.num_waiting,
-            kv_cache_usage=scheduler.allocator.usage,
+        return self._outputs(
+            output.step_id,
+            [_update(r) for r in updated],
             num_preemptions=len(output.preempted_request_ids),
             num_scheduled_seqs=len(output.chunks),
             num_scheduled_tokens=output.num_batched_tokens,

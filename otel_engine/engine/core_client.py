@@ -27,6 +27,8 @@ from otel_engine.ipc.messages import (
     CoreRequest,
     EngineDead,
     ErrorInfo,
+    PauseRequests,
+    ResumeRequests,
     Shutdown,
     StepOutputs,
 )
@@ -64,10 +66,17 @@ class InprocClient:
     def add_request(self, message: AddRequest) -> None:
         rejected = self.core.add_request(message)
         if rejected is not None:
-            self._pending.append(StepOutputs(step_id=0, updates=[rejected]))
+            self._pending.append(self.core.state_outputs([rejected]))
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        self.core.abort_requests(request_ids)
+        if request_ids:
+            self.core.handle(AbortRequests(request_ids))
+
+    def pause_requests(self, request_ids: list[str]) -> None:
+        self.core.handle(PauseRequests(request_ids))
+
+    def resume_requests(self, request_ids: list[str]) -> None:
+        self.core.handle(ResumeRequests(request_ids))
 
     def get_output(self) -> CoreOutput | None:
         """Run one step; a failure in it becomes `EngineDead`, as in the process shell."""
@@ -146,7 +155,17 @@ class MPClient:
 
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids:
-            self._inputs.send(self._encoder.encode(AbortRequests(request_ids)))
+            self._send(AbortRequests(request_ids))
+
+    def pause_requests(self, request_ids: list[str]) -> None:
+        self._send(PauseRequests(request_ids))
+
+    def resume_requests(self, request_ids: list[str]) -> None:
+        self._send(ResumeRequests(request_ids))
+
+    def _send(self, message: CoreRequest) -> None:
+        if self._death is None and not self._stopping:
+            self._inputs.send(self._encoder.encode(message))
 
     def get_output(self, timeout_ms: int = _POLL_MS) -> CoreOutput | None:
         """The next output, an `EngineDead` if the core process is gone, or None on timeout.

@@ -1,9 +1,10 @@
 """The engine core process (`otel-engine-core`): the step loop behind two ZMQ sockets.
 
-Inputs (AddRequest, AbortRequests, Shutdown) arrive on a PULL socket; each step's
-`StepOutputs` leave on a PUSH socket. Any exception in the loop, including a worker's
-failure surfaced by the executor, becomes one `EngineDead` frame to the front end before the
-process shuts its workers down and exits 1.
+Inputs (AddRequest, AbortRequests, PauseRequests, ResumeRequests, Shutdown) arrive on a PULL
+socket; each step's `StepOutputs` leave on a PUSH socket, one frame per step, plus a frame
+with no step when inputs changed the scheduler's state and no step follows. Any exception in
+the loop, including a worker's failure surfaced by the executor, becomes one `EngineDead`
+frame to the front end before the process shuts its workers down and exits 1.
 """
 
 from __future__ import annotations
@@ -20,12 +21,11 @@ from otel_engine.engine.core import EngineCore
 from otel_engine.executor.executor import failure_info, how_it_failed, step_timeout_error
 from otel_engine.ipc.codec import Codec
 from otel_engine.ipc.messages import (
-    AbortRequests,
     AddRequest,
     CoreOutput,
     CoreRequest,
     EngineDead,
-    StepOutputs,
+    Shutdown,
 )
 from otel_engine.ipc.paths import IpcDir
 from otel_engine.ipc.process import ReadyChannel
@@ -138,17 +138,18 @@ def _busy_loop(
         if not core.has_work:
             while not inputs.poll(_IDLE_POLL_MS):
                 executor.check_health()
+        refused = []
+        is_changed = False
         while inputs.poll(0):
             message = decoder.decode(inputs.recv(copy=False).buffer)
-            if isinstance(message, AddRequest):
-                rejected = core.add_request(message)
-                if rejected is not None:
-                    outputs.send(encoder.encode(StepOutputs(step_id=0, updates=[rejected])))
-            elif isinstance(message, AbortRequests):
-                core.abort_requests(message.request_ids)
-            else:
+            if isinstance(message, Shutdown):
                 return
+            update = core.handle(message)
+            if update is not None:
+                refused.append(update)
+            is_changed = is_changed or not isinstance(message, AddRequest)
+        if refused or (is_changed and not core.has_work):
+            # no step follows to carry the new state (e.g. the last request was aborted)
+            outputs.send(encoder.encode(core.state_outputs(refused)))
         if core.has_work:
-            step_outputs = core.step()
-            if step_outputs.updates:
-                outputs.send(encoder.encode(step_outputs))
+            outputs.send(encoder.encode(core.step()))

@@ -60,7 +60,7 @@ class Frontend:
         token_ids: list[int] | None = None,
     ) -> None:
         """Validate (unless `token_ids` were already validated), register with the output
-        processor, send to the engine core."""
+        processor, send to the engine core. Nothing stays registered if sending fails."""
         if request_id in self.outputs.states:
             raise ValueError(f"request id {request_id!r} is already in flight")
         if token_ids is None:
@@ -69,9 +69,13 @@ class Frontend:
         self.outputs.add(
             request_id, token_ids, params, prompt if isinstance(prompt, str) else None, arrival
         )
-        self.client.add_request(
-            AddRequest(request_id, token_ids, params, arrival, inject_context())
-        )
+        try:
+            self.client.add_request(
+                AddRequest(request_id, token_ids, params, arrival, inject_context())
+            )
+        except BaseException:
+            self.outputs.remove(request_id)
+            raise
 
     def abort(self, request_ids: list[str]) -> None:
         for request_id in request_ids:

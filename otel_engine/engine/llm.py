@@ -40,8 +40,9 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate a completion for every prompt; outputs are in prompt order.
 
-        Raises RequestError for an invalid prompt (nothing is run then) and
-        EngineDeadError if the engine fails (the engine is shut down).
+        Raises RequestError for an invalid prompt (nothing is run then), the error of a
+        request that failed on its own (the rest of the batch is aborted; the engine keeps
+        serving), and EngineDeadError if the engine fails (the engine is shut down).
         """
         if isinstance(prompts, str):
             prompts = [prompts]
@@ -69,9 +70,12 @@ class LLM:
                 self.shutdown()
                 raise dead_error(output)
             if isinstance(output, StepOutputs):
-                results, to_abort = frontend.outputs.process(output)
-                frontend.client.abort_requests(to_abort)
-                finished.update((r.request_id, r) for r in results if r.finished)
+                processed = frontend.outputs.process(output)
+                frontend.client.abort_requests(processed.to_abort)
+                if processed.failures:
+                    frontend.abort([i for i in ids if i not in finished])
+                    raise processed.failures[0][1]
+                finished.update((r.request_id, r) for r in processed.outputs if r.finished)
         return [finished[request_id] for request_id in ids]
 
     def shutdown(self) -> None:

@@ -5,19 +5,89 @@ decoded one token at a time with `tokenizers`' DecodeStream (correct across mult
 characters). Stop strings are searched in the decoded text; a match finishes the request
 here and asks the engine core to abort it. Streamed text never shows a partial stop
 string: a suffix that could still grow into one is held back until it cannot.
+
+Everything here costs a bounded amount per new character, whatever the stop strings: the
+api_server runs it on its event loop. A request whose output cannot be processed fails on
+its own; the other requests of the step go on.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from tokenizers.decoders import DecodeStream
 
+from otel_engine.errors import OtelEngineError, RequestError, RequestFailedError
 from otel_engine.ipc.messages import RequestUpdate, StepOutputs
 from otel_engine.outputs import CompletionOutput, RequestOutput
 from otel_engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class StopMatcher:
+    """Finds stop strings in text that grows at the end, in time linear in the new text.
+
+    One Knuth-Morris-Pratt automaton per stop string: `states[i]` is the length of the
+    longest prefix of stop string i that the text ends with, which is also how much text
+    must be held back from a stream while that stop string could still complete.
+    """
+
+    __slots__ = ("_tables", "states", "stops")
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self.stops = stops
+        self._tables = [_prefix_table(stop) for stop in stops]
+        self.states = [0] * len(stops)
+
+    @property
+    def held_back(self) -> int:
+        return max(self.states, default=0)
+
+    def feed(self, text: str, start: int) -> tuple[int, str] | None:
+        """Advance over `text[start:]`; the earliest-starting match, as (index, stop)."""
+        best: tuple[int, str] | None = None
+        end = len(text)
+        for index, stop in enumerate(self.stops):
+            state = self.states[index]
+            position = start
+            if not state:  # fast path: nothing can start before the stop's first character
+                position = text.find(stop[0], start)
+                if position < 0:
+                    continue
+            table = self._tables[index]
+            size = len(stop)
+            while position < end:
+                char = text[position]
+                while state and stop[state] != char:
+                    state = table[state - 1]
+                if stop[state] == char:
+                    state += 1
+                position += 1
+                if state == size:
+                    begin = position - size
+                    if best is None or begin < best[0]:
+                        best = (begin, stop)
+                    break
+            self.states[index] = state
+        return best
+
+
+def _prefix_table(pattern: str) -> list[int]:
+    """table[i]: length of the longest proper prefix of pattern[: i + 1] that is also its
+    suffix (the Knuth-Morris-Pratt failure function)."""
+    table = [0] * len(pattern)
+    length = 0
+    for index in range(1, len(pattern)):
+        while length and pattern[index] != pattern[length]:
+            length = table[length - 1]
+        if pattern[index] == pattern[length]:
+            length += 1
+        table[index] = length
+    return table
 
 
 @dataclass(slots=True)
@@ -30,20 +100,20 @@ class RequestState:
     prompt: str | None
     stream: DecodeStream
     arrival_time: float
+    stops: StopMatcher | None
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     num_emitted_chars: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
 
-    def held_back(self) -> int:
-        """Length of the text suffix that could be the start of a stop string."""
-        longest = 0
-        for stop in self.params.stop:
-            for size in range(min(len(stop) - 1, len(self.text)), longest, -1):
-                if self.text.endswith(stop[:size]):
-                    longest = size
-                    break
-        return longest
+
+class Processed(NamedTuple):
+    """One step, processed: outputs to deliver, requests the engine must abort (a stop
+    string matched, or their output failed), and the requests that failed, with why."""
+
+    outputs: list[RequestOutput]
+    to_abort: list[str]
+    failures: list[tuple[str, OtelEngineError]]
 
 
 class OutputProcessor:
@@ -62,80 +132,92 @@ class OutputProcessor:
         arrival_time: float,
     ) -> None:
         stream = DecodeStream(skip_special_tokens=params.skip_special_tokens)
+        stops = StopMatcher(params.stop) if params.stop else None
         self.states[request_id] = RequestState(
-            request_id, prompt_token_ids, params, prompt, stream, arrival_time
+            request_id, prompt_token_ids, params, prompt, stream, arrival_time, stops
         )
 
     def remove(self, request_id: str) -> RequestState | None:
         return self.states.pop(request_id, None)
 
-    def process(self, step: StepOutputs) -> tuple[list[RequestOutput], list[str]]:
-        """Returns the outputs to deliver and the request ids the engine must abort."""
-        results = []
-        to_abort = []
+    def process(self, step: StepOutputs) -> Processed:
+        processed = Processed([], [], [])
         now = time.time()
         for update in step.updates:
             state = self.states.get(update.request_id)
             if state is None:
                 continue
-            finish_reason = update.finish_reason
-            # a stop token id from the core, or the stop string matched here
-            stop_reason: str | int | None = update.stop_reason
-            _record_timing(state, update, now)
-            start = len(state.token_ids)
-            num_chars_before = len(state.text)
-            for token_id in update.new_token_ids:
-                state.token_ids.append(token_id)
-                piece = state.stream.step(self._backend, token_id)
-                if piece:
-                    state.text += piece
-            matched = self._match_stop(state, num_chars_before)
-            if matched is not None:
-                if finish_reason is None:
-                    to_abort.append(state.request_id)
-                finish_reason, stop_reason = "stop", matched
-            finished = finish_reason is not None
-            end = len(state.text) if finished else len(state.text) - state.held_back()
-            delta_text = state.text[state.num_emitted_chars : end]
-            state.num_emitted_chars = max(state.num_emitted_chars, end)
-            completion = CompletionOutput(
-                index=0,
-                text=state.text[: state.num_emitted_chars],
-                token_ids=state.token_ids,
-                delta_text=delta_text,
-                delta_token_ids=state.token_ids[start:],
-                finish_reason=finish_reason,
-                stop_reason=stop_reason,
-            )
-            if finished:
-                state.metrics["finished_time"] = now
+            if update.rejected is not None:
                 del self.states[state.request_id]
-            results.append(
-                RequestOutput(
-                    request_id=state.request_id,
-                    prompt_token_ids=state.prompt_token_ids,
-                    outputs=[completion],
-                    finished=finished,
-                    prompt=state.prompt,
-                    metrics=state.metrics,
-                )
-            )
-        return results, to_abort
+                rejected = update.rejected
+                error = RequestError(rejected.message, code=rejected.code, param=rejected.param)
+                processed.failures.append((state.request_id, error))
+                continue
+            try:
+                output, matched_stop = self._advance(state, update, now)
+            except Exception as exc:  # a bug or bad data in one request's output
+                logger.exception("request.output_failed", extra={"request_id": update.request_id})
+                del self.states[state.request_id]
+                failure = RequestFailedError(f"output processing failed: {type(exc).__name__}")
+                processed.failures.append((state.request_id, failure))
+                if update.finish_reason is None:
+                    processed.to_abort.append(state.request_id)
+                continue
+            if matched_stop and update.finish_reason is None:
+                processed.to_abort.append(state.request_id)
+            processed.outputs.append(output)
+        return processed
 
-    @staticmethod
-    def _match_stop(state: RequestState, num_chars_before: int) -> str | None:
-        """Find the earliest stop string; cut the text there (it is not part of the output)."""
-        if not state.params.stop:
-            return None
-        best: tuple[int, str] | None = None
-        for stop in state.params.stop:
-            index = state.text.find(stop, max(0, num_chars_before - len(stop) + 1))
-            if index != -1 and (best is None or index < best[0]):
-                best = (index, stop)
-        if best is None:
-            return None
-        state.text = state.text[: best[0]]
-        return best[1]
+    def _advance(
+        self, state: RequestState, update: RequestUpdate, now: float
+    ) -> tuple[RequestOutput, bool]:
+        """Detokenize one update, match stop strings, cut what may be streamed."""
+        finish_reason = update.finish_reason
+        # a stop token id from the core, or the stop string matched here
+        stop_reason: str | int | None = update.stop_reason
+        _record_timing(state, update, now)
+        start = len(state.token_ids)
+        num_chars_before = len(state.text)
+        backend = self._backend
+        for token_id in update.new_token_ids:
+            state.token_ids.append(token_id)
+            piece = state.stream.step(backend, token_id)
+            if piece:
+                state.text += piece
+        matched = None
+        if state.stops is not None:
+            found = state.stops.feed(state.text, num_chars_before)
+            if found is not None:
+                state.text = state.text[: found[0]]
+                matched = found[1]
+                finish_reason, stop_reason = "stop", matched
+        finished = finish_reason is not None
+        end = len(state.text)
+        if not finished and state.stops is not None:
+            end -= state.stops.held_back
+        delta_text = state.text[state.num_emitted_chars : end]
+        state.num_emitted_chars = max(state.num_emitted_chars, end)
+        completion = CompletionOutput(
+            index=0,
+            text=state.text[: state.num_emitted_chars],
+            token_ids=state.token_ids,
+            delta_text=delta_text,
+            delta_token_ids=state.token_ids[start:],
+            finish_reason=finish_reason,
+            stop_reason=stop_reason,
+        )
+        if finished:
+            state.metrics["finished_time"] = now
+            del self.states[state.request_id]
+        output = RequestOutput(
+            request_id=state.request_id,
+            prompt_token_ids=state.prompt_token_ids,
+            outputs=[completion],
+            finished=finished,
+            prompt=state.prompt,
+            metrics=state.metrics,
+        )
+        return output, matched is not None
 
 
 def _record_timing(state: RequestState, update: RequestUpdate, now: float) -> None:

@@ -10,8 +10,12 @@ registry, which `run_server` also exports over OTLP when an endpoint is configur
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import dataclasses
 import inspect
 import logging
+import resource
 import signal
 import socket
 import threading
@@ -20,12 +24,38 @@ from typing import TYPE_CHECKING, Any
 
 import uvicorn
 from fastapi import FastAPI, Request
-from starlette.responses import Response
+from starlette.responses import PlainTextResponse, Response
 
-from otel_engine.entrypoints.errors import engine_stalled, error_response, install_error_handlers
+from otel_engine.entrypoints.connections import (
+    ConnectionTable,
+    protocol_class,
+    rate_limited_exception_handler,
+)
+from otel_engine.entrypoints.errors import (
+    InternalErrorMiddleware,
+    engine_stalled,
+    error_response,
+    install_error_handlers,
+)
 from otel_engine.entrypoints.guard import GuardMiddleware, ServerState
 from otel_engine.entrypoints.http_tracing import HttpTracingMiddleware
-from otel_engine.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
+from otel_engine.entrypoints.limits import ServerLimits
+from otel_engine.entrypoints.openapi import (
+    CONNECTION_ERRORS,
+    GENERATION_ERRORS,
+    GUARD_ERRORS,
+    errors,
+    install_openapi,
+    json_or_events,
+)
+from otel_engine.entrypoints.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    HealthResponse,
+    ModelList,
+)
 from otel_engine.entrypoints.serving import OpenAIServing
 from otel_engine.observability.metrics import EngineMetrics
 from otel_engine.observability.otlp_metrics import start_otlp_metrics
@@ -57,9 +87,17 @@ def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="otel-engine", docs_url=None, redoc_url=None, **_NO_NATIVE_TELEMETRY)
     app.state.metrics = state.metrics
     install_error_handlers(app)
-    serving = OpenAIServing(state.engine, state.metrics, state.drain_expired)
+    serving = state.serving = OpenAIServing(
+        state.engine,
+        state.metrics,
+        state.drain_expired,
+        max_prompt_chars=state.limits.prompt_chars(state.engine.max_model_len),
+    )
 
-    @app.get("/health")
+    @app.get(
+        "/health",
+        responses={200: {"model": HealthResponse}, **errors(*CONNECTION_ERRORS)},
+    )
     async def health() -> Response:
         error = state.unavailable()
         if error is None and state.engine.is_stalled:
@@ -68,7 +106,14 @@ def build_app(state: ServerState) -> FastAPI:
             return error_response(error)
         return Response(b'{"status":"ok"}', media_type="application/json")
 
-    @app.get("/metrics")
+    @app.get(
+        "/metrics",
+        response_class=PlainTextResponse,
+        responses={
+            200: {"description": "Prometheus text (OpenMetrics when asked for in Accept)."},
+            **errors(*CONNECTION_ERRORS),
+        },
+    )
     async def metrics(request: Request) -> Response:
         state.update_health()
         # Once the engine is dead and every in-flight request has counted its error, this
@@ -82,7 +127,11 @@ def build_app(state: ServerState) -> FastAPI:
         state.is_dead_scraped = state.is_dead_scraped or is_settled
         return Response(body, media_type=content_type)
 
-    @app.get("/v1/models")
+    @app.get(
+        "/v1/models",
+        response_model=ModelList,
+        responses=errors(*CONNECTION_ERRORS, *GUARD_ERRORS),
+    )
     async def models() -> dict[str, object]:
         card = {
             "id": state.engine.model_name,
@@ -93,16 +142,29 @@ def build_app(state: ServerState) -> FastAPI:
         }
         return {"object": "list", "data": [card]}
 
-    @app.post("/v1/completions")
+    generation_errors = errors(*CONNECTION_ERRORS, *GUARD_ERRORS, *GENERATION_ERRORS)
+
+    @app.post(
+        "/v1/completions",
+        responses={**json_or_events(CompletionResponse, "The completion."), **generation_errors},
+    )
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await serving.completions(body, request)
 
-    @app.post("/v1/chat/completions")
+    @app.post(
+        "/v1/chat/completions",
+        responses={
+            **json_or_events(ChatCompletionResponse, "The chat completion."),
+            **generation_errors,
+        },
+    )
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await serving.chat(body, request)
 
     app.add_middleware(GuardMiddleware, state=state)
+    app.add_middleware(InternalErrorMiddleware)
     app.add_middleware(HttpTracingMiddleware)
+    install_openapi(app)
     return app
 
 
@@ -124,6 +186,10 @@ class ApiServer(uvicorn.Server):
     ) -> None:
         super().__init__(config)
         self.state = state
+        self.connections = ConnectionTable(state.limits, state.metrics)
+        config.http = protocol_class(self.connections)
+        state.metrics.connections_open.set_function(lambda: len(self.connections.open))
+        state.metrics.frontend_requests.set_function(lambda: state.engine.num_tracked)
         self.drain_timeout = drain_timeout
         self.exit_on_engine_death = exit_on_engine_death
         self.final_scrape_wait = final_scrape_wait
@@ -131,6 +197,8 @@ class ApiServer(uvicorn.Server):
         self._exit_deadline = 0.0
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        loop = asyncio.get_running_loop()
+        loop.set_exception_handler(rate_limited_exception_handler(self.connections.log))
         await super().startup(sockets)
         if self.started:
             self.state.update_health()
@@ -159,6 +227,8 @@ class ApiServer(uvicorn.Server):
         logger.info("shutdown.begin", extra={"num_in_flight": self.state.num_in_flight})
         await self.state.drain(self.drain_timeout)
         await super().shutdown(sockets)
+        if self.state.serving is not None:
+            self.state.serving.close()
 
 
 def _address(server: uvicorn.Server, sockets: list[socket.socket] | None) -> str:
@@ -190,6 +260,7 @@ def make_server(
     drain_timeout: float | None = None,
     exit_on_engine_death: bool = True,
     final_scrape_wait: float = 0.0,
+    limits: ServerLimits | None = None,
 ) -> ApiServer:
     """An `ApiServer` for `engine`, ready to `run(sockets=[bind_socket(...)])`.
 
@@ -197,14 +268,15 @@ def make_server(
     died (an embedding host program decides what to do); `exit_code` is 1 either way.
     """
     metrics = EngineMetrics(model_name=engine.model_name, process_metrics=True)
-    state = ServerState(engine=engine, api_key=api_key, metrics=metrics)
+    limits = limits or ServerLimits()
+    state = ServerState(engine=engine, api_key=api_key, limits=limits, metrics=metrics)
     timeout = engine.config.timeouts.shutdown_timeout if drain_timeout is None else drain_timeout
     config = uvicorn.Config(
         build_app(state),
         log_config=None,
         lifespan="off",
         timeout_graceful_shutdown=5,
-        timeout_keep_alive=30,
+        timeout_keep_alive=limits.keep_alive_timeout,
     )
     return ApiServer(
         config,
@@ -215,15 +287,43 @@ def make_server(
     )
 
 
+# Descriptors the process needs besides client connections (IPC, logs, pipes, the listener).
+RESERVED_FDS = 256
+
+
+def fit_connection_limit(limits: ServerLimits) -> ServerLimits:
+    """Raise this process's descriptor limit to its hard limit, and lower the connection
+    limit (with a warning) if even that cannot hold it: connections are refused with a 503
+    before descriptors run out, never by a failing accept()."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+    room = soft - RESERVED_FDS
+    if limits.max_connections <= room:
+        return limits
+    allowed = max(1, room)
+    logger.warning(
+        "server.max_connections_lowered",
+        extra={"max_connections": allowed, "requested": limits.max_connections, "fd_limit": soft},
+    )
+    return dataclasses.replace(limits, max_connections=allowed)
+
+
 def run_server(
     engine: AsyncLLM,
     sock: socket.socket,
     *,
     api_key: str | None = None,
     final_scrape_wait: float = 0.0,
+    limits: ServerLimits | None = None,
 ) -> int:
     """Serve until SIGTERM/SIGINT (exit code 0) or until the engine dies (exit code 1)."""
-    server = make_server(engine, api_key=api_key, final_scrape_wait=final_scrape_wait)
+    limits = fit_connection_limit(limits or ServerLimits())
+    server = make_server(
+        engine, api_key=api_key, final_scrape_wait=final_scrape_wait, limits=limits
+    )
     start_otlp_metrics(
         server.state.metrics.registry,
         config=engine.config.observability,

@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from otel_engine.errors import EngineDeadError, RequestError
 
@@ -38,6 +39,8 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
     ) -> None:
+        # A message may quote the client (a model name): keep it encodable whatever they sent.
+        message = message.encode("utf-8", "replace").decode("utf-8")
         super().__init__(message)
         self.status = status
         self.message = message
@@ -66,11 +69,8 @@ def bad_request(message: str, *, param: str | None = None, code: str | None = No
     return APIError(400, message, param=param, code=code)
 
 
-_PARAM_OF_CODE = {"invalid_prompt": "prompt", "context_length_exceeded": "max_tokens"}
-
-
 def from_request_error(error: RequestError) -> APIError:
-    return APIError(400, error.message, param=_PARAM_OF_CODE.get(error.code), code=error.code)
+    return APIError(400, error.message, param=error.param, code=error.code)
 
 
 def from_engine_dead(error: EngineDeadError) -> APIError:
@@ -174,10 +174,41 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """Route every error path of `app` to an OpenAI-style body."""
+    """Route every error path of `app` to an OpenAI-style body (unexpected exceptions:
+    `InternalErrorMiddleware`, which `build_app` installs)."""
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(RequestError, _request_error)
     app.add_exception_handler(EngineDeadError, _engine_dead)
-    app.add_exception_handler(Exception, _unexpected)
+
+
+class InternalErrorMiddleware:
+    """An unexpected exception becomes a 500 with an OpenAI-style body, and the connection
+    stays usable. (Starlette's own handler for `Exception` re-raises to the server, which
+    logs "Exception in ASGI application" and drops the keep-alive connection without
+    `Connection: close`, so the client's next request on it fails.) An exception after the
+    response started cannot be answered: it goes on to the server, which closes the
+    connection, the only signal left."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        is_started = False
+
+        async def watch_start(message: Message) -> None:
+            nonlocal is_started
+            is_started = is_started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watch_start)
+        except Exception as exc:
+            if is_started:
+                raise
+            response = await _unexpected(Request(scope, receive), exc)
+            await response(scope, receive, send)

@@ -1,5 +1,8 @@
 """What every /v1 request passes before the app: API key, availability, body size.
 
+The API key is read from exactly one `Authorization` header whose scheme is `Bearer` in any
+case (RFC 9110: schemes are case-insensitive); two headers are refused, not resolved.
+
 `ServerState` is what the guard, the routes and the runner share about one server: the
 engine, the metrics (fed by the engine's per-step stats), the number of requests in flight,
 the drain state and the health state it implies.
@@ -18,16 +21,17 @@ from typing import TYPE_CHECKING, cast
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from otel_engine.entrypoints.errors import APIError, draining, engine_unavailable, error_response
+from otel_engine.entrypoints.limits import ServerLimits
 from otel_engine.observability.metrics import EngineMetrics
 
 if TYPE_CHECKING:
     from otel_engine import AsyncLLM
+    from otel_engine.entrypoints.serving import OpenAIServing
     from otel_engine.ipc.messages import StepOutputs
     from otel_engine.observability.metrics import StepStats
 
 logger = logging.getLogger("otel_engine.api_server")
 
-MAX_BODY_BYTES = 4 * 1024 * 1024
 DRAIN_CANCEL_GRACE_S = 5.0  # for requests to send their 503 once the drain deadline passed
 
 
@@ -37,12 +41,13 @@ class ServerState:
 
     engine: AsyncLLM
     api_key: str | None = None
-    max_body_bytes: int = MAX_BODY_BYTES
+    limits: ServerLimits = field(default_factory=ServerLimits)
     metrics: EngineMetrics = field(default_factory=EngineMetrics)
     num_in_flight: int = 0
     is_draining: bool = False
     is_dead_scraped: bool = False  # /metrics was served after the engine died, errors counted
     drain_expired: asyncio.Event = field(default_factory=asyncio.Event)
+    serving: OpenAIServing | None = None  # set by build_app
     _idle: asyncio.Event = field(default_factory=asyncio.Event)
 
     def __post_init__(self) -> None:
@@ -134,17 +139,18 @@ class GuardMiddleware:
             self.state.leave()
 
     def _check_headers(self, scope: Scope) -> APIError | None:
-        headers = dict(scope["headers"])
+        headers: list[tuple[bytes, bytes]] = scope["headers"]
         if self._api_key is not None:
-            given = headers.get(b"authorization", b"")
-            if not hmac.compare_digest(given, b"Bearer " + self._api_key):
-                return APIError(401, "invalid or missing API key", code="invalid_api_key")
+            error = _check_api_key([v for k, v in headers if k == b"authorization"], self._api_key)
+            if error is not None:
+                return error
         unavailable = self.state.unavailable()
         if unavailable is not None:
             return unavailable
-        length = headers.get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.state.max_body_bytes:
-            return _too_large(self.state.max_body_bytes)
+        limit = self.state.limits.max_body_bytes
+        length = dict(headers).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            return _too_large(limit)
         return None
 
     async def _read_body(self, receive: Receive) -> tuple[bytes, APIError | None]:
@@ -156,8 +162,8 @@ class GuardMiddleware:
                 return b"", APIError(400, "client disconnected", code="client_disconnected")
             chunk = message.get("body", b"")
             size += len(chunk)
-            if size > self.state.max_body_bytes:
-                return b"", _too_large(self.state.max_body_bytes)
+            if size > self.state.limits.max_body_bytes:
+                return b"", _too_large(self.state.limits.max_body_bytes)
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks), None
@@ -170,10 +176,20 @@ def step_listener(metrics: EngineMetrics) -> Callable[[StepOutputs], None]:
 
     def on_step(step: StepOutputs) -> None:
         target = ref()
-        if target is not None and step.step_id:  # step 0 frames carry rejections, no step
+        if target is not None:
             target.on_step(cast("StepStats", step))  # StepStats declares its fields writable
 
     return on_step
+
+
+def _check_api_key(values: list[bytes], api_key: bytes) -> APIError | None:
+    """401 unless there is exactly one `Authorization: Bearer <api_key>` header."""
+    if len(values) > 1:
+        return APIError(401, "more than one Authorization header was sent", code="invalid_api_key")
+    scheme, _, token = values[0].strip().partition(b" ") if values else (b"", b"", b"")
+    if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), api_key):
+        return APIError(401, "invalid or missing API key", code="invalid_api_key")
+    return None
 
 
 def _too_large(limit: int) -> APIError:

@@ -1,22 +1,42 @@
 """OpenAI-compatible request bodies: the only place otel-engine uses pydantic.
 
 Each request model is validated strictly (a string is not an integer) and converted at once
-into plain values: a prompt, a `SamplingParams`. Fields of the OpenAI API that the engine does
-not implement are rejected when set to a non-default value instead of being silently ignored;
-unknown fields are ignored so that newer clients keep working.
+into plain values: a prompt, a `SamplingParams`. An integer field takes what JSON Schema calls
+an integer (`1` and `1.0`, not `1.5` or `"1"`), and no text field takes a lone UTF-16
+surrogate (`"\ud800"`), which nothing downstream could encode. Fields of the OpenAI API that
+the engine does not implement are rejected when set to a non-default value instead of being
+silently ignored; unknown fields are ignored so that newer clients keep working.
 """
 
 from __future__ import annotations
 
-from typing import Literal, cast
+from typing import Annotated, Literal, cast
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
 from otel_engine.entrypoints.errors import APIError, bad_request
 from otel_engine.sampling_params import SamplingParams
 
-MAX_STOP_STRINGS = 16
 
+def _integral(value: object) -> object:
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def _no_surrogates(value: str) -> str:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("text must be valid Unicode (no lone surrogates)") from None
+    return value
+
+
+# An integer as JSON Schema has it: 2.0 is the integer 2 (strict mode alone refuses it).
+Int = Annotated[int, BeforeValidator(_integral)]
+# Text that can be encoded as UTF-8.
+Text = Annotated[str, AfterValidator(_no_surrogates)]
+# Token ids stay plain: a per-item validator would cost a Python call per id.
 TokenIds = list[int]
 
 
@@ -37,23 +57,23 @@ class StreamOptions(_Strict):
 class _SamplingFields(_Strict):
     """Sampling fields shared by completions and chat completions (vLLM extras included)."""
 
-    model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
+    model: Text | None = None
+    max_tokens: Int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=-1)
-    seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    top_k: Int = Field(default=0, ge=-1)
+    seed: Int | None = Field(default=None, ge=-(2**63), lt=2**63)
+    stop: Text | list[Text] | None = None
+    stop_token_ids: TokenIds | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
-    n: int = 1
+    n: Int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    logit_bias: dict[Text, float] | None = None
+    user: Text | None = None
 
     def check_supported(self) -> None:
         """Reject OpenAI features the engine does not implement."""
@@ -74,11 +94,10 @@ class _SamplingFields(_Strict):
         return self.max_tokens
 
     def to_sampling_params(self, max_tokens: int) -> SamplingParams:
-        """The engine's `SamplingParams` for this request, validated."""
+        """The engine's `SamplingParams` for this request (validated by the engine's rules
+        when it is admitted)."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
-        if len(stop) > MAX_STOP_STRINGS:
-            raise bad_request(f"at most {MAX_STOP_STRINGS} stop strings are allowed", param="stop")
-        params = SamplingParams(
+        return SamplingParams(
             max_tokens=max_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
@@ -89,18 +108,16 @@ class _SamplingFields(_Strict):
             ignore_eos=self.ignore_eos,
             skip_special_tokens=self.skip_special_tokens,
         )
-        params.validate()
-        return params
 
 
 class CompletionRequest(_SamplingFields):
     """`POST /v1/completions`. `prompt` is text, token ids, or a list holding one of those."""
 
-    prompt: str | TokenIds | list[str] | list[TokenIds]
+    prompt: Text | TokenIds | list[Text] | list[TokenIds]
     echo: bool = False
-    logprobs: int | None = None
-    best_of: int | None = None
-    suffix: str | None = None
+    logprobs: Int | None = None
+    best_of: Int | None = None
+    suffix: Text | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -125,16 +142,16 @@ class CompletionRequest(_SamplingFields):
 class ContentPart(_Strict):
     """One part of a message's content; only `text` parts are supported."""
 
-    type: str
-    text: str | None = None
+    type: Text
+    text: Text | None = None
 
 
 class ChatMessage(_Strict):
     """One chat message, passed to the model's chat template as `{role, content}`."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
+    content: Text | list[ContentPart] | None = None
+    name: Text | None = None
 
     def to_template_dict(self) -> dict[str, str]:
         content = self.content
@@ -152,9 +169,9 @@ class ChatCompletionRequest(_SamplingFields):
     """`POST /v1/chat/completions`. `max_completion_tokens` wins over `max_tokens`."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: Int | None = Field(default=None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int | None = None
     tools: list[dict[str, object]] | None = None
     response_format: dict[str, object] | None = None
 
@@ -174,3 +191,90 @@ class ChatCompletionRequest(_SamplingFields):
 
     def template_messages(self) -> list[dict[str, str]]:
         return [message.to_template_dict() for message in self.messages]
+
+
+# ---- Responses: what the server sends, for the OpenAPI document only ----------------------
+# The handlers build their bodies with msgspec (fast); these models describe them, so that
+# clients and fuzzers can check every answer against the document.
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """Every error: 400, 401, 404, 408, 413, 500, 503."""
+
+    error: ErrorDetail
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+FinishReason = Literal["stop", "length"]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None
+    finish_reason: FinishReason
+
+
+class CompletionResponse(BaseModel):
+    """`POST /v1/completions` without `stream` (with it: server-sent events, one
+    `text_completion` chunk per event, then `data: [DONE]`)."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: None
+    finish_reason: FinishReason
+
+
+class ChatCompletionResponse(BaseModel):
+    """`POST /v1/chat/completions` without `stream` (with it: server-sent events of
+    `chat.completion.chunk` objects, then `data: [DONE]`)."""
+
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class HealthResponse(BaseModel):
+    status: Literal["ok"]

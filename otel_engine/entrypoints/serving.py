@@ -1,8 +1,10 @@
 """The OpenAI completion endpoints: prompt preparation, limits, and response shapes.
 
 Prompts are tokenized here, so that the context limit is checked (and the default
-`max_tokens` chosen) before the engine sees the request. The engine request id is the
-response id (`cmpl-<hex>`, `chatcmpl-<hex>`), so logs, spans and the client agree.
+`max_tokens` chosen) before the engine sees the request. Tokenization and chat templates run
+in a worker thread, never on the event loop, after a character limit that bounds their cost.
+The engine request id is the response id (`cmpl-<hex>`, `chatcmpl-<hex>`), so logs, spans
+and the client agree.
 """
 
 from __future__ import annotations
@@ -11,15 +13,17 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import jinja2
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from otel_engine.entrypoints.connections import CLIENT_STALLED_KEY
 from otel_engine.entrypoints.errors import (
     INTERNAL,
     UNAVAILABLE,
@@ -38,7 +42,7 @@ from otel_engine.entrypoints.streaming import (
     RequestWatch,
     sse_event,
 )
-from otel_engine.errors import EngineDeadError, RequestError
+from otel_engine.errors import EngineDeadError, RequestError, RequestFailedError
 from otel_engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -47,7 +51,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("otel_engine.api_server")
 
+T = TypeVar("T")
+
 DEFAULT_COMPLETION_MAX_TOKENS = 16
+CLIENT_STALLED = "client_stalled"
 JSON = "application/json"
 INTERNAL_SERVER_ERROR = 500
 
@@ -98,17 +105,27 @@ class OpenAIServing:
     """Turns validated OpenAI requests into engine requests and engine outputs into bodies."""
 
     def __init__(
-        self, engine: AsyncLLM, metrics: EngineMetrics, drain_expired: asyncio.Event
+        self,
+        engine: AsyncLLM,
+        metrics: EngineMetrics,
+        drain_expired: asyncio.Event,
+        max_prompt_chars: int,
     ) -> None:
         self.engine = engine
         self.metrics = metrics
         self.drain_expired = drain_expired
+        self.max_prompt_chars = max_prompt_chars
         self.log_prompts = engine.config.observability.log_prompts
+        self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         self._check_common(body)
         prompt = body.single_prompt()
-        prompt_ids = self.engine.encode(prompt) if isinstance(prompt, str) else prompt
+        if isinstance(prompt, str):
+            self._check_chars(len(prompt), "prompt")
+            prompt_ids = await self._off_loop(self.engine.encode, prompt)
+        else:
+            prompt_ids = prompt
         job = self._admit(
             body,
             prompt_ids,
@@ -120,8 +137,10 @@ class OpenAIServing:
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         self._check_common(body)
-        text = self._render_chat(body)
-        prompt_ids = self.engine.encode(text, add_special_tokens=False)
+        messages = body.template_messages()
+        self._check_chars(sum(len(m["content"]) for m in messages), "messages")
+        text = await self._off_loop(self._render_chat, messages)
+        prompt_ids = await self._off_loop(self.engine.encode, text, False)
         job = self._admit(
             body, prompt_ids, prefix="chatcmpl", default_cap=None, prompt_param="messages"
         )
@@ -134,7 +153,26 @@ class OpenAIServing:
             )
         body.check_supported()
 
-    def _render_chat(self, body: ChatCompletionRequest) -> str:
+    def _check_chars(self, num_chars: int, param: str) -> None:
+        """Refuse text that cannot fit the context before spending any work on it."""
+        if num_chars > self.max_prompt_chars:
+            raise bad_request(
+                f"the prompt has {num_chars} characters; at most {self.max_prompt_chars} are "
+                "accepted (--max-prompt-chars)",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+    async def _off_loop(self, function: Callable[..., T], *args: Any) -> T:
+        """Run tokenizer work in this server's tokenizer thread (one: HF tokenizers are not
+        safe to call from two threads at once)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenizer_thread, function, *args)
+
+    def close(self) -> None:
+        self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+
+    def _render_chat(self, messages: list[dict[str, str]]) -> str:
         tokenizer = self.engine.tokenizer
         if not getattr(tokenizer, "chat_template", None):
             raise bad_request(
@@ -144,7 +182,7 @@ class OpenAIServing:
             )
         try:
             text = tokenizer.apply_chat_template(
-                body.template_messages(), add_generation_prompt=True, tokenize=False
+                messages, add_generation_prompt=True, tokenize=False
             )
         except (jinja2.TemplateError, ValueError, TypeError) as error:
             raise bad_request(
@@ -223,13 +261,14 @@ class OpenAIServing:
             telemetry.first_output(first)
             if stream:
                 is_streaming = True
-                return EventStreamResponse(self._events(job, telemetry, outputs, first), watch)
-            final = await watch.run(_last(outputs, first, telemetry))
+                events = self._events(job, telemetry, outputs, first, request)
+                return EventStreamResponse(events, watch)
+            final = await watch.run(_last(outputs, first, telemetry, job))
             return self._full_response(job, telemetry, final)
         except ClientDisconnected:
-            telemetry.abort(job.num_generated)
+            _record_gone(telemetry, job, request)
             return Response(status_code=499)
-        except (RequestError, EngineDeadError, APIError) as exc:
+        except (RequestError, RequestFailedError, EngineDeadError, APIError) as exc:
             error = exc if isinstance(exc, APIError) else _api_error(exc)
             _record_failure(telemetry, job, error, exc)
             raise error from None
@@ -242,7 +281,7 @@ class OpenAIServing:
                 await outputs.aclose()  # type: ignore[attr-defined]
                 watch.close()
                 if not telemetry.is_ended:  # cancelled: the connection or the server went away
-                    telemetry.abort(job.num_generated)
+                    _record_gone(telemetry, job, request)
 
     def _full_response(
         self, job: _Job, telemetry: RequestTelemetry, final: RequestOutput
@@ -276,6 +315,7 @@ class OpenAIServing:
         telemetry: RequestTelemetry,
         outputs: AsyncIterator[RequestOutput],
         first: RequestOutput,
+        request: Request,
     ) -> AsyncIterator[bytes]:
         try:
             if job.is_chat:
@@ -303,7 +343,7 @@ class OpenAIServing:
             if job.include_usage:
                 yield sse_event(job.envelope(True, choices=[], usage=job.usage()))
             yield DONE_EVENT
-        except (RequestError, EngineDeadError) as exc:
+        except (RequestError, RequestFailedError, EngineDeadError) as exc:
             error = _api_error(exc)
             _record_failure(telemetry, job, error, exc)
             yield sse_event(error.body())
@@ -313,16 +353,16 @@ class OpenAIServing:
             yield sse_event(error.body())
         finally:
             await outputs.aclose()  # type: ignore[attr-defined]
-            self._ended_early(telemetry, job)
+            self._ended_early(telemetry, job, request)
 
-    def _ended_early(self, telemetry: RequestTelemetry, job: _Job) -> None:
+    def _ended_early(self, telemetry: RequestTelemetry, job: _Job, request: Request) -> None:
         """A stream that stopped without an outcome: the drain deadline or the client."""
         if telemetry.is_ended:
             return
         if self.drain_expired.is_set():
             _record_failure(telemetry, job, draining(), None)
         else:
-            telemetry.abort(job.num_generated)
+            _record_gone(telemetry, job, request)
 
     @staticmethod
     def _chunk(job: _Job, delta: dict[str, str] | str, reason: str | None) -> bytes:
@@ -336,10 +376,21 @@ class OpenAIServing:
         return sse_event(chunk)
 
 
-def _api_error(exc: RequestError | EngineDeadError) -> APIError:
+def _api_error(exc: RequestError | RequestFailedError | EngineDeadError) -> APIError:
     if isinstance(exc, RequestError):
         return from_request_error(exc)
+    if isinstance(exc, RequestFailedError):
+        return APIError(500, exc.message, type=INTERNAL, code=exc.code)
     return from_engine_dead(exc)
+
+
+def _record_gone(telemetry: RequestTelemetry, job: _Job, request: Request) -> None:
+    """The client went away: it hung up (aborted), or its connection was closed because it
+    stopped reading (client_stalled, see connections.py)."""
+    if request.scope.get(CLIENT_STALLED_KEY):
+        telemetry.fail(CLIENT_STALLED, status=499, num_generated=job.num_generated)
+    else:
+        telemetry.abort(job.num_generated)
 
 
 def _internal_error(job: _Job, exc: Exception) -> APIError:
@@ -377,14 +428,20 @@ def _record_failure(
 
 
 async def _last(
-    outputs: AsyncIterator[RequestOutput], first: RequestOutput, telemetry: RequestTelemetry
+    outputs: AsyncIterator[RequestOutput],
+    first: RequestOutput,
+    telemetry: RequestTelemetry,
+    job: _Job,
 ) -> RequestOutput:
+    """The final output; `job.num_generated` follows along (an abort counts what was made)."""
     final = first
+    job.num_generated = len(first.outputs[0].token_ids)
     while not final.finished:
         nxt = await anext(outputs, None)
         if nxt is None:
             break
         final = nxt
+        job.num_generated = len(final.outputs[0].token_ids)
         telemetry.observe(final)
     return final
 

@@ -156,7 +156,7 @@ def prepare_model_input(
         if end == request.num_tokens:
             params = request.sampling_params
             sample_indices.append(index)
-            temperatures.append(params.temperature)
+            temperatures.append(0.0 if params.is_greedy else params.temperature)
             top_ps.append(params.top_p)
             top_ks.append(params.top_k)
             seeds.append(params.seed)

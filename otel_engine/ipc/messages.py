@@ -59,17 +59,39 @@ class AbortRequests(msgspec.Struct, frozen=True, tag="abort", array_like=True):
     request_ids: list[str]
 
 
+class PauseRequests(msgspec.Struct, frozen=True, tag="pause", array_like=True):
+    """Their clients stopped reading: free their slots and KV blocks until resumed."""
+
+    request_ids: list[str]
+
+
+class ResumeRequests(msgspec.Struct, frozen=True, tag="resume", array_like=True):
+    """Their clients read again: queue them (they are recomputed when scheduled)."""
+
+    request_ids: list[str]
+
+
 class Shutdown(msgspec.Struct, frozen=True, tag="shutdown", array_like=True):
     """Orderly stop of the engine core and its workers."""
 
 
-CoreRequest = AddRequest | AbortRequests | Shutdown
+CoreRequest = AddRequest | AbortRequests | PauseRequests | ResumeRequests | Shutdown
 
 # ---- Engine core -> front end -----------------------------------------------------------
 
 
+class RequestRejected(msgspec.Struct, frozen=True, array_like=True):
+    """Why the engine core refused one request (the client's fault: HTTP 400). The rest of
+    the engine is not affected."""
+
+    code: str
+    message: str
+    param: str | None = None
+
+
 class RequestUpdate(msgspec.Struct, frozen=True, array_like=True):
-    """New tokens of one request in one step; `finish_reason` set on its last update."""
+    """New tokens of one request in one step; `finish_reason` set on its last update.
+    `rejected` is set (with finish reason "abort") when the core refused the request."""
 
     request_id: str
     new_token_ids: list[int]
@@ -77,15 +99,21 @@ class RequestUpdate(msgspec.Struct, frozen=True, array_like=True):
     stop_reason: int | None = None
     num_preemptions: int = 0  # so far, cumulative
     queue_time_s: float | None = None  # arrival to first scheduled; on the first update only
+    rejected: RequestRejected | None = None
 
 
 class StepOutputs(msgspec.Struct, frozen=True, tag="outputs", array_like=True):
-    """The results of one engine step, plus the scheduler's state for metrics."""
+    """The results of one engine step, plus the scheduler's state for metrics.
+
+    One frame per step. `step_id` 0 is no step: the scheduler's state changed between steps
+    (requests refused, aborted or paused), and the gauges must show it.
+    """
 
     step_id: int
     updates: list[RequestUpdate]
     num_running: int = 0
     num_waiting: int = 0
+    num_paused: int = 0
     kv_cache_usage: float = 0.0
     num_preemptions: int = 0  # preemptions during this step
     num_scheduled_seqs: int = 0

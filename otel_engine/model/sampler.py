@@ -50,11 +50,12 @@ class Sampler:
         vocab = logits.shape[-1]
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         ranks = torch.arange(vocab, device=self.device).unsqueeze(0)
-        ks = torch.tensor([k if k > 0 else vocab for k in top_ks], device=self.device)
+        ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_ks], device=self.device)
         drop = ranks >= ks.unsqueeze(1)
         ps = torch.tensor(top_ps, device=self.device).unsqueeze(1)
         probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
         before = probs.cumsum(dim=-1) - probs  # mass strictly above each token
         drop |= before >= ps
+        drop[:, 0] = False  # the most likely token survives any top_p, even one float32 rounds to 0
         sorted_logits.masked_fill_(drop, float("-inf"))
         return torch.empty_like(logits).scatter_(1, order, sorted_logits)

@@ -110,13 +110,17 @@ STEP_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 
 FINISH_REASONS = ("stop", "length", "abort")
 # stalled: work is pending and no step finished within --step-timeout (/health answers 503)
 HEALTH_STATES = ("starting", "healthy", "draining", "stalled", "dead")
-# error_type values of engine failures (the rest are client errors, aborts and drains)
-ENGINE_ERROR_TYPES = ("engine_dead",)
+# why the server closed an HTTP connection (entrypoints/connections.py)
+CONNECTION_CLOSE_REASONS = ("refused", "evicted", "request_timeout", "write_stalled")
+# error_type values that exist at 0 from the start, so that `increase()` sees the first one:
+# engine failures and clients dropped for not reading (the others appear when they happen)
+PRESET_ERROR_TYPES = ("engine_dead", "client_stalled")
 
 
 class StepStats(Protocol):
     """What `on_step` reads (`StepOutputs` has these). Optional extras, read when present:
-    `step_duration_s`, `num_scheduled_seqs`, `num_scheduled_tokens`."""
+    `step_id` (0: no step ran), `num_paused`, `step_duration_s`, `num_scheduled_seqs`,
+    `num_scheduled_tokens`."""
 
     num_running: int
     num_waiting: int
@@ -165,6 +169,11 @@ class EngineMetrics:
         )
         self.requests_waiting = Gauge(
             "otel_engine_requests_waiting", "Requests queued in the engine.", registry=r
+        )
+        self.requests_paused = Gauge(
+            "otel_engine_requests_paused",
+            "Streaming requests paused because their client stopped reading.",
+            registry=r,
         )
         self.kv_cache_usage = Gauge(
             "otel_engine_kv_cache_usage_ratio",
@@ -248,6 +257,20 @@ class EngineMetrics:
         self.preemptions = Counter(
             "otel_engine_preemptions", "Requests preempted (KV blocks reclaimed).", registry=r
         )
+        self.frontend_requests = Gauge(
+            "otel_engine_frontend_requests",
+            "Requests with state in the api_server; above 0 with no traffic is a leak.",
+            registry=r,
+        )
+        self.connections_open = Gauge(
+            "otel_engine_http_connections", "Open HTTP connections.", registry=r
+        )
+        self.connections_closed = Counter(
+            "otel_engine_http_connections_closed",
+            "HTTP connections the server closed to stay within its limits, by reason.",
+            ["reason"],
+            registry=r,
+        )
         self.health_state = Gauge(
             "otel_engine_engine_health_state",
             "1 for the engine's current state, else 0.",
@@ -255,18 +278,22 @@ class EngineMetrics:
             registry=r,
         )
         self._success = {reason: self.request_success.labels(reason) for reason in FINISH_REASONS}
-        # Engine failures start at 0, so that `increase()` sees the first one.
         self._errors: dict[str, Any] = {
-            error_type: self.request_errors.labels(error_type) for error_type in ENGINE_ERROR_TYPES
+            error_type: self.request_errors.labels(error_type) for error_type in PRESET_ERROR_TYPES
         }
         self._health = {state: self.health_state.labels(state) for state in HEALTH_STATES}
+        self._closed = {r: self.connections_closed.labels(r) for r in CONNECTION_CLOSE_REASONS}
         self.set_health("starting")
 
     def on_step(self, stats: StepStats) -> None:
-        """Scheduler state after one engine step, and that step's cost."""
+        """Scheduler state after one engine step, and that step's cost (step_id 0: the
+        state changed between steps; there is no cost to record)."""
         self.requests_running.set(stats.num_running)
         self.requests_waiting.set(stats.num_waiting)
+        self.requests_paused.set(getattr(stats, "num_paused", 0))
         self.kv_cache_usage.set(stats.kv_cache_usage)
+        if not getattr(stats, "step_id", 1):
+            return
         if stats.num_preemptions:
             self.preemptions.inc(stats.num_preemptions)
         duration = getattr(stats, "step_duration_s", None)
@@ -320,6 +347,10 @@ class EngineMetrics:
             child = self._errors[error_type] = self.request_errors.labels(error_type)
         child.inc()
         self._count_tokens(num_prompt_tokens, num_generation_tokens)
+
+    def on_connection_closed(self, reason: str) -> None:
+        """The server closed a connection to keep within its limits (connections.py)."""
+        self._closed[reason].inc()
 
     def set_health(self, state: str) -> None:
         """One of HEALTH_STATES: starting, healthy, draining, stalled, dead."""

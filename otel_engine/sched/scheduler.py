@@ -4,6 +4,9 @@ Each step spends a token budget: running requests first (a decode token each, or
 chunk of a prefill), then waiting ones in arrival order. When the KV cache cannot grow a
 running request, the most recently arrived running request is preempted: its blocks are
 freed and it goes back to the front of the queue to be recomputed later.
+
+A request whose client stopped reading is paused the same way (blocks freed, recomputed
+later), but waits outside the queue until it is resumed, so it holds no slot meanwhile.
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.paused: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
         self.num_preemptions = 0
@@ -71,6 +75,11 @@ class Scheduler:
     @property
     def has_unfinished(self) -> bool:
         return bool(self.requests)
+
+    @property
+    def has_work(self) -> bool:
+        """Something to schedule (paused requests wait for their clients, not for steps)."""
+        return bool(self.running or self.waiting)
 
     def add(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -85,14 +94,39 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None:
                 continue
-            if request.status == RequestStatus.RUNNING:
-                self.running.remove(request)
-            else:
-                self.waiting.remove(request)
+            self._unqueue(request)
             request.status = RequestStatus.FINISHED_ABORTED
             self._release(request)
             aborted.append(request)
         return aborted
+
+    def pause(self, request_ids: Iterable[str]) -> None:
+        """Take the given requests out of the batch and free their blocks until `resume`."""
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.status == RequestStatus.PAUSED:
+                continue
+            self._unqueue(request)
+            self.allocator.free(request)
+            request.num_computed_tokens = 0
+            request.status = RequestStatus.PAUSED
+            self.paused[request_id] = request
+
+    def resume(self, request_ids: Iterable[str]) -> None:
+        """Queue paused requests again (at the back: they are recomputed when scheduled)."""
+        for request_id in request_ids:
+            request = self.paused.pop(request_id, None)
+            if request is not None:
+                request.status = RequestStatus.PREEMPTED
+                self.waiting.append(request)
+
+    def _unqueue(self, request: Request) -> None:
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status == RequestStatus.PAUSED:
+            del self.paused[request.request_id]
+        else:
+            self.waiting.remove(request)
 
     def schedule(self) -> SchedulerOutput:
         self.num_steps += 1
@@ -178,3 +212,7 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
+
+    @property
+    def num_paused(self) -> int:
+        return len(self.paused)

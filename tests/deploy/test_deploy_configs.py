@@ -393,6 +393,7 @@ def engine_app_routes() -> dict[str, set[str]]:
     engine = SimpleNamespace(
         add_step_listener=lambda listener: None,
         config=SimpleNamespace(observability=SimpleNamespace(log_prompts=False)),
+        max_model_len=512,
     )
     app = build_app(ServerState(engine=engine))  # type: ignore[arg-type]
     return {route.path: set(getattr(route, "methods", ())) for route in app.routes}

@@ -47,3 +47,22 @@ def test_generate_after_the_engine_core_died_raises_at_once(tiny_model_dir: str)
         assert time.monotonic() - started < 2.0
     finally:
         llm.shutdown()
+
+
+def test_a_request_that_cannot_be_sent_leaves_no_state(tiny_model_dir: str) -> None:
+    """A request registered with the output processor but refused by the transport (the core
+    is gone) is removed again: nothing stays in the front end."""
+    llm = LLM(tiny_model_dir, multiprocess=True)
+    try:
+        frontend = llm._frontend
+        frontend.client.core.kill()
+        deadline = time.monotonic() + 5
+        while frontend.client.is_alive and time.monotonic() < deadline:  # type: ignore[union-attr]
+            time.sleep(0.02)
+
+        with pytest.raises(EngineDeadError):
+            frontend.add_request("lost", [1, 2, 3], PARAMS)
+
+        assert {} == frontend.outputs.states
+    finally:
+        llm.shutdown()

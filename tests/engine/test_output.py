@@ -8,9 +8,12 @@ import time
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from otel_engine.engine.output import OutputProcessor
-from otel_engine.ipc.messages import RequestUpdate, StepOutputs
+from otel_engine.engine.output import OutputProcessor, StopMatcher
+from otel_engine.errors import RequestError, RequestFailedError
+from otel_engine.ipc.messages import RequestRejected, RequestUpdate, StepOutputs
 from otel_engine.model.loader import load_tokenizer
 from otel_engine.outputs import RequestOutput
 from otel_engine.sampling_params import SamplingParams
@@ -44,7 +47,7 @@ def feed(
         step = StepOutputs(
             step_id=index + 1, updates=[RequestUpdate(request_id, [token_id], finish)]
         )
-        results, to_abort = processor.process(step)
+        results, to_abort, _ = processor.process(step)
         outputs += results
         aborts += to_abort
         if results and results[-1].finished:
@@ -193,7 +196,7 @@ def test_updates_for_unknown_requests_are_ignored(tokenizer: Any) -> None:
     """An update for a request the front end no longer tracks produces nothing."""
     processor = start(tokenizer, SamplingParams())
 
-    results, aborts = processor.process(
+    results, aborts, _ = processor.process(
         StepOutputs(step_id=1, updates=[RequestUpdate("gone", [5])])
     )
 
@@ -213,8 +216,101 @@ def test_requests_in_one_step_are_decoded_separately(tokenizer: Any) -> None:
             for rid, ids in (("a", first), ("b", second))
             if index < len(ids)
         ]
-        results, _ = processor.process(StepOutputs(step_id=index + 1, updates=updates))
+        results, _, _ = processor.process(StepOutputs(step_id=index + 1, updates=updates))
         for result in results:
             texts[result.request_id] += result.outputs[0].delta_text
 
     assert {"a": "héllo wörld", "b": "世界 🌍 café"} == texts
+
+
+def _reference_cut(text: str, stops: tuple[str, ...]) -> tuple[int, str] | None:
+    """The earliest-starting occurrence of any stop string (the definition)."""
+    found = [(text.find(s), s) for s in stops if s in text]
+    return min(found, key=lambda pair: pair[0]) if found else None
+
+
+def _reference_held_back(text: str, stops: tuple[str, ...]) -> int:
+    """Longest suffix of `text` that is a proper prefix of a stop string (the definition)."""
+    return max(
+        (k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])),
+        default=0,
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    pieces=st.lists(st.text(alphabet="ab世", max_size=6), max_size=30),
+    stops=st.lists(st.text(alphabet="ab世", min_size=1, max_size=7), min_size=1, max_size=4),
+)
+def test_stop_matcher_agrees_with_the_definition(pieces: list[str], stops: list[str]) -> None:
+    """Fed text piece by piece, StopMatcher finds the same earliest stop string as a search
+    of the whole text, and holds back exactly the suffix that could start a stop string."""
+    matcher = StopMatcher(tuple(stops))
+    text = ""
+    for piece in pieces:
+        start = len(text)
+        text += piece
+        found = matcher.feed(text, start)
+        expected = _reference_cut(text, tuple(stops))
+        if found is not None or expected is not None:
+            assert expected == found
+            return
+        assert _reference_held_back(text, tuple(stops)) == matcher.held_back
+
+
+def test_stop_matching_costs_time_linear_in_the_text() -> None:
+    """16 stop strings of the longest length built to defeat naive matching: feeding 20,000
+    characters a few at a time takes about as long as a tenth of them, times ten."""
+    from otel_engine.sampling_params import MAX_STOP_CHARS
+
+    stops = tuple("a" * (MAX_STOP_CHARS - 2) + f"b{i}" for i in range(16))
+
+    def feed_chars(num_chars: int) -> float:
+        matcher = StopMatcher(stops)
+        text = ""
+        started = time.perf_counter()
+        while len(text) < num_chars:
+            start = len(text)
+            text += "aaaa"
+            assert matcher.feed(text, start) is None
+        return time.perf_counter() - started
+
+    small, large = feed_chars(2_000), feed_chars(20_000)
+
+    assert large < 30 * small + 0.05
+
+
+def test_a_request_whose_output_fails_fails_alone(tokenizer: Any) -> None:
+    """An update the detokenizer cannot take (a negative token id) fails that request with
+    RequestFailedError and aborts it in the engine; the other request of the step goes on."""
+    processor = OutputProcessor(tokenizer)
+    for request_id in ("bad", "good"):
+        processor.add(request_id, [1], SamplingParams(max_tokens=8), None, time.time())
+    good_ids = encode(tokenizer, "hello")
+
+    processed = processor.process(
+        StepOutputs(
+            step_id=1,
+            updates=[RequestUpdate("bad", [-5]), RequestUpdate("good", good_ids[:1])],
+        )
+    )
+
+    assert ["good"] == [o.request_id for o in processed.outputs]
+    assert ["bad"] == processed.to_abort
+    assert [("bad", RequestFailedError)] == [(i, type(e)) for i, e in processed.failures]
+    assert ["good"] == list(processor.states)
+
+
+def test_a_request_the_engine_refused_fails_with_its_reason(tokenizer: Any) -> None:
+    """A refusal from the engine core becomes the request's RequestError (code, param)."""
+    processor = start(tokenizer, SamplingParams())
+    rejected = RequestRejected("invalid_value", "top_k is too large", "top_k")
+
+    processed = processor.process(
+        StepOutputs(step_id=0, updates=[RequestUpdate("r", [], "abort", rejected=rejected)])
+    )
+
+    [(request_id, error)] = processed.failures
+    assert isinstance(error, RequestError)
+    assert ("r", "invalid_value", "top_k") == (request_id, error.code, error.param)
+    assert {} == processor.states

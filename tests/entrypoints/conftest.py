@@ -20,6 +20,7 @@ import pytest
 
 from otel_engine import AsyncLLM
 from otel_engine.entrypoints.api_server import ApiServer, bind_socket, make_server
+from tests.helpers.scrape import metric_value
 
 API_KEY = "test-key-123"
 
@@ -87,7 +88,7 @@ class Served:
             base_url=f"{self.base_url}/v1",
             api_key=kwargs.pop("api_key", "x"),
             max_retries=0,
-            timeout=60,
+            timeout=kwargs.pop("timeout", 60),
             **kwargs,
         )
 
@@ -103,17 +104,7 @@ class Served:
 
     def metric(self, name: str, **labels: str) -> float:
         """The value of one sample of GET /metrics (0 when absent)."""
-        from prometheus_client.parser import text_string_to_metric_families
-
-        with self.http() as client:
-            text = client.get("/metrics").text
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name == name and all(
-                    sample.labels.get(k) == v for k, v in labels.items()
-                ):
-                    return float(sample.value)
-        return 0.0
+        return metric_value(self.base_url, name, **labels)
 
 
 @pytest.fixture(scope="package")

@@ -45,6 +45,10 @@ EXTRA_FLAGS = {
     "--otlp-logs",
     "--log-prompts",
     "--final-scrape-wait",
+    "--max-connections",
+    "--request-read-timeout",
+    "--stream-write-timeout",
+    "--max-prompt-chars",
 }
 PROMPTS = ["The engine schedules", "Once upon a time"]
 
@@ -74,7 +78,7 @@ def _run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[st
 
 def test_serve_has_exactly_the_documented_flags() -> None:
     """`serve` takes DESIGN.md's flags plus the extras (model name, KV memory, seed, OTLP logs,
-    prompt logging, the final scrape after an engine failure)."""
+    prompt logging, the final scrape after an engine failure, the limits per client)."""
     assert DESIGN_SERVE_FLAGS | EXTRA_FLAGS | {"-h", "--help"} == _flags("serve")
 
 

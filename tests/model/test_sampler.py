@@ -148,3 +148,22 @@ def test_different_seeds_draw_differently(sampler: Sampler) -> None:
     result = sample(sampler, logits, seeds=list(range(32)))
 
     assert len(set(result)) > 8
+
+
+@pytest.mark.parametrize("top_p", [1e-50, 5e-324])
+def test_top_p_float32_rounds_to_zero_keeps_the_best_token(sampler: Sampler, top_p: float) -> None:
+    """A top_p below float32's range (0 on the tensor) still keeps the most likely token:
+    it is drawn, not token 0 from an all -inf row."""
+    logits = random_logits(8)
+
+    assert logits.argmax(dim=-1).tolist() == sample(sampler, logits, top_p=top_p)
+
+
+def test_top_k_past_the_vocabulary_is_no_filter(sampler: Sampler) -> None:
+    """A top_k larger than the vocabulary keeps every token (same draws as top_k=0)."""
+    logits = random_logits(16)
+    seeds: list[int | None] = list(range(16))
+
+    assert sample(sampler, logits, seeds=seeds) == sample(
+        sampler, logits, top_k=VOCAB * 4, seeds=seeds
+    )

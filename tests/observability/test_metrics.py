@@ -15,6 +15,10 @@ from tests.helpers.otlp_receiver import OtlpReceiver
 FAMILIES = {
     "otel_engine_requests_running": "gauge",
     "otel_engine_requests_waiting": "gauge",
+    "otel_engine_requests_paused": "gauge",
+    "otel_engine_frontend_requests": "gauge",
+    "otel_engine_http_connections": "gauge",
+    "otel_engine_http_connections_closed": "counter",
     "otel_engine_kv_cache_usage_ratio": "gauge",
     "otel_engine_prompt_tokens": "counter",
     "otel_engine_generation_tokens": "counter",

@@ -263,6 +263,60 @@ def test_abort_between_schedule_and_update_skips_its_sample() -> None:
     assert [22] == second.output_token_ids
 
 
+def test_pause_frees_the_slot_and_blocks_for_a_waiting_request() -> None:
+    """A paused request leaves the batch and gives its blocks back; the next step runs the
+    request that was waiting for its slot."""
+    scheduler = make_scheduler(max_num_seqs=1)
+    first, second = make_request("a", 4), make_request("b", 4)
+    scheduler.add(first)
+    scheduler.add(second)
+    run_step(scheduler)
+
+    scheduler.pause(["a"])
+    output, _ = run_step(scheduler)
+
+    assert (RequestStatus.PAUSED, [], 0) == (
+        first.status,
+        first.block_ids,
+        first.num_computed_tokens,
+    )
+    assert ["b"] == [c.request.request_id for c in output.chunks]
+    assert (1, 1, 0) == (scheduler.num_running, scheduler.num_paused, scheduler.num_waiting)
+
+
+def test_resumed_request_recomputes_and_goes_on() -> None:
+    """A resumed request is queued, prefilled again (prompt and outputs), and keeps its
+    outputs."""
+    scheduler = make_scheduler()
+    request = make_request("a", 4, max_tokens=8)
+    scheduler.add(request)
+    run_step(scheduler)
+    run_step(scheduler)
+    scheduler.pause(["a"])
+    assert not scheduler.has_work
+
+    scheduler.resume(["a"])
+    output, updated = run_step(scheduler)
+
+    assert [(0, 6)] == [(c.start, c.num_tokens) for c in output.chunks]
+    assert [request] == updated
+    assert 3 == request.num_output_tokens
+
+
+def test_abort_paused_request_forgets_it() -> None:
+    """Aborting a paused request finishes it; resuming it later is a no-op."""
+    scheduler = make_scheduler()
+    scheduler.add(make_request("a", 4))
+    run_step(scheduler)
+    scheduler.pause(["a"])
+
+    aborted = scheduler.abort(["a"])
+    scheduler.resume(["a"])
+
+    assert [RequestStatus.FINISHED_ABORTED] == [r.status for r in aborted]
+    assert not scheduler.has_unfinished
+
+
 def test_duplicate_request_id_is_rejected() -> None:
     """Two live requests cannot share an id."""
     scheduler = make_scheduler()
@@ -342,6 +396,8 @@ class Workload:
     add_probability: float = 0.35
     abort_probability: float = 0.05
     mid_step_abort_probability: float = 0.02
+    pause_probability: float = 0.05
+    resume_probability: float = 0.2
 
 
 def check_invariants(scheduler: Scheduler) -> None:
@@ -357,7 +413,10 @@ def check_invariants(scheduler: Scheduler) -> None:
     waiting_ids = [r.request_id for r in scheduler.waiting]
     assert len(running_ids) == len(set(running_ids))
     assert len(waiting_ids) == len(set(waiting_ids))
-    assert sorted(running_ids + waiting_ids) == sorted(scheduler.requests)
+    assert sorted(running_ids + waiting_ids + list(scheduler.paused)) == sorted(scheduler.requests)
+    for request in scheduler.paused.values():
+        assert RequestStatus.PAUSED == request.status
+        assert (0, []) == (request.num_computed_tokens, request.block_ids)
     assert len(scheduler.running) <= scheduler.max_num_seqs
     for request in scheduler.running:
         assert RequestStatus.RUNNING == request.status
@@ -415,7 +474,7 @@ def run_workload(work: Workload) -> dict[str, int]:
         work.num_blocks, work.block_size, work.max_num_seqs, work.max_num_batched_tokens, max_len
     )
     everyone: dict[str, Request] = {}
-    stats = {"steps": 0, "aborts": 0, "preemptions": 0, "chunked": 0}
+    stats = {"steps": 0, "aborts": 0, "preemptions": 0, "chunked": 0, "pauses": 0}
     step = 0
     while step < work.num_steps or scheduler.has_unfinished:
         step += 1
@@ -426,6 +485,11 @@ def run_workload(work: Workload) -> dict[str, int]:
             scheduler.add(request)
         if step < work.num_steps and scheduler.requests and rng.random() < work.abort_probability:
             stats["aborts"] += len(scheduler.abort([rng.choice(sorted(scheduler.requests))]))
+        if step < work.num_steps and scheduler.requests and rng.random() < work.pause_probability:
+            scheduler.pause([rng.choice(sorted(scheduler.requests))])
+            stats["pauses"] += 1
+        if scheduler.paused and (step >= work.num_steps or rng.random() < work.resume_probability):
+            scheduler.resume([rng.choice(sorted(scheduler.paused))])
         check_invariants(scheduler)
         output = scheduler.schedule()
         check_output(scheduler, output)
@@ -443,15 +507,16 @@ def run_workload(work: Workload) -> dict[str, int]:
     assert all(r.status.is_finished for r in everyone.values())
     assert all(r.block_ids == [] for r in everyone.values())
     assert work.num_blocks == scheduler.allocator.num_free_blocks
-    assert (0, 0) == (scheduler.num_running, scheduler.num_waiting)
+    assert (0, 0, 0) == (scheduler.num_running, scheduler.num_waiting, scheduler.num_paused)
     stats["requests"] = len(everyone)
     return stats
 
 
 @pytest.mark.parametrize("seed", range(6))
 def test_random_workload_keeps_invariants(seed: int) -> None:
-    """1,200+ random steps with a small cache: no leak, no double ownership, budgets held,
-    every request ends finished or aborted and every block is free at the end."""
+    """1,200+ random steps with a small cache, pauses and resumes: no leak, no double
+    ownership, budgets held, every request ends finished or aborted and every block is free
+    at the end."""
     stats = run_workload(Workload(seed=seed))
 
     assert stats["steps"] >= 1200
@@ -459,6 +524,7 @@ def test_random_workload_keeps_invariants(seed: int) -> None:
     assert stats["preemptions"] > 0
     assert stats["aborts"] > 0
     assert stats["chunked"] > 0
+    assert stats["pauses"] > 0
 
 
 @settings(max_examples=40, deadline=None)

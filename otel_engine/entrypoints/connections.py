@@ -1,0 +1,246 @@
+"""Bounded resources per client connection, enforced below the app (uvicorn's h11 protocol).
+
+- **Connection limit.** Past `max_connections` open connections, a new one first evicts the
+  oldest connection that has no request in progress (idle keep-alive, or never sent a whole
+  request); if every connection is busy it is answered 503 `too_many_connections` and closed
+  at once, so file descriptors never run out and the accept loop never fails.
+- **Request read deadline.** A connection must deliver a complete request (headers and body)
+  within `request_read_timeout` of its first byte (or of opening): slow or silent clients are
+  closed (408 when part of a request arrived).
+- **Write stall deadline.** A response that cannot be written for `stream_write_timeout`
+  (the client stopped reading and the buffers are full) is aborted; the request behind it
+  sees a disconnect and is counted as `client_stalled`. Socket send buffers are kept small,
+  so a client that stops reading is noticed after tens of kilobytes, not megabytes.
+
+Repeated log lines of each kind are limited to one a second (`RateLimitedLog`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from http import HTTPStatus
+from typing import Any, ClassVar
+
+import msgspec
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from otel_engine.entrypoints.errors import INVALID_REQUEST, UNAVAILABLE, APIError
+from otel_engine.entrypoints.limits import ServerLimits
+from otel_engine.observability.metrics import EngineMetrics
+
+logger = logging.getLogger("otel_engine.api_server")
+
+# Set in a request's ASGI scope when its connection was aborted for not reading.
+CLIENT_STALLED_KEY = "otel_engine.client_stalled"
+REFUSE_LINGER_S = 0.5
+
+
+class RateLimitedLog:
+    """At most one log line per `interval_s` for an event; the next line says how many
+    were left out (`num_suppressed`)."""
+
+    def __init__(self, interval_s: float = 1.0) -> None:
+        self.interval_s = interval_s
+        self._last: dict[str, float] = {}
+        self._suppressed: dict[str, int] = {}
+
+    def log(self, level: int, event: str, **fields: Any) -> bool:
+        now = time.monotonic()
+        if now - self._last.get(event, -self.interval_s) < self.interval_s:
+            self._suppressed[event] = self._suppressed.get(event, 0) + 1
+            return False
+        self._last[event] = now
+        fields["num_suppressed"] = self._suppressed.pop(event, 0)
+        logger.log(level, event, extra=fields)
+        return True
+
+
+class ConnectionTable:
+    """The open connections of one server, oldest first, and what happened to them."""
+
+    def __init__(self, limits: ServerLimits, metrics: EngineMetrics) -> None:
+        self.limits = limits
+        self.metrics = metrics
+        self.log = RateLimitedLog()
+        self.open: dict[GuardedH11Protocol, None] = {}
+        self.num_refusing = 0  # refused connections still reading their request
+
+    def closed(self, reason: str, protocol: GuardedH11Protocol) -> None:
+        self.metrics.on_connection_closed(reason)
+        self.log.log(logging.WARNING, f"http.connection_{reason}", client=_peer(protocol))
+
+    def admit(self, protocol: GuardedH11Protocol) -> bool:
+        """Register `protocol`; False when it must be refused (every slot is busy)."""
+        self.open[protocol] = None
+        if len(self.open) <= self.limits.max_connections:
+            return True
+        for other in self.open:
+            if other is not protocol and other.is_idle and not other.transport.is_closing():
+                other.close_idle()
+                return True
+        return False
+
+    def remove(self, protocol: GuardedH11Protocol) -> None:
+        self.open.pop(protocol, None)
+
+
+def protocol_class(table: ConnectionTable) -> type[GuardedH11Protocol]:
+    """uvicorn's `http=` protocol class for one server, bound to its connection table."""
+    return type("ServerH11Protocol", (GuardedH11Protocol,), {"table": table})
+
+
+class GuardedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with a connection limit, a request read deadline and a write
+    stall deadline (see the module docstring)."""
+
+    table: ClassVar[ConnectionTable]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._read_timer: asyncio.TimerHandle | None = None
+        self._read_cycle: object = None  # the cycle that was current when the timer was set
+        self._has_data = False
+        self._stall_timer: asyncio.TimerHandle | None = None
+        self._is_refused = False
+
+    @property
+    def is_idle(self) -> bool:
+        """No request is being answered on this connection."""
+        return self.cycle is None or self.cycle.response_complete
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        limits = self.table.limits
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, limits.send_buffer_bytes)
+        transport.set_write_buffer_limits(high=limits.write_buffer_bytes)
+        if not self.table.admit(self):
+            self._refuse()
+            return
+        self._arm_read_deadline()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._is_refused:
+            self.table.num_refusing -= 1
+            return
+        self.table.remove(self)
+        for timer in (self._read_timer, self._stall_timer):
+            if timer is not None:
+                timer.cancel()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._is_refused:
+            return  # read and dropped, so that closing does not reset the 503 away
+        self._has_data = True
+        if self._read_timer is None and self.is_idle:
+            self._arm_read_deadline()  # the first bytes of the next request on this connection
+        super().data_received(data)
+
+    def on_response_complete(self) -> None:
+        if self._read_timer is not None:
+            self._read_timer.cancel()
+            self._read_timer = None
+        self._has_data = False
+        super().on_response_complete()
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._stall_timer is None:
+            timeout = self.table.limits.stream_write_timeout
+            self._stall_timer = self.loop.call_later(timeout, self._write_stalled)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._stall_timer is not None:
+            self._stall_timer.cancel()
+            self._stall_timer = None
+
+    def close_idle(self) -> None:
+        """Close a connection with no request in progress to make room for a new one."""
+        self.table.remove(self)
+        self.table.closed("evicted", self)
+        self.transport.close()
+
+    def _arm_read_deadline(self) -> None:
+        self._read_cycle = self.cycle
+        timeout = self.table.limits.request_read_timeout
+        self._read_timer = self.loop.call_later(timeout, self._read_deadline)
+
+    def _read_deadline(self) -> None:
+        self._read_timer = None
+        cycle = self.cycle
+        if cycle is not None and cycle is not self._read_cycle and not cycle.more_body:
+            return  # a whole request arrived in time
+        if self.transport.is_closing():
+            return
+        if self._has_data and (cycle is None or not cycle.response_started):
+            self._write_raw(408, "request_timeout", "the request was not received in time")
+        self.table.closed("request_timeout", self)
+        self.transport.close()
+
+    def _write_stalled(self) -> None:
+        self._stall_timer = None
+        if self.transport.is_closing():
+            return
+        if self.cycle is not None:
+            self.cycle.scope[CLIENT_STALLED_KEY] = True  # type: ignore[literal-required]
+        self.table.closed("write_stalled", self)
+        self.transport.abort()  # close() would wait for the client to read the buffer
+
+    def _refuse(self) -> None:
+        """503 and close. The client's request is read and dropped for a moment first (at
+        most `max_connections` such connections at once): closing a socket with unread data
+        resets it, and the client would not see the 503."""
+        table = self.table
+        table.remove(self)
+        self.connections.discard(self)
+        self._is_refused = True
+        table.num_refusing += 1
+        self._write_raw(
+            503, "too_many_connections", "the server has too many open connections", retry=True
+        )
+        table.closed("refused", self)
+        if table.num_refusing > table.limits.max_connections:
+            self.transport.abort()
+            return
+        self.transport.write_eof()
+        self.loop.call_later(REFUSE_LINGER_S, self.transport.abort)
+
+    def _write_raw(self, status: int, code: str, message: str, *, retry: bool = False) -> None:
+        """A complete response written below h11 (the connection is closed right after)."""
+        kind = UNAVAILABLE if status == HTTPStatus.SERVICE_UNAVAILABLE else INVALID_REQUEST
+        error = APIError(status, message, type=kind, code=code)
+        body = msgspec.json.encode(error.body())
+        head = (
+            f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\nconnection: close\r\n"
+            + ("retry-after: 1\r\n" if retry else "")
+            + "\r\n"
+        )
+        self.transport.write(head.encode() + body)
+
+
+def _peer(protocol: H11Protocol) -> str | None:
+    client = protocol.client
+    return f"{client[0]}:{client[1]}" if client else None
+
+
+def rate_limited_exception_handler(log: RateLimitedLog) -> Any:
+    """An event-loop exception handler: "socket.accept() out of system resource" and the
+    like (one per failed accept, thousands a second when descriptors run out) are logged
+    at most once a second; everything else goes to the default handler."""
+
+    def handle(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        message = str(context.get("message", ""))
+        if message.startswith("socket.accept()"):
+            exc = context.get("exception")
+            log.log(logging.ERROR, "http.accept_failed", error=repr(exc) if exc else message)
+            return
+        loop.default_exception_handler(context)
+
+    return handle

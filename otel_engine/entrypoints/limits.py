@@ -1,0 +1,38 @@
+"""What one client may cost the HTTP server: the limits of `otel-engine serve`, in one place.
+
+Each limit bounds a resource a single unauthenticated client could otherwise take from every
+other: memory (body size), event-loop time (prompt characters; stop strings are bounded in
+`SamplingParams`), file descriptors (connections) and engine slots (requests whose client
+stopped reading). docs/operations.md ("Hostile clients") gives the reasoning; the flags are in
+docs/configuration.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MAX_BODY_BYTES = 4 * 1024 * 1024
+# A token of any tokenizer in use covers far fewer characters than this, so a prompt with
+# more characters than this many per token of context can never fit: it is refused before
+# it is tokenized.
+CHARS_PER_TOKEN_BOUND = 32
+
+
+@dataclass(frozen=True, slots=True)
+class ServerLimits:
+    """Per-server bounds; `max_prompt_chars` None means `CHARS_PER_TOKEN_BOUND` per token of
+    the model's context."""
+
+    max_body_bytes: int = MAX_BODY_BYTES
+    max_prompt_chars: int | None = None
+    max_connections: int = 1024
+    request_read_timeout: float = 30.0  # whole request (headers and body) after its first byte
+    stream_write_timeout: float = 30.0  # a response that cannot be written this long is aborted
+    keep_alive_timeout: int = 30  # idle keep-alive connections are closed after this
+    send_buffer_bytes: int = 32 * 1024  # kernel send buffer per connection
+    write_buffer_bytes: int = 16 * 1024  # queued in the server before writes pause
+
+    def prompt_chars(self, max_model_len: int) -> int:
+        if self.max_prompt_chars is not None:
+            return self.max_prompt_chars
+        return CHARS_PER_TOKEN_BOUND * max_model_len

@@ -1,0 +1,306 @@
+"""Hostile requests against a real `otel-engine serve` process: none kills the engine, freezes
+the event loop, leaks state or memory, or gets a 5xx.
+
+Each test is one of the reproductions of the hostile-clients issue. Every test ends by
+checking that the server still serves and that the front end holds no request state
+(`otel_engine_frontend_requests` is 0).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import socket
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import psutil
+import pytest
+
+from otel_engine.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
+from tests.helpers.probe import HealthProbe
+from tests.helpers.procs import ServerProcess
+from tests.helpers.scrape import metric_value
+
+API_KEY = "hostile-key"
+PROMPT = "Once upon a time there was a small town by the sea."
+HEALTH_LIMIT_S = 0.1
+VOCAB = 768  # tests/helpers/tiny_model.py
+
+
+@pytest.fixture(scope="module")
+def server(long_context_model_dir: str) -> Iterator[ServerProcess]:
+    args = ["--model", long_context_model_dir, "--max-num-seqs", "64", "--api-key", API_KEY]
+    with ServerProcess(args) as proc:
+        proc.wait_healthy()
+        yield proc
+
+
+def _client(server: ServerProcess, timeout: float = 60) -> httpx.Client:
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    return httpx.Client(base_url=server.base_url, timeout=timeout, headers=headers, trust_env=False)
+
+
+def _post(server: ServerProcess, path: str, body: dict[str, Any] | bytes) -> httpx.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    with _client(server) as client:
+        return client.post(path, content=content, headers={"content-type": "application/json"})
+
+
+def _error(response: httpx.Response) -> dict[str, Any]:
+    body = response.json()
+    assert {"message", "type", "param", "code"} == set(body["error"])
+    return body["error"]
+
+
+def _greedy_text(server: ServerProcess, **fields: Any) -> str:
+    body = {"prompt": PROMPT, "max_tokens": 12, "ignore_eos": True, **fields}
+    response = _post(server, "/v1/completions", body)
+    assert 200 == response.status_code, response.text
+    return str(response.json()["choices"][0]["text"])
+
+
+@pytest.fixture(autouse=True)
+def _still_serving(server: ServerProcess) -> Iterator[None]:
+    """During each test /health answers within 100 ms; after it, the engine serves, nothing
+    was answered with a 5xx, and no request state is left in the front end."""
+    num_lines = len(server.lines())
+    with HealthProbe(server.base_url) as probe:
+        yield
+    assert probe.max_latency_s <= HEALTH_LIMIT_S
+    assert server.returncode is None, server.tail()
+    server_errors = [r for r in server.json_lines()[num_lines:] if int(r.get("status") or 0) >= 500]
+    assert [] == server_errors
+    assert _greedy_text(server, temperature=0)
+    deadline = time.monotonic() + 5
+    while metric_value(server.base_url, "otel_engine_frontend_requests") and (
+        time.monotonic() < deadline
+    ):
+        time.sleep(0.05)
+    assert 0 == metric_value(server.base_url, "otel_engine_frontend_requests")
+
+
+@pytest.mark.parametrize("top_k", [2**63, 2**64, 10**30, VOCAB + 1])
+def test_top_k_beyond_the_vocabulary_is_400(server: ServerProcess, top_k: int) -> None:
+    """Item 1: a `top_k` the sampler cannot represent is a 400 naming it; the engine lives."""
+    response = _post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 4, "top_k": top_k})
+
+    assert 400 == response.status_code
+    assert "top_k" == _error(response)["param"]
+
+
+def test_top_k_of_the_whole_vocabulary_samples(server: ServerProcess) -> None:
+    """Item 1: `top_k` equal to the vocabulary size is valid (no filtering)."""
+    body = {"prompt": "hi", "max_tokens": 4, "top_k": VOCAB, "ignore_eos": True}
+    response = _post(server, "/v1/completions", body)
+
+    assert 200 == response.status_code
+    assert 4 == response.json()["usage"]["completion_tokens"]
+
+
+SURROGATE_BODIES = {
+    "prompt": b'{"prompt": "\\ud800x", "max_tokens": 2}',
+    "messages": b'{"messages": [{"role": "user", "content": "\\udfff"}], "max_tokens": 2}',
+    "stop": b'{"prompt": "hi", "max_tokens": 2, "stop": "\\ud800"}',
+    "model": b'{"model": "\\ud800", "prompt": "hi", "max_tokens": 2}',
+}
+
+
+@pytest.mark.parametrize("param", list(SURROGATE_BODIES))
+def test_lone_surrogates_are_400_naming_the_field(server: ServerProcess, param: str) -> None:
+    """Item 6: text that cannot be encoded (a lone surrogate) is a 400, not a 500."""
+    path = "/v1/chat/completions" if param == "messages" else "/v1/completions"
+    response = _post(server, path, SURROGATE_BODIES[param])
+
+    assert 400 == response.status_code
+    assert param == _error(response)["param"]
+
+
+def test_failing_requests_leave_no_state_and_no_memory(server: ServerProcess) -> None:
+    """Item 2: requests that fail before they reach the engine (a top_k past 64 bits, a lone
+    surrogate in a stop string) leave nothing behind: after 300 of them the api_server holds
+    no request state and its memory is back within 10 MiB."""
+    stops = "".join(["\\ud800"] + ["x"] * 1000)
+    bodies = [
+        json.dumps({"prompt": PROMPT * 20, "max_tokens": 4, "top_k": 2**64}).encode(),
+        b'{"prompt": "hi", "max_tokens": 4, "stop": ["' + stops.encode() + b'"]}',
+    ]
+    process = psutil.Process(server.pid)
+    with _client(server) as client:
+
+        def fail_many(count: int) -> None:
+            for index in range(count):
+                response = client.post(
+                    "/v1/completions",
+                    content=bodies[index % 2],
+                    headers={"content-type": "application/json"},
+                )
+                assert 400 == response.status_code
+
+        fail_many(60)  # warm-up: allocator arenas, caches
+        before = process.memory_info().rss
+        fail_many(300)
+        after = process.memory_info().rss
+
+    assert 0 == metric_value(server.base_url, "otel_engine_frontend_requests")
+    assert after - before < 10 * 2**20, f"api_server grew by {(after - before) / 2**20:.1f} MiB"
+
+
+def test_stop_strings_past_the_length_limit_are_400(server: ServerProcess) -> None:
+    """Item 3: a stop string longer than the limit is a 400 naming `stop`."""
+    body = {"prompt": "hi", "max_tokens": 4, "stop": ["x" * (MAX_STOP_CHARS + 1)]}
+    response = _post(server, "/v1/completions", body)
+
+    assert 400 == response.status_code
+    assert "stop" == _error(response)["param"]
+
+
+def test_longest_stop_strings_do_not_stall_health(server: ServerProcess) -> None:
+    """Item 3: the most stop strings of the longest length, on a long stream, cost the
+    event loop so little that /health answers within 100 ms throughout."""
+    stops = [("ab" * MAX_STOP_CHARS)[: MAX_STOP_CHARS - 2] + f"{i:02d}" for i in range(16)]
+    assert MAX_STOP_STRINGS == len(stops)
+    body = {
+        "prompt": PROMPT,
+        "max_tokens": 1500,
+        "ignore_eos": True,
+        "stream": True,
+        "stop": stops,
+    }
+    with _client(server) as client, client.stream("POST", "/v1/completions", json=body) as response:
+        assert 200 == response.status_code
+        chunks = sum(1 for line in response.iter_lines() if line.startswith("data: {"))
+
+    assert chunks > 100  # /health was probed all along (the autouse fixture)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_huge_prompts_are_refused_before_tokenizing(server: ServerProcess, path: str) -> None:
+    """Item 4: four ~4 MB prompts at once are refused (400 context_length_exceeded) by their
+    character count before any tokenizing (and /health answers within 100 ms meanwhile)."""
+    text = "hello world, this is a test. " * 137_000  # 3.97 MB, under the body limit
+    if path == "/v1/completions":
+        body: dict[str, Any] = {"prompt": text, "max_tokens": 4}
+    else:
+        body = {"messages": [{"role": "user", "content": text}], "max_tokens": 4}
+    content = json.dumps(body).encode()
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        responses = list(pool.map(lambda _: _post(server, path, content), range(4)))
+
+    assert [400] * 4 == [r.status_code for r in responses]
+    assert {"context_length_exceeded"} == {_error(r)["code"] for r in responses}
+
+
+@pytest.mark.parametrize(("field", "value"), [("temperature", 1e-50), ("top_p", 1e-50)])
+def test_tiny_temperature_or_top_p_is_greedy(
+    server: ServerProcess, field: str, value: float
+) -> None:
+    """Item 8: a temperature or top_p that float32 rounds to 0 samples the most likely token
+    (the greedy text), not token 0 every step."""
+    greedy = _greedy_text(server, temperature=0)
+
+    assert greedy == _greedy_text(server, **{field: value})
+
+
+def test_gauges_follow_aborts_without_other_traffic(server: ServerProcess) -> None:
+    """Item 10: after 20 streaming clients hang up, with no other traffic, the running and
+    KV-usage gauges go back to 0 (no step runs to refresh them)."""
+    body = {"prompt": PROMPT, "max_tokens": 3000, "ignore_eos": True, "stream": True}
+    with _client(server) as client:
+        streams = [client.stream("POST", "/v1/completions", json=body) for _ in range(20)]
+        responses = [stream.__enter__() for stream in streams]
+        for response in responses:
+            next(response.iter_lines())
+        for stream in streams:
+            stream.__exit__(None, None, None)
+
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and (
+        metric_value(server.base_url, "otel_engine_requests_running")
+        or metric_value(server.base_url, "otel_engine_kv_cache_usage_ratio")
+    ):
+        time.sleep(0.05)
+    assert 0 == metric_value(server.base_url, "otel_engine_requests_running")
+    assert 0 == metric_value(server.base_url, "otel_engine_kv_cache_usage_ratio")
+
+
+def test_aborted_non_streaming_request_counts_its_tokens(server: ServerProcess) -> None:
+    """Item 11: a non-streaming client that hangs up mid-generation: its generated tokens
+    are counted, with the abort."""
+    base = server.base_url
+    tokens_before = metric_value(base, "otel_engine_generation_tokens_total")
+    aborts_before = metric_value(base, "otel_engine_request_errors_total", error_type="aborted")
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 3000, "ignore_eos": True}).encode()
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Authorization: Bearer " + API_KEY.encode() + b"\r\n"
+            b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+        )
+        time.sleep(1.0)
+
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and aborts_before == metric_value(
+        base, "otel_engine_request_errors_total", error_type="aborted"
+    ):
+        time.sleep(0.05)
+    assert aborts_before + 1 == metric_value(
+        base, "otel_engine_request_errors_total", error_type="aborted"
+    )
+    assert metric_value(base, "otel_engine_generation_tokens_total") > tokens_before
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        [("Authorization", f"Bearer {API_KEY}"), ("Authorization", "Bearer wrong")],
+        [("Authorization", "Bearer wrong"), ("Authorization", f"Bearer {API_KEY}")],
+    ],
+)
+def test_two_authorization_headers_are_refused(
+    server: ServerProcess, headers: list[tuple[str, str]]
+) -> None:
+    """Item 13: with two Authorization headers neither wins: 401."""
+    with httpx.Client(base_url=server.base_url, timeout=60, trust_env=False) as client:
+        response = client.get("/v1/models", headers=headers)
+
+    assert 401 == response.status_code
+    assert "invalid_api_key" == _error(response)["code"]
+
+
+@pytest.mark.parametrize("scheme", ["bearer", "BEARER", "Bearer"])
+def test_bearer_scheme_is_case_insensitive(server: ServerProcess, scheme: str) -> None:
+    """Item 13: RFC 9110 auth schemes are case-insensitive."""
+    with httpx.Client(base_url=server.base_url, timeout=60, trust_env=False) as client:
+        response = client.get("/v1/models", headers={"Authorization": f"{scheme} {API_KEY}"})
+
+    assert 200 == response.status_code
+
+
+def test_integral_float_is_an_integer(server: ServerProcess) -> None:
+    """Item 12: `"n": 1.0` and `"max_tokens": 4.0` are integers, as JSON Schema says; 1.5 is
+    not."""
+    ok = _post(server, "/v1/completions", {"prompt": "hi", "n": 1.0, "max_tokens": 4.0})
+    bad = _post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 4.5})
+
+    assert 200 == ok.status_code
+    assert (400, "max_tokens") == (bad.status_code, _error(bad)["param"])
+
+
+def test_tokenizing_runs_off_the_event_loop(long_context_model_dir: str) -> None:
+    """Item 4: with the character limit raised, a 1 MB prompt is tokenized (for about a
+    second) in a worker thread: /health answers within 100 ms throughout."""
+    text = "hello world, this is a test. " * 35_000
+    args = ["--model", long_context_model_dir, "--max-prompt-chars", str(2 * len(text))]
+    with ServerProcess(args) as other:
+        other.wait_healthy()
+        with HealthProbe(other.base_url) as probe:
+            response = _post(other, "/v1/completions", {"prompt": text, "max_tokens": 4})
+
+    assert 400 == response.status_code
+    assert "context_length_exceeded" == _error(response)["code"]
+    assert len(probe.latencies) > 10
+    assert probe.max_latency_s <= HEALTH_LIMIT_S

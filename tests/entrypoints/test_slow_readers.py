@@ -1,0 +1,106 @@
+"""Clients that stop reading their streams give their engine slots back, and are dropped
+after --stream-write-timeout; a normal client is served meanwhile."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from otel_engine import AsyncLLM
+from otel_engine.entrypoints.api_server import make_server
+from otel_engine.entrypoints.limits import ServerLimits
+from tests.entrypoints.conftest import Served, ServerLoop
+
+NUM_STALLED = 64
+# Small socket buffers, so a client that stops reading is noticed after a few kilobytes.
+SMALL_BUFFERS = {"send_buffer_bytes": 4096, "write_buffer_bytes": 4096}
+
+
+@pytest.fixture(scope="module")
+def long_engine(long_context_model_dir: str) -> Iterator[AsyncLLM]:
+    """The tiny model with a 4096-token context and a slot for every stalled reader."""
+    llm = AsyncLLM(model=long_context_model_dir, max_num_seqs=NUM_STALLED)
+    yield llm
+    llm.shutdown()
+
+
+def _serve(server_loop: ServerLoop, engine: AsyncLLM, **limits: float) -> Served:
+    server = make_server(engine, drain_timeout=5, limits=ServerLimits(**limits))  # type: ignore[arg-type]
+    return Served(server_loop.start(server), engine, server)
+
+
+def _stalled_reader(served: Served) -> socket.socket:
+    """A client that asks for a long stream and never reads it."""
+    host, port = served.base_url.removeprefix("http://").split(":")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect((host, int(port)))
+    body = json.dumps(
+        {"prompt": "Once upon a time", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+    ).encode()
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+    )
+    return sock
+
+
+def _wait_for(condition: object, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():  # type: ignore[operator]
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_normal_client_is_served_while_64_readers_are_stalled(
+    server_loop: ServerLoop, long_engine: AsyncLLM
+) -> None:
+    """Item 9: 64 streams whose clients stopped reading hold every --max-num-seqs slot
+    until they are paused; then a normal client is served within 5 s while they stay
+    connected, and closing them leaves nothing in the engine."""
+    served = _serve(server_loop, long_engine, **SMALL_BUFFERS)
+    stalled = [_stalled_reader(served) for _ in range(NUM_STALLED)]
+    try:
+        assert _wait_for(
+            lambda: served.metric("otel_engine_requests_paused") == NUM_STALLED, timeout=90
+        ), served.metric("otel_engine_requests_paused")
+
+        started = time.monotonic()
+        completion = served.openai(timeout=30).completions.create(
+            model=served.model, prompt="Hello", max_tokens=16, extra_body={"ignore_eos": True}
+        )
+        elapsed = time.monotonic() - started
+    finally:
+        for sock in stalled:
+            sock.close()
+
+    assert 16 == completion.usage.completion_tokens
+    assert elapsed < 5.0
+    assert _wait_for(lambda: long_engine.num_tracked == 0, timeout=10)
+    assert _wait_for(lambda: served.metric("otel_engine_requests_paused") == 0, timeout=5)
+    server_loop.stop(served.server)
+
+
+def test_a_stream_not_read_for_the_write_timeout_is_aborted(
+    server_loop: ServerLoop, long_engine: AsyncLLM
+) -> None:
+    """Item 9: a stream that cannot be written for --stream-write-timeout is aborted, its
+    request leaves the engine, and it is counted as client_stalled."""
+    served = _serve(server_loop, long_engine, stream_write_timeout=1.0, **SMALL_BUFFERS)
+    counted = ("otel_engine_request_errors_total", {"error_type": "client_stalled"})
+    closed = ("otel_engine_http_connections_closed_total", {"reason": "write_stalled"})
+    before = [served.metric(name, **labels) for name, labels in (counted, closed)]
+
+    with _stalled_reader(served):
+        assert _wait_for(lambda: served.metric(counted[0], **counted[1]) > before[0], timeout=60)
+        assert _wait_for(lambda: long_engine.num_tracked == 0, timeout=5)
+
+    assert before[0] + 1 == served.metric(counted[0], **counted[1])
+    assert before[1] + 1 == served.metric(closed[0], **closed[1])
+    server_loop.stop(served.server)
