@@ -253,9 +253,7 @@ def clients() -> Any:
                 [
                     target(f"sum(otel_engine_requests_paused{{{SEL}}})", "paused"),
                     target(
-                        rate_sum(
-                            "otel_engine_request_errors_total", 'error_type="client_stalled"'
-                        ),
+                        rate_sum("otel_engine_request_errors_total", 'error_type="client_stalled"'),
                         "client_stalled/s",
                     ),
                     target(f"sum(otel_engine_frontend_requests{{{SEL}}})", "frontend requests"),
