@@ -18,8 +18,10 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     HF_HOME=/var/cache/otel-engine/huggingface
 
 # tini as PID 1 forwards SIGTERM (the drain) to the server and reaps the engine's children.
+# gcc: the engine compiles its CPU kernels for the CPU it runs on, on first start, into
+# OTEL_ENGINE_CACHE_DIR (without a compiler it runs on torch ops alone, slower).
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends tini \
+    && apt-get install -y --no-install-recommends tini gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/* \
     && groupadd --system --gid 10001 otel-engine \
     && useradd --system --uid 10001 --gid otel-engine --create-home --home-dir /home/otel-engine \

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from otel_engine.config import DEVICES, DTYPES, EngineConfig
+from otel_engine.config import DEVICES, DTYPES, INT4, KERNELS, EngineConfig
 from otel_engine.entrypoints.limits import CHARS_PER_TOKEN_BOUND, ServerLimits
 from otel_engine.observability.logging import adopt_library_loggers
 from otel_engine.observability.setup import setup_main_process
@@ -31,6 +31,8 @@ ENGINE_FLAGS = (
     "device",
     "max_model_len",
     "seed",
+    "kernels",
+    "int4",
     "block_size",
     "num_kv_blocks",
     "kv_cache_memory_gib",
@@ -62,6 +64,21 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     )
     model.add_argument("--dtype", choices=DTYPES, help="weight and activation dtype")
     model.add_argument("--device", choices=DEVICES, help="cpu or cuda")
+    model.add_argument(
+        "--kernels",
+        choices=KERNELS,
+        help="auto: on CPU, prepacked oneDNN weights and the compiled kernels (built with the "
+        "system C compiler on first use, else torch ops); torch: plain torch ops everywhere "
+        "(default: auto)",
+    )
+    model.add_argument(
+        "--int4",
+        choices=INT4,
+        help="auto: when the checkpoint stores weights in 4 bits (GGUF Q4_0/Q4_1) and --kernels "
+        "is auto, steps of up to 8 tokens multiply by them (faster for one or a few streams; "
+        "costs a second copy of the weights, a quarter of their bfloat16 size); off: never "
+        "(default: auto)",
+    )
     model.add_argument(
         "--max-model-len", type=int, metavar="N", help="context length (default: the model's)"
     )

@@ -16,6 +16,8 @@ import msgspec
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("cpu", "cuda")
+KERNELS = ("auto", "torch")
+INT4 = ("auto", "off")
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +31,8 @@ class ModelConfig:
     device: str = "cpu"
     max_model_len: int | None = None
     seed: int = 0
+    kernels: str = "auto"  # auto: compiled CPU kernels and prepacked weights where they apply
+    int4: str = "auto"  # auto: small steps use the checkpoint's own 4-bit weights (with kernels)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +110,10 @@ class EngineConfig:
         """Reject values that can never work, with a message that names the option."""
         if self.model.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.model.dtype!r}")
+        if self.model.kernels not in KERNELS:
+            raise ValueError(f"kernels must be one of {KERNELS}, got {self.model.kernels!r}")
+        if self.model.int4 not in INT4:
+            raise ValueError(f"int4 must be one of {INT4}, got {self.model.int4!r}")
         if self.model.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.model.device!r}")
         if self.parallel.tensor_parallel_size < 1:

@@ -13,9 +13,9 @@ import torch
 
 from otel_engine.config import EngineConfig
 from otel_engine.ipc.messages import ModelInput
-from otel_engine.model.attention import build_metadata
+from otel_engine.model.attention import AttentionMetadata
 from otel_engine.model.llama import LlamaModel, check_tensor_parallel
-from otel_engine.model.loader import ModelArch, iter_weights, load_model_arch
+from otel_engine.model.loader import ModelArch, iter_int4, iter_weights, load_model_arch
 from otel_engine.model.sampler import Sampler
 
 logger = logging.getLogger(__name__)
@@ -85,8 +85,11 @@ class ModelRunner:
             tp_rank=rank,
             tp_size=config.parallel.tensor_parallel_size,
             max_positions=self.limits.max_model_len,
+            kernels=config.model.kernels,
+            block_size=self.block_size,
         )
         self.model.load_weights(iter_weights(model_dir))
+        self._load_int4(model_dir)
         shape = (
             self.model.num_kv_heads,
             self.limits.num_kv_blocks,
@@ -102,23 +105,39 @@ class ModelRunner:
         ]
         self.sampler = Sampler(self.device) if rank == 0 else None
 
-    @torch.inference_mode()
-    def execute(self, step: ModelInput) -> list[int]:
-        """Run the forward; rank 0 returns one sampled token per sampled sequence."""
-        device = self.device
-        input_ids = torch.tensor(step.input_ids, dtype=torch.long, device=device)
-        positions = torch.tensor(step.positions, dtype=torch.long, device=device)
-        meta = build_metadata(
-            slot_mapping=torch.tensor(step.slot_mapping, dtype=torch.long, device=device),
+    def _load_int4(self, model_dir: str) -> None:
+        """The checkpoint's 4-bit weights for small steps, where they apply (--int4)."""
+        model = self.model
+        if self.config.model.int4 == "off" or not model.is_packed or self.dtype != torch.bfloat16:
+            return
+        weights = iter_int4(model_dir)
+        if not weights:
+            return
+        reason = model.load_int4(weights)
+        logger.info(
+            "model.int4", extra={"enabled": reason is None, "reason": reason, "rank": self.rank}
+        )
+
+    def forward_inputs(self, step: ModelInput) -> tuple[torch.Tensor, AttentionMetadata]:
+        """The step's token ids as a tensor and its attention metadata (for every layer)."""
+        input_ids = torch.tensor(step.input_ids, dtype=torch.long, device=self.device)
+        meta = self.model.ops.build_metadata(
+            positions=step.positions,
+            slot_mapping=step.slot_mapping,
             num_decodes=step.num_decodes,
             query_lens=step.query_lens,
             seq_lens=step.seq_lens,
             block_tables=step.block_tables,
             block_size=self.block_size,
-            dtype=self.dtype,
-            device=device,
         )
-        hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
+        return input_ids, meta
+
+    @torch.inference_mode()
+    def execute(self, step: ModelInput) -> list[int]:
+        """Run the forward; rank 0 returns one sampled token per sampled sequence."""
+        device = self.device
+        input_ids, meta = self.forward_inputs(step)
+        hidden = self.model.forward(input_ids, self.kv_caches, meta)
         if self.sampler is None or not step.sample_indices:
             return []
         ends = torch.tensor(step.query_lens, device=device).cumsum(0) - 1

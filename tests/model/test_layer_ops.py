@@ -1,0 +1,233 @@
+"""The compiled CPU kernels (`KernelOps`) against the torch ops they replace (`TorchOps`):
+the same results within rounding, in float32 and bfloat16, for decode, prefill and mixed
+batches, block boundaries, odd sizes (masked vector tails) and every group size."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from otel_engine.config import EngineConfig
+from otel_engine.executor.model_runner import ModelRunner, prepare_model_input
+from otel_engine.model import kernels
+from otel_engine.model.layer_ops import KernelOps, TorchOps, make_layer_ops
+from otel_engine.model.layers import RotaryEmbedding
+from otel_engine.sampling_params import SamplingParams
+from otel_engine.sched.request import Request
+from otel_engine.sched.scheduler import ScheduledChunk
+
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def library() -> object:
+    library = kernels.load()
+    assert library is not None, "the kernels did not build (is a C compiler installed?)"
+    return library
+
+
+def both(
+    library: object, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int
+) -> tuple[TorchOps, KernelOps]:
+    rotary = RotaryEmbedding(head_dim, 4096, 10000.0, None, dtype, CPU)
+    return (
+        TorchOps(heads, kv_heads, head_dim, rotary, CPU),
+        KernelOps(library, heads, kv_heads, head_dim, rotary, dtype),  # type: ignore[arg-type]
+    )
+
+
+def assert_close(expected: torch.Tensor, actual: torch.Tensor, dtype: torch.dtype) -> None:
+    scale = max(1.0, expected.float().abs().max().item())
+    assert (expected.float() - actual.float()).abs().max().item() <= TOLERANCE[dtype] * scale
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "width"), [(1, 576), (5, 100), (33, 64)])
+@pytest.mark.parametrize("has_delta", [True, False])
+def test_add_rms_norm_matches(
+    library: object, dtype: torch.dtype, rows: int, width: int, has_delta: bool
+) -> None:
+    """Residual add (in place) and RMSNorm: the same stream and the same normed rows."""
+    torch_ops, kernel_ops = both(library, dtype, 4, 2, 16)
+    hidden = torch.randn(rows, width).to(dtype) * 3
+    delta = torch.randn(rows, width).to(dtype) if has_delta else None
+    weight = torch.randn(width).to(dtype)
+    expected_hidden, actual_hidden = hidden.clone(), hidden.clone()
+
+    expected = torch_ops.add_rms_norm(expected_hidden, delta, weight, 1e-5)
+    actual = kernel_ops.add_rms_norm(actual_hidden, delta, weight, 1e-5)
+
+    assert torch.equal(expected_hidden, actual_hidden)
+    assert_close(expected, actual, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "width"), [(1, 1536), (7, 40), (20, 128)])
+def test_silu_mul_matches(library: object, dtype: torch.dtype, rows: int, width: int) -> None:
+    """SiLU of the gate half times the up half, large and negative gates included."""
+    torch_ops, kernel_ops = both(library, dtype, 4, 2, 16)
+    gate_up = (torch.randn(rows, 2 * width) * 8).to(dtype)
+
+    assert_close(torch_ops.silu_mul(gate_up), kernel_ops.silu_mul(gate_up), dtype)
+
+
+BATCHES = {
+    "decode": ([1, 1, 1], [17, 33, 5]),  # one token each, lengths across block boundaries
+    "prefill": ([7], [7]),  # a fresh prompt
+    "chunk": ([5], [21]),  # a later chunk of a long prompt (keys from the cache)
+    "mixed": ([1, 1, 6, 9], [16, 40, 6, 30]),  # decodes first, then prefill chunks
+    "full": ([1], [64]),  # a sequence at the cache's capacity for it (max_model_len)
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch", list(BATCHES))
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "block_size"),
+    [(4, 2, 16, 4), (9, 3, 64, 16), (4, 4, 32, 8), (8, 1, 64, 16), (6, 2, 40, 4)],
+)
+def test_attend_matches(
+    library: object,
+    dtype: torch.dtype,
+    batch: str,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    block_size: int,
+) -> None:
+    """Rotary, the cache writes and attention over scattered blocks: the same output, and
+    the same cache contents."""
+    query_lens, seq_lens = BATCHES[batch]
+    torch_ops, kernel_ops = both(library, dtype, heads, kv_heads, head_dim)
+    rng = random.Random(len(query_lens) * head_dim + block_size)
+    num_blocks = 96
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(-(-n // block_size))] for n in seq_lens]
+    positions, slots = [], []
+    for query_len, seq_len, table in zip(query_lens, seq_lens, tables, strict=True):
+        for p in range(seq_len - query_len, seq_len):
+            positions.append(p)
+            slots.append(table[p // block_size] * block_size + p % block_size)
+    num_decodes = sum(1 for n in query_lens if n == 1)
+    metadata = {
+        "positions": positions,
+        "slot_mapping": slots,
+        "num_decodes": num_decodes,
+        "query_lens": query_lens,
+        "seq_lens": seq_lens,
+        "block_tables": tables,
+        "block_size": block_size,
+    }
+    cache_shape = (kv_heads, num_blocks, block_size, head_dim)
+    k_cache = torch.randn(cache_shape).to(dtype)
+    v_cache = torch.randn(cache_shape).to(dtype)
+    qkv = torch.randn(len(positions), (heads + 2 * kv_heads) * head_dim).to(dtype)
+    caches = [(k_cache.clone(), v_cache.clone()) for _ in range(2)]
+
+    expected = torch_ops.attend(qkv.clone(), *caches[0], torch_ops.build_metadata(**metadata))
+    actual = kernel_ops.attend(qkv.clone(), *caches[1], kernel_ops.build_metadata(**metadata))
+
+    assert_close(expected, actual, dtype)
+    for written_by_torch, written_by_kernel in zip(caches[0], caches[1], strict=True):
+        assert_close(written_by_torch, written_by_kernel, dtype)
+
+
+def test_no_compiler_falls_back_to_torch_ops(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a C compiler the kernels are unavailable and the model runs on torch ops."""
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    monkeypatch.setattr(kernels.shutil, "which", lambda _: None)
+    kernels.load.cache_clear()
+    try:
+        ops = make_layer_ops(
+            "auto",
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=16,
+            rotary=RotaryEmbedding(16, 64, 10000.0, None, torch.float32, CPU),
+            dtype=torch.float32,
+            device=CPU,
+            block_size=16,
+        )
+    finally:
+        kernels.load.cache_clear()
+
+    assert isinstance(ops, TorchOps)
+    assert not isinstance(ops, KernelOps)
+
+
+def test_torch_choice_never_uses_the_kernels(library: object) -> None:
+    """kernels="torch" is the reference path, whatever is available."""
+    ops = make_layer_ops(
+        "torch",
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rotary=RotaryEmbedding(16, 64, 10000.0, None, torch.bfloat16, CPU),
+        dtype=torch.bfloat16,
+        device=CPU,
+        block_size=16,
+    )
+
+    assert not isinstance(ops, KernelOps)
+
+
+def _runner(model_dir: str, dtype: str, kernels_choice: str) -> ModelRunner:
+    config = EngineConfig.from_kwargs(
+        model=model_dir,
+        dtype=dtype,
+        kernels=kernels_choice,
+        block_size=4,
+        num_kv_blocks=64,
+        multiprocess=False,
+    )
+    return ModelRunner(config, model_dir)
+
+
+def _step_logits(runner: ModelRunner, step_id: int, chunks: list[ScheduledChunk]) -> torch.Tensor:
+    step = prepare_model_input(step_id, chunks, 4)
+    input_ids, meta = runner.forward_inputs(step)
+    with torch.inference_mode():
+        return runner.model.compute_logits(runner.model.forward(input_ids, runner.kv_caches, meta))
+
+
+@pytest.mark.parametrize(("dtype", "tolerance"), [("float32", 1e-5), ("bfloat16", 0.04)])
+def test_model_logits_agree_between_the_paths(
+    tiny_model_dir: str, tiny_prompts: list[list[int]], dtype: str, tolerance: float
+) -> None:
+    """The whole model on the kernels and on torch ops: prefill, then decodes mixed with a
+    new prefill, crossing block boundaries; logits agree within `tolerance` of the largest
+    logit (bfloat16: both paths round at every op, at different places) and the greedy
+    tokens are the same."""
+    runners = [_runner(tiny_model_dir, dtype, choice) for choice in ("auto", "torch")]
+    assert runners[0].model.is_packed
+    assert not runners[1].model.is_packed
+    a, b, c = (list(p) for p in tiny_prompts[2:5])  # 8, 13 and 21 tokens
+    blocks = {"a": list(range(10)), "b": list(range(10, 20)), "c": list(range(20, 30))}
+    requests = {
+        name: Request(name, ids, SamplingParams(temperature=0.0))
+        for name, ids in (("a", a), ("b", b), ("c", c))
+    }
+    for name, request in requests.items():
+        request.block_ids = blocks[name]
+    steps = [
+        [ScheduledChunk(requests["a"], 0, len(a)), ScheduledChunk(requests["b"], 0, len(b))],
+        [
+            ScheduledChunk(requests["a"], len(a), 1),
+            ScheduledChunk(requests["b"], len(b), 1),
+            ScheduledChunk(requests["c"], 0, len(c)),
+        ],
+        [ScheduledChunk(requests[n], len(requests[n].prompt_token_ids) + 1, 1) for n in "abc"],
+    ]
+    for step_id, chunks in enumerate(steps, start=1):
+        for chunk in chunks:  # the next token of each sequence is its last greedy pick
+            while chunk.request.num_tokens < chunk.start + chunk.num_tokens:
+                chunk.request.output_token_ids.append(7 + step_id)
+        fast, reference = (_step_logits(r, step_id, chunks) for r in runners)
+        scale = reference.abs().max().item()
+        assert (fast - reference).abs().max().item() <= tolerance * scale
+        ends = [sum(c.num_tokens for c in chunks[: i + 1]) - 1 for i in range(len(chunks))]
+        assert reference[ends].argmax(-1).tolist() == fast[ends].argmax(-1).tolist()
