@@ -4,7 +4,7 @@
 kernels (`kernels.py`): one call replaces each chain of small torch ops (RMSNorm with its
 residual add, rotary with the cache write, decode attention, SiLU-and-mul), whose dispatch
 cost dominates a decode step on a small CPU, and decode attention reads each cached block
-once instead of copying it. Prefill chunks use the torch attention on both.
+once instead of copying it; prefill chunks go through torch's fused attention.
 
 Every op takes and returns [tokens, ...] tensors in the model dtype. `add_rms_norm` adds the
 residual `delta` into `hidden` in place (the residual stream is owned by the forward).
@@ -27,6 +27,7 @@ from otel_engine.model.attention import (
     padded_tables,
     prefill_attention,
     prefill_seqs,
+    sdpa_prefill,
     write_cache,
 )
 from otel_engine.model.layers import RotaryEmbedding, rms_norm
@@ -193,7 +194,13 @@ class KernelOps(TorchOps):
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.long),
             num_decodes=num_decodes,
             prefills=prefill_seqs(
-                num_decodes, query_lens, seq_lens, block_tables, block_size, self.device
+                num_decodes,
+                query_lens,
+                seq_lens,
+                block_tables,
+                block_size,
+                self.device,
+                for_sdpa=True,
             ),
         )
         if num_decodes:
@@ -266,7 +273,7 @@ class KernelOps(TorchOps):
             heads = out.view(-1, num_heads, head_dim)
             for seq in meta.prefills:
                 rows = slice(seq.query_start, seq.query_end)
-                heads[rows] = prefill_attention(
+                heads[rows] = sdpa_prefill(
                     q[rows], k[rows], v[rows], k_cache, v_cache, seq, self.scale
                 )
         return out
