@@ -1,7 +1,7 @@
 """Throughput of otel-engine offline and over HTTP, next to Hugging Face `generate`.
 
     .venv/bin/python bench/throughput.py [--model PATH] [--dtype bfloat16]
-        [--batch-sizes 1,8,32] [--prompt-len 128] [--output-len 128]
+        [--scenario standard|long] [--batch-sizes 1,8,32] [--prompt-len 128] [--output-len 128]
         [--repeat N] [--skip-offline] [--skip-hf] [--skip-http] [--json out.json]
 
 Phases run one after another (never two at once, so they do not share the CPU):
@@ -42,6 +42,10 @@ from common import (
 )
 
 SEED = 1234
+SCENARIOS: dict[str, dict[str, Any]] = {
+    "standard": {"batch_sizes": [1, 8, 32], "prompt_len": 128, "output_len": 128},
+    "long": {"batch_sizes": [8], "prompt_len": 1024, "output_len": 128},
+}
 CONTENDED_CORES = 0.25  # CPU cores taken by other processes beyond which a number is suspect
 
 
@@ -309,10 +313,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--dtype", default="bfloat16", choices=("auto", "float32", "bfloat16", "float16")
     )
     parser.add_argument(
-        "--batch-sizes", default="1,8,32", type=lambda s: [int(x) for x in s.split(",") if x]
+        "--scenario",
+        choices=sorted(SCENARIOS),
+        default="standard",
+        help="standard: 128 + 128 tokens at batch 1, 8, 32; long: 1,024-token prompts + 128 "
+        "at batch 8 (the flags below override either)",
     )
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",") if x])
+    parser.add_argument("--prompt-len", type=int)
+    parser.add_argument("--output-len", type=int)
     parser.add_argument(
         "--requests-per-stream",
         type=int,
@@ -331,7 +340,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--skip-http", action="store_true")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    for name, value in SCENARIOS[args.scenario].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
