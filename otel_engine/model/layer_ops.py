@@ -13,7 +13,6 @@ residual `delta` into `hidden` in place (the residual stream is owned by the for
 from __future__ import annotations
 
 import ctypes
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -33,36 +32,9 @@ from otel_engine.model.attention import (
 from otel_engine.model.layers import RotaryEmbedding, rms_norm
 
 
-class LayerOps(Protocol):
-    def build_metadata(
-        self,
-        *,
-        positions: list[int],
-        slot_mapping: list[int],
-        num_decodes: int,
-        query_lens: list[int],
-        seq_lens: list[int],
-        block_tables: list[list[int]],
-        block_size: int,
-    ) -> AttentionMetadata: ...
-
-    def add_rms_norm(
-        self, hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
-    ) -> torch.Tensor: ...
-
-    def attend(
-        self,
-        qkv: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor: ...
-
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
-
-
 class TorchOps:
-    """The layer's ops as torch ops (any device)."""
+    """The layer's ops as torch ops (any device), and the interface of every implementation
+    (`LayerOps`)."""
 
     def __init__(
         self,
@@ -79,6 +51,9 @@ class TorchOps:
         self.rotary = rotary
         self.device = device
 
+    # prefill masks for `sdpa_prefill` (boolean) rather than `prefill_attention` (additive)
+    prefill_sdpa = False
+
     def build_metadata(
         self,
         *,
@@ -91,23 +66,37 @@ class TorchOps:
         block_size: int,
     ) -> AttentionMetadata:
         device = self.device
-        position_ids = torch.tensor(positions, dtype=torch.long, device=device)
-        cos, sin = self.rotary.lookup(position_ids)
+        prefills = prefill_seqs(
+            num_decodes,
+            query_lens,
+            seq_lens,
+            block_tables,
+            block_size,
+            device,
+            for_sdpa=self.prefill_sdpa,
+        )
         meta = AttentionMetadata(
-            positions=position_ids,
+            positions=torch.tensor(positions, dtype=torch.long, device=device),
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
             num_decodes=num_decodes,
-            prefills=prefill_seqs(
-                num_decodes, query_lens, seq_lens, block_tables, block_size, device
-            ),
-            cos=cos,
-            sin=sin,
+            prefills=prefills,
         )
-        if num_decodes:
-            meta.decode_blocks, meta.decode_mask = decode_gather_indices(
-                num_decodes, seq_lens, block_tables, block_size, device
-            )
+        self._complete_metadata(meta, seq_lens, block_tables, block_size)
         return meta
+
+    def _complete_metadata(
+        self,
+        meta: AttentionMetadata,
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+    ) -> None:
+        """What this implementation reads besides the common fields."""
+        meta.cos, meta.sin = self.rotary.lookup(meta.positions)
+        if meta.num_decodes:
+            meta.decode_blocks, meta.decode_mask = decode_gather_indices(
+                meta.num_decodes, seq_lens, block_tables, block_size, self.device
+            )
 
     def add_rms_norm(
         self, hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
@@ -178,37 +167,21 @@ class KernelOps(TorchOps):
             [rotary.cos[:, :half].float(), rotary.sin[:, :half].float()], dim=1
         ).contiguous()
 
-    def build_metadata(
+    prefill_sdpa = True
+
+    def _complete_metadata(
         self,
-        *,
-        positions: list[int],
-        slot_mapping: list[int],
-        num_decodes: int,
-        query_lens: list[int],
+        meta: AttentionMetadata,
         seq_lens: list[int],
         block_tables: list[list[int]],
         block_size: int,
-    ) -> AttentionMetadata:
-        meta = AttentionMetadata(
-            positions=torch.tensor(positions, dtype=torch.long),
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long),
-            num_decodes=num_decodes,
-            prefills=prefill_seqs(
-                num_decodes,
-                query_lens,
-                seq_lens,
-                block_tables,
-                block_size,
-                self.device,
-                for_sdpa=True,
-            ),
-        )
-        if num_decodes:
+    ) -> None:
+        if meta.num_decodes:
+            num_decodes = meta.num_decodes
             meta.decode_tables = torch.tensor(
                 padded_tables(block_tables[:num_decodes]), dtype=torch.int32
             )
             meta.decode_lens = torch.tensor(seq_lens[:num_decodes], dtype=torch.int32)
-        return meta
 
     def add_rms_norm(
         self, hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
@@ -283,6 +256,9 @@ class KernelOps(TorchOps):
         out = torch.empty((rows, width), dtype=gate_up.dtype)
         self._silu_mul(out.data_ptr(), gate_up.data_ptr(), rows, width)
         return out
+
+
+LayerOps = TorchOps  # the interface: KernelOps overrides what it does in compiled code
 
 
 def make_layer_ops(
