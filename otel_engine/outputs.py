@@ -2,7 +2,53 @@
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any, overload
+
+
+class TokenIds(Sequence[int]):
+    """The first `len(self)` ids of a list that only ever grows: an output's token ids, which
+    stay as they were when it was handed out while the request goes on (O(1) to make, unlike
+    a copy per step). Compares equal to a list or tuple with the same ids."""
+
+    __slots__ = ("_ids", "_len")
+
+    def __init__(self, ids: list[int], length: int | None = None) -> None:
+        self._ids = ids
+        self._len = len(ids) if length is None else length
+
+    def __len__(self) -> int:
+        return self._len
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[int]: ...
+    def __getitem__(self, index: int | slice) -> int | list[int]:
+        if isinstance(index, slice):
+            return self._ids[: self._len][index]
+        if not -self._len <= index < self._len:
+            raise IndexError("token index out of range")
+        return self._ids[index % self._len]
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.islice(self._ids, self._len)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (TokenIds, list, tuple)):
+            return len(other) == self._len and all(a == b for a, b in zip(self, other, strict=True))
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        return repr(list(self))
+
+    def __add__(self, other: Any) -> list[int]:
+        return [*self, *other]
 
 
 @dataclass(slots=True)
@@ -12,7 +58,7 @@ class CompletionOutput:
 
     index: int = 0
     text: str = ""
-    token_ids: list[int] = field(default_factory=list)
+    token_ids: Sequence[int] = field(default_factory=list)
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running

@@ -13,7 +13,7 @@ from otel_engine.engine.output import OutputProcessor
 from otel_engine.errors import EngineDeadError
 from otel_engine.ipc.messages import AddRequest, EngineDead
 from otel_engine.model.loader import load_model_arch, load_tokenizer, prepare_model_dir
-from otel_engine.observability.setup import export_child_env
+from otel_engine.observability import faults
 from otel_engine.observability.tracing import inject_context
 from otel_engine.sampling_params import SamplingParams
 
@@ -36,7 +36,7 @@ class Frontend:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        export_child_env(config)
+        faults.configure()
         self.model_dir = prepare_model_dir(config.model.model)
         self.model_name = config.model.served_model_name or _default_name(
             config.model.model, self.model_dir

@@ -22,7 +22,7 @@ from tokenizers.decoders import DecodeStream
 
 from otel_engine.errors import OtelEngineError, RequestError, RequestFailedError
 from otel_engine.ipc.messages import RequestUpdate, StepOutputs
-from otel_engine.outputs import CompletionOutput, RequestOutput
+from otel_engine.outputs import CompletionOutput, RequestOutput, TokenIds
 from otel_engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -200,7 +200,7 @@ class OutputProcessor:
         completion = CompletionOutput(
             index=0,
             text=state.text[: state.num_emitted_chars],
-            token_ids=state.token_ids,
+            token_ids=TokenIds(state.token_ids),
             delta_text=delta_text,
             delta_token_ids=state.token_ids[start:],
             finish_reason=finish_reason,

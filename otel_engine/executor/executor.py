@@ -21,7 +21,6 @@ from otel_engine.ipc.codec import Codec, error_info
 from otel_engine.ipc.messages import (
     ErrorInfo,
     ModelInput,
-    ModelOutput,
     StopWorker,
     WorkerFailure,
     WorkerRequest,
@@ -30,6 +29,7 @@ from otel_engine.ipc.messages import (
 from otel_engine.ipc.paths import IpcDir, free_tcp_port
 from otel_engine.ipc.process import ChildProcess, spawn, stop_all, wait_for_death
 from otel_engine.observability.faults import maybe_inject
+from otel_engine.observability.setup import spawn_env
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class UniprocExecutor:
         maybe_inject("worker", phase="run", rank=0, step=step.step_id)
         return self.runner.execute(step)
 
-    def check_health(self) -> None:
+    def check_health(self, next_step: int | None = None) -> None:
         """Nothing to watch: a failure raises in `execute` itself."""
 
     def kill(self) -> None:
@@ -118,6 +118,7 @@ class MultiprocExecutor:
             address = ipc_dir.address(f"worker-in-{rank}")
             socket.bind(address)
             self._inputs.append(socket)
+        worker_env = spawn_env(config)
         try:
             for rank in range(self.tp_size):
                 self.workers.append(
@@ -132,6 +133,7 @@ class MultiprocExecutor:
                         ipc_dir.address("worker-out"),
                         role="worker",
                         rank=rank,
+                        env=worker_env,
                     )
                 )
             deadline = time.monotonic() + config.timeouts.engine_ready_timeout
@@ -158,39 +160,48 @@ class MultiprocExecutor:
         if self._failure is None:
             self._failure = self._died
 
-    def check_health(self) -> None:
-        """Raise WorkerError if a worker has died or reported a failure."""
+    def check_health(self, next_step: int | None = None) -> None:
+        """Raise WorkerError if a worker has died or reported a failure, or sent a result
+        nobody asked for (before `next_step`, when one is about to run)."""
         if self._failure is None and self._results.poll(0):
-            self._take_result(-1)
+            self._take_result(next_step)
         if self._failure is not None:
             self._failure = self._root_cause([])
             raise WorkerError(self._failure)
 
     def execute(self, step: ModelInput) -> list[int]:
-        self.check_health()
+        self.check_health(step.step_id)
         data = self._requests.encode(step)
         for socket in self._inputs:
             socket.send(data, copy=False)
         deadline = time.monotonic() + self.config.timeouts.step_timeout
         while True:
             if self._results.poll(_POLL_MS):
-                result = self._take_result(step.step_id)
-                if result is not None:
-                    return result
+                return self._take_result(step.step_id)
             if self._failure is not None:  # the monitor saw a worker die
                 self._failure = self._root_cause([])
                 raise WorkerError(self._failure)
             if time.monotonic() > deadline:
                 raise WorkerError(step_timeout_error(step.step_id, self.config, "worker"))
 
-    def _take_result(self, step_id: int) -> list[int] | None:
+    def _take_result(self, step_id: int | None) -> list[int]:
+        """The sampled tokens of `step_id` (None: no step is running). A failure report, or
+        a result for another step (the core and its workers disagree on where they are: a
+        protocol bug that would otherwise look like a hang), raises WorkerError."""
         message = self._responses.decode(self._results.recv(copy=False).buffer)
         if isinstance(message, WorkerFailure):
             self._failure = self._root_cause([message])
             raise WorkerError(self._failure)
-        if isinstance(message, ModelOutput) and message.step_id == step_id:
-            return message.sampled_token_ids
-        return None
+        if message.step_id != step_id:
+            waiting = "no step" if step_id is None else f"step {step_id}"
+            self._failure = self._root = ErrorInfo(
+                type="StepMismatch",
+                message=f"otel-worker-0 sent the result of step {message.step_id} while the "
+                f"engine core was waiting for {waiting}",
+                process="otel-worker-0",
+            )
+            raise WorkerError(self._failure)
+        return message.sampled_token_ids
 
     def process_pids(self) -> dict[str, int | None]:
         pids: dict[str, int | None] = {"engine_core": os.getpid()}

@@ -103,7 +103,7 @@ class ModelRunner:
             )
             for _ in range(self.arch.num_hidden_layers)
         ]
-        self.sampler = Sampler(self.device) if rank == 0 else None
+        self.sampler = Sampler(self.device, config.model.seed) if rank == 0 else None
 
     def _load_int4(self, model_dir: str) -> None:
         """The checkpoint's 4-bit weights for small steps, where they apply (--int4)."""

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import msgspec
@@ -204,8 +205,16 @@ def wait_for_death(children: list[ChildProcess]) -> ChildProcess:
     return by_fd[readable[0]]
 
 
-def spawn(name: str, target: str, *args: Any, role: str, rank: int | None = None) -> ChildProcess:
-    """Start `target` ("module:function") as process `name`; arguments must be plain data."""
+def spawn(
+    name: str,
+    target: str,
+    *args: Any,
+    role: str,
+    rank: int | None = None,
+    env: Mapping[str, str] | None = None,
+) -> ChildProcess:
+    """Start `target` ("module:function") as process `name` with environment `env` (this
+    process's by default); arguments must be plain data."""
     ready_r, ready_w = os.pipe()
     death_r, death_w = os.pipe()
     launch = Launch(name, target, role, rank, ready_w, death_r, list(args))
@@ -214,6 +223,7 @@ def spawn(name: str, target: str, *args: Any, role: str, rank: int | None = None
         stdin=subprocess.PIPE,
         pass_fds=(ready_w, death_r),
         close_fds=True,
+        env=None if env is None else dict(env),
     )
     os.close(ready_w)
     os.close(death_r)

@@ -2,6 +2,9 @@
 
 Seeded rows draw their noise from a generator seeded by (seed, output position), so the
 same seed gives the same tokens whatever else shares the batch or after a preemption.
+Unseeded rows draw from one generator seeded by the engine seed (`--seed`), so an engine
+restarted with the same seed and given the same requests in the same order samples the
+same tokens.
 """
 
 from __future__ import annotations
@@ -15,9 +18,11 @@ _MASK63 = (1 << 63) - 1
 class Sampler:
     """Picks one token per row of logits [N, vocab] (float32)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, seed: int = 0) -> None:
         self.device = device
-        self.generator = torch.Generator(device=device)
+        self.generator = torch.Generator(device=device)  # reseeded for every seeded row
+        self.unseeded = torch.Generator(device=device)
+        self.unseeded.manual_seed(seed & _MASK63)
 
     def __call__(
         self,
@@ -36,7 +41,7 @@ class Sampler:
         if any(k > 0 for k in top_ks) or any(p < 1.0 for p in top_ps):
             logits = self._filter(logits, top_ks, top_ps)
         probs = torch.softmax(logits, dim=-1)
-        noise = torch.empty_like(probs).exponential_()
+        noise = torch.empty_like(probs).exponential_(generator=self.unseeded)
         for row, seed in enumerate(seeds):
             if seed is not None:
                 self.generator.manual_seed(((seed * _SEED_MIX) ^ output_positions[row]) & _MASK63)

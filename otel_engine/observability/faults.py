@@ -2,7 +2,9 @@
 
 `OTEL_ENGINE_FAULT="<where>:<kind>[:rank=R][:step=S][:phase=P]"` with where in
 {worker, engine_core}, kind in {raise, oom, exit, hang}, phase in {run, load}. Read from
-the environment by every process; nothing else can set it.
+the environment by every process when it sets itself up (`configure()`: the spawn
+trampoline for children, the engine's set-up in the caller's process), never at import, so a
+bad value is a clear startup error; nothing else can set it.
 """
 
 from __future__ import annotations
@@ -62,6 +64,13 @@ def configured_fault() -> Fault | None:
     return Fault.parse(text) if text else None
 
 
+def configure() -> Fault | None:
+    """Read `OTEL_ENGINE_FAULT` for this process (ValueError naming it when malformed)."""
+    global _FAULT
+    _FAULT = configured_fault()
+    return _FAULT
+
+
 def maybe_inject(where: str, *, phase: str, rank: int = 0, step: int = 0) -> None:
     """Fire the configured fault if it matches this place; cheap when none is set."""
     fault = _FAULT
@@ -82,4 +91,4 @@ def maybe_inject(where: str, *, phase: str, rank: int = 0, step: int = 0) -> Non
         time.sleep(3600)
 
 
-_FAULT = configured_fault()
+_FAULT: Fault | None = None  # set by configure()

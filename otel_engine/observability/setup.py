@@ -1,17 +1,21 @@
 """Per-process telemetry set-up: the main process decides, children read the environment.
 
-`setup_main_process(config)` (api_server, `LLM` host, CLI) exports the observability
-settings as `OTEL_ENGINE_*` variables, then configures logging and tracing for itself.
-Children are spawned after that and inherit the environment; the spawn trampoline calls
-`setup_process(role=..., rank=...)`, which reads the same variables. The standard `OTEL_*`
-variables travel the same way and are read by the OpenTelemetry SDK in every process.
+`setup_main_process(config)` (api_server, CLI) configures logging and tracing for this
+process. Every child is spawned with `spawn_env(config)`: this process's environment plus the
+observability settings of its engine as `OTEL_ENGINE_*` variables (nothing is written to
+`os.environ`, so two engines in one process keep their own settings); the spawn trampoline
+calls `setup_process(role=..., rank=...)`, which reads them back, and configures the fault
+injector. The standard `OTEL_*` variables travel the same way and are read by the
+OpenTelemetry SDK in every process.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 from otel_engine.config import EngineConfig, ObservabilityConfig
+from otel_engine.observability import faults
 from otel_engine.observability.logging import configure_logging
 from otel_engine.observability.tracing import configure_tracing
 
@@ -42,18 +46,19 @@ def child_env(config: EngineConfig) -> dict[str, str]:
     return env
 
 
-def export_child_env(config: EngineConfig) -> None:
-    """Set `child_env(config)` in os.environ (before any child is spawned)."""
-    env = child_env(config)
-    for name in (ENV_OTLP_ENDPOINT, ENV_OTLP_PROTOCOL):
-        if name not in env:
-            os.environ.pop(name, None)
-    os.environ.update(env)
+def spawn_env(config: EngineConfig) -> dict[str, str]:
+    """The whole environment of a child of this engine: this process's, with the engine's
+    `child_env` over it (an OTLP endpoint this engine does not set is not inherited)."""
+    env = {k: v for k, v in os.environ.items() if k not in (ENV_OTLP_ENDPOINT, ENV_OTLP_PROTOCOL)}
+    env.update(child_env(config))
+    return env
 
 
-def config_from_env(level: str | None = None) -> ObservabilityConfig:
-    """The observability settings a parent exported (defaults where it set none)."""
-    env = os.environ
+def config_from_env(
+    level: str | None = None, environ: Mapping[str, str] | None = None
+) -> ObservabilityConfig:
+    """The observability settings a parent passed down (defaults where it set none)."""
+    env = os.environ if environ is None else environ
     defaults = ObservabilityConfig()
     return ObservabilityConfig(
         otlp_endpoint=env.get(ENV_OTLP_ENDPOINT) or None,
@@ -80,7 +85,9 @@ def configure(
 
 
 def setup_process(*, role: str, rank: int | None = None, level: str | None = None) -> bool:
-    """Configure a child process from the `OTEL_ENGINE_*` variables its parent exported."""
+    """Configure a child process from the `OTEL_ENGINE_*` variables its parent passed, and
+    its fault injector from `OTEL_ENGINE_FAULT` (a bad value fails the child's startup)."""
+    faults.configure()
     return configure(
         role=role,
         rank=rank,
@@ -90,8 +97,7 @@ def setup_process(*, role: str, rank: int | None = None, level: str | None = Non
 
 
 def setup_main_process(config: EngineConfig, *, role: str = "api_server") -> bool:
-    """Export the children's settings, then configure this process from `config`."""
-    export_child_env(config)
+    """Configure this process's logging and tracing from `config`."""
     return configure(
         role=role, rank=None, config=config.observability, instance_id=config.instance_id
     )

@@ -201,3 +201,27 @@ def test_generate_after_shutdown_raises_engine_dead(
 
     with pytest.raises(EngineDeadError):
         asyncio.run(collect(engine, tiny_prompts[0], greedy(2), "late"))
+
+
+def test_every_step_reaches_the_step_listeners(
+    tiny_model_dir: str, tiny_prompts: list[list[int]], run: Callable[[Any], Any]
+) -> None:
+    """A 120-token prompt prefilled 16 tokens a step: every one of its steps, the seven that
+    only prefill included, sends its frame (step metrics see long prompts)."""
+    prompt = tiny_prompts[-1]
+    engine = AsyncLLM(tiny_model_dir, max_num_batched_tokens=16)
+    steps: list[StepOutputs] = []
+    engine.add_step_listener(steps.append)
+
+    async def one() -> None:
+        async for _ in engine.generate(prompt, greedy(max_tokens=1), "long-prompt"):
+            pass
+
+    try:
+        run(one())
+    finally:
+        engine.shutdown()
+
+    real_steps = [s for s in steps if s.step_id > 0]
+    assert -(-len(prompt) // 16) == len(real_steps)
+    assert [16] * (len(real_steps) - 1) == [s.num_scheduled_tokens for s in real_steps[:-1]]

@@ -253,3 +253,25 @@ def test_default_model_knows_the_capital_of_france() -> None:
         (output,) = llm.generate([prompt], SamplingParams(max_tokens=20, temperature=0.0))
 
     assert "Paris" in output.outputs[0].text
+
+
+def _unseeded_outputs(model_dir: str, prompts: list[list[int]], **options: Any) -> list[list[int]]:
+    params = SamplingParams(max_tokens=12, ignore_eos=True, **SAMPLED)
+    with LLM(model_dir, **options) as engine:
+        return [list(o.outputs[0].token_ids) for o in engine.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_engine_seed_fixes_unseeded_sampling_across_restarts(
+    tiny_model_dir: str, tiny_prompts: list[list[int]], tp: int
+) -> None:
+    """--seed: an engine started again with the same seed samples the same tokens for the
+    same unseeded requests; another seed samples others (TP=1 and TP=2)."""
+    prompts = tiny_prompts[:4]
+
+    first = _unseeded_outputs(tiny_model_dir, prompts, seed=7, tensor_parallel_size=tp)
+    again = _unseeded_outputs(tiny_model_dir, prompts, seed=7, tensor_parallel_size=tp)
+    other = _unseeded_outputs(tiny_model_dir, prompts, seed=8, tensor_parallel_size=tp)
+
+    assert first == again
+    assert first != other

@@ -143,7 +143,7 @@ def test_partial_stop_string_is_never_streamed(tokenizer: Any) -> None:
 def test_held_back_text_is_released_when_no_stop_follows(tokenizer: Any) -> None:
     """A suffix that looks like the start of a stop string is held, then released."""
     text = "héllo wörld 世界 🌍"
-    processor = start(tokenizer, SamplingParams(max_tokens=64, stop=("wörlx",)))
+    processor = start(tokenizer, SamplingParams(max_tokens=64, stop=("llox",)))
 
     outputs, _ = feed(processor, encode(tokenizer, text), last_finish="length")
 
@@ -314,3 +314,18 @@ def test_a_request_the_engine_refused_fails_with_its_reason(tokenizer: Any) -> N
     assert isinstance(error, RequestError)
     assert ("r", "invalid_value", "top_k") == (request_id, error.code, error.param)
     assert {} == processor.states
+
+
+def test_an_output_handed_out_does_not_change_later(tokenizer: Any) -> None:
+    """The token ids of an output already given to the caller stay as they were while the
+    request goes on (they are not the engine's growing list)."""
+    processor = start(tokenizer, SamplingParams(max_tokens=64))
+    token_ids = encode(tokenizer, "The engine schedules requests in steps.")
+
+    outputs, _ = feed(processor, token_ids, last_finish="length")
+
+    first = outputs[0].outputs[0].token_ids
+    assert [token_ids[0]] == first
+    assert 1 == len(first)
+    assert [token_ids[0]] == list(first)
+    assert token_ids == outputs[-1].outputs[0].token_ids

@@ -150,3 +150,23 @@ def test_async_llm_in_a_non_main_thread_gets_engine_dead(
         assert isinstance(error, EngineDeadError), repr(error)
         assert "InjectedFault" == error.cause_type
     children.assert_all_gone()
+
+
+def test_inprocess_hang_ends_with_step_timeout(
+    tiny_model_dir: str, fault: Callable[[str], None]
+) -> None:
+    """In-process LLM (TP=1, no engine-core process): a step that hangs ends, like the
+    server, with EngineDeadError StepTimeout after --step-timeout (not a wait forever)."""
+    fault("worker:hang:step=2")
+    engine = LLM(tiny_model_dir, step_timeout=1.0)
+    try:
+        started = time.monotonic()
+        with pytest.raises(EngineDeadError) as info:
+            engine.generate(PROMPTS, PARAMS)
+        elapsed = time.monotonic() - started
+    finally:
+        engine.shutdown()
+
+    assert "StepTimeout" == info.value.cause_type
+    assert "engine_core" == info.value.failed_process
+    assert 1.0 <= elapsed < 5.0

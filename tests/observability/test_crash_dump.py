@@ -747,8 +747,15 @@ def test_oversized_part_is_cut_and_the_other_parts_kept() -> None:
 def test_scheduler_output_part_of_a_malformed_step_does_not_raise() -> None:
     """A step without chunks, or with a chunk whose token count is not a number, gives a
     part that says so."""
-    scheduler_output_part(SimpleNamespace(step_id=1))
-    scheduler_output_part(SimpleNamespace(step_id=1, chunks=[SimpleNamespace(num_tokens="x")]))
+    no_chunks = scheduler_output_part(SimpleNamespace(step_id=1))
+    bad_count = scheduler_output_part(
+        SimpleNamespace(step_id=1, chunks=[SimpleNamespace(num_tokens="x")])
+    )
+
+    assert {"error"} == set(no_chunks)
+    assert no_chunks["error"].startswith("AttributeError")
+    assert {"error"} == set(bad_count)
+    assert bad_count["error"].startswith("TypeError")
 
 
 def test_dump_object_of_an_unlistable_object_does_not_raise() -> None:
@@ -758,4 +765,7 @@ def test_dump_object_of_an_unlistable_object_does_not_raise() -> None:
         __slots__ = ("_secret",)
         __crash_dump__: ClassVar[dict[str, str]] = {}
 
-    dump_object(Slotted())
+    slotted = Slotted()
+    slotted._secret = "prompt text"
+
+    assert {} == dump_object(slotted)

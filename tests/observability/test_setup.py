@@ -1,4 +1,5 @@
-"""Process set-up: the main process exports its settings, spawned children follow them."""
+"""Process set-up: each engine passes its settings to the children it spawns (never through
+`os.environ`), and they follow them; the fault injector is configured at set-up, not import."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import json
 import pytest
 
 from otel_engine.config import EngineConfig
-from otel_engine.observability.setup import child_env, config_from_env, export_child_env
+from otel_engine.observability.setup import child_env, config_from_env, spawn_env
 from tests.helpers.otlp_receiver import OtlpReceiver
 from tests.observability.conftest import RunPython, json_lines
 
@@ -16,14 +17,14 @@ PARENT_SCRIPT = """
 import json, logging, time
 from otel_engine.config import EngineConfig
 from otel_engine.ipc.process import spawn
-from otel_engine.observability.setup import setup_main_process
+from otel_engine.observability.setup import setup_main_process, spawn_env
 from otel_engine.observability.tracing import get_tracer, inject_context, shutdown_telemetry
 
 config = EngineConfig.from_kwargs(otlp_endpoint="{endpoint}", otlp_protocol="grpc")
 setup_main_process(config)
 with get_tracer().start_as_current_span("request") as span:
     child = spawn("otel-worker-0", "tests.observability.targets:traced_child",
-                  inject_context(), role="worker", rank=0)
+                  inject_context(), role="worker", rank=0, env=spawn_env(config))
     child.wait_ready(time.monotonic() + 60)
     child.join(60)
     logging.getLogger("otel_engine.api_server").info("parent.done")
@@ -91,7 +92,7 @@ def child_env_restored(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_child_env_round_trips(child_env_restored: None) -> None:
-    """What the main process exports is what a child reads back."""
+    """What an engine passes to its children is what a child reads back."""
     config = EngineConfig.from_kwargs(
         otlp_endpoint="http://collector:4318",
         otlp_protocol="http/protobuf",
@@ -100,20 +101,60 @@ def test_child_env_round_trips(child_env_restored: None) -> None:
         log_level="debug",
         log_prompts=True,
     )
-    export_child_env(config)
-    assert dataclasses.replace(config.observability, log_level="DEBUG") == config_from_env()
+    environ = spawn_env(config)
+    expected = dataclasses.replace(config.observability, log_level="DEBUG")
+    assert expected == config_from_env(environ=environ)
 
 
 def test_cleared_endpoint_is_not_inherited(
     child_env_restored: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """An engine without an endpoint removes one a previous engine exported."""
+    """An engine without an endpoint does not pass on one found in this process's
+    environment."""
     monkeypatch.setenv("OTEL_ENGINE_OTLP_ENDPOINT", "http://old:4317")
-    export_child_env(EngineConfig())
-    assert config_from_env().otlp_endpoint is None
+    assert config_from_env(environ=spawn_env(EngineConfig())).otlp_endpoint is None
 
 
 def test_level_argument_wins(monkeypatch: pytest.MonkeyPatch) -> None:
     """setup_process(level=...) (the old signature) overrides the exported level."""
     monkeypatch.setenv("OTEL_ENGINE_LOG_LEVEL", "INFO")
     assert "WARNING" == config_from_env("warning").log_level
+
+
+def test_engines_leave_the_process_environment_alone(
+    tiny_model_dir: str, child_env_restored: None
+) -> None:
+    """Two engines in one process with different settings: os.environ is untouched (each
+    passes its own settings to the children it spawns, `spawn_env`)."""
+    import os
+
+    from otel_engine import LLM
+
+    before = dict(os.environ)
+    first = LLM(tiny_model_dir, multiprocess=True, log_format="json")
+    second = LLM(tiny_model_dir, multiprocess=True, log_format="console")
+    try:
+        assert before == dict(os.environ)
+        assert "json" == spawn_env(first.config)["OTEL_ENGINE_LOG_FORMAT"]
+        assert "console" == spawn_env(second.config)["OTEL_ENGINE_LOG_FORMAT"]
+    finally:
+        first.shutdown()
+        second.shutdown()
+
+
+def test_a_bad_fault_spec_fails_set_up_not_import(
+    tiny_model_dir: str, monkeypatch: pytest.MonkeyPatch, run_python: RunPython
+) -> None:
+    """A malformed OTEL_ENGINE_FAULT does not break importing the package; an engine set
+    up with it fails with an error naming the variable."""
+    from otel_engine import LLM
+
+    imported = run_python(
+        "import otel_engine, otel_engine.observability.faults; print('ok')",
+        env={"OTEL_ENGINE_FAULT": "gpu:melt"},
+    )
+    assert "ok" in imported.stdout, imported.stderr
+    monkeypatch.setenv("OTEL_ENGINE_FAULT", "gpu:melt")
+
+    with pytest.raises(ValueError, match="OTEL_ENGINE_FAULT"):
+        LLM(tiny_model_dir)
