@@ -126,9 +126,6 @@ class EngineConfig:
             if getattr(self.timeouts, name) <= 0:
                 raise ValueError(f"{name} must be positive")
 
-    def replace(self, **sections: Any) -> EngineConfig:
-        return dataclasses.replace(self, **sections)
-
     def encode(self) -> bytes:
         return msgspec.msgpack.encode(self)
 

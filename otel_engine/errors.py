@@ -7,6 +7,32 @@ only: the engine keeps serving.
 
 from __future__ import annotations
 
+import enum
+
+
+class FailureCause(enum.StrEnum):
+    """Why the engine stopped, when no exception of the failing code names it. On the wire
+    (ErrorInfo.type, EngineDeadError.cause_type) the value is a plain string; an exception's
+    own class name travels the same way (e.g. "RuntimeError", "InjectedFault")."""
+
+    WORKER_DIED = "WorkerDied"  # a worker process exited without reporting a failure
+    ENGINE_CORE_DIED = "EngineCoreDied"  # the engine core process exited without a word
+    PROCESS_DIED = "ProcessDied"  # a child died while starting
+    STEP_TIMEOUT = "StepTimeout"  # a step ran past --step-timeout
+    STEP_MISMATCH = "StepMismatch"  # a worker answered for another step (a protocol bug)
+    ENGINE_STALLED = "EngineStalled"  # a frozen engine core, given up by the front end
+    STARTUP_TIMEOUT = "StartupTimeout"  # startup ran past --engine-ready-timeout
+    ENGINE_SHUTDOWN = "EngineShutdown"  # the engine was shut down by its owner
+
+    @property
+    def how(self) -> str:
+        """For the crash dump: "died" (no exception), "timeout" (a hang), or "exception"."""
+        if self in (FailureCause.WORKER_DIED, FailureCause.ENGINE_CORE_DIED):
+            return "died"
+        if self is FailureCause.STEP_TIMEOUT:
+            return "timeout"
+        return "exception"
+
 
 class OtelEngineError(Exception):
     """Base class of every error otel-engine raises on purpose."""

@@ -74,7 +74,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     prompt: str | None = None
-    num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
 
     @property

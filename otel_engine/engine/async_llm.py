@@ -25,7 +25,7 @@ from typing import Any
 from otel_engine.config import EngineConfig
 from otel_engine.engine.core_client import MPClient
 from otel_engine.engine.frontend import Frontend, dead_error
-from otel_engine.errors import EngineDeadError
+from otel_engine.errors import EngineDeadError, FailureCause
 from otel_engine.ipc.messages import EngineDead, ErrorInfo, StepOutputs
 from otel_engine.outputs import RequestOutput
 from otel_engine.sampling_params import SamplingParams
@@ -127,7 +127,9 @@ class AsyncLLM:
         if self.dead_error is not None:
             raise self.dead_error
         if self._stopped.is_set():
-            raise EngineDeadError("the engine is shut down", cause_type="EngineShutdown")
+            raise EngineDeadError(
+                "the engine is shut down", cause_type=FailureCause.ENGINE_SHUTDOWN
+            )
         loop = asyncio.get_running_loop()
         if self._loop is None:
             self._loop = loop
@@ -258,7 +260,7 @@ _STALL_GRACE_S = 5.0
 
 def _stalled(step_timeout: float) -> ErrorInfo:
     return ErrorInfo(
-        type="EngineStalled",
+        type=FailureCause.ENGINE_STALLED,
         message=f"the engine core made no progress in {step_timeout:g} s with requests "
         "pending and did not report it (see --step-timeout)",
         process="engine_core",

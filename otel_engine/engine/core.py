@@ -63,7 +63,6 @@ class EngineCore:
         self.current_step_id = 0
         self._tracer = get_tracer()
         self.is_tracing = is_tracing()
-        self.current_step_context: dict[str, str] = {}
         self.failed_step_context: dict[str, str] = {}
         self.current_output: SchedulerOutput | None = None  # the batch a crash dump shows
         self.current_model_input: ModelInput | None = None
@@ -165,7 +164,7 @@ class EngineCore:
             updated = scheduler.update(output, sampled)
         except Exception as exc:
             info = failure_info(exc, "engine_core")
-            self.record_crash(info, how=how_it_failed(info))
+            self.record_crash(info)
             raise
         finally:
             self.step_started_at = None
@@ -196,10 +195,9 @@ class EngineCore:
                 "otel_engine.step.num_preemptions": len(output.preempted_request_ids),
             },
         )
-        self.current_step_context = inject_context(trace.set_span_in_context(span))
         return span
 
-    def record_crash(self, info: ErrorInfo, *, how: str) -> None:
+    def record_crash(self, info: ErrorInfo) -> None:
         """Build the crash dump of the current step and deliver it (span event and log).
 
         Called on every fatal path before anything is torn down; never raises. Ends the
@@ -213,7 +211,9 @@ class EngineCore:
             span = self.current_step_span
             if span is None and self.is_tracing:
                 span = self._tracer.start_span("engine_core.crash")
-            failure = crash_dump.failure_summary(info.process, info.type, info.message, how)
+            failure = crash_dump.failure_summary(
+                info.process, info.type, info.message, how_it_failed(info)
+            )
             dump = crash_dump.build_dump(
                 {
                     "scheduler_output": lambda: crash_dump.scheduler_output_part(

@@ -20,7 +20,7 @@ import zmq
 
 from otel_engine.config import EngineConfig
 from otel_engine.engine.core import EngineCore
-from otel_engine.errors import EngineDeadError, EngineStartupError
+from otel_engine.errors import EngineDeadError, EngineStartupError, FailureCause
 from otel_engine.executor.executor import failure_info, step_timeout_error
 from otel_engine.ipc.codec import Codec
 from otel_engine.ipc.messages import (
@@ -141,7 +141,7 @@ class InprocClient:
             logger.error(
                 "engine.step_timeout", extra={"step": core.current_step_id, "timeout_s": timeout}
             )
-            core.record_crash(info, how="timeout")
+            core.record_crash(info)
             core.executor.kill()
             self._death = EngineDead(error=info, trace_context=core.failed_step_context)
             return self._death
@@ -201,14 +201,16 @@ class MPClient:
         how = self.core.describe_exit()
         logger.error("engine_core.died", extra={"exitcode": self.core.exitcode})
         self._death = ErrorInfo(
-            type="EngineCoreDied", message=f"the engine core {how}", process="engine_core"
+            type=FailureCause.ENGINE_CORE_DIED,
+            message=f"the engine core {how}",
+            process="engine_core",
         )
 
     def add_request(self, message: AddRequest) -> None:
         if self._death is not None or self._stopping:
             raise EngineDeadError(
                 "the engine is not running",
-                cause_type=self._death.type if self._death else "EngineShutdown",
+                cause_type=self._death.type if self._death else FailureCause.ENGINE_SHUTDOWN,
             )
         self._inputs.send(self._encoder.encode(message))
 

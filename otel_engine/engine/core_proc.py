@@ -18,7 +18,7 @@ import zmq
 
 from otel_engine.config import EngineConfig
 from otel_engine.engine.core import EngineCore
-from otel_engine.executor.executor import failure_info, how_it_failed, step_timeout_error
+from otel_engine.executor.executor import failure_info, step_timeout_error
 from otel_engine.ipc.codec import Codec
 from otel_engine.ipc.messages import (
     AddRequest,
@@ -69,7 +69,7 @@ def run_engine_core(
         exit_code = 1
         logger.exception("engine.failed")
         info = failure_info(exc, PROCESS_NAME)
-        core.record_crash(info, how=how_it_failed(info))
+        core.record_crash(info)
         shutdown_telemetry(timeout_s=_CRASH_FLUSH_S)  # the dump reaches the collector first
         outputs.send(encoder.encode(EngineDead(error=info, trace_context=core.failed_step_context)))
     finally:
@@ -113,7 +113,7 @@ class StepWatchdog:
                 "engine.step_timeout",
                 extra={"step": core.current_step_id, "timeout_s": self.timeout},
             )
-            core.record_crash(info, how="timeout")
+            core.record_crash(info)
             shutdown_telemetry(timeout_s=_CRASH_FLUSH_S)
             dead = EngineDead(error=info, trace_context=core.failed_step_context)
             self._socket.send(Codec(CoreOutput).encode(dead))

@@ -9,7 +9,7 @@ from typing import Any
 
 from otel_engine.config import EngineConfig
 from otel_engine.engine.frontend import Frontend, dead_error
-from otel_engine.errors import EngineDeadError
+from otel_engine.errors import EngineDeadError, FailureCause
 from otel_engine.ipc.messages import EngineDead, StepOutputs
 from otel_engine.outputs import RequestOutput
 from otel_engine.sampling_params import SamplingParams
@@ -53,7 +53,9 @@ class LLM:
             raise ValueError("need one SamplingParams per prompt, or a single one")
         frontend = self._frontend
         if not self._finalizer.alive:
-            raise EngineDeadError("the engine is shut down", cause_type="EngineShutdown")
+            raise EngineDeadError(
+                "the engine is shut down", cause_type=FailureCause.ENGINE_SHUTDOWN
+            )
         ids = [f"offline-{next(self._counter)}" for _ in prompts]
         # Validate every prompt before any runs: a bad one fails the call, not the batch.
         token_ids = [

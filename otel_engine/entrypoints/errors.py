@@ -1,4 +1,5 @@
-"""OpenAI-style error bodies and the FastAPI exception handlers that produce them.
+"""HTTP errors, in one place: status codes, OpenAI-style bodies, the mapping from the
+engine's exceptions, and the FastAPI exception handlers that answer them.
 
 Every error the HTTP API returns has the body
 `{"error": {"message": str, "type": str, "param": str | None, "code": str | None}}`.
@@ -18,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from otel_engine.errors import EngineDeadError, RequestError
+from otel_engine.errors import EngineDeadError, RequestError, RequestFailedError
 
 logger = logging.getLogger("otel_engine.api_server")
 
@@ -65,6 +66,11 @@ class APIError(Exception):
         return self.code or self.type
 
 
+def is_server_error(status: int) -> bool:
+    """5xx: the server's fault (span status ERROR, warning log lines)."""
+    return status >= HTTPStatus.INTERNAL_SERVER_ERROR
+
+
 def bad_request(message: str, *, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
 
@@ -78,6 +84,29 @@ def from_engine_dead(error: EngineDeadError) -> APIError:
     where = f" in {error.failed_process}" if error.failed_process else ""
     return APIError(
         500, f"engine failed: {error.cause_type}{where}", type=INTERNAL, code="engine_dead"
+    )
+
+
+def from_engine_error(exc: RequestError | RequestFailedError | EngineDeadError) -> APIError:
+    """What a request answers for an exception the engine raised for it."""
+    if isinstance(exc, RequestError):
+        return from_request_error(exc)
+    if isinstance(exc, RequestFailedError):
+        return APIError(500, exc.message, type=INTERNAL, code=exc.code)
+    return from_engine_dead(exc)
+
+
+def internal_error(exc: BaseException, **log_fields: Any) -> APIError:
+    """500 for an unexpected exception (a bug), logged once with its traceback."""
+    fields = {"error_type": type(exc).__name__, **log_fields}
+    logger.error("request.internal_error", exc_info=exc, extra=fields)
+    return APIError(500, f"internal error: {type(exc).__name__}", type=INTERNAL)
+
+
+def aborted_by_engine() -> APIError:
+    """The engine finished the request as aborted without being asked (a bug, or shutdown)."""
+    return APIError(
+        503, "request was aborted by the engine", type=UNAVAILABLE, code="aborted_by_engine"
     )
 
 
@@ -127,21 +156,21 @@ def from_validation_error(exc: RequestValidationError) -> APIError:
     return bad_request(f"invalid value for '{param}': {detail}", param=param, code="invalid_value")
 
 
-async def _api_error(request: Request, exc: Exception) -> Response:
+async def _answer(request: Request, exc: Exception) -> Response:
     """Count and log errors that no request telemetry recorded (raised before admission)."""
     assert isinstance(exc, APIError)
     metrics = getattr(request.app.state, "metrics", None)
     if not exc.is_counted and request.url.path.startswith("/v1/"):
         if metrics is not None:
             metrics.on_request_error(exc.label)
-        level = logging.WARNING if exc.status >= HTTPStatus.INTERNAL_SERVER_ERROR else logging.INFO
+        level = logging.WARNING if is_server_error(exc.status) else logging.INFO
         logger.log(level, "request.failed", extra={"status": exc.status, "error_type": exc.label})
     return error_response(exc)
 
 
 async def _validation_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, RequestValidationError)
-    return await _api_error(request, from_validation_error(exc))
+    return await _answer(request, from_validation_error(exc))
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -149,9 +178,9 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     error = APIError(
         exc.status_code,
         str(exc.detail),
-        type=INVALID_REQUEST if exc.status_code < HTTPStatus.INTERNAL_SERVER_ERROR else INTERNAL,
+        type=INTERNAL if is_server_error(exc.status_code) else INVALID_REQUEST,
     )
-    response = await _api_error(request, error)
+    response = await _answer(request, error)
     if exc.headers:
         response.headers.update(exc.headers)
     return response
@@ -159,24 +188,22 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 async def _request_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, RequestError)
-    return await _api_error(request, from_request_error(exc))
+    return await _answer(request, from_request_error(exc))
 
 
 async def _engine_dead(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, EngineDeadError)
-    return await _api_error(request, from_engine_dead(exc))
+    return await _answer(request, from_engine_dead(exc))
 
 
 async def _unexpected(request: Request, exc: Exception) -> Response:
-    logger.error("request.internal_error", exc_info=exc, extra={"error_type": type(exc).__name__})
-    error = APIError(500, f"internal error: {type(exc).__name__}", type=INTERNAL)
-    return await _api_error(request, error)
+    return await _answer(request, internal_error(exc))
 
 
 def install_error_handlers(app: FastAPI) -> None:
     """Route every error path of `app` to an OpenAI-style body (unexpected exceptions:
     `InternalErrorMiddleware`, which `build_app` installs)."""
-    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(APIError, _answer)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(RequestError, _request_error)

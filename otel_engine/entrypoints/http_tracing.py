@@ -11,19 +11,20 @@ middleware is a plain pass-through.
 
 from __future__ import annotations
 
+from http import HTTPStatus
 from typing import Any
 
 from opentelemetry import context, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from otel_engine.entrypoints.errors import is_server_error
 from otel_engine.observability.tracing import extract_context, get_tracer, is_tracing
 
 UNTRACED_PATHS = frozenset({"/health", "/metrics"})
 KNOWN_METHODS = frozenset(
     {"CONNECT", "DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT", "TRACE"}
 )
-SERVER_ERROR = 500
 _PROPAGATION_HEADERS = (b"traceparent", b"tracestate")
 
 
@@ -69,7 +70,7 @@ class HttpTracingMiddleware:
             span.record_exception(exc)
             error_type = type(exc).__qualname__
             if not status:
-                status.append(SERVER_ERROR)
+                status.append(HTTPStatus.INTERNAL_SERVER_ERROR)
             raise
         finally:
             context.detach(token)
@@ -117,7 +118,7 @@ def _finish(span: Any, scope: Scope, status: int | None, error_type: str | None)
         span.update_name(f"{scope['method']} {path}")
     if status is not None:
         span.set_attribute("http.response.status_code", status)
-        if status >= SERVER_ERROR and error_type is None:
+        if is_server_error(status) and error_type is None:
             error_type = str(status)
     if error_type is not None:
         span.set_attribute("error.type", error_type)

@@ -22,6 +22,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from structlog.contextvars import bound_contextvars
 
+from otel_engine.entrypoints.errors import is_server_error
 from otel_engine.observability.tracing import get_tracer, link_from
 
 if TYPE_CHECKING:
@@ -37,7 +38,6 @@ EVENT_FIRST_TOKEN = "otel_engine.request.first_token"
 EVENT_PREEMPTED = "otel_engine.request.preempted"
 EVENT_FINISHED = "otel_engine.request.finished"
 ABORTED = "aborted"
-SERVER_ERROR = 500
 
 
 def _ns(seconds: float) -> int:
@@ -227,7 +227,7 @@ class RequestTelemetry:
             num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=num_generated,
         )
-        level = logging.WARNING if status >= SERVER_ERROR else logging.INFO
+        level = logging.WARNING if is_server_error(status) else logging.INFO
         fields = {
             "error_type": error_type,
             "status": status,
@@ -251,7 +251,7 @@ class RequestTelemetry:
             link = link_from(crash_context) if crash_context else None
             if link is not None:
                 span.add_link(link.context, {"otel_engine.link.reason": "engine_crash"})
-            if status >= SERVER_ERROR:
+            if is_server_error(status):
                 span.set_status(Status(StatusCode.ERROR, span_error_type or error_type))
         self.span.end()
 

@@ -26,12 +26,13 @@ from starlette.responses import Response
 from otel_engine.entrypoints.connections import CLIENT_STALLED_KEY
 from otel_engine.entrypoints.errors import (
     INTERNAL,
-    UNAVAILABLE,
     APIError,
+    aborted_by_engine,
     bad_request,
     draining,
-    from_engine_dead,
-    from_request_error,
+    from_engine_error,
+    internal_error,
+    is_server_error,
 )
 from otel_engine.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
 from otel_engine.entrypoints.request_telemetry import RequestTelemetry
@@ -56,7 +57,6 @@ T = TypeVar("T")
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 CLIENT_STALLED = "client_stalled"
 JSON = "application/json"
-INTERNAL_SERVER_ERROR = 500
 
 
 @dataclass(slots=True)
@@ -93,12 +93,6 @@ class _Job:
             "completion_tokens": self.num_generated,
             "total_tokens": num_prompt + self.num_generated,
         }
-
-
-def _aborted_by_engine() -> APIError:
-    return APIError(
-        503, "request was aborted by the engine", type=UNAVAILABLE, code="aborted_by_engine"
-    )
 
 
 class OpenAIServing:
@@ -269,11 +263,11 @@ class OpenAIServing:
             _record_gone(telemetry, job, request)
             return Response(status_code=499)
         except (RequestError, RequestFailedError, EngineDeadError, APIError) as exc:
-            error = exc if isinstance(exc, APIError) else _api_error(exc)
+            error = exc if isinstance(exc, APIError) else from_engine_error(exc)
             _record_failure(telemetry, job, error, exc)
             raise error from None
         except Exception as exc:
-            error = _internal_error(job, exc)
+            error = internal_error(exc, request_id=job.request_id)
             _record_failure(telemetry, job, error, exc)
             raise error from None
         finally:
@@ -290,7 +284,7 @@ class OpenAIServing:
         job.num_generated = len(completion.token_ids)
         reason = completion.finish_reason or "stop"
         if reason == "abort":
-            raise _aborted_by_engine()
+            raise aborted_by_engine()
         if job.is_chat:
             choice = {
                 "index": 0,
@@ -326,7 +320,7 @@ class OpenAIServing:
                 job.num_generated = len(completion.token_ids)
                 reason = completion.finish_reason if output.finished else None
                 if reason == "abort":
-                    error = _aborted_by_engine()
+                    error = aborted_by_engine()
                     _record_failure(telemetry, job, error, None)
                     yield sse_event(error.body())
                     return
@@ -344,11 +338,11 @@ class OpenAIServing:
                 yield sse_event(job.envelope(True, choices=[], usage=job.usage()))
             yield DONE_EVENT
         except (RequestError, RequestFailedError, EngineDeadError) as exc:
-            error = _api_error(exc)
+            error = from_engine_error(exc)
             _record_failure(telemetry, job, error, exc)
             yield sse_event(error.body())
         except Exception as exc:  # a bug here must still end the stream with an error event
-            error = _internal_error(job, exc)
+            error = internal_error(exc, request_id=job.request_id)
             _record_failure(telemetry, job, error, exc)
             yield sse_event(error.body())
         finally:
@@ -376,14 +370,6 @@ class OpenAIServing:
         return sse_event(chunk)
 
 
-def _api_error(exc: RequestError | RequestFailedError | EngineDeadError) -> APIError:
-    if isinstance(exc, RequestError):
-        return from_request_error(exc)
-    if isinstance(exc, RequestFailedError):
-        return APIError(500, exc.message, type=INTERNAL, code=exc.code)
-    return from_engine_dead(exc)
-
-
 def _record_gone(telemetry: RequestTelemetry, job: _Job, request: Request) -> None:
     """The client went away: it hung up (aborted), or its connection was closed because it
     stopped reading (client_stalled, see connections.py)."""
@@ -391,11 +377,6 @@ def _record_gone(telemetry: RequestTelemetry, job: _Job, request: Request) -> No
         telemetry.fail(CLIENT_STALLED, status=499, num_generated=job.num_generated)
     else:
         telemetry.abort(job.num_generated)
-
-
-def _internal_error(job: _Job, exc: Exception) -> APIError:
-    logger.error("request.internal_error", exc_info=exc, extra={"request_id": job.request_id})
-    return APIError(500, f"internal error: {type(exc).__name__}", type=INTERNAL)
 
 
 def _record_failure(
@@ -413,15 +394,15 @@ def _record_failure(
             crash_context=exc.crash_context,
         )
         return
-    is_server_error = error.status >= INTERNAL_SERVER_ERROR
+    server_error = is_server_error(error.status)
     telemetry.fail(
         error.label,
         status=error.status,
         num_generated=job.num_generated,
-        exc=exc if is_server_error else None,
+        exc=exc if server_error else None,
         span_error_type=(
             type(exc).__qualname__
-            if is_server_error and exc is not None and not isinstance(exc, APIError)
+            if server_error and exc is not None and not isinstance(exc, APIError)
             else None
         ),
     )

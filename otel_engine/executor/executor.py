@@ -16,6 +16,7 @@ import time
 import zmq
 
 from otel_engine.config import EngineConfig
+from otel_engine.errors import FailureCause
 from otel_engine.executor.model_runner import ModelRunner
 from otel_engine.ipc.codec import Codec, error_info
 from otel_engine.ipc.messages import (
@@ -55,15 +56,16 @@ def failure_info(exc: BaseException, process: str) -> ErrorInfo:
 
 def how_it_failed(info: ErrorInfo) -> str:
     """For the crash dump: "died" (no exception), "timeout" (a hang), or "exception"."""
-    return {"WorkerDied": "died", "EngineCoreDied": "died", "StepTimeout": "timeout"}.get(
-        info.type, "exception"
-    )
+    try:
+        return FailureCause(info.type).how
+    except ValueError:  # an exception's own class name
+        return "exception"
 
 
 def step_timeout_error(step_id: int, config: EngineConfig, process: str) -> ErrorInfo:
     timeout = config.timeouts.step_timeout
     return ErrorInfo(
-        type="StepTimeout",
+        type=FailureCause.STEP_TIMEOUT,
         message=f"step {step_id} made no progress in {timeout:g} s (see --step-timeout)",
         process=process,
     )
@@ -155,7 +157,7 @@ class MultiprocExecutor:
         logger.error("worker.died", extra={"worker": worker.name, "exitcode": worker.exitcode})
         self._died_code = worker.exitcode
         self._died = ErrorInfo(
-            type="WorkerDied", message=f"{worker.name} {how}", process=worker.name
+            type=FailureCause.WORKER_DIED, message=f"{worker.name} {how}", process=worker.name
         )
         if self._failure is None:
             self._failure = self._died
@@ -195,7 +197,7 @@ class MultiprocExecutor:
         if message.step_id != step_id:
             waiting = "no step" if step_id is None else f"step {step_id}"
             self._failure = self._root = ErrorInfo(
-                type="StepMismatch",
+                type=FailureCause.STEP_MISMATCH,
                 message=f"otel-worker-0 sent the result of step {message.step_id} while the "
                 f"engine core was waiting for {waiting}",
                 process="otel-worker-0",

@@ -26,7 +26,7 @@ from typing import Any
 
 import msgspec
 
-from otel_engine.errors import EngineStartupError
+from otel_engine.errors import EngineStartupError, FailureCause
 from otel_engine.ipc.codec import Codec, error_info
 from otel_engine.ipc.messages import ErrorInfo, Failed, HandshakeMessage, Ready
 
@@ -131,7 +131,7 @@ class ChildProcess:
                 raise EngineStartupError(
                     f"{self.name} was not ready in time (see --engine-ready-timeout)",
                     failed_process=self.name,
-                    cause_type="StartupTimeout",
+                    cause_type=FailureCause.STARTUP_TIMEOUT,
                     cause_message="not ready in time (see --engine-ready-timeout)",
                 )
             if not data or self._ready_fd not in readable:
@@ -139,7 +139,7 @@ class ChildProcess:
                 raise EngineStartupError(
                     f"{self.name} {how}",
                     failed_process=self.name,
-                    cause_type="ProcessDied",
+                    cause_type=FailureCause.PROCESS_DIED,
                     cause_message=how,
                 )
 
@@ -255,12 +255,9 @@ def child_main() -> None:
 
 
 def _set_title(name: str) -> None:
-    try:
-        import setproctitle
+    import setproctitle
 
-        setproctitle.setproctitle(name)
-    except ImportError:
-        pass
+    setproctitle.setproctitle(name)
 
 
 def _watch_parent(death_fd: int) -> None:

@@ -264,11 +264,6 @@ def add_root_handler(handler: logging.Handler, level: str | int | None = None) -
     logging.getLogger().addHandler(handler)
 
 
-def get_logger(name: str) -> Any:
-    """A structlog logger on top of the stdlib logger `name`."""
-    return structlog.stdlib.get_logger(name)
-
-
 def current_processors() -> list[Processor]:
     """The shared processors of the last `configure_logging()` (for other sinks)."""
     return list(_SHARED) or shared_processors("unknown", None, log_prompts=False)

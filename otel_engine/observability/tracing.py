@@ -19,7 +19,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from opentelemetry import trace
@@ -225,11 +225,6 @@ def link_from(carrier: Mapping[str, str] | None) -> Link | None:
     """A span link to the span a carrier describes (None if it holds no valid context)."""
     span_context = trace.get_current_span(extract_context(carrier)).get_span_context()
     return Link(span_context) if span_context.is_valid else None
-
-
-def links_from(carriers: Iterable[Mapping[str, str] | None]) -> list[Link]:
-    """Links from many carriers (a step's batch) to their request spans."""
-    return [link for link in map(link_from, carriers) if link is not None]
 
 
 def is_tracing() -> bool:
