@@ -38,7 +38,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from otel_engine.config import EngineConfig
-from otel_engine.executor.model_runner import prepare_model_input
+from otel_engine.engine.batch import prepare_model_input
 from otel_engine.observability import crash_dump
 from otel_engine.observability.log_render import (
     PipelineFormatter,

@@ -1,6 +1,7 @@
 """The engine core's pure step: inputs -> scheduler -> executor -> outputs.
 
-No sockets and no processes here: `core_proc.py` wraps this in a process with ZMQ, and
+No sockets and no processes here: the core is given its executor (`core_proc.
+build_engine_core` makes one), `core_proc.py` wraps it in a process with ZMQ, and
 `core_client.InprocClient` calls it directly. One step path for both.
 """
 
@@ -13,10 +14,10 @@ from typing import Any
 from opentelemetry import trace
 
 from otel_engine.config import EngineConfig
+from otel_engine.engine.batch import prepare_model_input
 from otel_engine.engine.validation import check_request
 from otel_engine.errors import RequestError
-from otel_engine.executor.executor import Executor, failure_info, how_it_failed, make_executor
-from otel_engine.executor.model_runner import EngineLimits, prepare_model_input, resolve_limits
+from otel_engine.executor.executor import Executor, failure_info, how_it_failed
 from otel_engine.ipc.messages import (
     AbortRequests,
     AddRequest,
@@ -29,8 +30,8 @@ from otel_engine.ipc.messages import (
     ResumeRequests,
     StepOutputs,
 )
-from otel_engine.ipc.paths import IpcDir
-from otel_engine.model.loader import load_model_arch
+from otel_engine.model.limits import EngineLimits
+from otel_engine.model.loader import ModelArch
 from otel_engine.observability import crash_dump
 from otel_engine.observability.faults import maybe_inject
 from otel_engine.observability.tracing import get_tracer, inject_context, is_tracing, link_from
@@ -44,11 +45,12 @@ logger = logging.getLogger(__name__)
 class EngineCore:
     """Owns the scheduler and the executor; `step()` runs one batch."""
 
-    def __init__(self, config: EngineConfig, model_dir: str, ipc_dir: IpcDir) -> None:
+    def __init__(
+        self, config: EngineConfig, arch: ModelArch, limits: EngineLimits, executor: Executor
+    ) -> None:
         self.config = config
-        self.arch = load_model_arch(model_dir)
-        self.limits: EngineLimits = resolve_limits(config, self.arch)
-        maybe_inject("engine_core", phase="load")
+        self.arch = arch
+        self.limits = limits
         self.eos_token_ids = frozenset(self.arch.eos_token_ids)
         self.scheduler = Scheduler(
             BlockAllocator(self.limits.num_kv_blocks, config.cache.block_size),
@@ -56,7 +58,7 @@ class EngineCore:
             max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
             max_model_len=self.limits.max_model_len,
         )
-        self.executor: Executor = make_executor(config, model_dir, ipc_dir)
+        self.executor = executor
         self.started_at = time.monotonic()
         self.last_step_at = self.started_at
         self.step_started_at: float | None = None  # read by the step watchdog thread

@@ -20,6 +20,7 @@ import zmq
 
 from otel_engine.config import EngineConfig
 from otel_engine.engine.core import EngineCore
+from otel_engine.engine.core_proc import build_engine_core
 from otel_engine.errors import EngineDeadError, EngineStartupError, FailureCause
 from otel_engine.executor.executor import failure_info, step_timeout_error
 from otel_engine.ipc.codec import Codec
@@ -87,7 +88,7 @@ class InprocClient:
         self._steps = _StepThread()
         try:
             self.core: EngineCore = self._steps.call(
-                lambda: EngineCore(config, model_dir, self.ipc_dir),
+                lambda: build_engine_core(config, model_dir, self.ipc_dir),
                 config.timeouts.engine_ready_timeout,
             )
         except EngineStartupError:

@@ -18,7 +18,7 @@ import zmq
 
 from otel_engine.config import EngineConfig
 from otel_engine.engine.core import EngineCore
-from otel_engine.executor.executor import failure_info, step_timeout_error
+from otel_engine.executor.executor import failure_info, make_executor, step_timeout_error
 from otel_engine.ipc.codec import Codec
 from otel_engine.ipc.messages import (
     AddRequest,
@@ -29,6 +29,9 @@ from otel_engine.ipc.messages import (
 )
 from otel_engine.ipc.paths import IpcDir
 from otel_engine.ipc.process import ReadyChannel
+from otel_engine.model.limits import resolve_limits
+from otel_engine.model.loader import load_model_arch
+from otel_engine.observability.faults import maybe_inject
 from otel_engine.observability.tracing import shutdown_telemetry
 
 logger = logging.getLogger(__name__)
@@ -36,6 +39,14 @@ logger = logging.getLogger(__name__)
 PROCESS_NAME = "engine_core"
 _IDLE_POLL_MS = 200
 _CRASH_FLUSH_S = 1.0  # bounded: clients must get their errors within about a second
+
+
+def build_engine_core(config: EngineConfig, model_dir: str, ipc_dir: IpcDir) -> EngineCore:
+    """The model's limits, the executor (its workers started and ready), and the core."""
+    arch = load_model_arch(model_dir)
+    limits = resolve_limits(config, arch)
+    maybe_inject("engine_core", phase="load")
+    return EngineCore(config, arch, limits, make_executor(config, model_dir, ipc_dir))
 
 
 def run_engine_core(
@@ -49,7 +60,7 @@ def run_engine_core(
     """Process target of `otel-engine-core`."""
     config = EngineConfig.decode(config_bytes)
     ipc_dir = IpcDir(config.instance_id, path=ipc_path)
-    core = EngineCore(config, model_dir, ipc_dir)
+    core = build_engine_core(config, model_dir, ipc_dir)
     context = zmq.Context(io_threads=1)
     inputs = context.socket(zmq.PULL)
     inputs.connect(input_address)

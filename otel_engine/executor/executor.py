@@ -17,7 +17,6 @@ import zmq
 
 from otel_engine.config import EngineConfig
 from otel_engine.errors import FailureCause
-from otel_engine.executor.model_runner import ModelRunner
 from otel_engine.ipc.codec import Codec, error_info
 from otel_engine.ipc.messages import (
     ErrorInfo,
@@ -75,6 +74,8 @@ class UniprocExecutor:
     """The model runs right here (TP=1)."""
 
     def __init__(self, config: EngineConfig, model_dir: str) -> None:
+        from otel_engine.executor.model_runner import ModelRunner  # torch: only where it runs
+
         maybe_inject("worker", phase="load", rank=0)
         self.runner = ModelRunner(config, model_dir, rank=0)
 

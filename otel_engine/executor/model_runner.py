@@ -7,62 +7,20 @@ Used inside the engine core at TP=1 and inside each worker process at TP>1; the 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 
 from otel_engine.config import EngineConfig
 from otel_engine.ipc.messages import ModelInput
 from otel_engine.model.attention import AttentionMetadata
-from otel_engine.model.llama import LlamaModel, check_tensor_parallel
-from otel_engine.model.loader import ModelArch, iter_int4, iter_weights, load_model_arch
+from otel_engine.model.limits import dtype_name, resolve_limits
+from otel_engine.model.llama import LlamaModel
+from otel_engine.model.loader import iter_int4, iter_weights, load_model_arch
 from otel_engine.model.sampler import Sampler
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_dtype(config: EngineConfig, arch: ModelArch) -> torch.dtype:
-    name = config.model.dtype
-    if name == "auto":
-        name = arch.torch_dtype if arch.torch_dtype in _DTYPES else "float32"
-    return _DTYPES[name]
-
-
-@dataclass(frozen=True, slots=True)
-class EngineLimits:
-    """Sizes derived once from config and model, identical in every process."""
-
-    num_kv_blocks: int
-    max_model_len: int
-
-
-def resolve_limits(config: EngineConfig, arch: ModelArch) -> EngineLimits:
-    """KV blocks from the flag or the memory budget; context length capped by both."""
-    tp = config.parallel.tensor_parallel_size
-    check_tensor_parallel(arch, tp)
-    block_size = config.cache.block_size
-    num_blocks = config.cache.num_kv_blocks
-    if num_blocks is None:
-        itemsize = torch.empty((), dtype=resolve_dtype(config, arch)).element_size()
-        per_block = (
-            2
-            * arch.num_hidden_layers
-            * block_size
-            * (arch.num_key_value_heads // tp)
-            * arch.head_dim
-            * itemsize
-        )
-        num_blocks = max(1, int(config.cache.kv_cache_memory_gib * 2**30) // per_block)
-    max_len = config.model.max_model_len or arch.max_position_embeddings
-    if max_len > arch.max_position_embeddings:
-        raise ValueError(
-            f"--max-model-len {max_len} exceeds the model's "
-            f"max_position_embeddings {arch.max_position_embeddings}"
-        )
-    max_len = min(max_len, num_blocks * block_size)
-    return EngineLimits(num_kv_blocks=num_blocks, max_model_len=max_len)
 
 
 class ModelRunner:
@@ -76,7 +34,7 @@ class ModelRunner:
         self.device = torch.device(
             config.model.device if config.model.device == "cpu" else f"cuda:{rank}"
         )
-        self.dtype = resolve_dtype(config, self.arch)
+        self.dtype = _DTYPES[dtype_name(config, self.arch)]
         self.block_size = config.cache.block_size
         self.model = LlamaModel(
             self.arch,
@@ -146,54 +104,3 @@ class ModelRunner:
         return self.sampler(
             logits, step.temperatures, step.top_ps, step.top_ks, step.seeds, step.output_positions
         )
-
-
-def prepare_model_input(
-    step_id: int, chunks: list, block_size: int, trace_context: dict[str, str] | None = None
-) -> ModelInput:
-    """Flatten a scheduler output (decodes first) into the message every rank receives."""
-    input_ids: list[int] = []
-    positions: list[int] = []
-    slot_mapping: list[int] = []
-    query_lens, seq_lens, block_tables, sample_indices = [], [], [], []
-    temperatures, top_ps, top_ks, seeds, output_positions = [], [], [], [], []
-    num_decodes = 0
-    for index, chunk in enumerate(chunks):
-        request = chunk.request
-        start, end = chunk.start, chunk.start + chunk.num_tokens
-        if chunk.num_tokens == 1 and index == num_decodes:
-            num_decodes += 1
-        input_ids += request.token_ids(start, end)
-        positions += range(start, end)
-        blocks = request.block_ids
-        slot_mapping += [
-            blocks[p // block_size] * block_size + p % block_size for p in range(start, end)
-        ]
-        query_lens.append(chunk.num_tokens)
-        seq_lens.append(end)
-        block_tables.append(blocks)
-        if end == request.num_tokens:
-            params = request.sampling_params
-            sample_indices.append(index)
-            temperatures.append(0.0 if params.is_greedy else params.temperature)
-            top_ps.append(params.top_p)
-            top_ks.append(params.top_k)
-            seeds.append(params.seed)
-            output_positions.append(request.num_output_tokens)
-    return ModelInput(
-        step_id=step_id,
-        input_ids=input_ids,
-        positions=positions,
-        slot_mapping=slot_mapping,
-        num_decodes=num_decodes,
-        query_lens=query_lens,
-        seq_lens=seq_lens,
-        block_tables=block_tables,
-        sample_indices=sample_indices,
-        temperatures=temperatures,
-        top_ps=top_ps,
-        top_ks=top_ks,
-        seeds=seeds,
-        output_positions=output_positions,
-        trace_context=trace_context or {},
-    )

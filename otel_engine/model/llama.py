@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from otel_engine.model.attention import AttentionMetadata
 from otel_engine.model.layer_ops import KernelOps, LayerOps, make_layer_ops
 from otel_engine.model.layers import RotaryEmbedding
+from otel_engine.model.limits import check_tensor_parallel
 from otel_engine.model.loader import INT4_GROUP, Int4Tensor, ModelArch
 
 Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
@@ -65,22 +66,6 @@ def _pack(weight: torch.Tensor) -> torch.Tensor:
 
 def _pop_prefixed(staged: dict[str, torch.Tensor], prefix: str, key: str) -> torch.Tensor:
     return staged.pop(prefix + key)
-
-
-def check_tensor_parallel(arch: ModelArch, tp_size: int) -> None:
-    """Fail early, with the numbers, when the heads cannot be split across `tp_size` ranks."""
-    problems = []
-    if arch.num_attention_heads % tp_size:
-        problems.append(f"{arch.num_attention_heads} attention heads")
-    if arch.num_key_value_heads % tp_size:
-        problems.append(f"{arch.num_key_value_heads} key/value heads")
-    if arch.intermediate_size % tp_size:
-        problems.append(f"an MLP size of {arch.intermediate_size}")
-    if problems:
-        raise ValueError(
-            f"--tensor-parallel-size {tp_size} does not divide the model's "
-            f"{' and '.join(problems)}; choose a size that divides them"
-        )
 
 
 class LlamaLayer:

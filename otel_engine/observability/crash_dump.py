@@ -217,13 +217,19 @@ def engine_config_part(config: Any, arch: Any = None, limits: Any = None) -> dic
 
 
 def _versions() -> dict[str, str]:
-    import torch
+    """Read from the installed distributions: importing torch here would load it into the
+    engine core process, which at TP > 1 runs no model."""
+    import importlib.metadata
 
     import otel_engine
 
+    try:
+        torch_version = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        torch_version = "unknown"
     return {
         "otel_engine": otel_engine.__version__,
-        "torch": torch.__version__,
+        "torch": torch_version,
         "python": platform.python_version(),
     }
 

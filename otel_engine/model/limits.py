@@ -1,0 +1,72 @@
+"""What a model and a config allow, resolved once and the same in every process: the KV
+cache's size, the context length, the dtype, whether the heads split across the ranks.
+No torch here: the engine core process uses it without loading torch (at TP > 1 it runs no
+model)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from otel_engine.config import EngineConfig
+from otel_engine.model.loader import ModelArch
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def dtype_name(config: EngineConfig, arch: ModelArch) -> str:
+    """The dtype the model runs in: the flag, or for `auto` the checkpoint's (else float32)."""
+    name = config.model.dtype
+    if name == "auto":
+        name = arch.torch_dtype if arch.torch_dtype in DTYPE_BYTES else "float32"
+    return name
+
+
+def check_tensor_parallel(arch: ModelArch, tp_size: int) -> None:
+    """Fail early, with the numbers, when the heads cannot be split across `tp_size` ranks."""
+    problems = []
+    if arch.num_attention_heads % tp_size:
+        problems.append(f"{arch.num_attention_heads} attention heads")
+    if arch.num_key_value_heads % tp_size:
+        problems.append(f"{arch.num_key_value_heads} key/value heads")
+    if arch.intermediate_size % tp_size:
+        problems.append(f"an MLP size of {arch.intermediate_size}")
+    if problems:
+        raise ValueError(
+            f"--tensor-parallel-size {tp_size} does not divide the model's "
+            f"{' and '.join(problems)}; choose a size that divides them"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLimits:
+    """Sizes derived once from config and model, identical in every process."""
+
+    num_kv_blocks: int
+    max_model_len: int
+
+
+def resolve_limits(config: EngineConfig, arch: ModelArch) -> EngineLimits:
+    """KV blocks from the flag or the memory budget; context length capped by both."""
+    tp = config.parallel.tensor_parallel_size
+    check_tensor_parallel(arch, tp)
+    block_size = config.cache.block_size
+    num_blocks = config.cache.num_kv_blocks
+    if num_blocks is None:
+        itemsize = DTYPE_BYTES[dtype_name(config, arch)]
+        per_block = (
+            2
+            * arch.num_hidden_layers
+            * block_size
+            * (arch.num_key_value_heads // tp)
+            * arch.head_dim
+            * itemsize
+        )
+        num_blocks = max(1, int(config.cache.kv_cache_memory_gib * 2**30) // per_block)
+    max_len = config.model.max_model_len or arch.max_position_embeddings
+    if max_len > arch.max_position_embeddings:
+        raise ValueError(
+            f"--max-model-len {max_len} exceeds the model's "
+            f"max_position_embeddings {arch.max_position_embeddings}"
+        )
+    max_len = min(max_len, num_blocks * block_size)
+    return EngineLimits(num_kv_blocks=num_blocks, max_model_len=max_len)
