@@ -29,6 +29,8 @@ from tests.helpers.otlp_receiver import OtlpReceiver
 from tests.helpers.procs import ServerProcess, free_port, start_logged
 from tests.helpers.tools import prometheus_tool
 
+pytestmark = pytest.mark.slow  # starts servers or engine processes
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ALERT_RULES = REPO_ROOT / "deploy" / "compose" / "alerts.yml"
 SCRAPE_INTERVAL = "1s"

@@ -9,6 +9,8 @@ import pytest
 
 from otel_engine import LLM, EngineDeadError, SamplingParams
 
+pytestmark = pytest.mark.slow  # starts servers or engine processes
+
 PARAMS = SamplingParams(max_tokens=4, temperature=0.0)
 
 

@@ -261,6 +261,7 @@ def _unseeded_outputs(model_dir: str, prompts: list[list[int]], **options: Any) 
         return [list(o.outputs[0].token_ids) for o in engine.generate(prompts, params)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2])
 def test_engine_seed_fixes_unseeded_sampling_across_restarts(
     tiny_model_dir: str, tiny_prompts: list[list[int]], tp: int

@@ -20,6 +20,8 @@ from otel_engine.ipc.messages import StepOutputs
 from otel_engine.sched.scheduler import Scheduler, SchedulerOutput
 from tests.helpers.tiny_model import hf_greedy
 
+pytestmark = pytest.mark.slow  # starts servers or engine processes
+
 MAX_TOKENS = 12
 BUDGET = 24
 SMALL_CACHE: dict[str, Any] = {

@@ -19,6 +19,8 @@ from otel_engine import LLM, AsyncLLM, EngineDeadError, EngineStartupError, Samp
 from otel_engine.model.loader import prepare_model_dir
 from tests.helpers.procs import assert_no_children
 
+pytestmark = pytest.mark.slow  # starts servers or engine processes
+
 Children = Callable[[], list[psutil.Process]]
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 SHUTDOWN_LIMIT_S = 10.0

@@ -17,6 +17,8 @@ from otel_engine import LLM, SamplingParams
 from otel_engine.cli import build_parser, engine_options, main
 from tests.helpers.procs import ServerProcess, free_port
 
+pytestmark = pytest.mark.slow  # starts servers or engine processes
+
 DESIGN_SERVE_FLAGS = {
     "--model",
     "--host",

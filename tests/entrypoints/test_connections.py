@@ -20,6 +20,8 @@ from otel_engine.entrypoints.connections import RateLimitedLog, rate_limited_exc
 from otel_engine.entrypoints.limits import ServerLimits
 from tests.entrypoints.conftest import Served, ServerLoop
 
+pytestmark = pytest.mark.slow  # starts servers or engine processes
+
 READ_TIMEOUT_S = 1.0
 
 

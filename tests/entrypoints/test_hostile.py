@@ -24,6 +24,8 @@ from tests.helpers.probe import HealthProbe
 from tests.helpers.procs import ServerProcess
 from tests.helpers.scrape import metric_value
 
+pytestmark = pytest.mark.slow  # starts servers or engine processes
+
 API_KEY = "hostile-key"
 PROMPT = "Once upon a time there was a small town by the sea."
 HEALTH_LIMIT_S = 0.1

@@ -10,6 +10,8 @@ import pytest
 from tests.entrypoints.conftest import Served
 from tests.helpers.fuzz import run_schemathesis
 
+pytestmark = pytest.mark.slow  # starts servers or engine processes
+
 
 @pytest.fixture(scope="module")
 def document(served: Served) -> dict[str, Any]:

@@ -16,6 +16,8 @@ from otel_engine import AsyncLLM, RequestOutput, SamplingParams
 from otel_engine.entrypoints.api_server import make_server
 from tests.entrypoints.conftest import Served, ServerLoop
 
+pytestmark = pytest.mark.slow  # starts servers or engine processes
+
 PROMPT = "Pack my box with five dozen liquor jugs."
 
 

@@ -15,6 +15,8 @@ from otel_engine.entrypoints.api_server import make_server
 from otel_engine.entrypoints.limits import ServerLimits
 from tests.entrypoints.conftest import Served, ServerLoop
 
+pytestmark = pytest.mark.slow  # starts servers or engine processes
+
 NUM_STALLED = 64
 # Small socket buffers, so a client that stops reading is noticed after a few kilobytes.
 SMALL_BUFFERS = {"send_buffer_bytes": 4096, "write_buffer_bytes": 4096}

@@ -7,10 +7,13 @@ import time
 from collections.abc import Callable
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.failures.conftest import ProcessWatch
 from tests.helpers.procs import ServerProcess
+
+pytestmark = pytest.mark.slow  # starts servers or engine processes
 
 WAIT_S = 30.0
 

@@ -28,6 +28,8 @@ from tests.entrypoints.conftest import ServerLoop
 from tests.failures.conftest import ProcessWatch
 from tests.failures.crowd import ClientResult, assert_all_failed, run_crowd
 
+pytestmark = pytest.mark.slow  # starts servers or engine processes
+
 STEP_TIMEOUT_S = 2.0
 CONTEXT = 4096
 MAX_TOKENS = 4000

@@ -19,6 +19,8 @@ import pytest
 from otel_engine import LLM, AsyncLLM, EngineDeadError, EngineStartupError, SamplingParams
 from tests.failures.conftest import ProcessWatch
 
+pytestmark = pytest.mark.slow  # starts servers or engine processes
+
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11], [12, 13], [14, 15, 16, 17, 18]]
 PARAMS = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
 FAULT_STEP = 3

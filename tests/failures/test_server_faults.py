@@ -27,6 +27,8 @@ from tests.failures.conftest import GONE_LIMIT_S, ProcessWatch, log_time, wait_e
 from tests.failures.crowd import ClientResult, assert_all_failed, run_crowd
 from tests.helpers.procs import ServerProcess
 
+pytestmark = pytest.mark.slow  # starts servers or engine processes
+
 NUM_CLIENTS = 4
 FAULT_STEP = 200  # of 480: every request has joined, none can have finished
 DETECTION_LIMIT_S = 5.0  # the contract is 1 s; slack for a loaded 2-core machine

@@ -14,8 +14,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 from tests.failures.conftest import ProcessWatch
 from tests.helpers.procs import ServerProcess
+
+pytestmark = pytest.mark.slow  # starts servers or engine processes
 
 ORPHAN_LIMIT_S = 5.0
 STOP_LIMIT_S = 10.0

@@ -22,6 +22,8 @@ from otel_engine import AsyncLLM, EngineDeadError, SamplingParams
 from tests.failures.conftest import ProcessWatch, wait_exit
 from tests.helpers.procs import ServerProcess
 
+pytestmark = pytest.mark.slow  # starts servers or engine processes
+
 STEP_TIMEOUT_S = 2.0
 STALL_GRACE_S = 5.0  # AsyncLLM waits this long past --step-timeout before giving up
 # Seconds of decoding on the long-context tiny model: the core is frozen mid-stream even when

@@ -12,6 +12,8 @@ from otel_engine.engine.core_client import InprocClient
 from otel_engine.model.llama import INT4_MAX_ROWS, _pack_int4
 from otel_engine.model.loader import INT4_GROUP, iter_int4, iter_weights, prepare_model_dir
 
+pytestmark = pytest.mark.slow  # starts servers or engine processes
+
 PROMPTS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",

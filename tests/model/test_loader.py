@@ -21,6 +21,8 @@ from otel_engine.model.loader import (
     prepare_model_dir,
 )
 
+pytestmark = pytest.mark.slow  # starts servers or engine processes
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 

@@ -32,6 +32,8 @@ from tests.helpers.otlp_receiver import OtlpReceiver
 from tests.helpers.procs import assert_no_children, children_of, is_alive
 from tests.observability.conftest import REPO_ROOT, clean_env
 
+pytestmark = pytest.mark.slow  # starts servers or engine processes
+
 PROMPT_CANARY = "zq7-PROMPT-CANARY-4f1e"
 STOP_CANARY = "zq7-STOP-CANARY-9b2c"
 STOP_ID_CANARY = 511  # dumps say how many stop token ids a request has, never which

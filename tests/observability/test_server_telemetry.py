@@ -32,6 +32,8 @@ from tests.helpers.otlp_receiver import OtlpReceiver
 from tests.helpers.procs import ServerProcess
 from tests.observability.conftest import REPO_ROOT, clean_env
 
+pytestmark = pytest.mark.slow  # starts servers or engine processes
+
 MODEL = "tiny"
 CANARY = "zq9-SERVE-CANARY-71c3"
 STOP_CANARY = "zq9-STOP-CANARY-2d8e"

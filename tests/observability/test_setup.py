@@ -13,6 +13,8 @@ from otel_engine.observability.setup import child_env, config_from_env, spawn_en
 from tests.helpers.otlp_receiver import OtlpReceiver
 from tests.observability.conftest import RunPython, json_lines
 
+pytestmark = pytest.mark.slow  # starts servers or engine processes
+
 PARENT_SCRIPT = """
 import json, logging, time
 from otel_engine.config import EngineConfig
