@@ -1,9 +1,10 @@
 """Executors: run one step's `ModelInput` and return rank 0's sampled tokens.
 
 `UniprocExecutor` runs the model in the calling process (TP=1). `MultiprocExecutor` drives
-`--tensor-parallel-size` worker processes over ZMQ and watches them: a worker that reports a
-failure, or whose process sentinel fires (killed, OOM), turns the current or next
-`execute()` into `WorkerError` within a fraction of a second.
+`--tensor-parallel-size` worker processes over ZMQ and reports what they did: a worker that
+reports a failure, or whose process sentinel fires (killed, OOM), turns the current or next
+`execute()` into `WorkerError` within a fraction of a second. A worker that hangs is not
+this module's to judge: the step watchdog of the process running the step ends it.
 """
 
 from __future__ import annotations
@@ -177,15 +178,14 @@ class MultiprocExecutor:
         data = self._requests.encode(step)
         for socket in self._inputs:
             socket.send(data, copy=False)
-        deadline = time.monotonic() + self.config.timeouts.step_timeout
+        # No deadline here: a step that hangs is the step watchdog's to end, in the process
+        # that runs the step (core_proc.StepWatchdog; the caller's, for in-process engines).
         while True:
             if self._results.poll(_POLL_MS):
                 return self._take_result(step.step_id)
             if self._failure is not None:  # the monitor saw a worker die
                 self._failure = self._root_cause([])
                 raise WorkerError(self._failure)
-            if time.monotonic() > deadline:
-                raise WorkerError(step_timeout_error(step.step_id, self.config, "worker"))
 
     def _take_result(self, step_id: int | None) -> list[int]:
         """The sampled tokens of `step_id` (None: no step is running). A failure report, or

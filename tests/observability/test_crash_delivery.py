@@ -76,7 +76,7 @@ SCENARIOS = [
     ),
     Scenario(
         "step-timeout-tp2", 2, f"worker:hang:rank=1:step={FAULT_STEP}", None, "INFO",
-        "StepTimeout", ("worker", "engine_core"), None, "timeout", step_timeout=3.0,
+        "StepTimeout", ("engine_core",), None, "timeout", step_timeout=3.0,
     ),
     Scenario(
         "watchdog-timeout", 1, f"worker:hang:step={FAULT_STEP}", None, "DEBUG",
