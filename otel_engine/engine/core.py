@@ -22,6 +22,7 @@ from otel_engine.ipc.messages import (
     AbortRequests,
     AddRequest,
     CoreRequest,
+    EngineLimits,
     ErrorInfo,
     ModelInput,
     PauseRequests,
@@ -30,7 +31,6 @@ from otel_engine.ipc.messages import (
     ResumeRequests,
     StepOutputs,
 )
-from otel_engine.model.limits import EngineLimits
 from otel_engine.model.loader import ModelArch
 from otel_engine.observability import crash_dump
 from otel_engine.observability.faults import maybe_inject

@@ -191,7 +191,8 @@ class MPClient:
         except BaseException:
             self.shutdown(graceful=False)  # a core still starting never reads Shutdown
             raise
-        self.max_model_len = ready.info["max_model_len"]
+        assert ready.limits is not None, "the engine core's Ready carries its limits"
+        self.max_model_len = ready.limits.max_model_len
         self._monitor = threading.Thread(target=self._watch_core, name="core-monitor", daemon=True)
         self._monitor.start()
 

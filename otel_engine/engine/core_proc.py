@@ -67,10 +67,7 @@ def run_engine_core(
     outputs = context.socket(zmq.PUSH)
     outputs.connect(output_address)
     watchdog = StepWatchdog(core, output_address)
-    channel.ready(
-        max_model_len=core.limits.max_model_len,
-        num_kv_blocks=core.limits.num_kv_blocks,
-    )
+    channel.ready(core.limits)
     logger.info("engine.ready", extra={"role": "engine_core"})
     exit_code = 0
     encoder: Codec[CoreOutput] = Codec(CoreOutput)

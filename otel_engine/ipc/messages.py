@@ -24,12 +24,20 @@ class ErrorInfo(msgspec.Struct, frozen=True):
     process: str = ""  # e.g. "engine_core", "worker-1"
 
 
+class EngineLimits(msgspec.Struct, frozen=True, array_like=True):
+    """Sizes resolved once from the config and the model (`model/limits.py`), the same in
+    every process: what the front end checks requests against."""
+
+    num_kv_blocks: int
+    max_model_len: int
+
+
 class Ready(msgspec.Struct, frozen=True, tag="ready", array_like=True):
-    """The child finished starting. `info` carries facts the parent needs (limits)."""
+    """The child finished starting. The engine core says what its limits are."""
 
     process: str
     pid: int
-    info: dict[str, int] = {}
+    limits: EngineLimits | None = None
 
 
 class Failed(msgspec.Struct, frozen=True, tag="failed", array_like=True):

@@ -28,7 +28,7 @@ import msgspec
 
 from otel_engine.errors import EngineStartupError, FailureCause
 from otel_engine.ipc.codec import Codec, error_info
-from otel_engine.ipc.messages import ErrorInfo, Failed, HandshakeMessage, Ready
+from otel_engine.ipc.messages import EngineLimits, ErrorInfo, Failed, HandshakeMessage, Ready
 
 logger = logging.getLogger(__name__)
 _handshake: Codec[HandshakeMessage] = Codec(HandshakeMessage)
@@ -54,8 +54,8 @@ class ReadyChannel:
         self.process_name = process_name
         self.sent = False
 
-    def ready(self, **info: int) -> None:
-        self._send(Ready(process=self.process_name, pid=os.getpid(), info=info))
+    def ready(self, limits: EngineLimits | None = None) -> None:
+        self._send(Ready(process=self.process_name, pid=os.getpid(), limits=limits))
 
     def failed(self, exc: BaseException) -> None:
         """Report a startup failure; a grandchild's failure is passed on as it is."""

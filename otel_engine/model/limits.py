@@ -5,9 +5,8 @@ model)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from otel_engine.config import EngineConfig
+from otel_engine.ipc.messages import EngineLimits
 from otel_engine.model.loader import ModelArch
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -35,14 +34,6 @@ def check_tensor_parallel(arch: ModelArch, tp_size: int) -> None:
             f"--tensor-parallel-size {tp_size} does not divide the model's "
             f"{' and '.join(problems)}; choose a size that divides them"
         )
-
-
-@dataclass(frozen=True, slots=True)
-class EngineLimits:
-    """Sizes derived once from config and model, identical in every process."""
-
-    num_kv_blocks: int
-    max_model_len: int
 
 
 def resolve_limits(config: EngineConfig, arch: ModelArch) -> EngineLimits:
