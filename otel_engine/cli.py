@@ -21,6 +21,7 @@ from otel_engine.entrypoints.limits import CHARS_PER_TOKEN_BOUND, ServerLimits
 from otel_engine.observability.logging import adopt_library_loggers
 from otel_engine.observability.setup import setup_main_process
 from otel_engine.observability.tracing import shutdown_telemetry
+from otel_engine.timing import TELEMETRY_FLUSH_S
 
 logger = logging.getLogger("otel_engine.api_server")
 
@@ -50,7 +51,6 @@ ENGINE_FLAGS = (
     "log_prompts",
 )
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-TELEMETRY_FLUSH_S = 5.0  # the most a clean exit waits for spans, logs and metrics to leave
 
 
 def _add_engine_flags(parser: argparse.ArgumentParser) -> None:

@@ -29,6 +29,7 @@ from otel_engine.errors import EngineDeadError, FailureCause
 from otel_engine.ipc.messages import EngineDead, ErrorInfo, StepOutputs
 from otel_engine.outputs import RequestOutput
 from otel_engine.sampling_params import SamplingParams
+from otel_engine.timing import STALL_GRACE_S, THREAD_JOIN_S
 
 logger = logging.getLogger(__name__)
 
@@ -243,7 +244,7 @@ def _pump_outputs(ref: weakref.ref[AsyncLLM], client: MPClient, stopped: threadi
         llm = ref()
         if llm is None:
             return
-        if output is None and llm.stalled_for > llm.config.timeouts.step_timeout + _STALL_GRACE_S:
+        if output is None and llm.stalled_for > llm.config.timeouts.step_timeout + STALL_GRACE_S:
             # The core's own watchdog did not fire (the process is frozen): give up on it.
             output = EngineDead(error=_stalled(llm.config.timeouts.step_timeout))
             client.kill()
@@ -253,9 +254,6 @@ def _pump_outputs(ref: weakref.ref[AsyncLLM], client: MPClient, stopped: threadi
                 return
             llm._call_in_loop(llm._deliver, output)
         del llm
-
-
-_STALL_GRACE_S = 5.0
 
 
 def _stalled(step_timeout: float) -> ErrorInfo:
@@ -269,5 +267,5 @@ def _stalled(step_timeout: float) -> ErrorInfo:
 
 def _shutdown(stopped: threading.Event, frontend: Frontend, io_thread: threading.Thread) -> None:
     stopped.set()
-    io_thread.join(timeout=2.0)
+    io_thread.join(timeout=THREAD_JOIN_S)
     frontend.shutdown()

@@ -39,10 +39,9 @@ from otel_engine.ipc.messages import (
 from otel_engine.ipc.paths import IpcDir
 from otel_engine.ipc.process import spawn, wait_for_death
 from otel_engine.observability.setup import spawn_env
+from otel_engine.timing import CORE_OUTPUT_POLL_S
 
 logger = logging.getLogger(__name__)
-
-_POLL_MS = 100
 
 
 class _StepThread:
@@ -230,13 +229,13 @@ class MPClient:
         if self._death is None and not self._stopping:
             self._inputs.send(self._encoder.encode(message))
 
-    def get_output(self, timeout_ms: int = _POLL_MS) -> CoreOutput | None:
+    def get_output(self, timeout_s: float = CORE_OUTPUT_POLL_S) -> CoreOutput | None:
         """The next output, an `EngineDead` if the core process is gone, or None on timeout.
 
         A frame already sent wins over the death notice, so the engine's own reason
         (e.g. a worker's exception) is reported rather than just "the core exited".
         """
-        if self._outputs.poll(timeout_ms):
+        if self._outputs.poll(int(timeout_s * 1000)):
             return self._decoder.decode(self._outputs.recv(copy=False).buffer)
         if self._death is not None:
             return EngineDead(error=self._death)

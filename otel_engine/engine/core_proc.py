@@ -33,12 +33,11 @@ from otel_engine.model.limits import resolve_limits
 from otel_engine.model.loader import load_model_arch
 from otel_engine.observability.faults import maybe_inject
 from otel_engine.observability.tracing import shutdown_telemetry
+from otel_engine.timing import CORE_IDLE_POLL_S, CRASH_FLUSH_S, THREAD_JOIN_S, watchdog_poll_s
 
 logger = logging.getLogger(__name__)
 
 PROCESS_NAME = "engine_core"
-_IDLE_POLL_MS = 200
-_CRASH_FLUSH_S = 1.0  # bounded: clients must get their errors within about a second
 
 
 def build_engine_core(config: EngineConfig, model_dir: str, ipc_dir: IpcDir) -> EngineCore:
@@ -78,7 +77,7 @@ def run_engine_core(
         logger.exception("engine.failed")
         info = failure_info(exc, PROCESS_NAME)
         core.record_crash(info)
-        shutdown_telemetry(timeout_s=_CRASH_FLUSH_S)  # the dump reaches the collector first
+        shutdown_telemetry(timeout_s=CRASH_FLUSH_S)  # the dump reaches the collector first
         outputs.send(encoder.encode(EngineDead(error=info, trace_context=core.failed_step_context)))
     finally:
         watchdog.stop()
@@ -112,7 +111,7 @@ class StepWatchdog:
 
     def _watch(self) -> None:
         core = self.core
-        while not self._stop.wait(min(0.5, self.timeout / 4)):
+        while not self._stop.wait(watchdog_poll_s(self.core.config.timeouts)):
             started = core.step_started_at
             if started is None or time.monotonic() - started < self.timeout:
                 continue
@@ -122,7 +121,7 @@ class StepWatchdog:
                 extra={"step": core.current_step_id, "timeout_s": self.timeout},
             )
             core.record_crash(info)
-            shutdown_telemetry(timeout_s=_CRASH_FLUSH_S)
+            shutdown_telemetry(timeout_s=CRASH_FLUSH_S)
             dead = EngineDead(error=info, trace_context=core.failed_step_context)
             self._socket.send(Codec(CoreOutput).encode(dead))
             core.executor.kill()
@@ -134,7 +133,7 @@ class StepWatchdog:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=2.0)
+        self._thread.join(timeout=THREAD_JOIN_S)
 
 
 def _busy_loop(
@@ -144,7 +143,7 @@ def _busy_loop(
     executor = core.executor
     while True:
         if not core.has_work:
-            while not inputs.poll(_IDLE_POLL_MS):
+            while not inputs.poll(int(CORE_IDLE_POLL_S * 1000)):
                 executor.check_health()
         refused = []
         is_changed = False

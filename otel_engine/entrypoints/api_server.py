@@ -60,6 +60,7 @@ from otel_engine.entrypoints.protocol import (
 from otel_engine.entrypoints.serving import OpenAIServing
 from otel_engine.observability.metrics import EngineMetrics
 from otel_engine.observability.otlp_metrics import start_otlp_metrics
+from otel_engine.timing import GRACEFUL_HTTP_SHUTDOWN_S
 
 if TYPE_CHECKING:
     from otel_engine import AsyncLLM
@@ -281,7 +282,7 @@ def make_server(
         build_app(state),
         log_config=None,
         lifespan="off",
-        timeout_graceful_shutdown=5,
+        timeout_graceful_shutdown=GRACEFUL_HTTP_SHUTDOWN_S,
         timeout_keep_alive=limits.keep_alive_timeout,
     )
     return ApiServer(

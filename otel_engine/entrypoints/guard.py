@@ -23,6 +23,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from otel_engine.entrypoints.errors import APIError, draining, engine_unavailable, error_response
 from otel_engine.entrypoints.limits import ServerLimits
 from otel_engine.observability.metrics import EngineMetrics
+from otel_engine.timing import DRAIN_CANCEL_GRACE_S
 
 if TYPE_CHECKING:
     from otel_engine import AsyncLLM
@@ -31,8 +32,6 @@ if TYPE_CHECKING:
     from otel_engine.observability.metrics import StepStats
 
 logger = logging.getLogger("otel_engine.api_server")
-
-DRAIN_CANCEL_GRACE_S = 5.0  # for requests to send their 503 once the drain deadline passed
 
 
 @dataclass(slots=True)

@@ -31,12 +31,9 @@ from otel_engine.ipc.paths import IpcDir, free_tcp_port
 from otel_engine.ipc.process import ChildProcess, spawn, stop_all, wait_for_death
 from otel_engine.observability.faults import maybe_inject
 from otel_engine.observability.setup import spawn_env
+from otel_engine.timing import FAILED_REPORT_WAIT_S, FAILURE_GRACE_S, WORKER_RESULT_POLL_S
 
 logger = logging.getLogger(__name__)
-
-_POLL_MS = 50
-_FAILURE_GRACE_S = 0.3
-_REPORT_WAIT_S = 1.5  # a worker that exited with code 1 reported first
 
 
 class WorkerError(Exception):
@@ -181,7 +178,7 @@ class MultiprocExecutor:
         # No deadline here: a step that hangs is the step watchdog's to end, in the process
         # that runs the step (core_proc.StepWatchdog; the caller's, for in-process engines).
         while True:
-            if self._results.poll(_POLL_MS):
+            if self._results.poll(int(WORKER_RESULT_POLL_S * 1000)):
                 return self._take_result(step.step_id)
             if self._failure is not None:  # the monitor saw a worker die
                 self._failure = self._root_cause([])
@@ -229,8 +226,8 @@ class MultiprocExecutor:
             reporters = {f"otel-worker-{f.rank}" for f in failures}
             silent = self._died is not None and self._died.process not in reporters
             waited = time.monotonic() - started
-            expect_report = silent and self._died_code == 1 and waited < _REPORT_WAIT_S
-            if waited > _FAILURE_GRACE_S and not expect_report:
+            expect_report = silent and self._died_code == 1 and waited < FAILED_REPORT_WAIT_S
+            if waited > FAILURE_GRACE_S and not expect_report:
                 break
             if self._results.poll(50):
                 message = self._responses.decode(self._results.recv(copy=False).buffer)

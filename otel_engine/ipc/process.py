@@ -29,6 +29,7 @@ import msgspec
 from otel_engine.errors import EngineStartupError, FailureCause
 from otel_engine.ipc.codec import Codec, error_info
 from otel_engine.ipc.messages import EngineLimits, ErrorInfo, Failed, HandshakeMessage, Ready
+from otel_engine.timing import TERM_GRACE_S
 
 logger = logging.getLogger(__name__)
 _handshake: Codec[HandshakeMessage] = Codec(HandshakeMessage)
@@ -173,9 +174,6 @@ class ChildProcess:
             os.close(fd)
 
 
-_TERM_GRACE_S = 3.0
-
-
 def stop_all(children: list[ChildProcess], graceful_s: float) -> None:
     """Stop children together under one deadline per phase: wait `graceful_s` for them to
     exit on their own, then SIGTERM the rest, then SIGKILL; always reaps them."""
@@ -187,7 +185,7 @@ def stop_all(children: list[ChildProcess], graceful_s: float) -> None:
         for child in alive:
             logger.warning(f"child.{signal_name}", extra={"child": child.name})
             getattr(child.popen, send)()
-        _wait_all(alive, _TERM_GRACE_S)
+        _wait_all(alive, TERM_GRACE_S)
     for child in children:
         child._close_fd("_ready_fd")
 

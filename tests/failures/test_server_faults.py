@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import pytest
 
+from otel_engine.config import TimeoutConfig
+from otel_engine.timing import hang_to_exit_s
 from tests.failures.conftest import GONE_LIMIT_S, ProcessWatch, log_time, wait_exit
 from tests.failures.crowd import ClientResult, assert_all_failed, run_crowd
 from tests.helpers.procs import ServerProcess
@@ -138,6 +140,11 @@ def test_fault_fails_every_client_and_server_exits_1(
     if killed_at:
         assert _last_error(results) - killed_at[0] < DETECTION_LIMIT_S
     assert exited_at - _last_error(results) < EXIT_AFTER_ERROR_S, server.tail()
+    if row.cause == "StepTimeout":  # the documented worst case (otel_engine/timing.py)
+        step_timeout = float(row.args[row.args.index("--step-timeout") + 1])
+        hung_at = log_time(server, "fault.injected")
+        assert hung_at is not None
+        assert exited_at - hung_at <= hang_to_exit_s(TimeoutConfig(step_timeout=step_timeout))
 
 
 def _last_error(results: list[ClientResult]) -> float:

@@ -1,0 +1,47 @@
+"""Every poll interval, grace period and flush bound of the engine, in one place.
+
+The configured timeouts (`TimeoutConfig`: --engine-ready-timeout, --step-timeout,
+--shutdown-timeout) are the long waits; everything here is short and fixed, and together
+they bound how long a failure takes to reach the clients and the process to exit. The
+worst cases are formulas (`hang_to_exit_s`), stated in docs/operations.md and checked by
+tests/failures against real servers.
+"""
+
+from __future__ import annotations
+
+from otel_engine.config import TimeoutConfig
+
+CORE_OUTPUT_POLL_S = 0.1  # the front end waits this long for a frame before checking liveness
+WORKER_RESULT_POLL_S = 0.05  # the core waits this long for a worker result between checks
+CORE_IDLE_POLL_S = 0.2  # an idle engine core checks its workers' health this often
+WATCHDOG_POLL_MAX_S = 0.5  # the step watchdog looks at least this often (or timeout / 4)
+FAILURE_GRACE_S = 0.3  # after one rank fails, other ranks' reports are collected this long
+FAILED_REPORT_WAIT_S = 1.5  # a rank that exited with code 1 reported first: wait for it
+CRASH_FLUSH_S = 1.0  # the crash dump's telemetry flush before EngineDead is sent
+STALL_GRACE_S = 5.0  # a frozen core (no watchdog report) is given up this much after the timeout
+TERM_GRACE_S = 3.0  # SIGTERM to SIGKILL for a child that does not stop
+DRAIN_CANCEL_GRACE_S = 5.0  # requests cancelled at the drain deadline send their 503s
+TELEMETRY_FLUSH_S = 5.0  # the most a clean exit waits for spans, logs and metrics to leave
+SERVER_TICK_S = 0.1  # uvicorn's main loop checks for an exit this often
+GRACEFUL_HTTP_SHUTDOWN_S = 5  # uvicorn's wait for open connections after the drain
+THREAD_JOIN_S = 2.0  # a helper thread (output pump, watchdog) joined at shutdown
+
+
+def watchdog_poll_s(timeouts: TimeoutConfig) -> float:
+    return min(WATCHDOG_POLL_MAX_S, timeouts.step_timeout / 4)
+
+
+def hang_to_exit_s(timeouts: TimeoutConfig) -> float:
+    """From the start of a step that hangs to the server's exit, at most (with
+    --final-scrape-wait 0): the timeout, the watchdog's look, the crash flush, the front
+    end's poll, one server tick, stopping a child that ignores SIGTERM, and the last
+    telemetry flush."""
+    return (
+        timeouts.step_timeout
+        + watchdog_poll_s(timeouts)
+        + CRASH_FLUSH_S
+        + CORE_OUTPUT_POLL_S
+        + SERVER_TICK_S
+        + TERM_GRACE_S
+        + min(TELEMETRY_FLUSH_S, timeouts.shutdown_timeout)
+    )
