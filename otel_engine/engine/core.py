@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from opentelemetry import trace
@@ -62,6 +64,7 @@ class EngineCore:
         self.started_at = time.monotonic()
         self.last_step_at = self.started_at
         self.step_started_at: float | None = None  # read by the step watchdog thread
+        self.last_step_started_at = self.started_at
         self.current_step_id = 0
         self._tracer = get_tracer()
         self.is_tracing = is_tracing()
@@ -140,33 +143,43 @@ class EngineCore:
         )
 
     def step(self) -> StepOutputs:
-        """Schedule, execute and update one batch.
+        """Schedule, execute and update one batch (`_stepping` does the bookkeeping)."""
+        output = self.scheduler.schedule()
+        with self._stepping(output) as trace_context:
+            maybe_inject("engine_core", phase="run", step=output.step_id)
+            sampled = self._execute(output, trace_context)
+            updated = self.scheduler.update(output, sampled)
+        return self._outputs(
+            output.step_id,
+            [_update(r) for r in updated],
+            num_preemptions=len(output.preempted_request_ids),
+            num_scheduled_seqs=len(output.chunks),
+            num_scheduled_tokens=output.num_batched_tokens,
+            step_duration_s=self.last_step_at - self.last_step_started_at,
+        )
 
-        With tracing on, the step is a span `engine_core.step` linked to the request spans
-        of its batch; on failure it ends with status ERROR and its context is kept in
-        `failed_step_context` for the `EngineDead` frame.
-        """
-        scheduler = self.scheduler
-        started = self.step_started_at = time.monotonic()
-        output = scheduler.schedule()
+    def _execute(self, output: SchedulerOutput, trace_context: dict[str, str]) -> list[int]:
+        if output.is_empty:
+            return []
+        model_input = self.current_model_input = prepare_model_input(
+            output.step_id, output.chunks, self.config.cache.block_size, trace_context
+        )
+        return self.executor.execute(model_input)
+
+    @contextmanager
+    def _stepping(self, output: SchedulerOutput) -> Iterator[dict[str, str]]:
+        """Around one step: what the step watchdog and a crash dump read, the step span
+        (`engine_core.step`, linked to the batch's request spans; yields its context for the
+        workers), and on failure the crash record (the span ends with status ERROR, its
+        context kept in `failed_step_context` for the `EngineDead` frame)."""
+        self.last_step_started_at = self.step_started_at = time.monotonic()
         self.current_step_id = output.step_id
         self.current_output, self.current_model_input = output, None
         span = self.current_step_span = self._start_step_span(output) if self.is_tracing else None
-        sampled: list[int] = []
         try:
-            maybe_inject("engine_core", phase="run", step=output.step_id)
-            if not output.is_empty:
-                model_input = self.current_model_input = prepare_model_input(
-                    output.step_id,
-                    output.chunks,
-                    self.config.cache.block_size,
-                    inject_context(trace.set_span_in_context(span)) if span else {},
-                )
-                sampled = self.executor.execute(model_input)
-            updated = scheduler.update(output, sampled)
+            yield inject_context(trace.set_span_in_context(span)) if span else {}
         except Exception as exc:
-            info = failure_info(exc, "engine_core")
-            self.record_crash(info)
+            self.record_crash(failure_info(exc, "engine_core"))
             raise
         finally:
             self.step_started_at = None
@@ -174,16 +187,7 @@ class EngineCore:
             span.end()
         self.current_step_span = None
         self.current_output = self.current_model_input = None
-        now = time.monotonic()
-        self.last_step_at = now
-        return self._outputs(
-            output.step_id,
-            [_update(r) for r in updated],
-            num_preemptions=len(output.preempted_request_ids),
-            num_scheduled_seqs=len(output.chunks),
-            num_scheduled_tokens=output.num_batched_tokens,
-            step_duration_s=now - started,
-        )
+        self.last_step_at = time.monotonic()
 
     def _start_step_span(self, output: SchedulerOutput) -> trace.Span:
         links = [c.request.trace_link for c in output.chunks if c.request.trace_link is not None]
