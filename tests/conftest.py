@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.paths import REPO_ROOT
 from tests.helpers.tiny_model import CORPUS, write_tiny_llama
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 PROMPT_LENGTHS = (3, 5, 8, 13, 21, 34, 55, 89, 120)
 
 

@@ -26,12 +26,12 @@ import pytest
 
 from tests.helpers.dashboards import generator
 from tests.helpers.otlp_receiver import OtlpReceiver
+from tests.helpers.paths import REPO_ROOT
 from tests.helpers.procs import ServerProcess, free_port, start_logged
 from tests.helpers.tools import prometheus_tool
 
 pytestmark = pytest.mark.slow  # starts servers or engine processes
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 ALERT_RULES = REPO_ROOT / "deploy" / "compose" / "alerts.yml"
 SCRAPE_INTERVAL = "1s"
 FAULT_STEP = 40

@@ -11,9 +11,9 @@ from typing import Any
 
 import yaml
 
+from tests.helpers.paths import REPO_ROOT
 from tests.helpers.tools import prometheus_tool
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 RULES = REPO_ROOT / "deploy" / "compose" / "alerts.yml"
 UNIT_TESTS = Path(__file__).resolve().parent / "alerts_test.yml"
 OPERATIONS = REPO_ROOT / "docs" / "operations.md"

@@ -25,9 +25,10 @@ import yaml
 from otel_engine.cli import build_parser
 from otel_engine.config import EngineConfig
 from otel_engine.observability.crash_dump import MAX_DUMP_BYTES
+from tests.helpers.paths import REPO_ROOT
 from tests.helpers.tools import prometheus_tool
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = REPO_ROOT
 DOCKERFILE = REPO / "Dockerfile"
 DOCKERIGNORE = REPO / ".dockerignore"
 COMPOSE_DIR = REPO / "deploy" / "compose"

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import importlib.util
 import re
-from pathlib import Path
 from types import ModuleType
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers.paths import REPO_ROOT
+
 DOC = REPO_ROOT / "docs" / "configuration.md"
 
 

@@ -20,10 +20,10 @@ from otel_engine.model.loader import (
     load_tokenizer,
     prepare_model_dir,
 )
+from tests.helpers.paths import REPO_ROOT
 
 pytestmark = pytest.mark.slow  # starts servers or engine processes
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
 

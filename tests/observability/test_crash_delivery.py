@@ -29,8 +29,9 @@ import psutil
 import pytest
 
 from tests.helpers.otlp_receiver import OtlpReceiver
+from tests.helpers.paths import REPO_ROOT
 from tests.helpers.procs import assert_no_children, children_of, is_alive
-from tests.observability.conftest import REPO_ROOT, clean_env
+from tests.observability.conftest import clean_env
 
 pytestmark = pytest.mark.slow  # starts servers or engine processes
 

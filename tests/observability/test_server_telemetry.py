@@ -29,8 +29,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.helpers.otlp_receiver import OtlpReceiver
+from tests.helpers.paths import REPO_ROOT
 from tests.helpers.procs import ServerProcess
-from tests.observability.conftest import REPO_ROOT, clean_env
+from tests.observability.conftest import clean_env
 
 pytestmark = pytest.mark.slow  # starts servers or engine processes
 

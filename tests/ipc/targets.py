@@ -1,0 +1,32 @@
+"""Child process targets for tests/ipc (each called as target(channel, *args))."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+
+def ready_and_wait(channel: Any) -> None:
+    channel.ready()
+    while True:
+        time.sleep(0.05)
+
+
+def ready_and_ignore_sigterm(channel: Any) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    ready_and_wait(channel)
+
+
+def fail_while_starting(channel: Any) -> None:
+    raise ValueError("bad weights")
+
+
+def die_while_starting(channel: Any) -> None:
+    os._exit(3)
+
+
+def never_ready(channel: Any) -> None:
+    while True:
+        time.sleep(0.05)

@@ -1,0 +1,113 @@
+"""The spawn trampoline: the READY/FAILED handshake, the death pipe, stopping children."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from otel_engine.errors import EngineStartupError
+from otel_engine.ipc.process import ChildProcess, spawn, stop_all, wait_for_death
+
+TARGETS = "tests.ipc.targets"
+
+
+@pytest.fixture
+def started() -> Iterator[list[ChildProcess]]:
+    """Children a test starts; every one is killed and reaped afterwards."""
+    children: list[ChildProcess] = []
+    yield children
+    stop_all(children, graceful_s=0.0)
+    for child in children:
+        child.close()
+
+
+def _spawn(started: list[ChildProcess], target: str, name: str = "otel-test-child") -> ChildProcess:
+    child = spawn(name, f"{TARGETS}:{target}", role="worker", rank=0)
+    started.append(child)
+    return child
+
+
+def test_ready_child_says_who_it_is(started: list[ChildProcess]) -> None:
+    """READY carries the child's name and pid."""
+    child = _spawn(started, "ready_and_wait")
+
+    ready = child.wait_ready(time.monotonic() + 30)
+
+    assert ("otel-test-child", child.pid) == (ready.process, ready.pid)
+    assert ready.limits is None
+
+
+def test_failing_child_reports_its_exception(started: list[ChildProcess]) -> None:
+    """An exception while starting arrives as EngineStartupError naming the cause, with the
+    child's traceback."""
+    child = _spawn(started, "fail_while_starting")
+
+    with pytest.raises(EngineStartupError) as info:
+        child.wait_ready(time.monotonic() + 30)
+
+    assert ("ValueError", "bad weights") == (info.value.cause_type, info.value.cause_message)
+    assert "otel-test-child" == info.value.failed_process
+    assert "Traceback" in info.value.traceback
+
+
+def test_child_dying_silently_while_starting_is_process_died(
+    started: list[ChildProcess],
+) -> None:
+    """A child that exits before its handshake: ProcessDied, with the exit code."""
+    child = _spawn(started, "die_while_starting")
+
+    with pytest.raises(EngineStartupError) as info:
+        child.wait_ready(time.monotonic() + 30)
+
+    assert "ProcessDied" == info.value.cause_type
+    assert "3" in info.value.message
+
+
+def test_child_not_ready_in_time_is_a_startup_timeout(started: list[ChildProcess]) -> None:
+    """No handshake before the deadline: StartupTimeout."""
+    child = _spawn(started, "never_ready")
+
+    with pytest.raises(EngineStartupError) as info:
+        child.wait_ready(time.monotonic() + 1.0)
+
+    assert "StartupTimeout" == info.value.cause_type
+
+
+def test_child_exits_when_its_parent_end_of_the_death_pipe_closes(
+    started: list[ChildProcess],
+) -> None:
+    """The death pipe: when the parent's end closes (the parent died), the child exits."""
+    child = _spawn(started, "ready_and_wait")
+    child.wait_ready(time.monotonic() + 30)
+
+    child._close_fd("_death_fd")
+    child.join(5.0)
+
+    assert child.exitcode is not None
+
+
+def test_stop_all_escalates_to_sigkill(started: list[ChildProcess]) -> None:
+    """A child that ignores SIGTERM is SIGKILLed; one that honours it exits on SIGTERM."""
+    stubborn = _spawn(started, "ready_and_ignore_sigterm", "otel-stubborn")
+    polite = _spawn(started, "ready_and_wait", "otel-polite")
+    for child in (stubborn, polite):
+        child.wait_ready(time.monotonic() + 30)
+
+    stop_all([stubborn, polite], graceful_s=0.0)
+
+    assert -9 == stubborn.exitcode
+    assert -15 == polite.exitcode
+
+
+def test_wait_for_death_names_the_child_that_died(started: list[ChildProcess]) -> None:
+    """The pidfd sentinel wakes the watcher for the child that exited, not the others."""
+    alive = _spawn(started, "ready_and_wait", "otel-alive")
+    dying = _spawn(started, "ready_and_wait", "otel-dying")
+    for child in (alive, dying):
+        child.wait_ready(time.monotonic() + 30)
+
+    dying.kill()
+
+    assert dying is wait_for_death([alive, dying])
