@@ -1,29 +1,33 @@
 """Shared pieces of the benchmarks: prompts, statistics, CPU contention, the server process
 and its memory, and an OpenAI-client load generator (`run_concurrency`).
 
-`ServerProcess` starts `python -m otel_engine.cli serve` with its output in a temporary log
-file, remembers every descendant it has seen, and on `stop()` sends SIGTERM to the server
-only, waits, and kills by pid whatever it started that is still alive.
+`ServerProcess` is the test suite's server process (tests/helpers/procs.py, the one home of
+starting a server, free ports and clean teardown) with what a benchmark measures added: on
+`stop()` it sends SIGTERM to the server only, waits, kills by pid whatever it started that is
+still alive, and reports how the shutdown went.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import random
-import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
 import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: tests.helpers
+from tests.helpers.procs import ServerProcess as _TestServer
+from tests.helpers.procs import free_port, is_alive
+
+__all__ = ["free_port", "is_alive"]  # re-exported for the benchmarks
 
 FIRST_ORDINARY_TOKEN_ID = 1000  # keeps random prompts clear of special and byte tokens
 
@@ -112,19 +116,6 @@ def own_processes() -> list[psutil.Process]:
     return [me, *me.children(recursive=True)]
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _is_alive(proc: psutil.Process) -> bool:
-    try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
 def _role(proc: psutil.Process, server_pid: int) -> str:
     """A short label: the process title the engine set, or what its command line says."""
     if proc.pid == server_pid:
@@ -159,118 +150,85 @@ class MemoryPeaks:
         return sum(mb for _, mb in self.peaks.values())
 
 
-class ServerProcess:
-    """The `otel-engine serve` subprocess of one benchmark run."""
+class ServerProcess(_TestServer):
+    """The test suite's `otel-engine serve` process (tests/helpers/procs.py: its own session,
+    output in a log file, every descendant remembered, only those signalled, by pid), started
+    at once, plus what a benchmark reads: seconds to ready, peak memory, a shutdown report."""
 
     def __init__(self, args: list[str], port: int) -> None:
-        self.port = port
-        self.base_url = f"http://127.0.0.1:{port}"
-        self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - lives as long as the server
-            prefix="otel-bench-server-", suffix=".log", delete=False
-        )
-        command = [
-            sys.executable,
-            "-m",
-            "otel_engine.cli",
-            "serve",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            *args,
-        ]
+        super().__init__(args, port=port)
         self.started_at = time.monotonic()
-        self.proc = subprocess.Popen(
-            command,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        self.seen: dict[int, psutil.Process] = {}
-        self._remember()
+        self.start()
 
-    def _remember(self) -> list[psutil.Process]:
-        try:
-            root = psutil.Process(self.proc.pid)
-            tree = [root, *root.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            return []
-        for proc in tree:
-            self.seen.setdefault(proc.pid, proc)
-        return tree
+    @property
+    def proc(self) -> subprocess.Popen[bytes]:
+        return self._proc()
 
-    def wait_ready(self, timeout: float) -> float:
-        """Seconds from process start until `/health` answered 200; raises on failure."""
-        deadline = self.started_at + timeout
-        with httpx.Client(timeout=2.0, trust_env=False) as client:
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(
-                        f"server exited with {self.proc.returncode} before "
-                        f"ready; log tail:\n{self.log_tail()}"
-                    )
-                with contextlib.suppress(httpx.HTTPError):
-                    if client.get(self.base_url + "/health").status_code == 200:
-                        self._remember()
-                        return time.monotonic() - self.started_at
-                time.sleep(0.1)
-        raise TimeoutError(f"server not ready after {timeout:.0f} s; log tail:\n{self.log_tail()}")
+    @property
+    def seen(self) -> dict[int, psutil.Process]:
+        return self._seen
 
     def processes(self) -> list[psutil.Process]:
         """The server and its descendants, as seen now."""
-        return self._remember()
+        return [self._seen[self.pid], *self.descendants()]
+
+    def wait_ready(self, timeout: float) -> float:
+        """Seconds from process start until `/health` answered 200; raises on failure."""
+        self.wait_healthy(timeout - (time.monotonic() - self.started_at))
+        return time.monotonic() - self.started_at
 
     def sample_memory(
         self, stop: threading.Event, peaks: MemoryPeaks, interval: float = 0.5
     ) -> None:
         """Until `stop` is set, record the peak RSS of the server and its descendants."""
         while True:
-            for proc in self._remember():
+            for proc in self.processes():
                 try:
                     mb = proc.memory_info().rss / 2**20
                 except psutil.Error:
                     continue
-                role, peak = peaks.peaks.get(proc.pid, (_role(proc, self.proc.pid), 0.0))
+                role, peak = peaks.peaks.get(proc.pid, (_role(proc, self.pid), 0.0))
                 peaks.peaks[proc.pid] = (role, max(peak, mb))
             if stop.wait(interval):
                 return
 
     def stop(self, timeout: float = 60.0, keep_log: bool = False) -> dict[str, Any]:
-        """SIGTERM the server, wait, then kill by pid anything it started still alive."""
-        self._remember()
+        """SIGTERM the server, wait, then kill by pid anything it started still alive; the
+        log is deleted after a clean stop unless `keep_log`."""
+        self.descendants()
         result: dict[str, Any] = {"signal": "SIGTERM"}
         began = time.monotonic()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+        if self.returncode is None:
+            self.terminate()
         try:
-            result["exit_code"] = self.proc.wait(timeout)
+            result["exit_code"] = self.wait(timeout)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
-            result["exit_code"] = self.proc.wait()
+            self.kill()
+            result["exit_code"] = self.wait()
             result["killed_server"] = True
         result["shutdown_seconds"] = round(time.monotonic() - began, 2)
         deadline = time.monotonic() + 10.0
-        while any(_is_alive(p) for p in self.seen.values()) and time.monotonic() < deadline:
+        while any(is_alive(p) for p in self._seen.values()) and time.monotonic() < deadline:
             time.sleep(0.1)
-        leftovers = [p for p in self.seen.values() if _is_alive(p)]
+        leftovers = [p for p in self._seen.values() if is_alive(p)]
         for proc in leftovers:
             with contextlib.suppress(psutil.Error):
                 proc.kill()
-        result["killed_leftovers"] = [f"{p.pid} ({_role(p, self.proc.pid)})" for p in leftovers]
-        self.log.close()
+        result["killed_leftovers"] = [f"{p.pid} ({_role(p, self.pid)})" for p in leftovers]
         is_clean = result["exit_code"] == 0 and not leftovers and result["shutdown_seconds"] < 10
         if is_clean and not keep_log:
-            os.unlink(self.log.name)
+            self.log_path.unlink(missing_ok=True)
         else:
-            result["server_log"] = self.log.name
+            result["server_log"] = str(self.log_path)
         return result
 
-    def log_tail(self, num_bytes: int = 3000) -> str:
-        self.log.flush()
-        with open(self.log.name, "rb") as file:
-            file.seek(max(0, os.path.getsize(self.log.name) - num_bytes))
-            return file.read().decode(errors="replace")
+    def log_tail(self, num_lines: int = 40) -> str:
+        return self.tail(num_lines)
+
+
+def served_model_name(base_url: str) -> str:
+    response = httpx.get(base_url + "/v1/models", timeout=10, trust_env=False)
+    return str(response.json()["data"][0]["id"])
 
 
 async def stream_completion(

@@ -30,7 +30,7 @@ from typing import Any
 
 import httpx
 import psutil
-from common import ServerProcess, fmt, free_port, print_table, quantile
+from common import ServerProcess, fmt, free_port, is_alive, print_table, quantile
 
 PROMPT = "When a worker process dies, the engine core notices within a second."
 DETECTION_EVENTS = (
@@ -138,7 +138,7 @@ async def _crowd(
 def _find(server: ServerProcess, title: str, timeout: float = 30.0) -> psutil.Process:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        for proc in server._remember():
+        for proc in server.processes():
             try:
                 if proc.cmdline() and proc.cmdline()[0].split()[0] == title:
                     return proc
@@ -197,7 +197,7 @@ def run_level(args: argparse.Namespace, model: str, num: int) -> dict[str, Any]:
         )
         server.proc.wait(args.client_timeout)
         gone_at = _wait_gone(server)
-        times = _log_times(server.log.name)
+        times = _log_times(server.log_path)
     finally:
         result = server.stop()
     fault_at = killed_at or times.get("fault.injected")
@@ -215,18 +215,11 @@ def run_level(args: argparse.Namespace, model: str, num: int) -> dict[str, Any]:
 def _wait_gone(server: ServerProcess, timeout: float = 30.0) -> float | None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        alive = [p for p in server.seen.values() if _is_alive(p)]
+        alive = [p for p in server.seen.values() if is_alive(p)]
         if not alive:
             return time.time()
         time.sleep(0.02)
     return None
-
-
-def _is_alive(proc: psutil.Process) -> bool:
-    try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def _summary(

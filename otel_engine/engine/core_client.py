@@ -175,7 +175,6 @@ class MPClient:
         self._stopping = False
         self._monitor: threading.Thread | None = None
         self.core = spawn(
-            "otel-engine-core",
             "otel_engine.engine.core_proc:run_engine_core",
             config.encode(),
             model_dir,

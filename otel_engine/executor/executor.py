@@ -13,6 +13,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Sequence
 
 import zmq
 
@@ -28,7 +29,13 @@ from otel_engine.ipc.messages import (
     WorkerResponse,
 )
 from otel_engine.ipc.paths import IpcDir, free_tcp_port
-from otel_engine.ipc.process import ChildProcess, spawn, stop_all, wait_for_death
+from otel_engine.ipc.process import (
+    ChildProcess,
+    process_title,
+    spawn,
+    stop_all,
+    wait_for_death,
+)
 from otel_engine.observability.faults import maybe_inject
 from otel_engine.observability.setup import spawn_env
 from otel_engine.timing import FAILED_REPORT_WAIT_S, FAILURE_GRACE_S, WORKER_RESULT_POLL_S
@@ -57,6 +64,40 @@ def how_it_failed(info: ErrorInfo) -> str:
         return FailureCause(info.type).how
     except ValueError:  # an exception's own class name
         return "exception"
+
+
+def choose_root_cause(
+    died: ErrorInfo | None, failures: Sequence[WorkerFailure], first_seen: ErrorInfo
+) -> ErrorInfo:
+    """Which failure caused the others. A worker that died without a report (killed, OOM)
+    is the cause: its peers' collectives broke because of it. Else the earliest report (a
+    worker that raised reports before it exits). Else the failure seen first."""
+    reporters = {process_title("worker", f.rank) for f in failures}
+    if died is not None and died.process not in reporters:
+        return died
+    if failures:
+        return min(failures, key=lambda f: f.failed_at).error
+    return first_seen
+
+
+def expects_report(
+    died: ErrorInfo | None, exit_code: int | None, failures: Sequence[WorkerFailure], waited: float
+) -> bool:
+    """Whether to wait longer for a report: a worker that raised reports, then exits with
+    code 1, and its report can arrive after its death is seen (for `FAILED_REPORT_WAIT_S`)."""
+    reporters = {process_title("worker", f.rank) for f in failures}
+    silent = died is not None and died.process not in reporters
+    return silent and exit_code == 1 and waited < FAILED_REPORT_WAIT_S
+
+
+def worker_death(workers: list[ChildProcess]) -> tuple[ErrorInfo, int | None]:
+    """Block until one of `workers` exits: `WorkerDied` naming it and how, and its exit code."""
+    worker = wait_for_death(workers)
+    how = worker.describe_exit()
+    info = ErrorInfo(
+        type=FailureCause.WORKER_DIED, message=f"{worker.name} {how}", process=worker.name
+    )
+    return info, worker.exitcode
 
 
 def step_timeout_error(step_id: int, config: EngineConfig, process: str) -> ErrorInfo:
@@ -124,7 +165,6 @@ class MultiprocExecutor:
             for rank in range(self.tp_size):
                 self.workers.append(
                     spawn(
-                        f"otel-worker-{rank}",
                         "otel_engine.executor.worker:run_worker",
                         config.encode(),
                         model_dir,
@@ -149,17 +189,13 @@ class MultiprocExecutor:
         self._monitor.start()
 
     def _watch_workers(self) -> None:
-        worker = wait_for_death(self.workers)
+        died, exit_code = worker_death(self.workers)
         if self._stopping:
             return
-        how = worker.describe_exit()
-        logger.error("worker.died", extra={"worker": worker.name, "exitcode": worker.exitcode})
-        self._died_code = worker.exitcode
-        self._died = ErrorInfo(
-            type=FailureCause.WORKER_DIED, message=f"{worker.name} {how}", process=worker.name
-        )
+        logger.error("worker.died", extra={"worker": died.process, "exitcode": exit_code})
+        self._died_code, self._died = exit_code, died
         if self._failure is None:
-            self._failure = self._died
+            self._failure = died
 
     def check_health(self, next_step: int | None = None) -> None:
         """Raise WorkerError if a worker has died or reported a failure, or sent a result
@@ -194,11 +230,12 @@ class MultiprocExecutor:
             raise WorkerError(self._failure)
         if message.step_id != step_id:
             waiting = "no step" if step_id is None else f"step {step_id}"
+            sender = process_title("worker", 0)  # rank 0 sends the results
             self._failure = self._root = ErrorInfo(
                 type=FailureCause.STEP_MISMATCH,
-                message=f"otel-worker-0 sent the result of step {message.step_id} while the "
+                message=f"{sender} sent the result of step {message.step_id} while the "
                 f"engine core was waiting for {waiting}",
-                process="otel-worker-0",
+                process=sender,
             )
             raise WorkerError(self._failure)
         return message.sampled_token_ids
@@ -215,31 +252,23 @@ class MultiprocExecutor:
             worker.kill()
 
     def _root_cause(self, failures: list[WorkerFailure]) -> ErrorInfo:
-        """Collect the failure reports that arrive within a moment. A worker that died
-        without a report is the cause (its peers' collectives broke because of it); else the
-        earliest report. A worker that raised reports first and then exits with code 1, so
-        its report is waited for a little longer."""
+        """Collect the failure reports that arrive within a moment (`FAILURE_GRACE_S`, longer
+        while `expects_report`), then decide once (`choose_root_cause`)."""
         if self._root is not None:
             return self._root
         started = time.monotonic()
         while True:
-            reporters = {f"otel-worker-{f.rank}" for f in failures}
-            silent = self._died is not None and self._died.process not in reporters
             waited = time.monotonic() - started
-            expect_report = silent and self._died_code == 1 and waited < FAILED_REPORT_WAIT_S
-            if waited > FAILURE_GRACE_S and not expect_report:
+            if waited > FAILURE_GRACE_S and not expects_report(
+                self._died, self._died_code, failures, waited
+            ):
                 break
             if self._results.poll(50):
                 message = self._responses.decode(self._results.recv(copy=False).buffer)
                 if isinstance(message, WorkerFailure):
                     failures.append(message)
-        if silent and self._died is not None:
-            self._root = self._died
-        elif failures:
-            self._root = min(failures, key=lambda f: f.failed_at).error
-        else:
-            assert self._failure is not None
-            self._root = self._failure
+        assert self._failure is not None
+        self._root = choose_root_cause(self._died, failures, self._failure)
         return self._root
 
     def shutdown(self, *, graceful: bool = True) -> None:

@@ -28,7 +28,7 @@ from otel_engine.ipc.messages import (
     WorkerRequest,
     WorkerResponse,
 )
-from otel_engine.ipc.process import ReadyChannel
+from otel_engine.ipc.process import ReadyChannel, process_title
 from otel_engine.observability.faults import maybe_inject
 from otel_engine.observability.tracing import (
     extract_context,
@@ -108,7 +108,7 @@ def _busy_loop(runner: ModelRunner, rank: int, inputs: zmq.Socket, outputs: zmq.
                 span.record_exception(exc)
                 span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
                 span.end()
-            info = error_info(exc, f"otel-worker-{rank}")
+            info = error_info(exc, process_title("worker", rank))
             outputs.send(responses.encode(WorkerFailure(rank, info, time.time())))
             # close() alone does not flush: terminating the context waits for delivery.
             inputs.close(linger=0)

@@ -203,16 +203,25 @@ def wait_for_death(children: list[ChildProcess]) -> ChildProcess:
     return by_fd[readable[0]]
 
 
+def process_title(role: str, rank: int | None = None) -> str:
+    """A child's name and process title, from its role and rank (DESIGN.md):
+    `otel-engine-core`, `otel-worker-{rank}`. Failure reports name a worker by it (the engine
+    core, which reports its own failures, by its role)."""
+    if role == "worker":
+        return f"otel-worker-{rank}"
+    return f"otel-{role.replace('_', '-')}"
+
+
 def spawn(
-    name: str,
     target: str,
     *args: Any,
     role: str,
     rank: int | None = None,
     env: Mapping[str, str] | None = None,
 ) -> ChildProcess:
-    """Start `target` ("module:function") as process `name` with environment `env` (this
-    process's by default); arguments must be plain data."""
+    """Start `target` ("module:function") as the process `process_title(role, rank)` with
+    environment `env` (this process's by default); arguments must be plain data."""
+    name = process_title(role, rank)
     ready_r, ready_w = os.pipe()
     death_r, death_w = os.pipe()
     launch = Launch(name, target, role, rank, ready_w, death_r, list(args))

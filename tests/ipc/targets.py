@@ -30,3 +30,9 @@ def die_while_starting(channel: Any) -> None:
 def never_ready(channel: Any) -> None:
     while True:
         time.sleep(0.05)
+
+
+def ready_then_exit(channel: Any, code: int) -> None:
+    channel.ready()
+    time.sleep(0.2)
+    os._exit(code)

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 
 from otel_engine.errors import EngineStartupError
-from otel_engine.ipc.process import ChildProcess, spawn, stop_all, wait_for_death
+from otel_engine.ipc.process import ChildProcess, process_title, spawn, stop_all, wait_for_death
 
 TARGETS = "tests.ipc.targets"
 
@@ -23,8 +23,8 @@ def started() -> Iterator[list[ChildProcess]]:
         child.close()
 
 
-def _spawn(started: list[ChildProcess], target: str, name: str = "otel-test-child") -> ChildProcess:
-    child = spawn(name, f"{TARGETS}:{target}", role="worker", rank=0)
+def _spawn(started: list[ChildProcess], target: str, rank: int = 3) -> ChildProcess:
+    child = spawn(f"{TARGETS}:{target}", role="worker", rank=rank)
     started.append(child)
     return child
 
@@ -35,7 +35,7 @@ def test_ready_child_says_who_it_is(started: list[ChildProcess]) -> None:
 
     ready = child.wait_ready(time.monotonic() + 30)
 
-    assert ("otel-test-child", child.pid) == (ready.process, ready.pid)
+    assert ("otel-worker-3", child.pid) == (ready.process, ready.pid)
     assert ready.limits is None
 
 
@@ -48,7 +48,7 @@ def test_failing_child_reports_its_exception(started: list[ChildProcess]) -> Non
         child.wait_ready(time.monotonic() + 30)
 
     assert ("ValueError", "bad weights") == (info.value.cause_type, info.value.cause_message)
-    assert "otel-test-child" == info.value.failed_process
+    assert "otel-worker-3" == info.value.failed_process
     assert "Traceback" in info.value.traceback
 
 
@@ -90,8 +90,8 @@ def test_child_exits_when_its_parent_end_of_the_death_pipe_closes(
 
 def test_stop_all_escalates_to_sigkill(started: list[ChildProcess]) -> None:
     """A child that ignores SIGTERM is SIGKILLed; one that honours it exits on SIGTERM."""
-    stubborn = _spawn(started, "ready_and_ignore_sigterm", "otel-stubborn")
-    polite = _spawn(started, "ready_and_wait", "otel-polite")
+    stubborn = _spawn(started, "ready_and_ignore_sigterm", rank=0)
+    polite = _spawn(started, "ready_and_wait", rank=1)
     for child in (stubborn, polite):
         child.wait_ready(time.monotonic() + 30)
 
@@ -103,11 +103,24 @@ def test_stop_all_escalates_to_sigkill(started: list[ChildProcess]) -> None:
 
 def test_wait_for_death_names_the_child_that_died(started: list[ChildProcess]) -> None:
     """The pidfd sentinel wakes the watcher for the child that exited, not the others."""
-    alive = _spawn(started, "ready_and_wait", "otel-alive")
-    dying = _spawn(started, "ready_and_wait", "otel-dying")
+    alive = _spawn(started, "ready_and_wait", rank=0)
+    dying = _spawn(started, "ready_and_wait", rank=1)
     for child in (alive, dying):
         child.wait_ready(time.monotonic() + 30)
 
     dying.kill()
 
     assert dying is wait_for_death([alive, dying])
+
+
+@pytest.mark.parametrize(
+    ("role", "rank", "title"),
+    [
+        ("engine_core", None, "otel-engine-core"),
+        ("worker", 0, "otel-worker-0"),
+        ("worker", 7, "otel-worker-7"),
+    ],
+)
+def test_process_title_comes_from_role_and_rank(role: str, rank: int | None, title: str) -> None:
+    """One vocabulary: DESIGN.md's titles, derived from the role and rank."""
+    assert title == process_title(role, rank)

@@ -25,7 +25,7 @@ from otel_engine.observability.tracing import get_tracer, inject_context, shutdo
 config = EngineConfig.from_kwargs(otlp_endpoint="{endpoint}", otlp_protocol="grpc")
 setup_main_process(config)
 with get_tracer().start_as_current_span("request") as span:
-    child = spawn("otel-worker-0", "tests.observability.targets:traced_child",
+    child = spawn("tests.observability.targets:traced_child",
                   inject_context(), role="worker", rank=0, env=spawn_env(config))
     child.wait_ready(time.monotonic() + 60)
     child.join(60)
