@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import platform
@@ -25,7 +26,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import psutil
@@ -39,9 +40,11 @@ from common import (
     print_table,
     random_prompts,
     run_concurrency,
+    served_model_name,
 )
 
 SEED = 1234
+REPEAT_SEED_STRIDE = 100_003
 SCENARIOS: dict[str, dict[str, Any]] = {
     "standard": {"batch_sizes": [1, 8, 32], "prompt_len": 128, "output_len": 128},
     "long": {"batch_sizes": [8], "prompt_len": 1024, "output_len": 128},
@@ -91,10 +94,14 @@ def run_offline(args: argparse.Namespace, vocab_size: int) -> list[dict[str, Any
         warmup = random_prompts(min(max(args.batch_sizes), 16), args.prompt_len, vocab_size, 0)
         llm.generate(warmup, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
         for batch in args.batch_sizes:
-            prompts = random_prompts(batch, args.prompt_len, vocab_size, SEED + batch)
+            attempts = itertools.count()
 
-            def run_once(prompts: list[list[int]] = prompts) -> int:
-                outputs = llm.generate(prompts, params)
+            def run_once(batch: int = batch, attempts: Iterator[int] = attempts) -> int:
+                # New prompts for each repeat: the prefix cache would serve the same ones.
+                seed = SEED + batch + REPEAT_SEED_STRIDE * next(attempts)
+                outputs = llm.generate(
+                    random_prompts(batch, args.prompt_len, vocab_size, seed), params
+                )
                 return sum(len(o.outputs[0].token_ids) for o in outputs)
 
             results.append(measure("offline", batch, run_once, args.repeat))
@@ -135,13 +142,6 @@ def run_hf(args: argparse.Namespace, model_dir: str, vocab_size: int) -> list[di
 
         results.append(measure("hf", batch, run_once, args.repeat))
     return results
-
-
-def _model_name(base_url: str) -> str:
-    import httpx
-
-    response = httpx.get(base_url + "/v1/models", timeout=10, trust_env=False)
-    return str(response.json()["data"][0]["id"])
 
 
 def _measure_level(
@@ -189,7 +189,7 @@ def run_http(args: argparse.Namespace, vocab_size: int) -> dict[str, Any]:
     try:
         result["startup_s"] = round(server.wait_ready(args.startup_timeout), 2)
         print(f"[http] server ready in {result['startup_s']:.1f} s", flush=True)
-        model = _model_name(server.base_url)
+        model = served_model_name(server.base_url)
         num_warmup = min(max(args.batch_sizes), 16)
         warmup = random_prompts(num_warmup, args.prompt_len, vocab_size, 0)
         warm = asyncio.run(run_concurrency(server.base_url, model, warmup, num_warmup, 8))
@@ -201,11 +201,11 @@ def run_http(args: argparse.Namespace, vocab_size: int) -> dict[str, Any]:
         )
         for concurrency in args.batch_sizes:
             num = max(args.min_requests, args.requests_per_stream * concurrency)
-            prompts = random_prompts(num, args.prompt_len, vocab_size, SEED + 1000 + concurrency)
-            runs = [
-                _measure_level(server, model, prompts, concurrency, args.output_len)
-                for _ in range(args.repeat)
-            ]
+            runs = []
+            for attempt in range(args.repeat):  # new prompts each time (prefix cache)
+                seed = SEED + 1000 + concurrency + REPEAT_SEED_STRIDE * attempt
+                prompts = random_prompts(num, args.prompt_len, vocab_size, seed)
+                runs.append(_measure_level(server, model, prompts, concurrency, args.output_len))
             level = max(runs, key=lambda r: r["tok_s"])
             level["runs_tok_s"] = [r["tok_s"] for r in runs]
             result["levels"].append(level)

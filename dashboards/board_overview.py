@@ -226,6 +226,38 @@ def overview() -> dict[str, Any]:
                 ],
                 width=8,
             ),
+            graph(
+                "Prefix cache hit rate",
+                "Share of prompt tokens whose KV came from the prefix cache instead of being "
+                "computed, per instance. High for chat (each turn resends the history) and "
+                "for shared system prompts; near 0 with such traffic: the cache is evicted "
+                "before reuse (see Cached KV blocks; raise --num-kv-blocks or "
+                "--kv-cache-memory-gib), or the prompts differ in their first block.",
+                "percentunit",
+                [
+                    target(
+                        f"sum by (instance) (rate(otel_engine_prefix_cache_hits_total{{{SEL}}}"
+                        f"{RATE})) / sum by (instance) (rate("
+                        f"otel_engine_prefix_cache_queries_total{{{SEL}}}{RATE}))",
+                        "{{instance}}",
+                    )
+                ],
+                max_val=1,
+            ),
+            graph(
+                "Cached KV blocks",
+                "Free KV blocks that still hold a cached prefix, per instance: reused when a "
+                "request shares it, evicted (least recently freed first) when a request needs "
+                "a block. At 0 under load: every block is in use and nothing stays cached; raise "
+                "--num-kv-blocks or --kv-cache-memory-gib if the hit rate matters.",
+                "short",
+                [
+                    target(
+                        f"max by (instance) (otel_engine_kv_cache_cached_blocks{{{SEL}}})",
+                        "{{instance}}",
+                    )
+                ],
+            ),
         ],
     )
     return dashboard(

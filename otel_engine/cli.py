@@ -35,6 +35,7 @@ ENGINE_FLAGS = (
     "kernels",
     "int4",
     "block_size",
+    "enable_prefix_caching",
     "num_kv_blocks",
     "kv_cache_memory_gib",
     "max_num_seqs",
@@ -88,6 +89,12 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     )
     cache = parser.add_argument_group("KV cache and batching")
     cache.add_argument("--block-size", type=int, metavar="N", help="tokens per KV block")
+    cache.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        help="reuse the KV of prompt prefixes already computed (whole blocks), so that a "
+        "resent conversation or a shared system prompt is not computed again",
+    )
     cache.add_argument(
         "--num-kv-blocks", type=int, metavar="N", help="KV blocks (wins over --kv-cache-memory-gib)"
     )

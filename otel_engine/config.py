@@ -37,9 +37,11 @@ class ModelConfig:
 
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
-    """The paged KV cache: `num_kv_blocks` wins over the memory budget when set."""
+    """The paged KV cache: `num_kv_blocks` wins over the memory budget when set;
+    `enable_prefix_caching` shares the KV of full blocks whose prefix is already cached."""
 
     block_size: int = 16
+    enable_prefix_caching: bool = True
     num_kv_blocks: int | None = None
     kv_cache_memory_gib: float = 1.0
 

@@ -55,7 +55,11 @@ class EngineCore:
         self.limits = limits
         self.eos_token_ids = frozenset(self.arch.eos_token_ids)
         self.scheduler = Scheduler(
-            BlockAllocator(self.limits.num_kv_blocks, config.cache.block_size),
+            BlockAllocator(
+                self.limits.num_kv_blocks,
+                config.cache.block_size,
+                enable_prefix_caching=config.cache.enable_prefix_caching,
+            ),
             max_num_seqs=config.scheduler.max_num_seqs,
             max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
             max_model_len=self.limits.max_model_len,
@@ -132,6 +136,7 @@ class EngineCore:
 
     def _outputs(self, step_id: int, updates: list[RequestUpdate], **step: Any) -> StepOutputs:
         scheduler = self.scheduler
+        queried, hit = scheduler.allocator.take_stats()
         return StepOutputs(
             step_id=step_id,
             updates=updates,
@@ -139,6 +144,9 @@ class EngineCore:
             num_waiting=scheduler.num_waiting,
             num_paused=scheduler.num_paused,
             kv_cache_usage=scheduler.allocator.usage,
+            kv_cache_cached_blocks=scheduler.allocator.num_cached_blocks,
+            prefix_cache_queries=queried,
+            prefix_cache_hits=hit,
             **step,
         )
 
@@ -250,9 +258,11 @@ class EngineCore:
 
 
 def _update(request: Request) -> RequestUpdate:
-    queue_time = None
-    if request.num_output_tokens == 1 and request.first_scheduled_time is not None:
-        queue_time = max(0.0, request.first_scheduled_time - request.arrival_time)
+    queue_time = num_cached = None
+    if request.num_output_tokens == 1:
+        num_cached = request.num_cached_tokens
+        if request.first_scheduled_time is not None:
+            queue_time = max(0.0, request.first_scheduled_time - request.arrival_time)
     return RequestUpdate(
         request.request_id,
         [request.output_token_ids[-1]],
@@ -260,4 +270,5 @@ def _update(request: Request) -> RequestUpdate:
         request.stop_reason,
         request.num_preemptions,
         queue_time,
+        num_cached_tokens=num_cached,
     )

@@ -221,11 +221,14 @@ class OutputProcessor:
 
 
 def _record_timing(state: RequestState, update: RequestUpdate, now: float) -> None:
-    """Wall-clock timings for metrics and spans: arrival, queue, first token, preemptions."""
+    """Wall-clock timings for metrics and spans: arrival, queue, first token, preemptions,
+    and the prompt tokens found in the prefix cache."""
     metrics = state.metrics
     if not metrics:
         metrics["arrival_time"] = state.arrival_time
         metrics["first_token_time"] = now
     if update.queue_time_s is not None:
         metrics["queue_time_s"] = update.queue_time_s
+    if update.num_cached_tokens is not None:
+        metrics["num_cached_tokens"] = update.num_cached_tokens
     metrics["num_preemptions"] = update.num_preemptions

@@ -164,6 +164,7 @@ class RequestTelemetry:
         if ttft_s is not None and num_generated > 1:
             tpot_s = max(0.0, e2e_s - ttft_s) / (num_generated - 1)
         queue_s = timings.get("queue_time_s")
+        num_cached = int(timings.get("num_cached_tokens", 0))
         self._metrics.on_request_finished(
             finish_reason=finish_reason,
             num_prompt_tokens=self.num_prompt_tokens,
@@ -185,12 +186,14 @@ class RequestTelemetry:
             "ttft_s": None if ttft_s is None else round(ttft_s, 6),
             "tpot_s": None if tpot_s is None else round(tpot_s, 6),
             "num_preemptions": self.num_preemptions,
+            "num_cached_tokens": num_cached,
         }
         logger.info("request.finished", extra=self._log_fields(fields))
         if self.is_recording:
             attributes: dict[str, Any] = {
                 "gen_ai.response.finish_reasons": [finish_reason],
                 "gen_ai.usage.output_tokens": num_generated,
+                "gen_ai.usage.cache_read.input_tokens": num_cached,
                 "otel_engine.request.e2e_s": e2e_s,
                 "otel_engine.request.num_preemptions": self.num_preemptions,
             }

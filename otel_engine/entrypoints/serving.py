@@ -72,6 +72,7 @@ class _Job:
     include_usage: bool
     created: int = field(default_factory=lambda: int(time.time()))
     num_generated: int = 0
+    num_cached: int = 0  # prompt tokens found in the prefix cache
 
     def envelope(self, is_chunk: bool, **fields: Any) -> dict[str, Any]:
         if self.is_chat:
@@ -86,12 +87,13 @@ class _Job:
             **fields,
         }
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
         num_prompt = len(self.prompt_ids)
         return {
             "prompt_tokens": num_prompt,
             "completion_tokens": self.num_generated,
             "total_tokens": num_prompt + self.num_generated,
+            "prompt_tokens_details": {"cached_tokens": self.num_cached},
         }
 
 
@@ -282,6 +284,7 @@ class OpenAIServing:
     ) -> Response:
         completion = final.outputs[0]
         job.num_generated = len(completion.token_ids)
+        job.num_cached = int(final.metrics.get("num_cached_tokens", 0))
         reason = completion.finish_reason or "stop"
         if reason == "abort":
             raise aborted_by_engine()
@@ -329,6 +332,7 @@ class OpenAIServing:
                     delta = ({"content": text} if text else {}) if job.is_chat else text
                     yield self._chunk(job, delta, reason)
                 if reason is not None:
+                    job.num_cached = int(output.metrics.get("num_cached_tokens", 0))
                     telemetry.finish(reason, job.num_generated, output.metrics)
                     break
                 output = await anext(outputs, None)

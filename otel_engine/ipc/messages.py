@@ -108,6 +108,7 @@ class RequestUpdate(msgspec.Struct, frozen=True, array_like=True):
     num_preemptions: int = 0  # so far, cumulative
     queue_time_s: float | None = None  # arrival to first scheduled; on the first update only
     rejected: RequestRejected | None = None
+    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache; first only
 
 
 class StepOutputs(msgspec.Struct, frozen=True, tag="outputs", array_like=True):
@@ -122,7 +123,10 @@ class StepOutputs(msgspec.Struct, frozen=True, tag="outputs", array_like=True):
     num_running: int = 0
     num_waiting: int = 0
     num_paused: int = 0
-    kv_cache_usage: float = 0.0
+    kv_cache_usage: float = 0.0  # blocks held by requests (cached free blocks not counted)
+    kv_cache_cached_blocks: int = 0  # free blocks that still hold a cached prefix
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache since the last
+    prefix_cache_hits: int = 0  # frame, and how many of them were found
     num_preemptions: int = 0  # preemptions during this step
     num_scheduled_seqs: int = 0
     num_scheduled_tokens: int = 0

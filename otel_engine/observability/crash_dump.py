@@ -121,6 +121,10 @@ def _safe(build: Callable[[], Any]) -> Any:
         return {"error": _describe(exc)}
 
 
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 4)
+
+
 # ---- the three parts --------------------------------------------------------------------
 
 
@@ -250,6 +254,8 @@ def system_stats_part(
         "num_waiting": _safe(lambda: scheduler.num_waiting),
         "kv_cache_usage": _safe(lambda: round(scheduler.allocator.usage, 4)),
         "num_free_kv_blocks": _safe(lambda: scheduler.allocator.num_free_blocks),
+        "num_cached_kv_blocks": _safe(lambda: scheduler.allocator.num_cached_blocks),
+        "prefix_cache_hit_rate": _safe(lambda: _rounded(scheduler.allocator.hit_rate)),
         "num_steps": _safe(lambda: scheduler.num_steps),
         "num_preemptions": _safe(lambda: scheduler.num_preemptions),
         "uptime_s": round(now - started_at, 3),

@@ -119,7 +119,8 @@ PRESET_ERROR_TYPES = ("engine_dead", "client_stalled")
 
 class StepStats(Protocol):
     """What `on_step` reads (`StepOutputs` has these). Optional extras, read when present:
-    `step_id` (0: no step ran), `num_paused`, `step_duration_s`, `num_scheduled_seqs`,
+    `step_id` (0: no step ran), `num_paused`, `kv_cache_cached_blocks`,
+    `prefix_cache_queries`, `prefix_cache_hits`, `step_duration_s`, `num_scheduled_seqs`,
     `num_scheduled_tokens`."""
 
     num_running: int
@@ -178,6 +179,21 @@ class EngineMetrics:
         self.kv_cache_usage = Gauge(
             "otel_engine_kv_cache_usage_ratio",
             "Fraction of KV cache blocks in use (0-1).",
+            registry=r,
+        )
+        self.kv_cache_cached_blocks = Gauge(
+            "otel_engine_kv_cache_cached_blocks",
+            "Free KV blocks that still hold a cached prefix (reused on a hit, else evicted).",
+            registry=r,
+        )
+        self.prefix_cache_queries = Counter(
+            "otel_engine_prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache (once per request).",
+            registry=r,
+        )
+        self.prefix_cache_hits = Counter(
+            "otel_engine_prefix_cache_hits",
+            "Prompt tokens found in the prefix cache (their KV was not computed again).",
             registry=r,
         )
         self.prompt_tokens = Counter(
@@ -292,6 +308,11 @@ class EngineMetrics:
         self.requests_waiting.set(stats.num_waiting)
         self.requests_paused.set(getattr(stats, "num_paused", 0))
         self.kv_cache_usage.set(stats.kv_cache_usage)
+        self.kv_cache_cached_blocks.set(getattr(stats, "kv_cache_cached_blocks", 0))
+        queried = getattr(stats, "prefix_cache_queries", 0)
+        if queried:
+            self.prefix_cache_queries.inc(queried)
+            self.prefix_cache_hits.inc(getattr(stats, "prefix_cache_hits", 0))
         if not getattr(stats, "step_id", 1):
             return
         if stats.num_preemptions:

@@ -48,6 +48,13 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # Prefix caching (sched/kv_cache.py): the names of its full blocks so far, how many of
+    # its blocks are named in the cache, and how many prompt tokens its first admission
+    # found cached. `cache_key` is what else changes the KV for the same tokens (none yet).
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_hashed_blocks: int = 0
+    num_cached_tokens: int | None = None
+    cache_key: bytes = b""
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | None = None
@@ -65,6 +72,10 @@ class Request:
         "output_token_ids": "count",
         "block_ids": "value",
         "num_computed_tokens": "value",
+        "block_hashes": "count",  # derived from token ids: never the values
+        "num_hashed_blocks": "value",
+        "num_cached_tokens": "value",
+        "cache_key": "is_set",
         "num_preemptions": "value",
         "status": "value",
         "stop_reason": "is_set",

@@ -1,9 +1,11 @@
 """Continuous batching with chunked prefill and preemption by recompute.
 
 Each step spends a token budget: running requests first (a decode token each, or the next
-chunk of a prefill), then waiting ones in arrival order. When the KV cache cannot grow a
-running request, the most recently arrived running request is preempted: its blocks are
-freed and it goes back to the front of the queue to be recomputed later.
+chunk of a prefill), then waiting ones in arrival order. A request admitted from the queue
+starts after the longest run of its full blocks that the prefix cache holds (kv_cache.py);
+only the rest is computed. When the KV cache cannot grow a running request, the most
+recently arrived running request is preempted: its blocks are freed and it goes back to the
+front of the queue to be recomputed later (from the cache, as far as it still holds them).
 
 A request whose client stopped reading is paused the same way (blocks freed, recomputed
 later), but waits outside the queue until it is resumed, so it holds no slot meanwhile.
@@ -157,14 +159,19 @@ class Scheduler:
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            end = request.num_computed_tokens + num_new
-            if not self.allocator.can_allocate(request, end):
+            matched = self.allocator.match_prefix(request)
+            num_cached = len(matched) * self.allocator.block_size
+            num_new = min(request.num_tokens - num_cached, budget)
+            end = num_cached + num_new
+            if not self.allocator.can_allocate(request, end, matched):
                 break
             self.waiting.popleft()
-            self.allocator.allocate(request, end)
+            self.allocator.allocate(request, end, matched)
+            request.num_computed_tokens, request.num_hashed_blocks = num_cached, len(matched)
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.time()
+                request.num_cached_tokens = num_cached
+                self.allocator.record_lookup(request.num_prompt_tokens, num_cached)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             output.chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_new))
@@ -190,6 +197,7 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:
                 continue
             request.num_computed_tokens += chunk.num_tokens
+            self.allocator.cache_full_blocks(request)
             if token_id is None:
                 continue
             request.append_token(token_id)

@@ -15,6 +15,7 @@ import pytest
 
 from otel_engine import LLM, SamplingParams
 from otel_engine.cli import build_parser, engine_options, main
+from otel_engine.config import EngineConfig
 from tests.helpers.procs import ServerProcess, free_port
 
 pytestmark = pytest.mark.slow  # starts servers or engine processes
@@ -39,6 +40,8 @@ DESIGN_SERVE_FLAGS = {
     "--engine-ready-timeout",
     "--step-timeout",
     "--shutdown-timeout",
+    "--enable-prefix-caching",  # DESIGN.md 5c
+    "--no-enable-prefix-caching",
 }
 EXTRA_FLAGS = {
     "--served-model-name",
@@ -216,3 +219,14 @@ def test_an_abbreviated_flag_is_refused() -> None:
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--otlp-log"])
     assert build_parser().parse_args(["serve", "--otlp-logs"]).otlp_logs
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [([], True), (["--enable-prefix-caching"], True), (["--no-enable-prefix-caching"], False)],
+)
+def test_prefix_caching_flag_reaches_the_engine_config(flags: list[str], expected: bool) -> None:
+    """On unless `--no-enable-prefix-caching` (vLLM's spelling)."""
+    options = engine_options(build_parser().parse_args(["serve", *flags]))
+
+    assert expected == EngineConfig.from_kwargs(**options).cache.enable_prefix_caching

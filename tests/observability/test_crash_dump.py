@@ -6,6 +6,7 @@ Processes, the OTLP receiver and real faults are in `test_crash_delivery.py`.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import json
 import logging
@@ -47,7 +48,7 @@ from otel_engine.observability.log_render import (
 )
 from otel_engine.observability.logging import shared_processors
 from otel_engine.sampling_params import SamplingParams
-from otel_engine.sched.kv_cache import BlockAllocator
+from otel_engine.sched.kv_cache import BlockAllocator, update_block_hashes
 from otel_engine.sched.request import Request, RequestStatus
 from otel_engine.sched.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 
@@ -129,6 +130,23 @@ def test_request_dump_has_counts_and_safe_fields_only() -> None:
     assert CANARY not in to_json(dump)
     assert numbers_in(dump).isdisjoint([424242, *CANARY_IDS, 907, 908])
     assert "unlisted_fields" not in dump
+
+
+def test_request_dump_shows_cached_tokens_but_never_block_hashes() -> None:
+    """Block hashes are derived from token ids (a short prompt's hash is a dictionary attack
+    away from the prompt): a dump says how many a request has, never which; the number of
+    prompt tokens it found cached is shown."""
+    request = make_request(num_prompt=40, num_cached_tokens=32, num_hashed_blocks=2)
+    hashes = update_block_hashes(request, 16)
+    dump = to_json(dump_object(request))
+
+    assert 2 == len(hashes)
+    assert {"block_hashes": 2, "num_cached_tokens": 32, "num_hashed_blocks": 2}.items() <= (
+        dump_object(request).items()
+    )
+    for block_hash in hashes:
+        for form in (block_hash.hex(), base64.b64encode(block_hash).decode(), repr(block_hash)):
+            assert form not in dump
 
 
 def test_field_added_to_a_dataclass_is_left_out_and_named() -> None:
@@ -274,6 +292,27 @@ def test_system_stats_part_survives_a_broken_scheduler() -> None:
     assert failure == part["failure"]
     assert "AttributeError" in part["num_running"]["error"]
     assert {"engine_core"} == set(part["process_rss_mib"])
+
+
+def test_system_stats_part_has_the_prefix_cache_state() -> None:
+    """The cache's hit rate since start (prompt tokens) and its cached free blocks."""
+    scheduler = Scheduler(
+        BlockAllocator(8, 4), max_num_seqs=2, max_num_batched_tokens=64, max_model_len=32
+    )
+    scheduler.allocator.record_lookup(10, 4)
+    part = system_stats_part(
+        scheduler=scheduler,
+        started_at=0.0,
+        last_step_at=0.0,
+        failure=failure_summary("engine_core", "RuntimeError", "boom", "exception"),
+        process_pids={},
+    )
+
+    assert (0.4, 0, 8) == (
+        part["prefix_cache_hit_rate"],
+        part["num_cached_kv_blocks"],
+        part["num_free_kv_blocks"],
+    )
 
 
 @pytest.mark.parametrize(

@@ -20,6 +20,9 @@ FAMILIES = {
     "otel_engine_http_connections": "gauge",
     "otel_engine_http_connections_closed": "counter",
     "otel_engine_kv_cache_usage_ratio": "gauge",
+    "otel_engine_kv_cache_cached_blocks": "gauge",
+    "otel_engine_prefix_cache_queries": "counter",
+    "otel_engine_prefix_cache_hits": "counter",
     "otel_engine_prompt_tokens": "counter",
     "otel_engine_generation_tokens": "counter",
     "otel_engine_request_success": "counter",
@@ -141,6 +144,31 @@ def test_on_step_accepts_step_outputs() -> None:
     metrics = EngineMetrics()
     metrics.on_step(StepOutputs(step_id=4, updates=[], num_running=1, kv_cache_usage=0.5))
     assert 0.5 == samples(metrics)[("otel_engine_kv_cache_usage_ratio", ())]
+
+
+def test_prefix_cache_lookups_count_in_every_frame() -> None:
+    """Queried and found prompt tokens add up over frames, no-step frames included; the
+    cached-block gauge follows the last frame."""
+    metrics = EngineMetrics()
+    metrics.on_step(
+        StepOutputs(
+            step_id=1,
+            updates=[],
+            prefix_cache_queries=100,
+            prefix_cache_hits=64,
+            kv_cache_cached_blocks=9,
+        )
+    )
+    metrics.on_step(
+        StepOutputs(step_id=0, updates=[], prefix_cache_queries=20, kv_cache_cached_blocks=7)
+    )
+    values = samples(metrics)
+
+    assert (120, 64, 7) == (
+        values[("otel_engine_prefix_cache_queries_total", ())],
+        values[("otel_engine_prefix_cache_hits_total", ())],
+        values[("otel_engine_kv_cache_cached_blocks", ())],
+    )
 
 
 def test_errors_are_counted_by_type() -> None:

@@ -17,6 +17,7 @@ Prompts and stop strings carry canary strings that must appear in no output, exc
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import re
 import time
@@ -28,6 +29,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from otel_engine.sched.kv_cache import hash_block, root_hash
 from tests.helpers.otlp_receiver import OtlpReceiver
 from tests.helpers.paths import REPO_ROOT
 from tests.helpers.procs import ServerProcess
@@ -47,6 +49,10 @@ ROLES = {"api_server", "engine_core", "worker"}
 RFC3339_UTC = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z$")
 HEX32 = re.compile(r"^[0-9a-f]{32}$")
 HEX16 = re.compile(r"^[0-9a-f]{16}$")
+# Two prompts (token ids) that share 40 tokens: the second finds two full 16-token blocks
+# of the first in the prefix cache.
+SHARED_PREFIX = list(range(300, 340))
+PREFIX_PROMPTS = {"prefix_first": [*SHARED_PREFIX, 7, 8, 9], "prefix_second": [*SHARED_PREFIX, 11]}
 DOC_METRIC = re.compile(r"^\| `(otel_engine_[a-z0-9_]+)` \| (counter|gauge|histogram) \|", re.M)
 
 
@@ -140,6 +146,9 @@ def _drive_grpc(run: Run) -> None:
             json={**_completion(2), "model": "no-such-model"},
             headers=_headers("6" * 32),
         )
+        for key, prompt in PREFIX_PROMPTS.items():
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 2}
+            run.responses[key] = client.post("/v1/completions", json=body)
         run.metrics_after = client.get("/metrics").text
     run.num_spans_before_sigterm = len(run.receiver.spans())
     run.server.terminate()
@@ -427,6 +436,42 @@ def test_canary_appears_in_no_log_otlp_payload_or_metrics(runs: dict[str, Run]) 
         for where, data in outputs.items():
             for canary in (CANARY, STOP_CANARY):
                 assert canary.encode() not in data, f"{canary} in {run.protocol} {where}"
+            for block_hash in _prefix_block_hashes():  # a dictionary attack away from the ids
+                for form in (block_hash, block_hash.hex().encode(), base64.b64encode(block_hash)):
+                    assert form not in data, f"a block hash in {run.protocol} {where}"
+
+
+def _prefix_block_hashes() -> list[bytes]:
+    first = hash_block(root_hash(), SHARED_PREFIX[:16])
+    return [first, hash_block(first, SHARED_PREFIX[16:32])]
+
+
+def test_prefix_cache_hit_shows_in_usage_span_log_and_metrics(runs: dict[str, Run]) -> None:
+    """The second of two prompts sharing 40 tokens reuses two 16-token blocks: 32 cached
+    tokens in `usage.prompt_tokens_details`, the GenAI span's
+    `gen_ai.usage.cache_read.input_tokens`, the `request.finished` line and the counters."""
+    run = runs["grpc"]
+    first, second = (run.responses[key].json() for key in PREFIX_PROMPTS)
+    [span] = [
+        s
+        for s in run.spans(f"text_completion {MODEL}")
+        if s["attributes"]["gen_ai.response.id"] == second["id"]
+    ]
+    [finished] = [
+        r
+        for r in _records(run)
+        if r["event"] == "request.finished" and r.get("request_id") == second["id"]
+    ]
+    metrics = _samples(run.metrics_after)
+
+    assert (0, 32) == tuple(
+        body["usage"]["prompt_tokens_details"]["cached_tokens"] for body in (first, second)
+    )
+    assert 32 == span["attributes"]["gen_ai.usage.cache_read.input_tokens"]
+    assert 32 == finished["num_cached_tokens"]
+    assert metrics["otel_engine_prefix_cache_hits_total"] >= 32
+    assert metrics["otel_engine_prefix_cache_queries_total"] >= 43 + 41
+    assert metrics["otel_engine_kv_cache_cached_blocks"] >= 2
 
 
 def test_log_prompts_logs_prompt_and_stop_strings_once_per_request(

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from otel_engine.sampling_params import SamplingParams
-from otel_engine.sched.kv_cache import BlockAllocator
+from otel_engine.sched.kv_cache import BlockAllocator, hash_block, root_hash
 from otel_engine.sched.request import Request, RequestStatus
 from otel_engine.sched.scheduler import Scheduler, SchedulerOutput
 
@@ -29,9 +29,10 @@ def make_scheduler(
     max_num_seqs: int = 8,
     max_num_batched_tokens: int = 16,
     max_model_len: int | None = None,
+    prefix_caching: bool = True,
 ) -> Scheduler:
     return Scheduler(
-        BlockAllocator(num_blocks, block_size),
+        BlockAllocator(num_blocks, block_size, enable_prefix_caching=prefix_caching),
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len or num_blocks * block_size,
@@ -89,7 +90,7 @@ def test_prefill_chunk_needs_sample_only_when_it_reaches_the_end() -> None:
 
 def test_decode_chunks_come_before_prefill_chunks() -> None:
     """A batch with a running decode and a new prompt lists the decode first."""
-    scheduler = make_scheduler(max_num_batched_tokens=32)
+    scheduler = make_scheduler(max_num_batched_tokens=32, prefix_caching=False)
     scheduler.add(make_request("first", 6))
     run_step(scheduler)
     scheduler.add(make_request("second", 10))
@@ -286,8 +287,8 @@ def test_pause_frees_the_slot_and_blocks_for_a_waiting_request() -> None:
 
 def test_resumed_request_recomputes_and_goes_on() -> None:
     """A resumed request is queued, prefilled again (prompt and outputs), and keeps its
-    outputs."""
-    scheduler = make_scheduler()
+    outputs (without the prefix cache: from position 0)."""
+    scheduler = make_scheduler(prefix_caching=False)
     request = make_request("a", 4, max_tokens=8)
     scheduler.add(request)
     run_step(scheduler)
@@ -347,8 +348,11 @@ def test_preemption_evicts_the_latest_running_request() -> None:
 
 
 def test_preempted_request_recomputes_prompt_and_outputs() -> None:
-    """On re-admission the request prefills prompt plus generated tokens, from position 0."""
-    scheduler = make_scheduler(num_blocks=4, block_size=4, max_num_batched_tokens=64)
+    """On re-admission the request prefills prompt plus generated tokens, from position 0
+    (without the prefix cache)."""
+    scheduler = make_scheduler(
+        num_blocks=4, block_size=4, max_num_batched_tokens=64, prefix_caching=False
+    )
     first = make_request("first", 8, max_tokens=2)
     second = make_request("second", 8)
     scheduler.add(first)
@@ -362,6 +366,58 @@ def test_preempted_request_recomputes_prompt_and_outputs() -> None:
     assert [(second, 0, 9)] == [(c.request, c.start, c.num_tokens) for c in output.chunks]
     assert [second] == updated
     assert 2 == second.num_output_tokens
+
+
+def test_resumed_request_starts_after_its_cached_blocks() -> None:
+    """With the prefix cache, a resumed request (4 prompt + 2 output tokens) takes back its
+    full block and computes only the last two tokens."""
+    scheduler = make_scheduler()
+    request = make_request("a", 4, max_tokens=8)
+    scheduler.add(request)
+    run_step(scheduler)
+    run_step(scheduler)
+    scheduler.pause(["a"])
+
+    scheduler.resume(["a"])
+    output, updated = run_step(scheduler)
+
+    assert [(4, 2)] == [(c.start, c.num_tokens) for c in output.chunks]
+    assert [request] == updated
+    assert 0 == request.num_cached_tokens, "counted on the first admission only"
+
+
+def test_preempted_request_recomputes_only_what_the_cache_lost() -> None:
+    """A preempted request's freed blocks stay cached until evicted, tail first: here the
+    request that preempted it took its second block, so re-admitted it takes back its first
+    block and computes the other five tokens (prompt and output)."""
+    scheduler = make_scheduler(num_blocks=4, block_size=4, max_num_batched_tokens=64)
+    first = make_request("first", 8, max_tokens=2)
+    second = Request("second", [200 + i for i in range(8)], SamplingParams(max_tokens=8))
+    scheduler.add(first)
+    scheduler.add(second)
+    run_step(scheduler)
+    run_step(scheduler)  # second is preempted holding one output token; first finishes
+
+    output, _ = run_step(scheduler)
+
+    assert [(second, 4, 5)] == [(c.request, c.start, c.num_tokens) for c in output.chunks]
+
+
+def test_request_sharing_a_prefix_starts_after_it() -> None:
+    """A request whose first two blocks are cached is scheduled from token 8, counts 8
+    cached prompt tokens, and the lookup is in the stats (prompt tokens queried, found)."""
+    scheduler = make_scheduler(block_size=4)
+    scheduler.add(make_request("first", 10))
+    run_step(scheduler)
+    scheduler.allocator.take_stats()
+    second = make_request("second", 11)
+    scheduler.add(second)
+
+    output, _ = run_step(scheduler)
+
+    assert [(second, 8, 3)] == [(c.request, c.start, c.num_tokens) for c in output.chunks[1:]]
+    assert 8 == second.num_cached_tokens
+    assert (11, 8) == scheduler.allocator.take_stats()
 
 
 def test_request_that_cannot_grow_may_preempt_itself() -> None:
@@ -398,16 +454,16 @@ class Workload:
     mid_step_abort_probability: float = 0.02
     pause_probability: float = 0.05
     resume_probability: float = 0.2
+    prefix_caching: bool = True
+    shared_prefix_probability: float = 0.6  # a prompt that starts with a common prefix
+    resend_probability: float = 0.1  # a prompt that repeats an earlier one (a chat turn)
 
 
 def check_invariants(scheduler: Scheduler) -> None:
-    """No block leaked or double-owned; queues and statuses agree with each other."""
+    """No block leaked, double-freed or held without a reference; the prefix index names
+    the blocks that hold it; queues and statuses agree with each other."""
     allocator = scheduler.allocator
-    owned = [b for r in scheduler.requests.values() for b in r.block_ids]
-    free = list(allocator._free)  # the allocator's free list is what we audit
-    assert len(owned) == len(set(owned)), "a block is owned twice"
-    assert len(free) == len(set(free)), "a block is free twice"
-    assert sorted(owned + free) == list(range(allocator.num_blocks)), "a block leaked"
+    allocator.audit(list(scheduler.requests.values()))
 
     running_ids = [r.request_id for r in scheduler.running]
     waiting_ids = [r.request_id for r in scheduler.waiting]
@@ -447,15 +503,70 @@ def check_output(scheduler: Scheduler, output: SchedulerOutput) -> None:
         assert request_id not in ids
 
 
-def new_request(rng: random.Random, request_id: str, max_len: int) -> Request:
+class KvShadow:
+    """What the KV cache would hold: each slot remembers the whole prefix whose last token
+    was written there (the KV of a token depends on every token before it). Written as the
+    model would write it, and checked against what each request attends to."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        self.block_size = scheduler.allocator.block_size
+        self.slots: dict[tuple[int, int], tuple[int, ...]] = {}
+
+    def write(self, output: SchedulerOutput) -> None:
+        """The step's chunks write their tokens; never into a block that is shared or that
+        the prefix index names (its content must not change while someone may match it)."""
+        allocator = self.scheduler.allocator
+        for chunk in output.chunks:
+            request = chunk.request
+            tokens = request.token_ids(0, chunk.start + chunk.num_tokens)
+            for pos in range(chunk.start, chunk.start + chunk.num_tokens):
+                block = request.block_ids[pos // self.block_size]
+                assert 1 == allocator._ref_counts[block], "written while shared"
+                assert allocator._hashes[block] is None, "a named block written again"
+                self.slots[block, pos % self.block_size] = tuple(tokens[: pos + 1])
+
+    def check(self) -> None:
+        """Every running request's computed tokens are its own prefix's KV, and every named
+        block holds the tokens its name says."""
+        for request in self.scheduler.running:
+            tokens = tuple(request.token_ids(0, request.num_computed_tokens))
+            for pos in range(request.num_computed_tokens):
+                block = request.block_ids[pos // self.block_size]
+                assert tokens[: pos + 1] == self.slots[block, pos % self.block_size]
+        allocator = self.scheduler.allocator
+        for block_hash, block in allocator._cached.items():
+            prefix = self.slots[block, self.block_size - 1]
+            assert len(prefix) % self.block_size == 0
+            parent = root_hash()
+            for start in range(0, len(prefix), self.block_size):
+                parent = hash_block(parent, prefix[start : start + self.block_size])
+            assert block_hash == parent, "a name maps to a block holding other tokens"
+
+
+SHARED_PREFIXES = [list(range(600 + 40 * i, 637 + 40 * i)) for i in range(3)]
+
+
+def new_request(
+    rng: random.Random,
+    request_id: str,
+    max_len: int,
+    work: Workload | None = None,
+    earlier: list[Request] | None = None,
+) -> Request:
     num_prompt = rng.randint(1, max(1, max_len // 2))
-    max_tokens = rng.randint(1, max(1, min(24, max_len - num_prompt)))
+    prompt = [rng.randrange(2, 500) for _ in range(num_prompt)]
+    if work is not None and earlier and rng.random() < work.resend_probability:
+        prompt = list(rng.choice(earlier[-20:]).prompt_token_ids)
+    elif work is not None and rng.random() < work.shared_prefix_probability:
+        prefix = rng.choice(SHARED_PREFIXES)
+        prompt = (prefix[: rng.randint(1, len(prefix))] + prompt)[:num_prompt]
+    max_tokens = rng.randint(1, max(1, min(24, max_len - len(prompt))))
     params = SamplingParams(
         max_tokens=max_tokens,
         ignore_eos=rng.random() < 0.5,
         stop_token_ids=(STOP_TOKEN,) if rng.random() < 0.3 else (),
     )
-    prompt = [rng.randrange(2, 500) for _ in range(num_prompt)]
     return Request(request_id, prompt, params, eos_token_ids=frozenset({EOS}))
 
 
@@ -466,36 +577,73 @@ def sample_tokens(rng: random.Random, count: int) -> list[int]:
     ]
 
 
+def is_sharing(scheduler: Scheduler, request: Request) -> bool:
+    return any(scheduler.allocator._ref_counts[b] > 1 for b in request.block_ids)
+
+
+def client_actions(
+    rng: random.Random,
+    work: Workload,
+    scheduler: Scheduler,
+    everyone: dict[str, Request],
+    stats: dict[str, int],
+) -> None:
+    """Between two steps: a new request, an abort (of a running one half the time), a
+    pause, a resume, each with its probability."""
+    max_len = work.num_blocks * work.block_size
+    if rng.random() < work.add_probability:
+        request = new_request(rng, f"r{len(everyone)}", max_len, work, list(everyone.values()))
+        everyone[request.request_id] = request
+        scheduler.add(request)
+    if scheduler.requests and rng.random() < work.abort_probability:
+        if scheduler.running and rng.random() < 0.5:
+            victim = rng.choice(scheduler.running)
+        else:
+            victim = scheduler.requests[rng.choice(sorted(scheduler.requests))]
+        stats["shared_aborted"] += is_sharing(scheduler, victim)
+        stats["aborts"] += len(scheduler.abort([victim.request_id]))
+    if scheduler.requests and rng.random() < work.pause_probability:
+        scheduler.pause([rng.choice(sorted(scheduler.requests))])
+        stats["pauses"] += 1
+
+
 def run_workload(work: Workload) -> dict[str, int]:
     """Random adds, aborts (between steps and mid-step), schedules and updates; then drain."""
     rng = random.Random(work.seed)
     max_len = work.num_blocks * work.block_size
     scheduler = make_scheduler(
-        work.num_blocks, work.block_size, work.max_num_seqs, work.max_num_batched_tokens, max_len
+        work.num_blocks,
+        work.block_size,
+        work.max_num_seqs,
+        work.max_num_batched_tokens,
+        max_len,
+        prefix_caching=work.prefix_caching,
     )
+    shadow = KvShadow(scheduler)
+    allocator = scheduler.allocator
     everyone: dict[str, Request] = {}
     stats = {"steps": 0, "aborts": 0, "preemptions": 0, "chunked": 0, "pauses": 0}
+    stats.update(shared_preempted=0, shared_aborted=0, evictions=0)
     step = 0
     while step < work.num_steps or scheduler.has_unfinished:
         step += 1
         assert step < work.num_steps + 20_000, "the scheduler stopped making progress"
-        if step < work.num_steps and rng.random() < work.add_probability:
-            request = new_request(rng, f"r{len(everyone)}", max_len)
-            everyone[request.request_id] = request
-            scheduler.add(request)
-        if step < work.num_steps and scheduler.requests and rng.random() < work.abort_probability:
-            stats["aborts"] += len(scheduler.abort([rng.choice(sorted(scheduler.requests))]))
-        if step < work.num_steps and scheduler.requests and rng.random() < work.pause_probability:
-            scheduler.pause([rng.choice(sorted(scheduler.requests))])
-            stats["pauses"] += 1
+        if step < work.num_steps:
+            client_actions(rng, work, scheduler, everyone, stats)
         if scheduler.paused and (step >= work.num_steps or rng.random() < work.resume_probability):
             scheduler.resume([rng.choice(sorted(scheduler.paused))])
         check_invariants(scheduler)
+        sharing = {r.request_id for r in scheduler.running if is_sharing(scheduler, r)}
+        named = set(allocator._cached)
         output = scheduler.schedule()
         check_output(scheduler, output)
+        shadow.write(output)
+        stats["evictions"] += len(named - set(allocator._cached))
+        stats["shared_preempted"] += len(sharing & set(output.preempted_request_ids))
         stats["preemptions"] += len(output.preempted_request_ids)
         stats["chunked"] += sum(1 for c in output.chunks if c.num_tokens > 1 and c.start > 0)
         if output.chunks and rng.random() < work.mid_step_abort_probability:
+            stats["shared_aborted"] += is_sharing(scheduler, output.chunks[-1].request)
             stats["aborts"] += len(scheduler.abort([output.chunks[-1].request.request_id]))
         num_samples = sum(1 for c in output.chunks if c.needs_sample)
         updated = scheduler.update(output, sample_tokens(rng, num_samples))
@@ -503,21 +651,27 @@ def run_workload(work: Workload) -> dict[str, int]:
             assert request.num_output_tokens <= request.sampling_params.max_tokens
             assert request.num_tokens <= max_len
         check_invariants(scheduler)
+        shadow.check()
         stats["steps"] += 1
     assert all(r.status.is_finished for r in everyone.values())
     assert all(r.block_ids == [] for r in everyone.values())
     assert work.num_blocks == scheduler.allocator.num_free_blocks
+    stats["cache_hit_tokens"] = sum(r.num_cached_tokens or 0 for r in everyone.values())
     assert (0, 0, 0) == (scheduler.num_running, scheduler.num_waiting, scheduler.num_paused)
     stats["requests"] = len(everyone)
     return stats
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_random_workload_keeps_invariants(seed: int) -> None:
-    """1,200+ random steps with a small cache, pauses and resumes: no leak, no double
-    ownership, budgets held, every request ends finished or aborted and every block is free
-    at the end."""
-    stats = run_workload(Workload(seed=seed))
+@pytest.mark.parametrize(
+    ("seed", "prefix_caching"), [(seed, True) for seed in range(6)] + [(0, False), (1, False)]
+)
+def test_random_workload_keeps_invariants(seed: int, prefix_caching: bool) -> None:
+    """1,200+ random steps with a small cache, shared prefixes and resent prompts, pauses
+    and resumes: no leak, no double free, no block written while shared or named, every
+    request attends to its own prefix's KV, budgets held, every request ends finished or
+    aborted and every block is free at the end. With the cache on, the run shares blocks,
+    preempts and aborts requests that share, and evicts cached blocks."""
+    stats = run_workload(Workload(seed=seed, prefix_caching=prefix_caching))
 
     assert stats["steps"] >= 1200
     assert stats["requests"] > 300
@@ -525,6 +679,13 @@ def test_random_workload_keeps_invariants(seed: int) -> None:
     assert stats["aborts"] > 0
     assert stats["chunked"] > 0
     assert stats["pauses"] > 0
+    if prefix_caching:
+        assert stats["cache_hit_tokens"] > 500
+        assert stats["shared_preempted"] > 0
+        assert stats["shared_aborted"] > 0
+        assert stats["evictions"] > 100
+    else:
+        assert 0 == stats["cache_hit_tokens"] == stats["evictions"]
 
 
 @settings(max_examples=40, deadline=None)
@@ -534,9 +695,15 @@ def test_random_workload_keeps_invariants(seed: int) -> None:
     num_blocks=st.integers(2, 32),
     max_num_seqs=st.integers(1, 8),
     max_num_batched_tokens=st.integers(1, 48),
+    prefix_caching=st.booleans(),
 )
 def test_random_configs_keep_invariants(
-    seed: int, block_size: int, num_blocks: int, max_num_seqs: int, max_num_batched_tokens: int
+    seed: int,
+    block_size: int,
+    num_blocks: int,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    prefix_caching: bool,
 ) -> None:
     """The same invariants hold for any cache size, block size and budget."""
     work = Workload(
@@ -546,6 +713,7 @@ def test_random_configs_keep_invariants(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         num_steps=150,
+        prefix_caching=prefix_caching,
     )
 
     run_workload(work)
