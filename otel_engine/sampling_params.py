@@ -21,6 +21,11 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 SEED_RANGE = (-(2**63), 2**63)
+PENALTY_RANGE = (-2.0, 2.0)  # presence and frequency penalties, as OpenAI bounds them
+# The repetition penalty divides (or multiplies) logits: bounded away from 0 and infinity.
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
+MAX_LOGIT_BIAS = 1024
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
@@ -30,6 +35,15 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     `top_p == 1` disable those filters; the most likely token always survives them.
     `seed` makes sampling reproducible for this request regardless of batching.
     Stop strings are matched on the detokenized text and are not part of the output.
+
+    Logits processing, applied in this order before temperature (also to greedy rows):
+    `logit_bias` (token id, value) pairs are added (-100 bans the token); below `min_tokens`
+    output tokens, EOS (unless `ignore_eos`) and `stop_token_ids` cannot be sampled;
+    `repetition_penalty` (HF/vLLM: a logit of a token seen in the prompt or the output is
+    divided by it when positive, multiplied when negative); `frequency_penalty` and
+    `presence_penalty` (OpenAI: minus the penalty times the token's count in the output, and
+    minus the penalty once it appears). After temperature, `min_p` drops tokens less likely
+    than `min_p` times the most likely one.
     """
 
     max_tokens: int = 16
@@ -41,6 +55,12 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     # Crash dumps show limits and flags, never stop strings, stop token ids or the seed.
     __crash_dump__: ClassVar[dict[str, str]] = {
@@ -53,6 +73,12 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
         "stop_token_ids": "count",
         "ignore_eos": "value",
         "skip_special_tokens": "value",
+        "presence_penalty": "value",
+        "frequency_penalty": "value",
+        "repetition_penalty": "value",
+        "min_p": "value",
+        "min_tokens": "value",
+        "logit_bias": "count",  # token ids chosen by the client: never which
     }
 
     def validate(self, vocab_size: int | None = None) -> None:
@@ -71,6 +97,42 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
         if self.seed is not None and not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]:
             _invalid("seed", "seed must fit in 64 bits")
         self._validate_stops(vocab_size)
+        self._validate_processing(vocab_size)
+
+    def _validate_processing(self, vocab_size: int | None) -> None:
+        low, high = PENALTY_RANGE
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not low <= getattr(self, name) <= high:
+                _invalid(name, f"{name} must be in [{low:g}, {high:g}]")
+        low, high = REPETITION_PENALTY_RANGE
+        if not low <= self.repetition_penalty <= high:
+            _invalid("repetition_penalty", f"repetition_penalty must be in [{low:g}, {high:g}]")
+        if not 0.0 <= self.min_p <= 1.0:
+            _invalid("min_p", f"min_p must be in [0, 1], got {self.min_p}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            _invalid("min_tokens", "min_tokens must be in [0, max_tokens]")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            _invalid("logit_bias", f"at most {MAX_LOGIT_BIAS} logit_bias entries are allowed")
+        upper = vocab_size if vocab_size is not None else 2**63
+        low, high = LOGIT_BIAS_RANGE
+        for token_id, bias in self.logit_bias:
+            if not 0 <= token_id < upper:
+                _invalid("logit_bias", f"logit_bias token ids must be in [0, {upper})")
+            if not low <= bias <= high:
+                _invalid("logit_bias", f"logit_bias values must be in [{low:g}, {high:g}]")
+
+    @property
+    def has_logits_processing(self) -> bool:
+        """Whether sampling must process this request's logits beyond temperature, top-k and
+        top-p (the sampler's fast path skips all of it for a batch where no row does)."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.min_p
+            or self.min_tokens
+            or self.logit_bias
+        )
 
     def _validate_stops(self, vocab_size: int | None) -> None:
         if len(self.stop) > MAX_STOP_STRINGS:

@@ -117,6 +117,9 @@ class AsyncLLM:
     def encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         return self._frontend.inputs.encode(prompt, add_special_tokens)
 
+    def decode(self, token_ids: list[int]) -> str:
+        return self._frontend.inputs.decode(token_ids)
+
     async def generate(
         self, prompt: str | list[int], params: SamplingParams, request_id: str
     ) -> AsyncIterator[RequestOutput]:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from otel_engine.ipc.messages import ModelInput
+from otel_engine.ipc.messages import LogitsProcessing, ModelInput
+from otel_engine.sched.request import Request
 from otel_engine.sched.scheduler import ScheduledChunk
 
 
@@ -20,6 +21,8 @@ def prepare_model_input(
     slot_mapping: list[int] = []
     query_lens, seq_lens, block_tables, sample_indices = [], [], [], []
     temperatures, top_ps, top_ks, seeds, output_positions = [], [], [], [], []
+    processing: list[LogitsProcessing | None] = []
+    any_processing = False
     num_decodes = 0
     for index, chunk in enumerate(chunks):
         request = chunk.request
@@ -43,6 +46,9 @@ def prepare_model_input(
             top_ks.append(params.top_k)
             seeds.append(params.seed)
             output_positions.append(request.num_output_tokens)
+            row = logits_processing(request) if params.has_logits_processing else None
+            any_processing |= row is not None
+            processing.append(row)
     return ModelInput(
         step_id=step_id,
         input_ids=input_ids,
@@ -59,4 +65,27 @@ def prepare_model_input(
         seeds=seeds,
         output_positions=output_positions,
         trace_context=trace_context or {},
+        processing=processing if any_processing else [],
+    )
+
+
+def logits_processing(request: Request) -> LogitsProcessing:
+    """What the sampler needs to process `request`'s logits this step."""
+    params = request.sampling_params
+    banned: list[int] = []
+    if request.num_output_tokens < params.min_tokens:
+        banned = list(params.stop_token_ids)
+        if not params.ignore_eos:
+            banned += request.eos_token_ids
+    penalized = params.presence_penalty or params.frequency_penalty
+    repeated = params.repetition_penalty != 1.0
+    return LogitsProcessing(
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty,
+        min_p=params.min_p,
+        logit_bias=list(params.logit_bias),
+        banned_token_ids=banned,
+        output_token_ids=request.output_token_ids if penalized or repeated else [],
+        prompt_token_ids=request.prompt_token_ids if repeated else [],
     )

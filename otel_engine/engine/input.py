@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from otel_engine.engine.validation import check_request
+from otel_engine.errors import RequestError
 from otel_engine.sampling_params import SamplingParams
 
 
@@ -18,6 +19,21 @@ class InputProcessor:
 
     def encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
+
+    def decode(self, token_ids: list[int]) -> str:
+        """The text of `token_ids` (special tokens included); `RequestError` when an id is
+        outside the vocabulary or there are more than the context holds."""
+        if len(token_ids) > self.max_model_len:
+            raise RequestError(
+                f"at most {self.max_model_len} tokens (the context length) can be detokenized",
+                code="invalid_value",
+                param="tokens",
+            )
+        if any(not 0 <= t < self.vocab_size for t in token_ids):
+            raise RequestError(
+                f"token ids must be in [0, {self.vocab_size})", code="invalid_value", param="tokens"
+            )
+        return str(self.tokenizer.decode(token_ids, skip_special_tokens=False))
 
     def process(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
         token_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)

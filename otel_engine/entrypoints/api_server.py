@@ -54,8 +54,12 @@ from otel_engine.entrypoints.protocol import (
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
     HealthResponse,
     ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
 )
 from otel_engine.entrypoints.serving import OpenAIServing
 from otel_engine.observability.metrics import EngineMetrics
@@ -162,6 +166,16 @@ def build_app(state: ServerState) -> FastAPI:
     )
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await serving.chat(body, request)
+
+    token_errors = errors(*CONNECTION_ERRORS, *GUARD_ERRORS, 400, 404, 500)
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=token_errors)
+    async def tokenize(body: TokenizeRequest) -> dict[str, object]:
+        return await serving.tokenize(body)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=token_errors)
+    async def detokenize(body: DetokenizeRequest) -> dict[str, str]:
+        return await serving.detokenize(body)
 
     app.add_middleware(GuardMiddleware, state=state)
     app.add_middleware(InternalErrorMiddleware)

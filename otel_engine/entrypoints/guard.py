@@ -1,4 +1,5 @@
-"""What every /v1 request passes before the app: API key, availability, body size.
+"""What every API request (/v1/..., /tokenize, /detokenize) passes before the app: API key,
+availability, body size.
 
 The API key is read from exactly one `Authorization` header whose scheme is `Bearer` in any
 case (RFC 9110: schemes are case-insensitive); two headers are refused, not resolved.
@@ -104,8 +105,14 @@ class ServerState:
         return True
 
 
+def is_guarded(path: str) -> bool:
+    """The API's paths: what the API key protects (/health and /metrics stay open)."""
+    return path.startswith("/v1/") or path in ("/tokenize", "/detokenize")
+
+
 class GuardMiddleware:
-    """Checks every /v1 request before the app sees it: API key, availability, body size.
+    """Checks every API request (`is_guarded`) before the app sees it: API key,
+    availability, body size.
 
     The body is read here (up to the cap) and replayed to the app, so an oversized body is
     refused whether or not it announced its length.
@@ -117,7 +124,7 @@ class GuardMiddleware:
         self._api_key = state.api_key.encode() if state.api_key else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+        if scope["type"] != "http" or not is_guarded(scope["path"]):
             await self.app(scope, receive, send)
             return
         self.state.enter()

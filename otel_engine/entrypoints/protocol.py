@@ -5,7 +5,8 @@ into plain values: a prompt, a `SamplingParams`. An integer field takes what JSO
 an integer (`1` and `1.0`, not `1.5` or `"1"`), and no text field takes a lone UTF-16
 surrogate (`"\ud800"`), which nothing downstream could encode. Fields of the OpenAI API that
 the engine does not implement are rejected when set to a non-default value instead of being
-silently ignored; unknown fields are ignored so that newer clients keep working.
+silently ignored; unknown fields are ignored, so that newer clients keep working, with a
+warning and a counter (`ignored_fields`), never silently.
 """
 
 from __future__ import annotations
@@ -55,7 +56,11 @@ class StreamOptions(_Strict):
 
 
 class _SamplingFields(_Strict):
-    """Sampling fields shared by completions and chat completions (vLLM extras included)."""
+    """Sampling fields shared by completions and chat completions (vLLM extras included).
+    Unknown fields are kept aside (`ignored_fields`) so that the server can say it ignored
+    them instead of dropping them silently."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
 
     model: Text | None = None
     max_tokens: Int | None = Field(default=None, ge=1)
@@ -72,6 +77,9 @@ class _SamplingFields(_Strict):
     stream_options: StreamOptions | None = None
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: Int = 0
     logit_bias: dict[Text, float] | None = None
     user: Text | None = None
 
@@ -79,12 +87,23 @@ class _SamplingFields(_Strict):
         """Reject OpenAI features the engine does not implement."""
         if self.n != 1:
             raise unsupported("n", "only n=1 is supported")
-        if self.frequency_penalty:
-            raise unsupported("frequency_penalty", "frequency_penalty is not supported")
-        if self.presence_penalty:
-            raise unsupported("presence_penalty", "presence_penalty is not supported")
-        if self.logit_bias:
-            raise unsupported("logit_bias", "logit_bias is not supported")
+
+    def ignored_fields(self) -> list[str]:
+        """Fields of the body that no part of the API knows (a typo, a newer client's)."""
+        return list(self.model_extra or {})
+
+    def token_logit_bias(self) -> tuple[tuple[int, float], ...]:
+        """`logit_bias` as (token id, bias) pairs; its keys are token ids written as strings."""
+        pairs = []
+        for key, bias in (self.logit_bias or {}).items():
+            if not key.isascii() or not key.isdigit():
+                raise bad_request(
+                    f"logit_bias keys must be token ids, got {key[:20]!r}",
+                    param="logit_bias",
+                    code="invalid_value",
+                )
+            pairs.append((int(key), bias))
+        return tuple(pairs)
 
     @property
     def include_usage(self) -> bool:
@@ -107,6 +126,12 @@ class _SamplingFields(_Strict):
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
             skip_special_tokens=self.skip_special_tokens,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            min_p=self.min_p,
+            min_tokens=self.min_tokens,
+            logit_bias=self.token_logit_bias(),
         )
 
 
@@ -191,6 +216,24 @@ class ChatCompletionRequest(_SamplingFields):
 
     def template_messages(self) -> list[dict[str, str]]:
         return [message.to_template_dict() for message in self.messages]
+
+
+class TokenizeRequest(_Strict):
+    """`POST /tokenize` (vLLM's shape): `prompt` text, or chat `messages` rendered with the
+    model's chat template, exactly one of them."""
+
+    model: Text | None = None
+    prompt: Text | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_special_tokens: bool = True  # for `prompt` (a chat template writes its own)
+    add_generation_prompt: bool = True  # for `messages`
+
+
+class DetokenizeRequest(_Strict):
+    """`POST /detokenize` (vLLM's shape): token ids in, text out."""
+
+    model: Text | None = None
+    tokens: TokenIds
 
 
 # ---- Responses: what the server sends, for the OpenAPI document only ----------------------
@@ -283,3 +326,13 @@ class ModelList(BaseModel):
 
 class HealthResponse(BaseModel):
     status: Literal["ok"]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str

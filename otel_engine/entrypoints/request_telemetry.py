@@ -98,6 +98,9 @@ class RequestTelemetry:
             }
             if params.seed is not None:
                 attributes["gen_ai.request.seed"] = params.seed
+            for name in ("presence_penalty", "frequency_penalty"):
+                if getattr(params, name):
+                    attributes[f"gen_ai.request.{name}"] = getattr(params, name)
             self.span.set_attributes(attributes)
 
     @contextmanager

@@ -34,7 +34,12 @@ from otel_engine.entrypoints.errors import (
     internal_error,
     is_server_error,
 )
-from otel_engine.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
+from otel_engine.entrypoints.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from otel_engine.entrypoints.request_telemetry import RequestTelemetry
 from otel_engine.entrypoints.streaming import (
     DONE_EVENT,
@@ -57,6 +62,9 @@ T = TypeVar("T")
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 CLIENT_STALLED = "client_stalled"
 JSON = "application/json"
+# An ignored field is logged by name: at most this many names, each cut to this length.
+MAX_LOGGED_FIELDS = 16
+MAX_FIELD_NAME_CHARS = 64
 
 
 @dataclass(slots=True)
@@ -142,12 +150,51 @@ class OpenAIServing:
         )
         return await self._run(job, body.stream, request, text)
 
-    def _check_common(self, body: CompletionRequest | ChatCompletionRequest) -> None:
-        if body.model is not None and body.model != self.engine.model_name:
-            raise APIError(
-                404, f"model '{body.model}' does not exist", param="model", code="model_not_found"
+    async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
+        """vLLM's `/tokenize`: the token ids of a prompt or of rendered chat messages."""
+        self._check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise bad_request(
+                "give exactly one of prompt and messages", param="prompt", code="invalid_value"
             )
+        if body.prompt is not None:
+            self._check_chars(len(body.prompt), "prompt")
+            ids = await self._off_loop(self.engine.encode, body.prompt, body.add_special_tokens)
+        else:
+            messages = [m.to_template_dict() for m in body.messages or ()]
+            self._check_chars(sum(len(m["content"]) for m in messages), "messages")
+            text = await self._off_loop(self._render_chat, messages, body.add_generation_prompt)
+            ids = await self._off_loop(self.engine.encode, text, False)
+        return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids}
+
+    async def detokenize(self, body: DetokenizeRequest) -> dict[str, str]:
+        """vLLM's `/detokenize`: the text of token ids (special tokens included)."""
+        self._check_model(body.model)
+        try:
+            text = await self._off_loop(self.engine.decode, body.tokens)
+        except RequestError as error:
+            raise from_engine_error(error) from None
+        return {"prompt": text}
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.engine.model_name:
+            raise APIError(
+                404, f"model '{model}' does not exist", param="model", code="model_not_found"
+            )
+
+    def _check_common(self, body: CompletionRequest | ChatCompletionRequest) -> None:
+        self._check_model(body.model)
         body.check_supported()
+        ignored = body.ignored_fields()
+        if ignored:
+            self.metrics.on_ignored_fields(len(ignored))
+            logger.warning(
+                "request.ignored_fields",
+                extra={
+                    "fields": [name[:MAX_FIELD_NAME_CHARS] for name in ignored[:MAX_LOGGED_FIELDS]],
+                    "num_fields": len(ignored),
+                },
+            )
 
     def _check_chars(self, num_chars: int, param: str) -> None:
         """Refuse text that cannot fit the context before spending any work on it."""
@@ -168,7 +215,9 @@ class OpenAIServing:
     def close(self) -> None:
         self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
 
-    def _render_chat(self, messages: list[dict[str, str]]) -> str:
+    def _render_chat(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> str:
         tokenizer = self.engine.tokenizer
         if not getattr(tokenizer, "chat_template", None):
             raise bad_request(
@@ -178,7 +227,7 @@ class OpenAIServing:
             )
         try:
             text = tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=False
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False
             )
         except (jinja2.TemplateError, ValueError, TypeError) as error:
             raise bad_request(

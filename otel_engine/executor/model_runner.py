@@ -102,5 +102,11 @@ class ModelRunner:
         rows = ends[torch.tensor(step.sample_indices, dtype=torch.long, device=device)]
         logits = self.model.compute_logits(hidden[rows])
         return self.sampler(
-            logits, step.temperatures, step.top_ps, step.top_ks, step.seeds, step.output_positions
+            logits,
+            step.temperatures,
+            step.top_ps,
+            step.top_ks,
+            step.seeds,
+            step.output_positions,
+            step.processing,
         )

@@ -148,6 +148,22 @@ CoreOutput = StepOutputs | EngineDead
 # ---- Engine core -> workers (tensor parallel) ---------------------------------------------
 
 
+class LogitsProcessing(msgspec.Struct, frozen=True, array_like=True):
+    """One sampled row's logits processing (`SamplingParams` has the definitions), with the
+    token history its penalties need: output ids for any penalty, prompt ids for the
+    repetition penalty. `banned_token_ids`: EOS and stop token ids while the request is
+    below its `min_tokens`."""
+
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: list[tuple[int, float]] = []
+    banned_token_ids: list[int] = []
+    output_token_ids: list[int] = []
+    prompt_token_ids: list[int] = []
+
+
 class ModelInput(msgspec.Struct, frozen=True, tag="execute", array_like=True):
     """One step's batch, flattened: the same bytes go to every rank.
 
@@ -172,6 +188,8 @@ class ModelInput(msgspec.Struct, frozen=True, tag="execute", array_like=True):
     seeds: list[int | None]
     output_positions: list[int]
     trace_context: dict[str, str] = {}  # the engine core's step span (workers' parent)
+    # Per sampled sequence, or empty when no sequence of the step has any (the fast path).
+    processing: list[LogitsProcessing | None] = []
 
 
 class StopWorker(msgspec.Struct, frozen=True, tag="stop", array_like=True):

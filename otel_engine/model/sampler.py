@@ -1,4 +1,8 @@
-"""Token sampling on the sampling rank: greedy, temperature, top-k, top-p, seeds.
+"""Token sampling on the sampling rank: logits processing (penalties, biases, min-token
+masks, min-p), greedy, temperature, top-k, top-p, seeds.
+
+Logits processing is batched over the rows that have any (one scatter per kind, no loop
+over the vocabulary) and skipped entirely for a step where no row has any.
 
 Seeded rows draw their noise from a generator seeded by (seed, output position), so the
 same seed gives the same tokens whatever else shares the batch or after a preemption.
@@ -9,7 +13,11 @@ same tokens.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+
+from otel_engine.ipc.messages import LogitsProcessing
 
 _SEED_MIX = 0x9E3779B97F4A7C15
 _MASK63 = (1 << 63) - 1
@@ -32,12 +40,17 @@ class Sampler:
         top_ks: list[int],
         seeds: list[int | None],
         output_positions: list[int],
+        processing: list[LogitsProcessing | None] | None = None,
     ) -> list[int]:
+        if processing:
+            logits = process_logits(logits, processing)
         greedy = logits.max(dim=-1).indices  # the first maximum, like argmax, but faster
         if all(t == 0.0 for t in temperatures):
             return greedy.tolist()
         temps = torch.tensor([t if t > 0 else 1.0 for t in temperatures], device=self.device)
         logits = logits / temps.unsqueeze(1)
+        if processing and any(p is not None and p.min_p > 0 for p in processing):
+            logits = _min_p(logits, [p.min_p if p is not None else 0.0 for p in processing])
         if any(k > 0 for k in top_ks) or any(p < 1.0 for p in top_ps):
             logits = self._filter(logits, top_ks, top_ps)
         probs = torch.softmax(logits, dim=-1)
@@ -64,3 +77,71 @@ class Sampler:
         drop[:, 0] = False  # the most likely token survives any top_p, even one float32 rounds to 0
         sorted_logits.masked_fill_(drop, float("-inf"))
         return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def process_logits(logits: torch.Tensor, processing: list[LogitsProcessing | None]) -> torch.Tensor:
+    """Logit bias, min-token bans, repetition, frequency and presence penalties (in that
+    order, `SamplingParams`' definitions) on the rows that have any; a new tensor."""
+    rows = [i for i, p in enumerate(processing) if p is not None]
+    if not rows:
+        return logits
+    device = logits.device
+    vocab = logits.shape[-1]
+    procs = [p for p in processing if p is not None]
+    sub = logits[rows].float()  # a copy: the caller's logits stay as they were
+    bias = _pairs(procs, lambda p: [t for t, _ in p.logit_bias], device)
+    if bias is not None:
+        values = torch.tensor([b for p in procs for _, b in p.logit_bias], device=device)
+        sub.index_put_(bias, values, accumulate=True)
+    banned = _pairs(procs, lambda p: p.banned_token_ids, device)
+    if banned is not None:
+        sub.index_put_(banned, torch.tensor(float("-inf"), device=device))
+    outputs = _pairs(procs, lambda p: p.output_token_ids, device)
+    if outputs is not None:
+        counts = torch.zeros_like(sub)
+        counts.index_put_(outputs, torch.ones(len(outputs[0]), device=device), accumulate=True)
+        repetition = torch.tensor([p.repetition_penalty for p in procs], device=device)
+        if bool((repetition != 1.0).any()):
+            seen = counts > 0
+            prompts = _pairs(procs, lambda p: p.prompt_token_ids, device)
+            if prompts is not None:
+                seen[prompts] = True
+            factor = repetition.unsqueeze(1).expand(-1, vocab)
+            penalized = torch.where(sub > 0, sub / factor, sub * factor)
+            sub = torch.where(seen, penalized, sub)
+        frequency = torch.tensor([p.frequency_penalty for p in procs], device=device)
+        presence = torch.tensor([p.presence_penalty for p in procs], device=device)
+        sub -= frequency.unsqueeze(1) * counts + presence.unsqueeze(1) * (counts > 0)
+    out = logits.float().clone()
+    out[rows] = sub
+    return out
+
+
+def _pairs(
+    procs: list[LogitsProcessing],
+    ids: Callable[[LogitsProcessing], list[int]],
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(row, token id) index tensors of every id that `ids` gives for each row; None when
+    no row has any."""
+    row_index: list[int] = []
+    token_ids: list[int] = []
+    for row, proc in enumerate(procs):
+        chosen = ids(proc)
+        row_index += [row] * len(chosen)
+        token_ids += chosen
+    if not token_ids:
+        return None
+    return (
+        torch.tensor(row_index, dtype=torch.long, device=device),
+        torch.tensor(token_ids, dtype=torch.long, device=device),
+    )
+
+
+def _min_p(logits: torch.Tensor, min_ps: list[float]) -> torch.Tensor:
+    """Drop each row's tokens less likely than `min_p` times its most likely one."""
+    probs = torch.softmax(logits, dim=-1)
+    threshold = probs.max(dim=-1, keepdim=True).values * torch.tensor(
+        min_ps, device=logits.device
+    ).unsqueeze(1)
+    return logits.masked_fill(probs < threshold, float("-inf"))

@@ -273,6 +273,11 @@ class EngineMetrics:
         self.preemptions = Counter(
             "otel_engine_preemptions", "Requests preempted (KV blocks reclaimed).", registry=r
         )
+        self.ignored_request_fields = Counter(
+            "otel_engine_ignored_request_fields",
+            "Request body fields the API does not know, ignored (logged: request.ignored_fields).",
+            registry=r,
+        )
         self.frontend_requests = Gauge(
             "otel_engine_frontend_requests",
             "Requests with state in the api_server; above 0 with no traffic is a leak.",
@@ -300,6 +305,9 @@ class EngineMetrics:
         self._health = {state: self.health_state.labels(state) for state in HEALTH_STATES}
         self._closed = {r: self.connections_closed.labels(r) for r in CONNECTION_CLOSE_REASONS}
         self.set_health("starting")
+
+    def on_ignored_fields(self, num_fields: int) -> None:
+        self.ignored_request_fields.inc(num_fields)
 
     def on_step(self, stats: StepStats) -> None:
         """Scheduler state after one engine step, and that step's cost (step_id 0: the

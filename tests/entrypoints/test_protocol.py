@@ -103,8 +103,7 @@ def test_text_content_parts_are_joined() -> None:
         ("logprobs", 1),
         ("echo", True),
         ("best_of", 3),
-        ("frequency_penalty", 0.5),
-        ("logit_bias", {"1": 2.0}),
+        ("suffix", "x"),
     ],
 )
 def test_unsupported_features_are_refused(field: str, value: object) -> None:
@@ -123,3 +122,40 @@ def test_include_usage_only_when_streaming() -> None:
 
     assert not CompletionRequest.model_validate(body).include_usage
     assert CompletionRequest.model_validate({**body, "stream": True}).include_usage
+
+
+def test_penalties_bias_and_extras_reach_the_sampling_params() -> None:
+    """OpenAI's penalties and logit_bias, and vLLM's repetition_penalty, min_p, min_tokens."""
+    body = {
+        "prompt": "x",
+        "presence_penalty": 0.5,
+        "frequency_penalty": -1.0,
+        "repetition_penalty": 1.3,
+        "min_p": 0.05,
+        "min_tokens": 3,
+        "logit_bias": {"17": -100, "4": 2.5},
+    }
+    request = CompletionRequest.model_validate(body)
+    request.check_supported()
+
+    params = request.to_sampling_params(16)
+
+    assert (0.5, -1.0, 1.3, 0.05, 3, ((17, -100.0), (4, 2.5))) == (
+        params.presence_penalty,
+        params.frequency_penalty,
+        params.repetition_penalty,
+        params.min_p,
+        params.min_tokens,
+        params.logit_bias,
+    )
+    assert params.has_logits_processing
+
+
+@pytest.mark.parametrize("key", ["abc", "-1", "1.5", "", "\u0661"])
+def test_logit_bias_keys_must_be_token_ids(key: str) -> None:
+    request = CompletionRequest.model_validate({"prompt": "x", "logit_bias": {key: 1.0}})
+
+    with pytest.raises(APIError) as excinfo:
+        request.to_sampling_params(16)
+
+    assert (400, "logit_bias") == (excinfo.value.status, excinfo.value.param)

@@ -149,6 +149,27 @@ def test_request_dump_shows_cached_tokens_but_never_block_hashes() -> None:
             assert form not in dump
 
 
+def test_logit_bias_is_dumped_as_a_count_and_penalties_as_values() -> None:
+    """The token ids a client biased are its choice of words: a dump shows how many, never
+    which; penalties, min_p and min_tokens are plain numbers."""
+    params = SamplingParams(
+        max_tokens=8,
+        logit_bias=((CANARY_IDS[0], 5.0), (CANARY_IDS[1], -100.0)),
+        presence_penalty=0.5,
+        repetition_penalty=1.25,
+        min_tokens=3,
+    )
+
+    dump = dump_object(params)
+
+    assert {"logit_bias": 2, "presence_penalty": 0.5, "repetition_penalty": 1.25}.items() <= (
+        dump.items()
+    )
+    assert 3 == dump["min_tokens"]
+    assert numbers_in(dump).isdisjoint(CANARY_IDS)
+    assert "unlisted_fields" not in dump
+
+
 def test_field_added_to_a_dataclass_is_left_out_and_named() -> None:
     """A field the policy does not name (added later, in a subclass here) is not dumped;
     its name and type are listed under `unlisted_fields`."""

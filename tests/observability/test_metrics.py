@@ -17,6 +17,7 @@ FAMILIES = {
     "otel_engine_requests_waiting": "gauge",
     "otel_engine_requests_paused": "gauge",
     "otel_engine_frontend_requests": "gauge",
+    "otel_engine_ignored_request_fields": "counter",
     "otel_engine_http_connections": "gauge",
     "otel_engine_http_connections_closed": "counter",
     "otel_engine_kv_cache_usage_ratio": "gauge",
