@@ -5,17 +5,21 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, overload
+from typing import Any, TypeVar, overload
+
+from otel_engine.ipc.messages import TokenLogprobs
+
+T = TypeVar("T")
 
 
-class TokenIds(Sequence[int]):
-    """The first `len(self)` ids of a list that only ever grows: an output's token ids, which
-    stay as they were when it was handed out while the request goes on (O(1) to make, unlike
-    a copy per step). Compares equal to a list or tuple with the same ids."""
+class GrowingPrefix(Sequence[T]):
+    """The first `len(self)` items of a list that only ever grows: an output's token ids or
+    logprobs, which stay as they were when it was handed out while the request goes on (O(1)
+    to make, unlike a copy per step). Compares equal to a list or tuple with the same items."""
 
     __slots__ = ("_ids", "_len")
 
-    def __init__(self, ids: list[int], length: int | None = None) -> None:
+    def __init__(self, ids: list[T], length: int | None = None) -> None:
         self._ids = ids
         self._len = len(ids) if length is None else length
 
@@ -23,21 +27,21 @@ class TokenIds(Sequence[int]):
         return self._len
 
     @overload
-    def __getitem__(self, index: int) -> int: ...
+    def __getitem__(self, index: int) -> T: ...
     @overload
-    def __getitem__(self, index: slice) -> list[int]: ...
-    def __getitem__(self, index: int | slice) -> int | list[int]:
+    def __getitem__(self, index: slice) -> list[T]: ...
+    def __getitem__(self, index: int | slice) -> T | list[T]:
         if isinstance(index, slice):
             return self._ids[: self._len][index]
         if not -self._len <= index < self._len:
             raise IndexError("token index out of range")
         return self._ids[index % self._len]
 
-    def __iter__(self) -> Iterator[int]:
+    def __iter__(self) -> Iterator[T]:
         return itertools.islice(self._ids, self._len)
 
     def __eq__(self, other: object) -> bool:
-        if isinstance(other, (TokenIds, list, tuple)):
+        if isinstance(other, (GrowingPrefix, list, tuple)):
             return len(other) == self._len and all(a == b for a, b in zip(self, other, strict=True))
         return NotImplemented
 
@@ -47,8 +51,11 @@ class TokenIds(Sequence[int]):
     def __repr__(self) -> str:
         return repr(list(self))
 
-    def __add__(self, other: Any) -> list[int]:
+    def __add__(self, other: Any) -> list[T]:
         return [*self, *other]
+
+
+TokenIds = GrowingPrefix[int]
 
 
 @dataclass(slots=True)
@@ -63,6 +70,9 @@ class CompletionOutput:
     delta_token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     stop_reason: str | int | None = None  # the stop string or stop token id that matched
+    # With `SamplingParams.logprobs`: one entry per token of `token_ids` / `delta_token_ids`.
+    logprobs: Sequence[TokenLogprobs] | None = None
+    delta_logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass(slots=True)

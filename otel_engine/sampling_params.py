@@ -26,6 +26,7 @@ PENALTY_RANGE = (-2.0, 2.0)  # presence and frequency penalties, as OpenAI bound
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
 LOGIT_BIAS_RANGE = (-100.0, 100.0)
 MAX_LOGIT_BIAS = 1024
+MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI bounds them
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
@@ -61,6 +62,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     min_p: float = 0.0
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None  # report each token's logprob and this many top alternatives
 
     # Crash dumps show limits and flags, never stop strings, stop token ids or the seed.
     __crash_dump__: ClassVar[dict[str, str]] = {
@@ -79,6 +81,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
         "min_p": "value",
         "min_tokens": "value",
         "logit_bias": "count",  # token ids chosen by the client: never which
+        "logprobs": "value",
     }
 
     def validate(self, vocab_size: int | None = None) -> None:
@@ -109,6 +112,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             _invalid("repetition_penalty", f"repetition_penalty must be in [{low:g}, {high:g}]")
         if not 0.0 <= self.min_p <= 1.0:
             _invalid("min_p", f"min_p must be in [0, 1], got {self.min_p}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            _invalid("logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}]")
         if not 0 <= self.min_tokens <= self.max_tokens:
             _invalid("min_tokens", "min_tokens must be in [0, max_tokens]")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:

@@ -22,7 +22,8 @@ def prepare_model_input(
     query_lens, seq_lens, block_tables, sample_indices = [], [], [], []
     temperatures, top_ps, top_ks, seeds, output_positions = [], [], [], [], []
     processing: list[LogitsProcessing | None] = []
-    any_processing = False
+    num_logprobs: list[int] = []
+    any_processing = any_logprobs = False
     num_decodes = 0
     for index, chunk in enumerate(chunks):
         request = chunk.request
@@ -49,6 +50,9 @@ def prepare_model_input(
             row = logits_processing(request) if params.has_logits_processing else None
             any_processing |= row is not None
             processing.append(row)
+            wanted = -1 if params.logprobs is None else params.logprobs
+            any_logprobs |= wanted >= 0
+            num_logprobs.append(wanted)
     return ModelInput(
         step_id=step_id,
         input_ids=input_ids,
@@ -66,6 +70,7 @@ def prepare_model_input(
         output_positions=output_positions,
         trace_context=trace_context or {},
         processing=processing if any_processing else [],
+        num_logprobs=num_logprobs if any_logprobs else [],
     )
 
 

@@ -27,11 +27,13 @@ from otel_engine.ipc.messages import (
     EngineLimits,
     ErrorInfo,
     ModelInput,
+    ModelOutput,
     PauseRequests,
     RequestRejected,
     RequestUpdate,
     ResumeRequests,
     StepOutputs,
+    TokenLogprobs,
 )
 from otel_engine.model.loader import ModelArch
 from otel_engine.observability import crash_dump
@@ -155,20 +157,21 @@ class EngineCore:
         output = self.scheduler.schedule()
         with self._stepping(output) as trace_context:
             maybe_inject("engine_core", phase="run", step=output.step_id)
-            sampled = self._execute(output, trace_context)
-            updated = self.scheduler.update(output, sampled)
+            result = self._execute(output, trace_context)
+            logprobs = _logprobs_by_request(output, result)
+            updated = self.scheduler.update(output, result.sampled_token_ids)
         return self._outputs(
             output.step_id,
-            [_update(r) for r in updated],
+            [_update(r, logprobs.get(r.request_id)) for r in updated],
             num_preemptions=len(output.preempted_request_ids),
             num_scheduled_seqs=len(output.chunks),
             num_scheduled_tokens=output.num_batched_tokens,
             step_duration_s=self.last_step_at - self.last_step_started_at,
         )
 
-    def _execute(self, output: SchedulerOutput, trace_context: dict[str, str]) -> list[int]:
+    def _execute(self, output: SchedulerOutput, trace_context: dict[str, str]) -> ModelOutput:
         if output.is_empty:
-            return []
+            return ModelOutput(output.step_id, [])
         model_input = self.current_model_input = prepare_model_input(
             output.step_id, output.chunks, self.config.cache.block_size, trace_context
         )
@@ -257,7 +260,15 @@ class EngineCore:
         self.executor.shutdown(graceful=graceful)
 
 
-def _update(request: Request) -> RequestUpdate:
+def _logprobs_by_request(output: SchedulerOutput, result: ModelOutput) -> dict[str, Any]:
+    """The logprobs of each sampled request of the step, by request id (none asked: {})."""
+    if not result.logprobs:
+        return {}
+    sampled = [c.request.request_id for c in output.chunks if c.needs_sample]
+    return dict(zip(sampled, result.logprobs, strict=True))
+
+
+def _update(request: Request, logprobs: TokenLogprobs | None = None) -> RequestUpdate:
     queue_time = num_cached = None
     if request.num_output_tokens == 1:
         num_cached = request.num_cached_tokens
@@ -271,4 +282,5 @@ def _update(request: Request) -> RequestUpdate:
         request.num_preemptions,
         queue_time,
         num_cached_tokens=num_cached,
+        logprobs=logprobs,
     )

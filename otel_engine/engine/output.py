@@ -21,8 +21,8 @@ from typing import Any, NamedTuple
 from tokenizers.decoders import DecodeStream
 
 from otel_engine.errors import OtelEngineError, RequestError, RequestFailedError
-from otel_engine.ipc.messages import RequestUpdate, StepOutputs
-from otel_engine.outputs import CompletionOutput, RequestOutput, TokenIds
+from otel_engine.ipc.messages import RequestUpdate, StepOutputs, TokenLogprobs
+from otel_engine.outputs import CompletionOutput, GrowingPrefix, RequestOutput, TokenIds
 from otel_engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -105,6 +105,7 @@ class RequestState:
     token_ids: list[int] = field(default_factory=list)
     num_emitted_chars: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    logprobs: list[TokenLogprobs] | None = None  # per output token, when asked
 
 
 class Processed(NamedTuple):
@@ -136,6 +137,8 @@ class OutputProcessor:
         self.states[request_id] = RequestState(
             request_id, prompt_token_ids, params, prompt, stream, arrival_time, stops
         )
+        if params.logprobs is not None:
+            self.states[request_id].logprobs = []
 
     def remove(self, request_id: str) -> RequestState | None:
         return self.states.pop(request_id, None)
@@ -184,6 +187,9 @@ class OutputProcessor:
             piece = state.stream.step(backend, token_id)
             if piece:
                 state.text += piece
+        logprobs = state.logprobs
+        if logprobs is not None and update.logprobs is not None:
+            logprobs.append(update.logprobs)
         matched = None
         if state.stops is not None:
             found = state.stops.feed(state.text, num_chars_before)
@@ -206,6 +212,9 @@ class OutputProcessor:
             finish_reason=finish_reason,
             stop_reason=stop_reason,
         )
+        if logprobs is not None:
+            completion.logprobs = GrowingPrefix(logprobs)
+            completion.delta_logprobs = logprobs[start:]
         if finished:
             state.metrics["finished_time"] = now
             del self.states[state.request_id]

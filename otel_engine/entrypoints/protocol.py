@@ -16,7 +16,7 @@ from typing import Annotated, Literal, cast
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
 from otel_engine.entrypoints.errors import APIError, bad_request
-from otel_engine.sampling_params import SamplingParams
+from otel_engine.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
 def _integral(value: object) -> object:
@@ -112,6 +112,10 @@ class _SamplingFields(_Strict):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    def requested_logprobs(self) -> int | None:
+        """How many top alternatives per token to report (None: no logprobs)."""
+        return None
+
     def to_sampling_params(self, max_tokens: int) -> SamplingParams:
         """The engine's `SamplingParams` for this request (validated by the engine's rules
         when it is admitted)."""
@@ -132,6 +136,7 @@ class _SamplingFields(_Strict):
             min_p=self.min_p,
             min_tokens=self.min_tokens,
             logit_bias=self.token_logit_bias(),
+            logprobs=self.requested_logprobs(),
         )
 
 
@@ -146,11 +151,14 @@ class CompletionRequest(_SamplingFields):
 
     def check_supported(self) -> None:
         super().check_supported()
-        for name in ("echo", "logprobs", "suffix"):
+        for name in ("echo", "suffix"):
             if getattr(self, name) not in (None, False):
                 raise unsupported(name, f"{name} is not supported")
         if self.best_of not in (None, 1):
             raise unsupported("best_of", "only best_of=1 is supported")
+
+    def requested_logprobs(self) -> int | None:
+        return self.logprobs
 
     def single_prompt(self) -> str | TokenIds:
         """The one prompt of this request (batches of prompts are not supported)."""
@@ -202,12 +210,25 @@ class ChatCompletionRequest(_SamplingFields):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.logprobs or self.top_logprobs is not None:
-            raise unsupported("logprobs", "logprobs are not supported")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request(
+                "top_logprobs requires logprobs: true", param="top_logprobs", code="invalid_value"
+            )
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise bad_request(
+                f"top_logprobs must be in [0, {MAX_LOGPROBS}]",
+                param="top_logprobs",
+                code="invalid_value",
+            )
         if self.tools:
             raise unsupported("tools", "tools are not supported")
         if self.response_format and self.response_format.get("type") != "text":
             raise unsupported("response_format", "only the text response_format is supported")
+
+    def requested_logprobs(self) -> int | None:
+        if not self.logprobs:
+            return None
+        return self.top_logprobs or 0
 
     def requested_max_tokens(self) -> int | None:
         if self.max_completion_tokens is not None:
@@ -268,10 +289,34 @@ class Usage(BaseModel):
 FinishReason = Literal["stop", "length"]
 
 
+class CompletionLogprobs(BaseModel):
+    """Per generated token: its text, logprob, top alternatives and offset in the text."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+    refusal: None = None
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None
+    logprobs: CompletionLogprobs | None
     finish_reason: FinishReason
 
 
@@ -295,7 +340,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None
+    logprobs: ChatLogprobs | None
     finish_reason: FinishReason
 
 

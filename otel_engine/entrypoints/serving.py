@@ -16,6 +16,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import jinja2
@@ -34,6 +35,7 @@ from otel_engine.entrypoints.errors import (
     internal_error,
     is_server_error,
 )
+from otel_engine.entrypoints.logprobs import LogprobsFormatter
 from otel_engine.entrypoints.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -49,6 +51,7 @@ from otel_engine.entrypoints.streaming import (
     sse_event,
 )
 from otel_engine.errors import EngineDeadError, RequestError, RequestFailedError
+from otel_engine.ipc.messages import TokenLogprobs
 from otel_engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -81,6 +84,11 @@ class _Job:
     created: int = field(default_factory=lambda: int(time.time()))
     num_generated: int = 0
     num_cached: int = 0  # prompt tokens found in the prefix cache
+    # Streaming with logprobs: tokens not yet sent in a chunk (their text may be held back),
+    # and where the next token's text starts in the choice's text (completions).
+    pending_ids: list[int] = field(default_factory=list)
+    pending_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    text_offset: int = 0
 
     def envelope(self, is_chunk: bool, **fields: Any) -> dict[str, Any]:
         if self.is_chat:
@@ -337,18 +345,21 @@ class OpenAIServing:
         reason = completion.finish_reason or "stop"
         if reason == "abort":
             raise aborted_by_engine()
+        logprobs = None
+        if completion.logprobs is not None:
+            logprobs = self._logprobs(job, list(completion.token_ids), list(completion.logprobs))
         if job.is_chat:
             choice = {
                 "index": 0,
                 "message": {"role": "assistant", "content": completion.text},
-                "logprobs": None,
+                "logprobs": logprobs,
                 "finish_reason": reason,
             }
         else:
             choice = {
                 "index": 0,
                 "text": completion.text,
-                "logprobs": None,
+                "logprobs": logprobs,
                 "finish_reason": reason,
             }
         telemetry.finish(reason, job.num_generated, final.metrics)
@@ -376,10 +387,13 @@ class OpenAIServing:
                     _record_failure(telemetry, job, error, None)
                     yield sse_event(error.body())
                     return
+                if completion.delta_logprobs:
+                    job.pending_ids += completion.delta_token_ids
+                    job.pending_logprobs += completion.delta_logprobs
                 if completion.delta_text or reason is not None:
                     text = completion.delta_text
                     delta = ({"content": text} if text else {}) if job.is_chat else text
-                    yield self._chunk(job, delta, reason)
+                    yield self._chunk(job, delta, reason, self._pending_logprobs(job))
                 if reason is not None:
                     job.num_cached = int(output.metrics.get("num_cached_tokens", 0))
                     telemetry.finish(reason, job.num_generated, output.metrics)
@@ -411,12 +425,39 @@ class OpenAIServing:
         else:
             _record_gone(telemetry, job, request)
 
-    @staticmethod
-    def _chunk(job: _Job, delta: dict[str, str] | str, reason: str | None) -> bytes:
+    @cached_property
+    def _formatter(self) -> LogprobsFormatter:
+        return LogprobsFormatter(self.engine.tokenizer)
+
+    def _logprobs(
+        self, job: _Job, token_ids: list[int], entries: list[TokenLogprobs]
+    ) -> dict[str, Any]:
+        """The choice's `logprobs` for these tokens, in the endpoint's shape."""
         if job.is_chat:
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+            return self._formatter.chat(token_ids, entries)
+        body, job.text_offset = self._formatter.completion(token_ids, entries, job.text_offset)
+        return body
+
+    def _pending_logprobs(self, job: _Job) -> dict[str, Any] | None:
+        """A streamed chunk's logprobs: those of the tokens that arrived since the last
+        chunk (none asked: None)."""
+        if not job.pending_logprobs:
+            return None
+        body = self._logprobs(job, job.pending_ids, job.pending_logprobs)
+        job.pending_ids, job.pending_logprobs = [], []
+        return body
+
+    @staticmethod
+    def _chunk(
+        job: _Job,
+        delta: dict[str, str] | str,
+        reason: str | None,
+        logprobs: dict[str, Any] | None = None,
+    ) -> bytes:
+        if job.is_chat:
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
         else:
-            choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": reason}
+            choice = {"index": 0, "text": delta, "logprobs": logprobs, "finish_reason": reason}
         chunk = job.envelope(True, choices=[choice])
         if job.include_usage:
             chunk["usage"] = None

@@ -23,6 +23,7 @@ from otel_engine.ipc.codec import Codec, error_info
 from otel_engine.ipc.messages import (
     ErrorInfo,
     ModelInput,
+    ModelOutput,
     StopWorker,
     WorkerFailure,
     WorkerRequest,
@@ -118,7 +119,7 @@ class UniprocExecutor:
         maybe_inject("worker", phase="load", rank=0)
         self.runner = ModelRunner(config, model_dir, rank=0)
 
-    def execute(self, step: ModelInput) -> list[int]:
+    def execute(self, step: ModelInput) -> ModelOutput:
         maybe_inject("worker", phase="run", rank=0, step=step.step_id)
         return self.runner.execute(step)
 
@@ -206,7 +207,7 @@ class MultiprocExecutor:
             self._failure = self._root_cause([])
             raise WorkerError(self._failure)
 
-    def execute(self, step: ModelInput) -> list[int]:
+    def execute(self, step: ModelInput) -> ModelOutput:
         self.check_health(step.step_id)
         data = self._requests.encode(step)
         for socket in self._inputs:
@@ -220,7 +221,7 @@ class MultiprocExecutor:
                 self._failure = self._root_cause([])
                 raise WorkerError(self._failure)
 
-    def _take_result(self, step_id: int | None) -> list[int]:
+    def _take_result(self, step_id: int | None) -> ModelOutput:
         """The sampled tokens of `step_id` (None: no step is running). A failure report, or
         a result for another step (the core and its workers disagree on where they are: a
         protocol bug that would otherwise look like a hang), raises WorkerError."""
@@ -238,7 +239,7 @@ class MultiprocExecutor:
                 process=sender,
             )
             raise WorkerError(self._failure)
-        return message.sampled_token_ids
+        return message
 
     def process_pids(self) -> dict[str, int | None]:
         pids: dict[str, int | None] = {"engine_core": os.getpid()}

@@ -11,12 +11,12 @@ import logging
 import torch
 
 from otel_engine.config import EngineConfig
-from otel_engine.ipc.messages import ModelInput
+from otel_engine.ipc.messages import ModelInput, ModelOutput
 from otel_engine.model.attention import AttentionMetadata
 from otel_engine.model.limits import dtype_name, resolve_limits
 from otel_engine.model.llama import LlamaModel
 from otel_engine.model.loader import iter_int4, iter_weights, load_model_arch
-from otel_engine.model.sampler import Sampler
+from otel_engine.model.sampler import Sampler, logprobs_of
 
 logger = logging.getLogger(__name__)
 
@@ -91,17 +91,18 @@ class ModelRunner:
         return input_ids, meta
 
     @torch.inference_mode()
-    def execute(self, step: ModelInput) -> list[int]:
-        """Run the forward; rank 0 returns one sampled token per sampled sequence."""
+    def execute(self, step: ModelInput) -> ModelOutput:
+        """Run the forward; rank 0 returns one sampled token per sampled sequence (and
+        their logprobs where asked)."""
         device = self.device
         input_ids, meta = self.forward_inputs(step)
         hidden = self.model.forward(input_ids, self.kv_caches, meta)
         if self.sampler is None or not step.sample_indices:
-            return []
+            return ModelOutput(step.step_id, [])
         ends = torch.tensor(step.query_lens, device=device).cumsum(0) - 1
         rows = ends[torch.tensor(step.sample_indices, dtype=torch.long, device=device)]
         logits = self.model.compute_logits(hidden[rows])
-        return self.sampler(
+        tokens = self.sampler(
             logits,
             step.temperatures,
             step.top_ps,
@@ -110,3 +111,5 @@ class ModelRunner:
             step.output_positions,
             step.processing,
         )
+        logprobs = logprobs_of(logits, tokens, step.num_logprobs) if step.num_logprobs else []
+        return ModelOutput(step.step_id, tokens, logprobs)

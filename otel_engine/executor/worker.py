@@ -23,7 +23,6 @@ from otel_engine.executor.model_runner import ModelRunner
 from otel_engine.ipc.codec import Codec, error_info
 from otel_engine.ipc.messages import (
     ModelInput,
-    ModelOutput,
     WorkerFailure,
     WorkerRequest,
     WorkerResponse,
@@ -119,4 +118,4 @@ def _busy_loop(runner: ModelRunner, rank: int, inputs: zmq.Socket, outputs: zmq.
         if span is not None:
             span.end()
         if rank == 0:
-            outputs.send(responses.encode(ModelOutput(message.step_id, sampled)))
+            outputs.send(responses.encode(sampled))

@@ -109,6 +109,7 @@ class RequestUpdate(msgspec.Struct, frozen=True, array_like=True):
     queue_time_s: float | None = None  # arrival to first scheduled; on the first update only
     rejected: RequestRejected | None = None
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache; first only
+    logprobs: TokenLogprobs | None = None  # of the new token, when the request asked
 
 
 class StepOutputs(msgspec.Struct, frozen=True, tag="outputs", array_like=True):
@@ -190,6 +191,7 @@ class ModelInput(msgspec.Struct, frozen=True, tag="execute", array_like=True):
     trace_context: dict[str, str] = {}  # the engine core's step span (workers' parent)
     # Per sampled sequence, or empty when no sequence of the step has any (the fast path).
     processing: list[LogitsProcessing | None] = []
+    num_logprobs: list[int] = []  # top logprobs wanted (-1: no logprobs at all)
 
 
 class StopWorker(msgspec.Struct, frozen=True, tag="stop", array_like=True):
@@ -201,11 +203,22 @@ WorkerRequest = ModelInput | StopWorker
 # ---- Workers -> engine core --------------------------------------------------------------
 
 
+class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True):
+    """A sampled token's log-probability (float32 log-softmax of the raw logits, before
+    penalties, temperature and truncation), and the `k` most likely tokens of its position."""
+
+    logprob: float
+    top_token_ids: list[int] = []
+    top_logprobs: list[float] = []
+
+
 class ModelOutput(msgspec.Struct, frozen=True, tag="sampled", array_like=True):
-    """Rank 0's sampled token per sampled sequence of step `step_id`."""
+    """Rank 0's sampled token per sampled sequence of step `step_id`, and their logprobs
+    (per sampled sequence, None where not asked; empty when no sequence asked)."""
 
     step_id: int
     sampled_token_ids: list[int]
+    logprobs: list[TokenLogprobs | None] = []
 
 
 class WorkerFailure(msgspec.Struct, frozen=True, tag="worker_failure", array_like=True):

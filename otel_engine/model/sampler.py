@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from otel_engine.ipc.messages import LogitsProcessing
+from otel_engine.ipc.messages import LogitsProcessing, TokenLogprobs
 
 _SEED_MIX = 0x9E3779B97F4A7C15
 _MASK63 = (1 << 63) - 1
@@ -145,3 +145,32 @@ def _min_p(logits: torch.Tensor, min_ps: list[float]) -> torch.Tensor:
         min_ps, device=logits.device
     ).unsqueeze(1)
     return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def logprobs_of(
+    logits: torch.Tensor, tokens: list[int], num_logprobs: list[int]
+) -> list[TokenLogprobs | None]:
+    """For each row with `num_logprobs` >= 0: the sampled token's log-probability and the
+    row's top `num_logprobs` tokens, from the raw logits (float32 log-softmax over the whole
+    vocabulary: before penalties, temperature and truncation, as vLLM reports them)."""
+    rows = [i for i, k in enumerate(num_logprobs) if k >= 0]
+    result: list[TokenLogprobs | None] = [None] * len(num_logprobs)
+    if not rows:
+        return result
+    device = logits.device
+    index = torch.tensor(rows, dtype=torch.long, device=device)
+    logprobs = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)
+    chosen = torch.tensor([tokens[i] for i in rows], dtype=torch.long, device=device)
+    sampled = logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
+    k = max(num_logprobs[i] for i in rows)
+    top_values_list: list[list[float]] = [[] for _ in rows]
+    top_ids_list: list[list[int]] = [[] for _ in rows]
+    if k:
+        top_values, top_ids = logprobs.topk(k, dim=-1)
+        top_values_list, top_ids_list = top_values.tolist(), top_ids.tolist()
+    for position, row in enumerate(rows):
+        want = num_logprobs[row]
+        result[row] = TokenLogprobs(
+            sampled[position], top_ids_list[position][:want], top_values_list[position][:want]
+        )
+    return result

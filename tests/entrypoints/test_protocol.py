@@ -100,7 +100,6 @@ def test_text_content_parts_are_joined() -> None:
     ("field", "value"),
     [
         ("n", 2),
-        ("logprobs", 1),
         ("echo", True),
         ("best_of", 3),
         ("suffix", "x"),

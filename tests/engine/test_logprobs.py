@@ -1,0 +1,70 @@
+"""Logprobs through the engine equal transformers' log_softmax of the same logits (float32,
+within 1e-3), for the sampled token and the top-k, greedy and sampled, at TP=1 and TP=2;
+they are taken before penalties and temperature, as vLLM reports them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from otel_engine import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow  # starts engines
+
+MAX_TOKENS = 6
+TOP = 5
+
+
+def hf_logprobs(model_dir: str, prompt: list[int], generated: list[int]) -> torch.Tensor:
+    """log_softmax of transformers' float32 logits at each generated position [T, vocab]."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt + generated])
+    with torch.inference_mode():
+        logits = model(input_ids=ids, use_cache=False).logits[0].float()
+    start = len(prompt) - 1
+    return torch.log_softmax(logits[start : start + len(generated)], dim=-1)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_logprobs_equal_transformers_log_softmax(
+    tiny_model_dir: str, tiny_prompts: list[list[int]], tp: int
+) -> None:
+    prompts = tiny_prompts[3:6]
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=TOP)
+    # Sampled, hot and penalized: the reported values are still the raw model's.
+    sampled = SamplingParams(
+        max_tokens=MAX_TOKENS,
+        temperature=1.5,
+        seed=7,
+        ignore_eos=True,
+        logprobs=0,
+        frequency_penalty=1.0,
+    )
+    with LLM(tiny_model_dir, dtype="float32", tensor_parallel_size=tp) as llm:
+        outputs = llm.generate(prompts, greedy) + llm.generate(prompts, sampled)
+
+    num_top = [TOP] * len(prompts) + [0] * len(prompts)
+    for output, prompt, k in zip(outputs, prompts * 2, num_top, strict=True):
+        completion = output.outputs[0]
+        tokens = list(completion.token_ids)
+        assert completion.logprobs is not None
+        assert len(tokens) == len(completion.logprobs)
+        reference = hf_logprobs(tiny_model_dir, prompt, tokens)
+        for position, (token, entry) in enumerate(zip(tokens, completion.logprobs, strict=True)):
+            expected = reference[position]
+            assert entry.logprob == pytest.approx(float(expected[token]), abs=1e-3)
+            assert k == len(entry.top_token_ids)
+            for top_id, value in zip(entry.top_token_ids, entry.top_logprobs, strict=True):
+                assert value == pytest.approx(float(expected[top_id]), abs=1e-3)
+            if entry.top_logprobs:
+                best = expected.topk(TOP).values.tolist()
+                assert entry.top_logprobs == pytest.approx(best, abs=1e-3)
+
+
+def test_no_logprobs_unless_asked(tiny_model_dir: str, tiny_prompts: list[list[int]]) -> None:
+    with LLM(tiny_model_dir, dtype="float32") as llm:
+        [output] = llm.generate(tiny_prompts[:1], SamplingParams(max_tokens=2))
+
+    assert output.outputs[0].logprobs is None
