@@ -175,7 +175,8 @@ def test_duplicate_request_id_is_rejected(
     """A second request with the id of one in flight is refused; the first completes."""
 
     async def twice() -> list[RequestOutput]:
-        first = engine.generate(tiny_prompts[1], greedy(6), "same-id")
+        # Long enough to be still in flight after its first output, however fast the steps.
+        first = engine.generate(tiny_prompts[1], greedy(200), "same-id")
         head = await first.__anext__()
         with pytest.raises(ValueError, match="already in flight"):
             await collect(engine, tiny_prompts[2], greedy(6), "same-id")
@@ -183,7 +184,7 @@ def test_duplicate_request_id_is_rejected(
 
     outputs = run(twice())
 
-    assert 6 == len(outputs[-1].outputs[0].token_ids)
+    assert 200 == len(outputs[-1].outputs[0].token_ids)
 
 
 def test_async_llm_needs_an_engine_core_process(tiny_model_dir: str) -> None:
