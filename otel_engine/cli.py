@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from otel_engine.config import DEVICES, DTYPES, INT4, KERNELS, EngineConfig
+from otel_engine.config import DEVICES, DTYPES, GENERATION_CONFIGS, INT4, KERNELS, EngineConfig
 from otel_engine.entrypoints.limits import CHARS_PER_TOKEN_BOUND, ServerLimits
 from otel_engine.observability.logging import adopt_library_loggers
 from otel_engine.observability.setup import setup_main_process
@@ -34,6 +34,8 @@ ENGINE_FLAGS = (
     "seed",
     "kernels",
     "int4",
+    "generation_config",
+    "override_generation_config",
     "block_size",
     "enable_prefix_caching",
     "num_kv_blocks",
@@ -79,6 +81,18 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
         "is auto, steps of up to 8 tokens multiply by them (faster for one or a few streams; "
         "costs a second copy of the weights, a quarter of their bfloat16 size); off: never "
         "(default: auto)",
+    )
+    model.add_argument(
+        "--generation-config",
+        choices=GENERATION_CONFIGS,
+        help="auto: requests that omit temperature, top_p, top_k, min_p or repetition_penalty "
+        "get the model's generation_config.json values (the default model's card values: "
+        "temperature 0.2, top_p 0.9); none: the API's own defaults",
+    )
+    model.add_argument(
+        "--override-generation-config",
+        metavar="JSON",
+        help="sampling defaults that win over the model's, e.g. '{\"temperature\": 0.7}'",
     )
     model.add_argument(
         "--max-model-len", type=int, metavar="N", help="context length (default: the model's)"

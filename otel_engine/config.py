@@ -18,6 +18,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("cpu", "cuda")
 KERNELS = ("auto", "torch")
 INT4 = ("auto", "off")
+GENERATION_CONFIGS = ("auto", "none")
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +34,9 @@ class ModelConfig:
     seed: int = 0
     kernels: str = "auto"  # auto: compiled CPU kernels and prepacked weights where they apply
     int4: str = "auto"  # auto: small steps use the checkpoint's own 4-bit weights (with kernels)
+    # Sampling defaults for fields a request omits (engine/generation_defaults.py).
+    generation_config: str = "auto"
+    override_generation_config: str | None = None  # JSON object, wins field by field
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +118,14 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.model.dtype!r}")
         if self.model.kernels not in KERNELS:
             raise ValueError(f"kernels must be one of {KERNELS}, got {self.model.kernels!r}")
+        if self.model.generation_config not in GENERATION_CONFIGS:
+            raise ValueError(
+                f"generation_config must be one of {GENERATION_CONFIGS}, "
+                f"got {self.model.generation_config!r}"
+            )
+        from otel_engine.engine.generation_defaults import parse_override
+
+        parse_override(self.model.override_generation_config)
         if self.model.int4 not in INT4:
             raise ValueError(f"int4 must be one of {INT4}, got {self.model.int4!r}")
         if self.model.device not in DEVICES:

@@ -66,6 +66,7 @@ class AsyncLLM:
         self.tokenizer = self._frontend.tokenizer
         self.model_name = self._frontend.model_name
         self.max_model_len = self._frontend.max_model_len
+        self.generation_defaults = self._frontend.generation_defaults
         self.dead_error: EngineDeadError | None = None
         self._streams: dict[str, _Stream] = {}
         self.num_paused = 0

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from typing import Any
 
 from otel_engine.config import EngineConfig
+from otel_engine.engine import generation_defaults
 from otel_engine.engine.core_client import CoreClient, InprocClient, MPClient
 from otel_engine.engine.input import InputProcessor
 from otel_engine.engine.output import OutputProcessor
@@ -16,6 +18,8 @@ from otel_engine.model.loader import load_model_arch, load_tokenizer, prepare_mo
 from otel_engine.observability import faults
 from otel_engine.observability.tracing import inject_context
 from otel_engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 def dead_error(dead: EngineDead) -> EngineDeadError:
@@ -42,6 +46,13 @@ class Frontend:
             config.model.model, self.model_dir
         )
         self.tokenizer: Any = load_tokenizer(self.model_dir)
+        self.generation_defaults = generation_defaults.resolve(
+            config.model.generation_config,
+            self.model_dir,
+            is_default_model=config.model.model is None,
+            override=generation_defaults.parse_override(config.model.override_generation_config),
+        )
+        logger.info("model.generation_defaults", extra=self.generation_defaults.as_dict())
         arch = load_model_arch(self.model_dir)
         self.client: CoreClient = (
             MPClient(config, self.model_dir)

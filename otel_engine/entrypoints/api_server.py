@@ -145,6 +145,7 @@ def build_app(state: ServerState) -> FastAPI:
             "created": 0,
             "owned_by": "otel-engine",
             "max_model_len": state.engine.max_model_len,
+            "sampling_defaults": state.engine.generation_defaults.values,
         }
         return {"object": "list", "data": [card]}
 

@@ -11,6 +11,7 @@ warning and a counter (`ignored_fields`), never silently.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Annotated, Literal, cast
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
@@ -116,15 +117,23 @@ class _SamplingFields(_Strict):
         """How many top alternatives per token to report (None: no logprobs)."""
         return None
 
-    def to_sampling_params(self, max_tokens: int) -> SamplingParams:
+    def to_sampling_params(
+        self, max_tokens: int, defaults: Mapping[str, float] | None = None
+    ) -> SamplingParams:
         """The engine's `SamplingParams` for this request (validated by the engine's rules
-        when it is admitted)."""
+        when it is admitted); a field the request omits takes its value in `defaults` (the
+        model's generation config), if any."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
+        chosen = {
+            name: value
+            for name, value in (defaults or {}).items()
+            if name not in self.model_fields_set
+        }
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
+            temperature=chosen.get("temperature", self.temperature),
+            top_p=chosen.get("top_p", self.top_p),
+            top_k=int(chosen.get("top_k", self.top_k)),
             seed=self.seed,
             stop=tuple(stop),
             stop_token_ids=tuple(self.stop_token_ids or ()),
@@ -132,8 +141,8 @@ class _SamplingFields(_Strict):
             skip_special_tokens=self.skip_special_tokens,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
-            min_p=self.min_p,
+            repetition_penalty=chosen.get("repetition_penalty", self.repetition_penalty),
+            min_p=chosen.get("min_p", self.min_p),
             min_tokens=self.min_tokens,
             logit_bias=self.token_logit_bias(),
             logprobs=self.requested_logprobs(),
@@ -362,6 +371,9 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str
     max_model_len: int
+    sampling_defaults: dict[str, float] = Field(
+        description="what a request that omits these fields gets (--generation-config)"
+    )
 
 
 class ModelList(BaseModel):

@@ -281,7 +281,7 @@ class OpenAIServing:
             model=self.engine.model_name,
             request_model=body.model or self.engine.model_name,
             prompt_ids=prompt_ids,
-            params=body.to_sampling_params(max_tokens),
+            params=body.to_sampling_params(max_tokens, self.engine.generation_defaults.values),
             include_usage=body.include_usage,
         )
 

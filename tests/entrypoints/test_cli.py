@@ -49,6 +49,8 @@ EXTRA_FLAGS = {
     "--seed",
     "--kernels",
     "--int4",
+    "--generation-config",
+    "--override-generation-config",
     "--otlp-logs",
     "--log-prompts",
     "--final-scrape-wait",

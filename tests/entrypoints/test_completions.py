@@ -194,6 +194,14 @@ def test_models_lists_served_model(served: Served) -> None:
     assert [served.model] == [m.id for m in models.data]
 
 
+def test_models_lists_the_sampling_defaults_in_force(served: Served) -> None:
+    """What a request that omits sampling fields gets: the engine's resolved defaults."""
+    with served.http() as client:
+        [card] = client.get("/v1/models").json()["data"]
+
+    assert served.engine.generation_defaults.values == card["sampling_defaults"]
+
+
 def test_health_ok(served: Served) -> None:
     """GET /health answers 200 while the engine serves."""
     with served.http() as client:

@@ -1,0 +1,67 @@
+"""Sampling defaults for omitted request fields: the model's generation config, the default
+model's card values, `--generation-config none`, and `--override-generation-config`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from otel_engine.config import EngineConfig
+from otel_engine.engine.generation_defaults import DEFAULT_MODEL_CARD, parse_override, resolve
+from otel_engine.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> str:
+    generation = {"temperature": 0.6, "top_k": 20, "do_sample": True, "eos_token_id": 2}
+    (tmp_path / "generation_config.json").write_text(json.dumps(generation))
+    return str(tmp_path)
+
+
+def test_auto_takes_the_sampling_fields_of_the_generation_config(model_dir: str) -> None:
+    defaults = resolve("auto", model_dir, is_default_model=False, override=None)
+
+    assert {"temperature": 0.6, "top_k": 20} == defaults.values
+    assert {"generation_config.json"} == set(defaults.sources.values())
+
+
+def test_none_ignores_the_model(model_dir: str) -> None:
+    assert {} == resolve("none", model_dir, is_default_model=False, override=None).values
+
+
+def test_the_default_model_gets_its_card_values(tmp_path: Path) -> None:
+    """Its GGUF carries no generation config: the model card's temperature and top_p."""
+    defaults = resolve("auto", str(tmp_path), is_default_model=True, override=None)
+
+    assert DEFAULT_MODEL_CARD == defaults.values == {"temperature": 0.2, "top_p": 0.9}
+    assert {"default model card"} == set(defaults.sources.values())
+
+
+def test_override_wins_field_by_field(model_dir: str) -> None:
+    override = parse_override('{"temperature": 0.9, "min_p": 0.1}')
+    defaults = resolve("auto", model_dir, is_default_model=False, override=override)
+
+    assert {"temperature": 0.9, "top_k": 20, "min_p": 0.1} == defaults.values
+    assert "--override-generation-config" == defaults.sources["temperature"]
+
+
+@pytest.mark.parametrize(
+    "text", ["not json", "[1]", '{"temprature": 0.5}', '{"temperature": "hot"}', '{"top_p": true}']
+)
+def test_bad_overrides_fail_at_startup_naming_the_problem(text: str) -> None:
+    with pytest.raises(ValueError, match="--override-generation-config"):
+        EngineConfig.from_kwargs(override_generation_config=text)
+
+
+def test_omitted_fields_take_the_defaults_and_sent_ones_stay() -> None:
+    """Only fields the request did not send; one sent at the API default value stays."""
+    defaults = {"temperature": 0.2, "top_p": 0.9, "top_k": 40}
+    omitted = CompletionRequest.model_validate({"prompt": "x"}).to_sampling_params(8, defaults)
+    sent = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "x"}], "temperature": 1.0, "top_k": 0}
+    ).to_sampling_params(8, defaults)
+
+    assert (0.2, 0.9, 40) == (omitted.temperature, omitted.top_p, omitted.top_k)
+    assert (1.0, 0.9, 0) == (sent.temperature, sent.top_p, sent.top_k)
