@@ -19,6 +19,8 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 from otel_engine.entrypoints.errors import APIError, bad_request
 from otel_engine.sampling_params import MAX_LOGPROBS, SamplingParams
 
+MAX_CHOICES = 16  # n and best_of
+
 
 def _integral(value: object) -> object:
     if isinstance(value, float) and value.is_integer():
@@ -73,7 +75,7 @@ class _SamplingFields(_Strict):
     stop_token_ids: TokenIds | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
-    n: Int = 1
+    n: Int = Field(default=1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
     frequency_penalty: float = 0.0
@@ -86,8 +88,10 @@ class _SamplingFields(_Strict):
 
     def check_supported(self) -> None:
         """Reject OpenAI features the engine does not implement."""
-        if self.n != 1:
-            raise unsupported("n", "only n=1 is supported")
+
+    def num_samples(self) -> int:
+        """How many samples to draw (`best_of` on completions, else `n`)."""
+        return self.n
 
     def ignored_fields(self) -> list[str]:
         """Fields of the body that no part of the API knows (a typo, a newer client's)."""
@@ -155,7 +159,7 @@ class CompletionRequest(_SamplingFields):
     prompt: Text | TokenIds | list[Text] | list[TokenIds]
     echo: bool = False
     logprobs: Int | None = None
-    best_of: Int | None = None
+    best_of: Int | None = Field(default=None, ge=1, le=MAX_CHOICES)
     suffix: Text | None = None
 
     def check_supported(self) -> None:
@@ -163,8 +167,17 @@ class CompletionRequest(_SamplingFields):
         for name in ("echo", "suffix"):
             if getattr(self, name) not in (None, False):
                 raise unsupported(name, f"{name} is not supported")
-        if self.best_of not in (None, 1):
-            raise unsupported("best_of", "only best_of=1 is supported")
+        if self.best_of is not None and self.best_of < self.n:
+            raise bad_request("best_of must be at least n", param="best_of", code="invalid_value")
+        if self.stream and self.num_samples() > self.n:
+            raise bad_request(
+                "best_of > n cannot be streamed (the best samples are known at the end)",
+                param="best_of",
+                code="invalid_value",
+            )
+
+    def num_samples(self) -> int:
+        return self.best_of or self.n
 
     def requested_logprobs(self) -> int | None:
         return self.logprobs

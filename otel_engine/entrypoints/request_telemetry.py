@@ -70,6 +70,7 @@ class RequestTelemetry:
         params: SamplingParams,
         num_prompt_tokens: int,
         is_stream: bool,
+        num_choices: int = 1,
         tracer: trace.Tracer | None = None,
     ) -> None:
         self._metrics = metrics
@@ -98,6 +99,8 @@ class RequestTelemetry:
             }
             if params.seed is not None:
                 attributes["gen_ai.request.seed"] = params.seed
+            if num_choices > 1:
+                attributes["gen_ai.request.choice.count"] = num_choices
             for name in ("presence_penalty", "frequency_penalty"):
                 if getattr(params, name):
                     attributes[f"gen_ai.request.{name}"] = getattr(params, name)
@@ -149,10 +152,16 @@ class RequestTelemetry:
                 self.span.add_event(EVENT_PREEMPTED, {"otel_engine.request.num_preemptions": num})
 
     def finish(
-        self, finish_reason: str, num_generated: int, timings: Mapping[str, float] | None = None
+        self,
+        finish_reason: str,
+        num_generated: int,
+        timings: Mapping[str, float] | None = None,
+        *,
+        finish_reasons: list[str] | None = None,
     ) -> None:
         """The request ended normally with `finish_reason` (stop, length); `timings` are the
-        last output's `metrics`."""
+        last output's `metrics`; `finish_reasons` has one per choice when there are several
+        (the metrics count the request once, by the first choice's reason)."""
         if self._is_ended:
             return
         self._is_ended = True
@@ -194,7 +203,7 @@ class RequestTelemetry:
         logger.info("request.finished", extra=self._log_fields(fields))
         if self.is_recording:
             attributes: dict[str, Any] = {
-                "gen_ai.response.finish_reasons": [finish_reason],
+                "gen_ai.response.finish_reasons": finish_reasons or [finish_reason],
                 "gen_ai.usage.output_tokens": num_generated,
                 "gen_ai.usage.cache_read.input_tokens": num_cached,
                 "otel_engine.request.e2e_s": e2e_s,

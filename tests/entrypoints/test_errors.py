@@ -105,12 +105,18 @@ def test_prompt_token_id_out_of_vocab_is_400(served: Served) -> None:
     assert "invalid_request_error" == _error(response)["type"]
 
 
-def test_n_greater_than_one_is_400(served: Served) -> None:
-    """n > 1 is not supported: 400 naming n."""
-    response = _completion(served, n=2)
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [({"n": 0}, "n"), ({"n": 17}, "n"), ({"n": 3, "best_of": 2}, "best_of")],
+)
+def test_n_and_best_of_out_of_range_are_400(
+    served: Served, fields: dict[str, int], param: str
+) -> None:
+    """n and best_of in 1..16, best_of at least n: else 400 naming the field."""
+    response = _completion(served, **fields)
 
     assert 400 == response.status_code
-    assert "n" == _error(response)["param"]
+    assert param == _error(response)["param"]
 
 
 def test_several_prompts_are_400(served: Served) -> None:
@@ -181,7 +187,7 @@ def test_chat_without_text_content_is_400(served: Served) -> None:
 
 def test_server_keeps_serving_after_errors(served: Served) -> None:
     """After a burst of bad requests a good one still succeeds."""
-    for fields in ({"n": 3}, {"max_tokens": -1}, {"model": "x"}, {"prompt": [10**9]}):
+    for fields in ({"n": 0}, {"max_tokens": -1}, {"model": "x"}, {"prompt": [10**9]}):
         assert _completion(served, **fields).status_code in (400, 404)
 
     response = _completion(served, max_tokens=3)

@@ -99,9 +99,7 @@ def test_text_content_parts_are_joined() -> None:
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("n", 2),
         ("echo", True),
-        ("best_of", 3),
         ("suffix", "x"),
     ],
 )
