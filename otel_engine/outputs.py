@@ -85,6 +85,8 @@ class RequestOutput:
     finished: bool = False
     prompt: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    # With `SamplingParams.prompt_logprobs`: one entry per prompt token from the second on.
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -63,6 +63,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None  # report each token's logprob and this many top alternatives
+    # Report each prompt token's logprob (from the second on) and this many alternatives;
+    # such a request computes its whole prompt (the prefix cache would skip positions).
+    prompt_logprobs: int | None = None
 
     # Crash dumps show limits and flags, never stop strings, stop token ids or the seed.
     __crash_dump__: ClassVar[dict[str, str]] = {
@@ -82,6 +85,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
         "min_tokens": "value",
         "logit_bias": "count",  # token ids chosen by the client: never which
         "logprobs": "value",
+        "prompt_logprobs": "value",
     }
 
     def validate(self, vocab_size: int | None = None) -> None:
@@ -112,8 +116,10 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             _invalid("repetition_penalty", f"repetition_penalty must be in [{low:g}, {high:g}]")
         if not 0.0 <= self.min_p <= 1.0:
             _invalid("min_p", f"min_p must be in [0, 1], got {self.min_p}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            _invalid("logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}]")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                _invalid(name, f"{name} must be in [0, {MAX_LOGPROBS}]")
         if not 0 <= self.min_tokens <= self.max_tokens:
             _invalid("min_tokens", "min_tokens must be in [0, max_tokens]")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:

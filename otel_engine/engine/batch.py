@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from otel_engine.ipc.messages import LogitsProcessing, ModelInput
+from otel_engine.ipc.messages import LogitsProcessing, ModelInput, PromptLogprobsChunk
 from otel_engine.sched.request import Request
 from otel_engine.sched.scheduler import ScheduledChunk
 
@@ -24,6 +24,7 @@ def prepare_model_input(
     processing: list[LogitsProcessing | None] = []
     num_logprobs: list[int] = []
     any_processing = any_logprobs = False
+    prompt_logprobs: list[PromptLogprobsChunk] = []
     num_decodes = 0
     for index, chunk in enumerate(chunks):
         request = chunk.request
@@ -39,6 +40,11 @@ def prepare_model_input(
         query_lens.append(chunk.num_tokens)
         seq_lens.append(end)
         block_tables.append(blocks)
+        wanted = request.sampling_params.prompt_logprobs
+        if wanted is not None and start < request.num_prompt_tokens - 1:
+            last = min(end, request.num_prompt_tokens - 1)  # the last prompt position scored
+            after = request.prompt_token_ids[end] if end == last else -1
+            prompt_logprobs.append(PromptLogprobsChunk(index, wanted, last - start, after))
         if end == request.num_tokens:
             params = request.sampling_params
             sample_indices.append(index)
@@ -71,6 +77,7 @@ def prepare_model_input(
         trace_context=trace_context or {},
         processing=processing if any_processing else [],
         num_logprobs=num_logprobs if any_logprobs else [],
+        prompt_logprobs=prompt_logprobs,
     )
 
 

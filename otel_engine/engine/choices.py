@@ -18,6 +18,7 @@ from dataclasses import replace
 
 import msgspec
 
+from otel_engine.ipc.messages import TokenLogprobs
 from otel_engine.outputs import CompletionOutput, RequestOutput
 from otel_engine.sampling_params import SamplingParams
 
@@ -48,8 +49,12 @@ async def generate_choices(
 ) -> AsyncIterator[RequestOutput]:
     """`num_samples` samples of `prompt_ids`, merged (see the module docstring)."""
     if num_samples == 1:
-        async for output in generate(prompt_ids, params, request_id):
-            yield output
+        stream = generate(prompt_ids, params, request_id)
+        try:
+            async for output in stream:
+                yield output
+        finally:  # closing this closes the engine stream at once (it aborts the request)
+            await stream.aclose()  # type: ignore[attr-defined]
         return
     streams = [
         generate(prompt_ids, sample_params(params, i), f"{request_id}-{i}")
@@ -57,6 +62,7 @@ async def generate_choices(
     ]
     latest: dict[int, CompletionOutput] = {}
     metrics: dict[int, dict[str, float]] = {}
+    prompt_logprobs: list[TokenLogprobs] | None = None
     queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
 
     async def pump(index: int, first: RequestOutput | None = None) -> None:
@@ -85,6 +91,7 @@ async def generate_choices(
             changed = [replace(c, index=index) for c in item.outputs]
             latest[index] = changed[-1]
             metrics[index] = item.metrics
+            prompt_logprobs = prompt_logprobs or item.prompt_logprobs
             done = len(latest) == num_samples and all(c.finish_reason for c in latest.values())
             yield RequestOutput(
                 request_id=request_id,
@@ -93,10 +100,12 @@ async def generate_choices(
                 finished=done,
                 prompt=item.prompt,
                 metrics=_merged(metrics) if done else item.metrics,
+                prompt_logprobs=prompt_logprobs,
             )
-    finally:
+    finally:  # every sample's engine stream is closed (aborted) before this returns
         for task in tasks:
             task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         for stream in streams:
             with contextlib.suppress(Exception):
                 await stream.aclose()  # type: ignore[attr-defined]

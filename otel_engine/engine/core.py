@@ -114,6 +114,7 @@ class EngineCore:
                 eos_token_ids=self.eos_token_ids,
                 arrival_time=message.arrival_time,
                 trace_link=link_from(message.trace_context) if self.is_tracing else None,
+                prompt_logprobs=[] if message.sampling_params.prompt_logprobs is not None else None,
             )
         )
         return None
@@ -158,6 +159,8 @@ class EngineCore:
         with self._stepping(output) as trace_context:
             maybe_inject("engine_core", phase="run", step=output.step_id)
             result = self._execute(output, trace_context)
+            if result.prompt_logprobs:
+                self._collect_prompt_logprobs(output, result)
             logprobs = _logprobs_by_request(output, result)
             updated = self.scheduler.update(output, result.sampled_token_ids)
         return self._outputs(
@@ -176,6 +179,21 @@ class EngineCore:
             output.step_id, output.chunks, self.config.cache.block_size, trace_context
         )
         return self.executor.execute(model_input)
+
+    def _collect_prompt_logprobs(self, output: SchedulerOutput, result: ModelOutput) -> None:
+        """Keep each asking request's prompt logprobs in order; a chunk computed again after
+        a preemption adds nothing it already has."""
+        model_input = self.current_model_input
+        assert model_input is not None
+        for asked, entries in zip(model_input.prompt_logprobs, result.prompt_logprobs, strict=True):
+            chunk = output.chunks[asked.seq_index]
+            collected = chunk.request.prompt_logprobs
+            if collected is None:
+                continue
+            first_target = chunk.start + 1  # the prompt position the chunk's first entry scores
+            skip = len(collected) + 1 - first_target
+            if 0 <= skip < len(entries):
+                collected += entries[skip:]
 
     @contextmanager
     def _stepping(self, output: SchedulerOutput) -> Iterator[dict[str, str]]:
@@ -269,9 +287,10 @@ def _logprobs_by_request(output: SchedulerOutput, result: ModelOutput) -> dict[s
 
 
 def _update(request: Request, logprobs: TokenLogprobs | None = None) -> RequestUpdate:
-    queue_time = num_cached = None
+    queue_time = num_cached = prompt_logprobs = None
     if request.num_output_tokens == 1:
         num_cached = request.num_cached_tokens
+        prompt_logprobs = request.prompt_logprobs
         if request.first_scheduled_time is not None:
             queue_time = max(0.0, request.first_scheduled_time - request.arrival_time)
     return RequestUpdate(
@@ -283,4 +302,5 @@ def _update(request: Request, logprobs: TokenLogprobs | None = None) -> RequestU
         queue_time,
         num_cached_tokens=num_cached,
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
     )

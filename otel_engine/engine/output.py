@@ -106,6 +106,7 @@ class RequestState:
     num_emitted_chars: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
     logprobs: list[TokenLogprobs] | None = None  # per output token, when asked
+    prompt_logprobs: list[TokenLogprobs] | None = None  # prompt tokens 2..n, when asked
 
 
 class Processed(NamedTuple):
@@ -187,6 +188,8 @@ class OutputProcessor:
             piece = state.stream.step(backend, token_id)
             if piece:
                 state.text += piece
+        if update.prompt_logprobs is not None:
+            state.prompt_logprobs = update.prompt_logprobs
         logprobs = state.logprobs
         if logprobs is not None and update.logprobs is not None:
             logprobs.append(update.logprobs)
@@ -225,6 +228,7 @@ class OutputProcessor:
             finished=finished,
             prompt=state.prompt,
             metrics=state.metrics,
+            prompt_logprobs=state.prompt_logprobs,
         )
         return output, matched is not None
 

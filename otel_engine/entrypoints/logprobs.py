@@ -56,6 +56,21 @@ class LogprobsFormatter:
         }
         return body, text_offset
 
+    def prompt(
+        self, token_ids: Sequence[int], entries: Sequence[TokenLogprobs]
+    ) -> tuple[dict[str, Any], int]:
+        """The completions shape for an echoed prompt: its first token has no logprob (no
+        token before it), the others score it given the tokens before; and the offset of
+        the text after the prompt's tokens."""
+        body, offset = self.completion(token_ids[1:], entries, 0)
+        first = self._strings(token_ids[:1])
+        shift = len(first[0]) if first else 0
+        body["tokens"] = first + body["tokens"]
+        body["token_logprobs"] = [None] * len(first) + body["token_logprobs"]
+        body["top_logprobs"] = [None] * len(first) + body["top_logprobs"]
+        body["text_offset"] = [0] * len(first) + [o + shift for o in body["text_offset"]]
+        return body, offset + shift
+
     def chat(self, token_ids: Sequence[int], entries: Sequence[TokenLogprobs]) -> dict[str, Any]:
         """The chat shape (`content`) for these tokens."""
         strings = self._strings([*token_ids, *(t for e in entries for t in e.top_token_ids)])

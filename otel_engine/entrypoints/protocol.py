@@ -121,6 +121,10 @@ class _SamplingFields(_Strict):
         """How many top alternatives per token to report (None: no logprobs)."""
         return None
 
+    def requested_prompt_logprobs(self) -> int | None:
+        """The same for the prompt's tokens (completions with `echo`)."""
+        return None
+
     def to_sampling_params(
         self, max_tokens: int, defaults: Mapping[str, float] | None = None
     ) -> SamplingParams:
@@ -150,6 +154,7 @@ class _SamplingFields(_Strict):
             min_tokens=self.min_tokens,
             logit_bias=self.token_logit_bias(),
             logprobs=self.requested_logprobs(),
+            prompt_logprobs=self.requested_prompt_logprobs(),
         )
 
 
@@ -164,9 +169,8 @@ class CompletionRequest(_SamplingFields):
 
     def check_supported(self) -> None:
         super().check_supported()
-        for name in ("echo", "suffix"):
-            if getattr(self, name) not in (None, False):
-                raise unsupported(name, f"{name} is not supported")
+        if self.suffix is not None:
+            raise unsupported("suffix", "suffix is not supported")
         if self.best_of is not None and self.best_of < self.n:
             raise bad_request("best_of must be at least n", param="best_of", code="invalid_value")
         if self.stream and self.num_samples() > self.n:
@@ -181,6 +185,9 @@ class CompletionRequest(_SamplingFields):
 
     def requested_logprobs(self) -> int | None:
         return self.logprobs
+
+    def requested_prompt_logprobs(self) -> int | None:
+        return self.logprobs if self.echo else None
 
     def single_prompt(self) -> str | TokenIds:
         """The one prompt of this request (batches of prompts are not supported)."""
@@ -315,8 +322,8 @@ class CompletionLogprobs(BaseModel):
     """Per generated token: its text, logprob, top alternatives and offset in the text."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # with echo, the prompt's first token has none
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 

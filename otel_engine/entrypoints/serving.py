@@ -86,6 +86,7 @@ class _Job:
     n: int = 1  # choices returned
     num_samples: int = 1  # samples drawn (best_of >= n: the n most likely are returned)
     client_logprobs: bool = False  # the client asked for logprobs (best_of may need them)
+    echo: str | None = None  # completions with `echo`: the prompt's text, sent first
     created: int = field(default_factory=lambda: int(time.time()))
     generated: dict[int, int] = field(default_factory=dict)  # tokens so far, by sample
     num_cached: int = 0  # prompt tokens found in the prefix cache
@@ -159,6 +160,10 @@ class OpenAIServing:
             default_cap=DEFAULT_COMPLETION_MAX_TOKENS,
             prompt_param="prompt",
         )
+        if body.echo and isinstance(prompt, str):
+            job.echo = prompt
+        elif body.echo:
+            job.echo = await self._off_loop(self.engine.decode, prompt)
         return await self._run(job, body.stream, request, prompt)
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
@@ -370,17 +375,21 @@ class OpenAIServing:
         for index, completion in enumerate(samples):
             reason = completion.finish_reason or "stop"
             reasons.append(reason)
-            logprobs = None
+            logprobs = echoed = None
+            if job.echo is not None:
+                echoed = self._echo(job, index, final)
             if job.client_logprobs and completion.logprobs is not None:
-                job.text_offsets[index] = 0
                 logprobs = self._logprobs(
                     job, index, list(completion.token_ids), list(completion.logprobs)
                 )
+                if echoed is not None and echoed[1] is not None:
+                    logprobs = {k: echoed[1][k] + v for k, v in logprobs.items()}
+            text = completion.text if echoed is None else echoed[0] + completion.text
             if job.is_chat:
-                message = {"role": "assistant", "content": completion.text}
+                message = {"role": "assistant", "content": text}
                 choice = {"index": index, "message": message, "logprobs": logprobs}
             else:
-                choice = {"index": index, "text": completion.text, "logprobs": logprobs}
+                choice = {"index": index, "text": text, "logprobs": logprobs}
             choices.append({**choice, "finish_reason": reason})
         telemetry.finish(reasons[0], job.num_generated, final.metrics, finish_reasons=reasons)
         body = job.envelope(False, choices=choices, usage=job.usage())
@@ -395,9 +404,10 @@ class OpenAIServing:
         request: Request,
     ) -> AsyncIterator[bytes]:
         try:
-            if job.is_chat:
-                for index in range(job.n):
-                    yield self._chunk(job, {"role": "assistant", "content": ""}, None, index)
+            for index in range(job.n):  # the chat role, or the completion's echoed prompt
+                head = self._head_chunk(job, index, first)
+                if head is not None:
+                    yield head
             output: RequestOutput | None = first
             reasons: dict[int, str] = {}  # by choice, as they end
             while output is not None:
@@ -479,6 +489,28 @@ class OpenAIServing:
         offset = job.text_offsets.get(index, 0)
         body, job.text_offsets[index] = self._formatter.completion(token_ids, entries, offset)
         return body
+
+    def _head_chunk(self, job: _Job, index: int, first: RequestOutput) -> bytes | None:
+        """What a streamed choice starts with: the assistant role (chat), or the echoed
+        prompt with its logprobs (completions with `echo`)."""
+        if job.is_chat:
+            return self._chunk(job, {"role": "assistant", "content": ""}, None, index)
+        if job.echo is not None:
+            text, logprobs = self._echo(job, index, first)
+            return self._chunk(job, text, None, index, logprobs)
+        return None
+
+    def _echo(
+        self, job: _Job, index: int, output: RequestOutput
+    ) -> tuple[str, dict[str, Any] | None]:
+        """Choice `index`'s echoed prompt: its text and, with logprobs, the prompt tokens'
+        (the completion's offsets continue after the prompt's text)."""
+        assert job.echo is not None
+        job.text_offsets[index] = len(job.echo)
+        if not job.client_logprobs or output.prompt_logprobs is None:
+            return job.echo, None
+        body, _ = self._formatter.prompt(job.prompt_ids, output.prompt_logprobs)
+        return job.echo, body
 
     def _pending_logprobs(self, job: _Job, index: int) -> dict[str, Any] | None:
         """A streamed chunk's logprobs: those of choice `index`'s tokens that arrived since

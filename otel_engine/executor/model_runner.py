@@ -11,7 +11,7 @@ import logging
 import torch
 
 from otel_engine.config import EngineConfig
-from otel_engine.ipc.messages import ModelInput, ModelOutput
+from otel_engine.ipc.messages import ModelInput, ModelOutput, PromptLogprobsChunk, TokenLogprobs
 from otel_engine.model.attention import AttentionMetadata
 from otel_engine.model.limits import dtype_name, resolve_limits
 from otel_engine.model.llama import LlamaModel
@@ -20,6 +20,7 @@ from otel_engine.model.sampler import Sampler, logprobs_of
 
 logger = logging.getLogger(__name__)
 
+PROMPT_LOGPROBS_ROWS = 256  # positions whose logits are computed at once for prompt logprobs
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -97,8 +98,11 @@ class ModelRunner:
         device = self.device
         input_ids, meta = self.forward_inputs(step)
         hidden = self.model.forward(input_ids, self.kv_caches, meta)
-        if self.sampler is None or not step.sample_indices:
+        if self.sampler is None:
             return ModelOutput(step.step_id, [])
+        prompt_logprobs = [self._prompt_logprobs(step, hidden, c) for c in step.prompt_logprobs]
+        if not step.sample_indices:
+            return ModelOutput(step.step_id, [], prompt_logprobs=prompt_logprobs)
         ends = torch.tensor(step.query_lens, device=device).cumsum(0) - 1
         rows = ends[torch.tensor(step.sample_indices, dtype=torch.long, device=device)]
         logits = self.model.compute_logits(hidden[rows])
@@ -112,4 +116,23 @@ class ModelRunner:
             step.processing,
         )
         logprobs = logprobs_of(logits, tokens, step.num_logprobs) if step.num_logprobs else []
-        return ModelOutput(step.step_id, tokens, logprobs)
+        return ModelOutput(step.step_id, tokens, logprobs, prompt_logprobs)
+
+    def _prompt_logprobs(
+        self, step: ModelInput, hidden: torch.Tensor, chunk: PromptLogprobsChunk
+    ) -> list[TokenLogprobs]:
+        """The logprobs of the prompt tokens that `chunk`'s positions predict, computed
+        `PROMPT_LOGPROBS_ROWS` positions at a time (a chunk's logits over the vocabulary
+        would be hundreds of MB at once)."""
+        start = sum(step.query_lens[: chunk.seq_index])
+        count = step.query_lens[chunk.seq_index]
+        targets = step.input_ids[start + 1 : start + count][: chunk.num_targets]
+        if len(targets) < chunk.num_targets:
+            targets = [*targets, chunk.next_token_id]
+        result: list[TokenLogprobs] = []
+        for offset in range(0, len(targets), PROMPT_LOGPROBS_ROWS):
+            part = targets[offset : offset + PROMPT_LOGPROBS_ROWS]
+            rows = hidden[start + offset : start + offset + len(part)]
+            logits = self.model.compute_logits(rows)
+            result += logprobs_of(logits, part, [chunk.num_top] * len(part))  # type: ignore[arg-type]
+        return result

@@ -110,6 +110,7 @@ class RequestUpdate(msgspec.Struct, frozen=True, array_like=True):
     rejected: RequestRejected | None = None
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache; first only
     logprobs: TokenLogprobs | None = None  # of the new token, when the request asked
+    prompt_logprobs: list[TokenLogprobs] | None = None  # prompt tokens 2..n; first update only
 
 
 class StepOutputs(msgspec.Struct, frozen=True, tag="outputs", array_like=True):
@@ -165,6 +166,18 @@ class LogitsProcessing(msgspec.Struct, frozen=True, array_like=True):
     prompt_token_ids: list[int] = []
 
 
+class PromptLogprobsChunk(msgspec.Struct, frozen=True, array_like=True):
+    """Sequence `seq_index` of the step wants the logprobs of the prompt tokens its chunk
+    predicts: the logits of the chunk's first `num_targets` positions score the prompt token
+    after each; `next_token_id` is the prompt token after the chunk when the last of those
+    is not in the chunk (else -1)."""
+
+    seq_index: int
+    num_top: int
+    num_targets: int
+    next_token_id: int
+
+
 class ModelInput(msgspec.Struct, frozen=True, tag="execute", array_like=True):
     """One step's batch, flattened: the same bytes go to every rank.
 
@@ -192,6 +205,7 @@ class ModelInput(msgspec.Struct, frozen=True, tag="execute", array_like=True):
     # Per sampled sequence, or empty when no sequence of the step has any (the fast path).
     processing: list[LogitsProcessing | None] = []
     num_logprobs: list[int] = []  # top logprobs wanted (-1: no logprobs at all)
+    prompt_logprobs: list[PromptLogprobsChunk] = []
 
 
 class StopWorker(msgspec.Struct, frozen=True, tag="stop", array_like=True):
@@ -219,6 +233,7 @@ class ModelOutput(msgspec.Struct, frozen=True, tag="sampled", array_like=True):
     step_id: int
     sampled_token_ids: list[int]
     logprobs: list[TokenLogprobs | None] = []
+    prompt_logprobs: list[list[TokenLogprobs]] = []  # one list per `ModelInput` chunk asked
 
 
 class WorkerFailure(msgspec.Struct, frozen=True, tag="worker_failure", array_like=True):

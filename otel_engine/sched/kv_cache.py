@@ -108,8 +108,8 @@ class BlockAllocator:
         """The cached blocks that hold the longest run of `request`'s first full blocks,
         leaving at least its last token to compute (so the request samples). Takes no
         reference: pass them to `can_allocate`/`allocate`."""
-        if not self.enable_prefix_caching:
-            return []
+        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
+            return []  # prompt logprobs need every prompt position computed
         hashes = update_block_hashes(request, self.block_size)
         max_blocks = (request.num_tokens - 1) // self.block_size
         matched = []

@@ -55,6 +55,8 @@ class Request:
     num_hashed_blocks: int = 0
     num_cached_tokens: int | None = None
     cache_key: bytes = b""
+    # With `prompt_logprobs`: the logprobs of prompt tokens 2..n, collected chunk by chunk.
+    prompt_logprobs: list[Any] | None = None
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | None = None
@@ -76,6 +78,7 @@ class Request:
         "num_hashed_blocks": "value",
         "num_cached_tokens": "value",
         "cache_key": "is_set",
+        "prompt_logprobs": "count",
         "num_preemptions": "value",
         "status": "value",
         "stop_reason": "is_set",

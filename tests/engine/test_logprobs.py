@@ -68,3 +68,39 @@ def test_no_logprobs_unless_asked(tiny_model_dir: str, tiny_prompts: list[list[i
         [output] = llm.generate(tiny_prompts[:1], SamplingParams(max_tokens=2))
 
     assert output.outputs[0].logprobs is None
+
+
+def hf_prompt_logprobs(model_dir: str, prompt: list[int]) -> torch.Tensor:
+    """log_softmax of transformers' float32 logits at every prompt position [len - 1, vocab]
+    (position p scores prompt token p + 1)."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([prompt]), use_cache=False).logits[0].float()
+    return torch.log_softmax(logits[:-1], dim=-1)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_prompt_logprobs_equal_transformers_in_chunks_and_skip_the_cache(
+    tiny_model_dir: str, tiny_prompts: list[list[int]], tp: int
+) -> None:
+    """A 120-token prompt prefilled in 24-token chunks (and computed once before, so the
+    prefix cache holds it): one entry per prompt token from the second on, each equal to
+    transformers' log_softmax within 1e-3, with its top 3."""
+    prompt = tiny_prompts[-1]
+    params = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=3)
+    with LLM(
+        tiny_model_dir, dtype="float32", tensor_parallel_size=tp, max_num_batched_tokens=24
+    ) as llm:
+        llm.generate([prompt], SamplingParams(max_tokens=1))  # the prompt is now cached
+        [output] = llm.generate([prompt], params)
+
+    reference = hf_prompt_logprobs(tiny_model_dir, prompt)
+    entries = output.prompt_logprobs
+    assert entries is not None
+    assert len(prompt) - 1 == len(entries)
+    for position, entry in enumerate(entries):
+        expected = reference[position]
+        assert entry.logprob == pytest.approx(float(expected[prompt[position + 1]]), abs=1e-3)
+        assert entry.top_logprobs == pytest.approx(expected.topk(3).values.tolist(), abs=1e-3)

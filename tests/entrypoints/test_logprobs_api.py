@@ -127,3 +127,47 @@ def test_out_of_range_logprobs_are_400(
         create(model=served.model, **body, **options)
 
     assert param == excinfo.value.body["param"]  # type: ignore[index]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_logprobs_scores_the_prompt(served: Served, stream: bool) -> None:
+    """The loglikelihood request of evaluation harnesses: max_tokens 1, echo, logprobs 1,
+    temperature 0. The text starts with the prompt; the prompt's first token has no
+    logprob, every other token has one; offsets index the echoed text."""
+    client = served.openai()
+    options = {"prompt": PROMPT, "max_tokens": 1, "echo": True, "logprobs": 1, "temperature": 0.0}
+    num_prompt = len(served.engine.encode(PROMPT))
+    if stream:
+        text, tokens, values, offsets = "", [], [], []
+        for chunk in client.completions.create(model=served.model, stream=True, **options):
+            for choice in chunk.choices:
+                text += choice.text
+                if choice.logprobs is not None:
+                    tokens += choice.logprobs.tokens or []
+                    values += choice.logprobs.token_logprobs or []
+                    offsets += choice.logprobs.text_offset or []
+    else:
+        choice = client.completions.create(model=served.model, **options).choices[0]
+        assert choice.logprobs is not None
+        text, tokens = choice.text, choice.logprobs.tokens or []
+        values, offsets = choice.logprobs.token_logprobs or [], choice.logprobs.text_offset or []
+
+    assert text.startswith(PROMPT)
+    assert num_prompt + 1 == len(tokens) == len(values) == len(offsets)
+    assert values[0] is None
+    assert all(v is not None and v <= 0 for v in values[1:])
+    assert offsets == sorted(offsets)
+    assert offsets[-1] == len(PROMPT)  # the generated token starts right after the prompt
+
+
+def test_echo_without_logprobs_returns_the_prompt_first(served: Served) -> None:
+    choice = (
+        served.openai()
+        .completions.create(
+            model=served.model, prompt=PROMPT, max_tokens=3, echo=True, temperature=0.0
+        )
+        .choices[0]
+    )
+
+    assert choice.text.startswith(PROMPT)
+    assert choice.logprobs is None

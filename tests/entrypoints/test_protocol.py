@@ -99,7 +99,6 @@ def test_text_content_parts_are_joined() -> None:
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("echo", True),
         ("suffix", "x"),
     ],
 )
