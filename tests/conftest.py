@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from otel_engine.ipc.process import ChildProcess, stop_all
 from tests.helpers.paths import REPO_ROOT
 from tests.helpers.tiny_model import CORPUS, write_tiny_llama
 
@@ -69,3 +71,13 @@ def tiny_prompts(tiny_model_dir: str) -> list[list[int]]:
         ids = tokenizer.encode(" ".join(texts)).ids
         prompts.append(ids[:length])
     return prompts
+
+
+@pytest.fixture
+def started() -> Iterator[list[ChildProcess]]:
+    """Child processes a test starts with `ipc.process.spawn`: killed and reaped after it."""
+    children: list[ChildProcess] = []
+    yield children
+    stop_all(children, graceful_s=0.0)
+    for child in children:
+        child.close()

@@ -329,9 +329,12 @@ class OpenAIServing:
     async def _serve(
         self, job: _Job, telemetry: RequestTelemetry, stream: bool, request: Request
     ) -> Response:
-        outputs = generate_choices(
-            self.engine.generate, job.prompt_ids, job.params, job.request_id, job.num_samples
-        )
+        if job.num_samples == 1:  # the engine's own stream, no merging layer
+            outputs = self.engine.generate(job.prompt_ids, job.params, job.request_id)
+        else:
+            outputs = generate_choices(
+                self.engine.generate, job.prompt_ids, job.params, job.request_id, job.num_samples
+            )
         watch = RequestWatch(request.receive, self.drain_expired)
         is_streaming = False
         try:

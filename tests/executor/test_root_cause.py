@@ -4,14 +4,13 @@ monitor reports it. Pure functions and real child processes; no model."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import pytest
 
 from otel_engine.errors import FailureCause
 from otel_engine.executor.executor import choose_root_cause, expects_report, worker_death
 from otel_engine.ipc.messages import ErrorInfo, WorkerFailure
-from otel_engine.ipc.process import ChildProcess, spawn, stop_all
+from otel_engine.ipc.process import ChildProcess, spawn
 from otel_engine.timing import FAILED_REPORT_WAIT_S
 
 DIED = ErrorInfo(
@@ -64,15 +63,6 @@ def test_a_report_is_awaited_only_from_a_worker_that_exited_1_without_one(
 ) -> None:
     failures = [report(rank, 1.0) for rank in reporters]
     assert expected == expects_report(DIED, code, failures, waited)
-
-
-@pytest.fixture
-def started() -> Iterator[list[ChildProcess]]:
-    children: list[ChildProcess] = []
-    yield children
-    stop_all(children, graceful_s=0.0)
-    for child in children:
-        child.close()
 
 
 def test_the_monitor_names_the_worker_that_exited_and_its_code(started: list[ChildProcess]) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import pytest
 
@@ -11,16 +10,6 @@ from otel_engine.errors import EngineStartupError
 from otel_engine.ipc.process import ChildProcess, process_title, spawn, stop_all, wait_for_death
 
 TARGETS = "tests.ipc.targets"
-
-
-@pytest.fixture
-def started() -> Iterator[list[ChildProcess]]:
-    """Children a test starts; every one is killed and reaped afterwards."""
-    children: list[ChildProcess] = []
-    yield children
-    stop_all(children, graceful_s=0.0)
-    for child in children:
-        child.close()
 
 
 def _spawn(started: list[ChildProcess], target: str, rank: int = 3) -> ChildProcess:
