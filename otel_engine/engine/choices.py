@@ -47,15 +47,8 @@ async def generate_choices(
     request_id: str,
     num_samples: int,
 ) -> AsyncIterator[RequestOutput]:
-    """`num_samples` samples of `prompt_ids`, merged (see the module docstring)."""
-    if num_samples == 1:
-        stream = generate(prompt_ids, params, request_id)
-        try:
-            async for output in stream:
-                yield output
-        finally:  # closing this closes the engine stream at once (it aborts the request)
-            await stream.aclose()  # type: ignore[attr-defined]
-        return
+    """`num_samples` (> 1) samples of `prompt_ids`, merged (see the module docstring); a
+    single sample needs no merging: read the engine's stream itself."""
     streams = [
         generate(prompt_ids, sample_params(params, i), f"{request_id}-{i}")
         for i in range(num_samples)
