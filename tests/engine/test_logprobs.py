@@ -104,3 +104,29 @@ def test_prompt_logprobs_equal_transformers_in_chunks_and_skip_the_cache(
         expected = reference[position]
         assert entry.logprob == pytest.approx(float(expected[prompt[position + 1]]), abs=1e-3)
         assert entry.top_logprobs == pytest.approx(expected.topk(3).values.tolist(), abs=1e-3)
+
+
+def test_prompt_logprobs_survive_preemption(
+    tiny_model_dir: str, tiny_prompts: list[list[int]]
+) -> None:
+    """On a cache too small for the batch, requests are preempted and recomputed from
+    position 0: each still reports every prompt position once, in order, with transformers'
+    values (a recomputed chunk adds nothing it already had)."""
+    from otel_engine.engine.core_client import InprocClient
+
+    prompts = tiny_prompts[-3:]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
+    small = {"block_size": 4, "num_kv_blocks": 40, "max_num_batched_tokens": 24}
+    with LLM(tiny_model_dir, dtype="float32", **small) as llm:
+        outputs = llm.generate(prompts, params)
+        client = llm._frontend.client
+        assert isinstance(client, InprocClient)
+        assert client.core.scheduler.num_preemptions > 0
+
+    for prompt, output in zip(prompts, outputs, strict=True):
+        reference = hf_prompt_logprobs(tiny_model_dir, prompt)
+        entries = output.prompt_logprobs
+        assert entries is not None
+        assert len(prompt) - 1 == len(entries)
+        expected = [float(reference[p][prompt[p + 1]]) for p in range(len(prompt) - 1)]
+        assert [e.logprob for e in entries] == pytest.approx(expected, abs=1e-3)
