@@ -232,9 +232,14 @@ def served_model_name(base_url: str) -> str:
 
 
 async def stream_completion(
-    client: Any, model: str, prompt: list[int], max_tokens: int
+    client: Any,
+    model: str,
+    prompt: list[int],
+    max_tokens: int,
+    options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """One streamed `/v1/completions` request: tokens, TTFT, latency and TPOT in seconds."""
+    """One streamed `/v1/completions` request (greedy, `ignore_eos`, plus `options` in the
+    body): tokens, TTFT, latency and TPOT in seconds."""
     start = time.perf_counter()
     ttft = None
     num_chunks = 0
@@ -246,7 +251,7 @@ async def stream_completion(
         temperature=0.0,
         stream=True,
         stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True},
+        extra_body={"ignore_eos": True, **(options or {})},
     )
     async for chunk in stream:
         if chunk.choices and chunk.choices[0].text:
@@ -263,10 +268,16 @@ async def stream_completion(
 
 
 async def run_concurrency(
-    base_url: str, model: str, prompts: list[list[int]], concurrency: int, max_tokens: int
+    base_url: str,
+    model: str,
+    prompts: list[list[int]],
+    concurrency: int,
+    max_tokens: int,
+    options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Send `prompts` from `concurrency` client tasks, each request after the previous one;
-    output tokens/s, TTFT median and p90, TPOT median (ms), and failed requests."""
+    """Send `prompts` from `concurrency` client tasks, each request after the previous one
+    (`options`: more body fields); output tokens/s, TTFT median and p90, TPOT median (ms),
+    and failed requests."""
     from openai import AsyncOpenAI, DefaultAsyncHttpxClient
 
     queue: asyncio.Queue[list[int]] = asyncio.Queue()
@@ -279,7 +290,7 @@ async def run_concurrency(
         while not queue.empty():
             prompt = queue.get_nowait()
             try:
-                records.append(await stream_completion(client, model, prompt, max_tokens))
+                records.append(await stream_completion(client, model, prompt, max_tokens, options))
             except Exception as error:
                 cause = error.__cause__
                 errors.append(

@@ -260,10 +260,40 @@ def overview() -> dict[str, Any]:
             ),
         ],
     )
+    structured = row(
+        "Structured output",
+        [
+            graph(
+                "Grammar compile time",
+                "Percentiles of the time to build a response_format grammar in the engine core (a "
+                "schema seen recently is cached and costs nothing). The request waits for it "
+                "before its first step. Seconds here: very large schemas, or the first "
+                "structured request of a process (its tokenizer view is built once); see "
+                "docs/operations.md (Structured output).",
+                "s",
+                percentiles("otel_engine_grammar_compile_seconds", exemplar=True),
+            ),
+            graph(
+                "Structured output without valid JSON",
+                "Structured-output choices returned without valid JSON, per second, by reason. "
+                "length: max_tokens cut the JSON (clients should raise it); stop_string: a "
+                "stop string cut it (drop stop strings with response_format); invalid: it "
+                "ended otherwise, which is a bug to report.",
+                "short",
+                [
+                    target(
+                        f"sum by (reason) (rate(otel_engine_structured_output_invalid_total"
+                        f"{{{SEL}}}{RATE}))",
+                        "{{reason}}",
+                    )
+                ],
+            ),
+        ],
+    )
     return dashboard(
         "otel-engine-overview",
         "otel-engine / Serving overview",
         "Traffic, errors, latency (with exemplars linking to traces), tokens and capacity of "
         "otel-engine. Engine internals and crashes: otel-engine / Engine & failures.",
-        [traffic, latency, capacity],
+        [traffic, latency, capacity, structured],
     )

@@ -20,6 +20,10 @@ sys.path.insert(0, str(ROOT))
 
 from otel_engine import config as engine_config  # noqa: E402
 from otel_engine.cli import ENGINE_FLAGS, build_parser  # noqa: E402
+from otel_engine.entrypoints.protocol import (  # noqa: E402
+    ChatCompletionRequest,
+    CompletionRequest,
+)
 
 DOC = ROOT / "docs" / "configuration.md"
 HEADER = """\
@@ -109,6 +113,59 @@ Internal: the main process passes its telemetry settings to the processes it spa
 `OTEL_ENGINE_OTLP_ENDPOINT`, `OTEL_ENGINE_OTLP_PROTOCOL`, `OTEL_ENGINE_OTLP_LOGS` and
 `OTEL_ENGINE_INSTANCE_ID`. They are overwritten at start; do not set them yourself.
 """
+REQUEST_HEADER = """\
+## Request fields
+
+What `POST /v1/completions` and `POST /v1/chat/completions` accept (the OpenAI API, plus
+vLLM's sampling extras). A field outside its range is a 400 naming it (`param`); OpenAI fields
+that are not supported are a 400 `unsupported_parameter`; a field the API does not know is
+ignored with a `request.ignored_fields` warning and counted
+(`otel_engine_ignored_request_fields_total`), never silently. Sampling fields a request omits
+take the model's defaults (`--generation-config`, listed by `GET /v1/models`).
+"""
+# Every field of the request models, in words (the generator fails on a field missing here).
+REQUEST_FIELDS = {
+    "model": "the served model name (`--served-model-name`); another name is a 404",
+    "prompt": "text, token ids, or a list holding exactly one of those",
+    "messages": "chat messages (`system`, `developer`, `user`, `assistant`, `tool`), text "
+    "content or text parts, rendered with the model's chat template",
+    "max_tokens": "tokens to generate at most (default: completions 16, chat the rest of the "
+    "context); prompt + max_tokens must fit the context",
+    "max_completion_tokens": "the same as `max_tokens`, and wins over it",
+    "temperature": "0 (greedy) to 2",
+    "top_p": "nucleus sampling, (0, 1]",
+    "top_k": "sample among the k most likely tokens; -1 or 0: off",
+    "min_p": "drop tokens less likely than min_p times the most likely one, [0, 1]",
+    "seed": "64-bit seed: the same request and seed give the same text in any batch",
+    "stop": "up to 16 stop strings (not included in the output)",
+    "stop_token_ids": "token ids that end the output (up to 1,024)",
+    "ignore_eos": "keep generating past the end-of-sequence token",
+    "skip_special_tokens": "leave special tokens out of the text",
+    "n": "choices to return, 1 to 16 (independent samples of one prompt)",
+    "best_of": "samples to draw (>= n, <= 16); the n of highest cumulative logprob are "
+    "returned; not with `stream`",
+    "stream": "server-sent events, one chunk per new text",
+    "stream_options": "`include_usage`: a last chunk with usage",
+    "presence_penalty": "[-2, 2], OpenAI's: minus this once a token appeared in the output",
+    "frequency_penalty": "[-2, 2], OpenAI's: minus this times the token's count in the output",
+    "repetition_penalty": "[0.01, 100], HF/vLLM's: logits of tokens seen in prompt or output "
+    "divided (positive) or multiplied (negative) by it",
+    "min_tokens": "EOS and stop token ids cannot end the output before this many tokens",
+    "logit_bias": "token id (as a string) to a bias in [-100, 100] added to its logit; -100 "
+    "bans it (up to 1,024 entries)",
+    "logprobs": "completions: 0 to 20, each token's logprob and this many alternatives; chat: "
+    "true for each token's logprob (the raw model's, before penalties and temperature)",
+    "top_logprobs": "chat, with `logprobs`: 0 to 20 alternatives per token",
+    "echo": "completions: the prompt before the completion; with `logprobs` also the "
+    "prompt's logprobs (the first token's is null)",
+    "response_format": "`{type: text}`, `{type: json_object}` (any JSON object) or `{type: "
+    "json_schema, json_schema: {name, schema}}` (JSON that validates), enforced token by token; "
+    "a schema that cannot be built is a 400 naming the problem; max_tokens can cut the JSON "
+    "(finish_reason length)",
+    "user": "accepted and ignored (an end-user id in OpenAI's API)",
+    "suffix": "not supported: 400 `unsupported_parameter`",
+    "tools": "not supported: 400 `unsupported_parameter`",
+}
 _NOT_IN_CONFIG = object()
 
 
@@ -175,6 +232,26 @@ def _command(name: str, parser: argparse.ArgumentParser) -> list[str]:
     return lines
 
 
+def _request_fields() -> list[str]:
+    completion = CompletionRequest.model_fields
+    chat = ChatCompletionRequest.model_fields
+    lines = [REQUEST_HEADER, "| field | endpoints | default | meaning |", "|---|---|---|---|"]
+    for name in dict.fromkeys([*completion, *chat]):
+        if name not in REQUEST_FIELDS:
+            raise KeyError(f"request field {name!r} has no meaning in REQUEST_FIELDS")
+        endpoints = (
+            "both"
+            if name in completion and name in chat
+            else ("completions" if name in completion else "chat")
+        )
+        field = completion.get(name) or chat[name]
+        default = "required" if field.is_required() else f"`{field.default}`"
+        if field.default is None:
+            default = ""
+        lines.append(f"| `{name}` | {endpoints} | {default} | {REQUEST_FIELDS[name]} |")
+    return [*lines, ""]
+
+
 def render() -> str:
     """The whole configuration.md text."""
     parser = build_parser()
@@ -182,6 +259,7 @@ def render() -> str:
     lines = [HEADER]
     for name, sub in commands.choices.items():
         lines += _command(name, sub)
+    lines += _request_fields()
     lines += ["## Environment variables", "", "| variable | read by | meaning |", "|---|---|---|"]
     lines += [f"| {name} | {reader} | {meaning} |" for name, reader, meaning in ENVIRONMENT]
     lines += ["", INTERNAL_ENV]

@@ -27,6 +27,30 @@ REPETITION_PENALTY_RANGE = (0.01, 100.0)
 LOGIT_BIAS_RANGE = (-100.0, 100.0)
 MAX_LOGIT_BIAS = 1024
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI bounds them
+STRUCTURED_OUTPUT_TYPES = ("json_object", "json_schema")
+MAX_SCHEMA_BYTES = 64 * 1024  # a JSON schema's text; its grammar's size is bounded by it
+
+
+class StructuredOutput(msgspec.Struct, frozen=True, array_like=True):
+    """Output constrained to JSON (`engine/structured_output.py` enforces it): any JSON
+    object (`json_object`) or a value that validates against `json_schema` (its text)."""
+
+    type: str
+    json_schema: str = ""
+
+    # The schema's text may name anything (its property names are the client's): a dump
+    # shows its size and a hash, never the text.
+    __crash_dump__: ClassVar[dict[str, str]] = {"type": "value", "json_schema": "digest"}
+
+    def validate(self) -> None:
+        if self.type not in STRUCTURED_OUTPUT_TYPES:
+            _invalid(
+                "response_format", f"response_format type must be one of {STRUCTURED_OUTPUT_TYPES}"
+            )
+        if self.type == "json_schema" and not self.json_schema:
+            _invalid("response_format", "a json_schema response_format needs a schema")
+        if len(self.json_schema.encode("utf-8", "surrogatepass")) > MAX_SCHEMA_BYTES:
+            _invalid("response_format", f"the JSON schema must be at most {MAX_SCHEMA_BYTES} bytes")
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
@@ -43,8 +67,10 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     `repetition_penalty` (HF/vLLM: a logit of a token seen in the prompt or the output is
     divided by it when positive, multiplied when negative); `frequency_penalty` and
     `presence_penalty` (OpenAI: minus the penalty times the token's count in the output, and
-    minus the penalty once it appears). After temperature, `min_p` drops tokens less likely
-    than `min_p` times the most likely one.
+    minus the penalty once it appears). Then a `structured_output` grammar bans every token
+    it does not allow next (where the bans above leave none of those, the grammar wins).
+    After temperature, `min_p` drops tokens less likely than `min_p` times the most likely
+    one.
     """
 
     max_tokens: int = 16
@@ -66,6 +92,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     # Report each prompt token's logprob (from the second on) and this many alternatives;
     # such a request computes its whole prompt (the prefix cache would skip positions).
     prompt_logprobs: int | None = None
+    structured_output: StructuredOutput | None = None  # JSON, enforced token by token
 
     # Crash dumps show limits and flags, never stop strings, stop token ids or the seed.
     __crash_dump__: ClassVar[dict[str, str]] = {
@@ -86,6 +113,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
         "logit_bias": "count",  # token ids chosen by the client: never which
         "logprobs": "value",
         "prompt_logprobs": "value",
+        "structured_output": "nested",
     }
 
     def validate(self, vocab_size: int | None = None) -> None:
@@ -105,6 +133,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             _invalid("seed", "seed must fit in 64 bits")
         self._validate_stops(vocab_size)
         self._validate_processing(vocab_size)
+        if self.structured_output is not None:
+            self.structured_output.validate()
 
     def _validate_processing(self, vocab_size: int | None) -> None:
         low, high = PENALTY_RANGE

@@ -14,6 +14,7 @@ from otel_engine.config import TimeoutConfig
 CORE_OUTPUT_POLL_S = 0.1  # the front end waits this long for a frame before checking liveness
 WORKER_RESULT_POLL_S = 0.05  # the core waits this long for a worker result between checks
 CORE_IDLE_POLL_S = 0.2  # an idle engine core checks its workers' health this often
+GRAMMAR_POLL_S = 0.002  # an idle engine core building a grammar checks it this often
 WATCHDOG_POLL_MAX_S = 0.5  # the step watchdog looks at least this often (or timeout / 4)
 FAILURE_GRACE_S = 0.3  # after one rank fails, other ranks' reports are collected this long
 FAILED_REPORT_WAIT_S = 1.5  # a rank that exited with code 1 reported first: wait for it

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from otel_engine.engine.structured_output import RequestGrammar, fill_bitmasks
 from otel_engine.ipc.messages import LogitsProcessing, ModelInput, PromptLogprobsChunk
 from otel_engine.sched.request import Request
 from otel_engine.sched.scheduler import ScheduledChunk
@@ -25,6 +26,8 @@ def prepare_model_input(
     num_logprobs: list[int] = []
     any_processing = any_logprobs = False
     prompt_logprobs: list[PromptLogprobsChunk] = []
+    grammar_rows: list[int] = []
+    grammars: list[RequestGrammar] = []
     num_decodes = 0
     for index, chunk in enumerate(chunks):
         request = chunk.request
@@ -59,6 +62,9 @@ def prepare_model_input(
             wanted = -1 if params.logprobs is None else params.logprobs
             any_logprobs |= wanted >= 0
             num_logprobs.append(wanted)
+            if request.grammar is not None:
+                grammar_rows.append(len(sample_indices) - 1)
+                grammars.append(request.grammar)
     return ModelInput(
         step_id=step_id,
         input_ids=input_ids,
@@ -78,6 +84,8 @@ def prepare_model_input(
         processing=processing if any_processing else [],
         num_logprobs=num_logprobs if any_logprobs else [],
         prompt_logprobs=prompt_logprobs,
+        grammar_rows=grammar_rows,
+        grammar_bitmask=fill_bitmasks(grammars) if grammars else b"",
     )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator
+from concurrent import futures
 from contextlib import contextmanager
 from typing import Any
 
@@ -17,6 +18,7 @@ from opentelemetry import trace
 
 from otel_engine.config import EngineConfig
 from otel_engine.engine.batch import prepare_model_input
+from otel_engine.engine.structured_output import GrammarCompiler, RequestGrammar
 from otel_engine.engine.validation import check_request
 from otel_engine.errors import RequestError
 from otel_engine.executor.executor import Executor, failure_info, how_it_failed
@@ -50,7 +52,12 @@ class EngineCore:
     """Owns the scheduler and the executor; `step()` runs one batch."""
 
     def __init__(
-        self, config: EngineConfig, arch: ModelArch, limits: EngineLimits, executor: Executor
+        self,
+        config: EngineConfig,
+        arch: ModelArch,
+        limits: EngineLimits,
+        executor: Executor,
+        model_dir: str = "",
     ) -> None:
         self.config = config
         self.arch = arch
@@ -67,6 +74,9 @@ class EngineCore:
             max_model_len=self.limits.max_model_len,
         )
         self.executor = executor
+        # Structured-output requests wait here, outside the scheduler, for their grammar.
+        self.grammars = GrammarCompiler(model_dir, arch.vocab_size, arch.eos_token_ids)
+        self.compiling: dict[str, tuple[Request, futures.Future[RequestGrammar]]] = {}
         self.started_at = time.monotonic()
         self.last_step_at = self.started_at
         self.step_started_at: float | None = None  # read by the step watchdog thread
@@ -92,7 +102,10 @@ class EngineCore:
         """Queue a request; one the engine can never run is refused on its own, with the
         reason, and nothing else is affected."""
         try:
-            if message.request_id in self.scheduler.requests:
+            if (
+                message.request_id in self.scheduler.requests
+                or message.request_id in self.compiling
+            ):
                 raise RequestError("request id is already in flight", code="duplicate_request")
             check_request(
                 message.prompt_token_ids,
@@ -106,18 +119,66 @@ class EngineCore:
             )
             rejected = RequestRejected(error.code, error.message, error.param)
             return RequestUpdate(message.request_id, [], finish_reason="abort", rejected=rejected)
-        self.scheduler.add(
-            Request(
-                request_id=message.request_id,
-                prompt_token_ids=message.prompt_token_ids,
-                sampling_params=message.sampling_params,
-                eos_token_ids=self.eos_token_ids,
-                arrival_time=message.arrival_time,
-                trace_link=link_from(message.trace_context) if self.is_tracing else None,
-                prompt_logprobs=[] if message.sampling_params.prompt_logprobs is not None else None,
-            )
+        request = Request(
+            request_id=message.request_id,
+            prompt_token_ids=message.prompt_token_ids,
+            sampling_params=message.sampling_params,
+            eos_token_ids=self.eos_token_ids,
+            arrival_time=message.arrival_time,
+            trace_link=link_from(message.trace_context) if self.is_tracing else None,
+            prompt_logprobs=[] if message.sampling_params.prompt_logprobs is not None else None,
         )
+        structured = message.sampling_params.structured_output
+        if structured is None:
+            self.scheduler.add(request)
+        else:
+            self.compiling[request.request_id] = (request, self.grammars.submit(structured))
         return None
+
+    @property
+    def is_compiling(self) -> bool:
+        return bool(self.compiling)
+
+    def has_compiled(self) -> bool:
+        return any(future.done() for _, future in self.compiling.values())
+
+    def wait_compiled(self, timeout_s: float) -> None:
+        """Block until a grammar is ready (or `timeout_s`): an engine with nothing else to
+        do waits here instead of spinning."""
+        if self.compiling:
+            pending = [future for _, future in self.compiling.values()]
+            futures.wait(pending, timeout=timeout_s, return_when=futures.FIRST_COMPLETED)
+
+    def admit_compiled(self) -> list[RequestUpdate]:
+        """Schedule the requests whose grammar is ready; refuse those whose grammar cannot
+        be built (their updates, to send)."""
+        refused: list[RequestUpdate] = []
+        if not self.compiling:
+            return refused
+        for request_id, (request, future) in list(self.compiling.items()):
+            if not future.done():
+                continue
+            del self.compiling[request_id]
+            try:
+                request.grammar = future.result()
+            except RequestError as error:
+                rejected = RequestRejected(error.code, error.message, error.param)
+                refused.append(RequestUpdate(request_id, [], "abort", rejected=rejected))
+                continue
+            except Exception as exc:  # llguidance failed: this request only
+                logger.warning(
+                    "structured_output.compile_failed",
+                    extra={"request_id": request_id, "error_type": type(exc).__name__},
+                )
+                rejected = RequestRejected(
+                    "request_failed",
+                    f"structured output could not be set up: {type(exc).__name__}",
+                    is_server_error=True,
+                )
+                refused.append(RequestUpdate(request_id, [], "abort", rejected=rejected))
+                continue
+            self.scheduler.add(request)
+        return refused
 
     def handle(self, message: CoreRequest) -> RequestUpdate | None:
         """Apply one message from the front end (not `Shutdown`, the shell's business);
@@ -127,6 +188,8 @@ class EngineCore:
             return self.add_request(message)
         if isinstance(message, AbortRequests):
             scheduler.abort(message.request_ids)
+            for request_id in message.request_ids:
+                self.compiling.pop(request_id, None)
         elif isinstance(message, PauseRequests):
             scheduler.pause(message.request_ids)
         elif isinstance(message, ResumeRequests):
@@ -150,6 +213,7 @@ class EngineCore:
             kv_cache_cached_blocks=scheduler.allocator.num_cached_blocks,
             prefix_cache_queries=queried,
             prefix_cache_hits=hit,
+            grammar_compile_s=self.grammars.take_compile_times(),
             **step,
         )
 
@@ -275,6 +339,7 @@ class EngineCore:
             logger.exception("engine_crash_dump.failed")
 
     def shutdown(self, *, graceful: bool = True) -> None:
+        self.grammars.shutdown()
         self.executor.shutdown(graceful=graceful)
 
 
@@ -287,6 +352,8 @@ def _logprobs_by_request(output: SchedulerOutput, result: ModelOutput) -> dict[s
 
 
 def _update(request: Request, logprobs: TokenLogprobs | None = None) -> RequestUpdate:
+    if request.grammar is not None and request.grammar.error is not None:
+        return _grammar_failed(request)
     queue_time = num_cached = prompt_logprobs = None
     if request.num_output_tokens == 1:
         num_cached = request.num_cached_tokens
@@ -304,3 +371,18 @@ def _update(request: Request, logprobs: TokenLogprobs | None = None) -> RequestU
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
     )
+
+
+def _grammar_failed(request: Request) -> RequestUpdate:
+    """A request whose output can no longer follow its grammar fails on its own (500)."""
+    logger.warning(
+        "structured_output.failed",
+        extra={"request_id": request.request_id, "num_output_tokens": request.num_output_tokens},
+    )
+    rejected = RequestRejected(
+        "structured_output_failed",
+        "the output could not follow the response_format grammar",
+        "response_format",
+        is_server_error=True,
+    )
+    return RequestUpdate(request.request_id, [], "abort", rejected=rejected)

@@ -43,6 +43,8 @@ from otel_engine.timing import CORE_OUTPUT_POLL_S
 
 logger = logging.getLogger(__name__)
 
+SEND_RETRY_MS = 50  # a full input queue to a live core: wait this long for room, then look again
+
 
 class _StepThread:
     """Thread `engine-step`: builds and steps the in-process engine core, so that the caller
@@ -127,11 +129,15 @@ class InprocClient:
         """Run one step; a failure in it becomes `EngineDead`, as in the process shell."""
         if self._death is not None:
             return self._death
+        core = self.core
+        refused = core.admit_compiled()
+        if refused:
+            self._pending.append(core.state_outputs(refused))
         if self._pending:
             return self._pending.pop()
-        if not self.core.has_work:
+        if not core.has_work:
+            core.wait_compiled(CORE_OUTPUT_POLL_S)  # a structured request's grammar
             return None
-        core = self.core
         timeout = core.config.timeouts.step_timeout
         try:
             output: StepOutputs = self._steps.call(core.step, timeout)
@@ -207,12 +213,25 @@ class MPClient:
         )
 
     def add_request(self, message: AddRequest) -> None:
-        if self._death is not None or self._stopping:
+        if self._death is not None or self._stopping or not self._push(message):
             raise EngineDeadError(
                 "the engine is not running",
                 cause_type=self._death.type if self._death else FailureCause.ENGINE_SHUTDOWN,
             )
-        self._inputs.send(self._encoder.encode(message))
+
+    def _push(self, message: CoreRequest) -> bool:
+        """Send `message` to the core; False when the core is gone. A PUSH socket whose
+        peer died blocks a plain send forever (the core-monitor thread may not have seen the
+        death yet), so the send never blocks and waits for room only while the core lives."""
+        data = self._encoder.encode(message)
+        while True:
+            try:
+                self._inputs.send(data, flags=zmq.NOBLOCK)
+                return True
+            except zmq.Again:
+                if self._death is not None or not self.core.is_alive():
+                    return False
+                self._inputs.poll(SEND_RETRY_MS, zmq.POLLOUT)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids:
@@ -226,7 +245,7 @@ class MPClient:
 
     def _send(self, message: CoreRequest) -> None:
         if self._death is None and not self._stopping:
-            self._inputs.send(self._encoder.encode(message))
+            self._push(message)  # a core that is gone has nothing to abort, pause or resume
 
     def get_output(self, timeout_s: float = CORE_OUTPUT_POLL_S) -> CoreOutput | None:
         """The next output, an `EngineDead` if the core process is gone, or None on timeout.

@@ -33,7 +33,13 @@ from otel_engine.model.limits import resolve_limits
 from otel_engine.model.loader import load_model_arch
 from otel_engine.observability.faults import maybe_inject
 from otel_engine.observability.tracing import shutdown_telemetry
-from otel_engine.timing import CORE_IDLE_POLL_S, CRASH_FLUSH_S, THREAD_JOIN_S, watchdog_poll_s
+from otel_engine.timing import (
+    CORE_IDLE_POLL_S,
+    CRASH_FLUSH_S,
+    GRAMMAR_POLL_S,
+    THREAD_JOIN_S,
+    watchdog_poll_s,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +51,8 @@ def build_engine_core(config: EngineConfig, model_dir: str, ipc_dir: IpcDir) -> 
     arch = load_model_arch(model_dir)
     limits = resolve_limits(config, arch)
     maybe_inject("engine_core", phase="load")
-    return EngineCore(config, arch, limits, make_executor(config, model_dir, ipc_dir))
+    executor = make_executor(config, model_dir, ipc_dir)
+    return EngineCore(config, arch, limits, executor, model_dir)
 
 
 def run_engine_core(
@@ -143,9 +150,9 @@ def _busy_loop(
     executor = core.executor
     while True:
         if not core.has_work:
-            while not inputs.poll(int(CORE_IDLE_POLL_S * 1000)):
+            while not core.has_compiled() and not inputs.poll(_idle_poll_ms(core)):
                 executor.check_health()
-        refused = []
+        refused = core.admit_compiled()
         is_changed = False
         while inputs.poll(0):
             message = decoder.decode(inputs.recv(copy=False).buffer)
@@ -160,3 +167,9 @@ def _busy_loop(
             outputs.send(encoder.encode(core.state_outputs(refused)))
         if core.has_work:
             outputs.send(encoder.encode(core.step()))
+
+
+def _idle_poll_ms(core: EngineCore) -> int:
+    """How long an idle core waits for input: briefly while a grammar is being built (its
+    request starts when it is ready)."""
+    return int((GRAMMAR_POLL_S if core.is_compiling else CORE_IDLE_POLL_S) * 1000)

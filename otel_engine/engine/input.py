@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from otel_engine.engine import structured_output
 from otel_engine.engine.validation import check_request
 from otel_engine.errors import RequestError
 from otel_engine.sampling_params import SamplingParams
@@ -40,4 +41,6 @@ class InputProcessor:
         check_request(
             token_ids, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len
         )
+        if params.structured_output is not None:  # cached: the HTTP server checked it already
+            structured_output.check(params.structured_output)
         return token_ids

@@ -154,7 +154,11 @@ class OutputProcessor:
             if update.rejected is not None:
                 del self.states[state.request_id]
                 rejected = update.rejected
-                error = RequestError(rejected.message, code=rejected.code, param=rejected.param)
+                error: OtelEngineError
+                if rejected.is_server_error:
+                    error = RequestFailedError(rejected.message, code=rejected.code)
+                else:
+                    error = RequestError(rejected.message, code=rejected.code, param=rejected.param)
                 processed.failures.append((state.request_id, error))
                 continue
             try:

@@ -16,8 +16,10 @@ from typing import Annotated, Literal, cast
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
-from otel_engine.entrypoints.errors import APIError, bad_request
-from otel_engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from otel_engine.engine.structured_output import from_response_format
+from otel_engine.entrypoints.errors import APIError, bad_request, from_request_error
+from otel_engine.errors import RequestError
+from otel_engine.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutput
 
 MAX_CHOICES = 16  # n and best_of
 
@@ -84,6 +86,7 @@ class _SamplingFields(_Strict):
     min_p: float = 0.0
     min_tokens: Int = 0
     logit_bias: dict[Text, float] | None = None
+    response_format: dict[str, object] | None = None
     user: Text | None = None
 
     def check_supported(self) -> None:
@@ -155,7 +158,15 @@ class _SamplingFields(_Strict):
             logit_bias=self.token_logit_bias(),
             logprobs=self.requested_logprobs(),
             prompt_logprobs=self.requested_prompt_logprobs(),
+            structured_output=self.structured_output(),
         )
+
+    def structured_output(self) -> StructuredOutput | None:
+        """`response_format` as the engine's spec (None: text); 400 for a malformed one."""
+        try:
+            return from_response_format(self.response_format)
+        except RequestError as error:
+            raise from_request_error(error) from None
 
 
 class CompletionRequest(_SamplingFields):
@@ -235,7 +246,6 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: Int | None = None
     tools: list[dict[str, object]] | None = None
-    response_format: dict[str, object] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -251,8 +261,6 @@ class ChatCompletionRequest(_SamplingFields):
             )
         if self.tools:
             raise unsupported("tools", "tools are not supported")
-        if self.response_format and self.response_format.get("type") != "text":
-            raise unsupported("response_format", "only the text response_format is supported")
 
     def requested_logprobs(self) -> int | None:
         if not self.logprobs:

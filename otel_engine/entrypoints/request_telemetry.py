@@ -94,6 +94,7 @@ class RequestTelemetry:
                 "gen_ai.request.top_k": params.top_k,
                 "gen_ai.response.id": request_id,
                 "gen_ai.response.model": response_model,
+                "gen_ai.output.type": "text" if params.structured_output is None else "json",
                 "gen_ai.usage.input_tokens": num_prompt_tokens,
                 "otel_engine.request.stream": is_stream,
             }

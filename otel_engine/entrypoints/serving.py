@@ -24,6 +24,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from otel_engine.engine import structured_output
 from otel_engine.engine.choices import generate_choices
 from otel_engine.entrypoints.connections import CLIENT_STALLED_KEY
 from otel_engine.entrypoints.errors import (
@@ -33,6 +34,7 @@ from otel_engine.entrypoints.errors import (
     bad_request,
     draining,
     from_engine_error,
+    from_request_error,
     internal_error,
     is_server_error,
 )
@@ -160,6 +162,7 @@ class OpenAIServing:
             default_cap=DEFAULT_COMPLETION_MAX_TOKENS,
             prompt_param="prompt",
         )
+        await self._check_grammar(job.params)
         if body.echo and isinstance(prompt, str):
             job.echo = prompt
         elif body.echo:
@@ -175,6 +178,7 @@ class OpenAIServing:
         job = self._admit(
             body, prompt_ids, prefix="chatcmpl", default_cap=None, prompt_param="messages"
         )
+        await self._check_grammar(job.params)
         return await self._run(job, body.stream, request, text)
 
     async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
@@ -222,6 +226,15 @@ class OpenAIServing:
                     "num_fields": len(ignored),
                 },
             )
+
+    async def _check_grammar(self, params: SamplingParams) -> None:
+        """A `response_format` schema llguidance cannot build is a 400 naming the problem
+        (checked in the tokenizer thread: a large schema takes milliseconds)."""
+        if params.structured_output is not None:
+            try:
+                await self._off_loop(structured_output.check, params.structured_output)
+            except RequestError as error:
+                raise from_request_error(error) from None
 
     def _check_chars(self, num_chars: int, param: str) -> None:
         """Refuse text that cannot fit the context before spending any work on it."""
@@ -378,6 +391,7 @@ class OpenAIServing:
         for index, completion in enumerate(samples):
             reason = completion.finish_reason or "stop"
             reasons.append(reason)
+            self._count_invalid_json(job, completion)
             logprobs = echoed = None
             if job.echo is not None:
                 echoed = self._echo(job, index, final)
@@ -464,11 +478,22 @@ class OpenAIServing:
         if reason is not None:
             job.finished.add(index)
             reasons[index] = reason
+            self._count_invalid_json(job, completion)
         elif not completion.delta_text:
             return None
         text = completion.delta_text
         delta = ({"content": text} if text else {}) if job.is_chat else text
         return self._chunk(job, delta, reason, index, self._pending_logprobs(job, index))
+
+    def _count_invalid_json(self, job: _Job, completion: CompletionOutput) -> None:
+        """A structured-output choice that ends without valid JSON is counted, by why."""
+        if job.params.structured_output is None:
+            return
+        reason = structured_output.invalid_json_reason(
+            completion.text, completion.finish_reason, completion.stop_reason
+        )
+        if reason is not None:
+            self.metrics.on_structured_output_invalid(reason)
 
     def _ended_early(self, telemetry: RequestTelemetry, job: _Job, request: Request) -> None:
         """A stream that stopped without an outcome: the drain deadline or the client."""

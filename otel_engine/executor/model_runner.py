@@ -114,6 +114,8 @@ class ModelRunner:
             step.seeds,
             step.output_positions,
             step.processing,
+            step.grammar_rows,
+            step.grammar_bitmask,
         )
         logprobs = logprobs_of(logits, tokens, step.num_logprobs) if step.num_logprobs else []
         return ModelOutput(step.step_id, tokens, logprobs, prompt_logprobs)

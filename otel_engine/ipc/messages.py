@@ -89,12 +89,14 @@ CoreRequest = AddRequest | AbortRequests | PauseRequests | ResumeRequests | Shut
 
 
 class RequestRejected(msgspec.Struct, frozen=True, array_like=True):
-    """Why the engine core refused one request (the client's fault: HTTP 400). The rest of
-    the engine is not affected."""
+    """Why the engine core refused one request (the client's fault: HTTP 400), or, with
+    `is_server_error`, could not go on with it (HTTP 500, e.g. its output could no longer
+    follow its grammar). The rest of the engine is not affected."""
 
     code: str
     message: str
     param: str | None = None
+    is_server_error: bool = False
 
 
 class RequestUpdate(msgspec.Struct, frozen=True, array_like=True):
@@ -133,6 +135,7 @@ class StepOutputs(msgspec.Struct, frozen=True, tag="outputs", array_like=True):
     num_scheduled_seqs: int = 0
     num_scheduled_tokens: int = 0
     step_duration_s: float = 0.0
+    grammar_compile_s: list[float] = []  # structured-output grammars built since the last frame
 
 
 class EngineDead(msgspec.Struct, frozen=True, tag="dead", array_like=True):
@@ -206,6 +209,11 @@ class ModelInput(msgspec.Struct, frozen=True, tag="execute", array_like=True):
     processing: list[LogitsProcessing | None] = []
     num_logprobs: list[int] = []  # top logprobs wanted (-1: no logprobs at all)
     prompt_logprobs: list[PromptLogprobsChunk] = []
+    # Structured output: the sampled rows (indexes into `sample_indices`) that follow a
+    # grammar, and their next-token masks, one row of int32 words each (bit b of word w
+    # allows token 32 w + b; `engine/structured_output.fill_bitmasks`).
+    grammar_rows: list[int] = []
+    grammar_bitmask: bytes = b""
 
 
 class StopWorker(msgspec.Struct, frozen=True, tag="stop", array_like=True):

@@ -15,11 +15,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from otel_engine.ipc.messages import LogitsProcessing, TokenLogprobs
 
 _SEED_MIX = 0x9E3779B97F4A7C15
+# What a grammar adds to the logit of a token it does not allow: far below any real logit
+# (even divided by the largest temperature), and exp() of it minus the row's maximum is 0.
+GRAMMAR_BAN = -1e30
 _MASK63 = (1 << 63) - 1
 
 
@@ -41,9 +45,14 @@ class Sampler:
         seeds: list[int | None],
         output_positions: list[int],
         processing: list[LogitsProcessing | None] | None = None,
+        grammar_rows: list[int] | None = None,
+        grammar_bitmask: bytes = b"",
     ) -> list[int]:
+        raw = logits
         if processing:
             logits = process_logits(logits, processing)
+        if grammar_rows:
+            logits = apply_grammar(logits, raw, grammar_rows, grammar_bitmask)
         greedy = logits.max(dim=-1).indices  # the first maximum, like argmax, but faster
         if all(t == 0.0 for t in temperatures):
             return greedy.tolist()
@@ -114,6 +123,40 @@ def process_logits(logits: torch.Tensor, processing: list[LogitsProcessing | Non
         sub -= frequency.unsqueeze(1) * counts + presence.unsqueeze(1) * (counts > 0)
     out = logits.float().clone()
     out[rows] = sub
+    return out
+
+
+def apply_grammar(
+    logits: torch.Tensor, raw: torch.Tensor, rows: list[int], bitmask: bytes
+) -> torch.Tensor:
+    """Ban, in each row of `rows`, every token its grammar's mask does not allow (one row
+    of int32 words per grammar row: bit b of word w allows token 32 w + b) by adding
+    `GRAMMAR_BAN` to its logit: exp() of it is exactly 0, so it is never sampled, and adding
+    is 5x faster than masked_fill here. Where the processing before (bans, biases) left none
+    of the allowed tokens, the row is `raw` masked instead: the grammar wins, and a row never
+    ends with nothing to sample."""
+    device = logits.device
+    vocab = logits.shape[-1]
+    # Little-endian int32 words: byte k of a row holds tokens 8k..8k+7, lowest bit first.
+    bits = np.unpackbits(np.frombuffer(bitmask, dtype=np.uint8), bitorder="little")
+    ban = torch.from_numpy(bits).view(len(rows), -1).to(device=device, dtype=torch.float32)
+    if ban.shape[1] < vocab:
+        ban = torch.nn.functional.pad(ban, (0, vocab - ban.shape[1]))
+    ban = ban[:, :vocab].sub_(1.0).mul_(-GRAMMAR_BAN)  # allowed: 0, else GRAMMAR_BAN
+    if len(rows) == logits.shape[0]:  # every row (rows are distinct and in order)
+        masked = logits.float() + ban
+    else:
+        index = torch.tensor(rows, dtype=torch.long, device=device)
+        masked = logits.index_select(0, index).float().add_(ban)
+    if logits is not raw:  # raw logits are finite: only processing can ban every allowed token
+        empty = masked.max(dim=-1).values < GRAMMAR_BAN / 2
+        if bool(empty.any()):
+            fallback = (raw.float() if len(rows) == raw.shape[0] else raw[index].float()) + ban
+            masked = torch.where(empty.unsqueeze(1), fallback, masked)
+    if len(rows) == logits.shape[0]:
+        return masked
+    out = logits.float().clone() if logits is raw else logits
+    out[index] = masked
     return out
 
 

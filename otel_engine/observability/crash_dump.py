@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import enum
 import functools
+import hashlib
 import json
 import math
 import os
@@ -31,7 +32,8 @@ MAX_LIST_ITEMS = 256  # block ids and other lists of safe numbers are cut here
 VALUE = "value"  # a number, bool, enum or identifier: dumped as is
 COUNT = "count"  # a sequence: only its length
 IS_SET = "is_set"  # only whether it holds something
-NESTED = "nested"  # another object with its own policy
+NESTED = "nested"  # another object with its own policy (None stays None)
+DIGEST = "digest"  # text: its size in bytes and a short SHA-256, never the text
 
 Rule = str | Callable[[Any], Any]
 
@@ -69,7 +71,10 @@ def _apply(rule: Rule, value: Any) -> Any:
     if rule == IS_SET:
         return bool(value) if not isinstance(value, (int, float)) else True
     if rule == NESTED:
-        return dump_object(value)
+        return None if value is None else dump_object(value)
+    if rule == DIGEST:
+        data = str(value).encode("utf-8", "surrogatepass")
+        return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()[:16]}
     raise ValueError(f"unknown dump rule {rule!r}")
 
 

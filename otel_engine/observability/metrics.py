@@ -107,7 +107,12 @@ STEP_DURATION_BUCKETS = (
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 STEP_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
+# a structured-output grammar built in the engine core (a cached one costs nothing)
+GRAMMAR_COMPILE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+
 FINISH_REASONS = ("stop", "length", "abort")
+# why a structured-output choice was returned without valid JSON (engine/structured_output.py)
+INVALID_JSON_REASONS = ("length", "stop_string", "invalid")
 # stalled: work is pending and no step finished within --step-timeout (/health answers 503)
 HEALTH_STATES = ("starting", "healthy", "draining", "stalled", "dead")
 # why the server closed an HTTP connection (entrypoints/connections.py)
@@ -121,7 +126,7 @@ class StepStats(Protocol):
     """What `on_step` reads (`StepOutputs` has these). Optional extras, read when present:
     `step_id` (0: no step ran), `num_paused`, `kv_cache_cached_blocks`,
     `prefix_cache_queries`, `prefix_cache_hits`, `step_duration_s`, `num_scheduled_seqs`,
-    `num_scheduled_tokens`."""
+    `num_scheduled_tokens`, `grammar_compile_s`."""
 
     num_running: int
     num_waiting: int
@@ -278,6 +283,19 @@ class EngineMetrics:
             "Request body fields the API does not know, ignored (logged: request.ignored_fields).",
             registry=r,
         )
+        self.grammar_compile = Histogram(
+            "otel_engine_grammar_compile_seconds",
+            "Time to build a structured-output grammar in the engine core (cache misses).",
+            buckets=GRAMMAR_COMPILE_BUCKETS,
+            registry=r,
+        )
+        self.structured_output_invalid = Counter(
+            "otel_engine_structured_output_invalid",
+            "Structured-output choices returned without valid JSON, by reason: length "
+            "(max_tokens cut it), stop_string (a stop string cut it), invalid (a bug).",
+            ["reason"],
+            registry=r,
+        )
         self.frontend_requests = Gauge(
             "otel_engine_frontend_requests",
             "Requests with state in the api_server; above 0 with no traffic is a leak.",
@@ -304,14 +322,23 @@ class EngineMetrics:
         }
         self._health = {state: self.health_state.labels(state) for state in HEALTH_STATES}
         self._closed = {r: self.connections_closed.labels(r) for r in CONNECTION_CLOSE_REASONS}
+        self._invalid_json = {
+            r: self.structured_output_invalid.labels(r) for r in INVALID_JSON_REASONS
+        }
         self.set_health("starting")
 
     def on_ignored_fields(self, num_fields: int) -> None:
         self.ignored_request_fields.inc(num_fields)
 
+    def on_structured_output_invalid(self, reason: str) -> None:
+        """A structured-output choice returned without valid JSON (INVALID_JSON_REASONS)."""
+        self._invalid_json[reason].inc()
+
     def on_step(self, stats: StepStats) -> None:
         """Scheduler state after one engine step, and that step's cost (step_id 0: the
         state changed between steps; there is no cost to record)."""
+        for seconds in getattr(stats, "grammar_compile_s", ()):
+            self.grammar_compile.observe(seconds)
         self.requests_running.set(stats.num_running)
         self.requests_waiting.set(stats.num_waiting)
         self.requests_paused.set(getattr(stats, "num_paused", 0))

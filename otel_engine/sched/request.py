@@ -5,9 +5,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from otel_engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from otel_engine.engine.structured_output import RequestGrammar
 
 
 class RequestStatus(enum.IntEnum):
@@ -62,6 +65,8 @@ class Request:
     stop_reason: int | None = None
     first_scheduled_time: float | None = None
     trace_link: Any = None  # an OpenTelemetry Link to the request's span, when tracing
+    # With `structured_output`: its position in the grammar (engine/structured_output.py).
+    grammar: RequestGrammar | None = None
 
     # What a crash dump may show (observability/crash_dump.py): never token ids or text.
     # A field missing here is left out of dumps and listed by name until it is decided.
@@ -84,6 +89,7 @@ class Request:
         "stop_reason": "is_set",
         "first_scheduled_time": "value",
         "trace_link": "is_set",
+        "grammar": "is_set",
     }
 
     @property
@@ -108,10 +114,14 @@ class Request:
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
 
     def append_token(self, token_id: int) -> None:
-        """Record a sampled token and finish the request if it hit a stop condition."""
+        """Record a sampled token and finish the request if it hit a stop condition (its
+        grammar, if any, complete, or refusing the token: then `grammar.error` says why)."""
         self.output_token_ids.append(token_id)
         params = self.sampling_params
-        if token_id in params.stop_token_ids:
+        grammar = self.grammar
+        if grammar is not None and (grammar.accept(token_id) or grammar.error is not None):
+            self.status = RequestStatus.FINISHED_STOPPED
+        elif token_id in params.stop_token_ids:
             self.status = RequestStatus.FINISHED_STOPPED
             self.stop_reason = token_id
         elif not params.ignore_eos and token_id in self.eos_token_ids:

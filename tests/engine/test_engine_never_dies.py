@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from otel_engine import LLM, SamplingParams
 from otel_engine.engine.core_client import InprocClient
 from otel_engine.ipc.messages import AddRequest, EngineDead, StepOutputs
+from otel_engine.sampling_params import StructuredOutput
 
 VOCAB = 768  # tests/helpers/tiny_model.py
 CONTEXT = 512
@@ -40,8 +41,24 @@ valid_request = st.tuples(
         seed=st.one_of(st.none(), st.sampled_from([-INT64, INT64 - 1, 0]), st.integers()),
         stop_token_ids=st.lists(valid_token, max_size=3).map(tuple),
         ignore_eos=st.booleans(),
+        min_tokens=st.sampled_from([0, 0, 1]),
+        structured_output=st.one_of(
+            st.none(),
+            st.none(),
+            st.sampled_from(
+                [StructuredOutput("json_object"), StructuredOutput("json_schema", '{"enum":[7]}')]
+            ),
+        ),
     ).filter(lambda p: p.seed is None or -INT64 <= p.seed < INT64),
 )
+BAD_STRUCTURED = [
+    StructuredOutput("xml"),
+    StructuredOutput("json_schema"),
+    StructuredOutput("json_schema", "not json"),
+    StructuredOutput("json_schema", '{"type": "objekt"}'),
+    StructuredOutput("json_schema", '{"type": "string", "pattern": "(("}'),
+    StructuredOutput("json_schema", '{"enum": ["' + "x" * 70_000 + '"]}'),
+]
 # Values no front end lets through: the core must refuse them, never die of them.
 bad_floats = st.sampled_from([-1.0, 2.5, float("nan"), float("inf"), -float("inf")])
 bad_token = st.sampled_from([-1, VOCAB, INT64 - 1, -INT64, 2**70])
@@ -56,6 +73,7 @@ invalid_request = st.one_of(
             st.builds(SamplingParams, seed=st.sampled_from([INT64, -INT64 - 1, 2**80])),
             st.builds(SamplingParams, max_tokens=st.sampled_from([0, -1, CONTEXT, 10**12])),
             st.builds(SamplingParams, stop_token_ids=st.lists(bad_token, min_size=1).map(tuple)),
+            st.builds(SamplingParams, structured_output=st.sampled_from(BAD_STRUCTURED)),
         ),
     ),
 )
@@ -93,6 +111,8 @@ def test_no_batch_kills_the_engine(
         if len(ended) == len(ids):
             break
         output = client.get_output()
+        if output is None:  # nothing to step: a grammar is being built
+            continue
         assert not isinstance(output, EngineDead), output
         assert isinstance(output, StepOutputs)
         for update in output.updates:
@@ -102,6 +122,7 @@ def test_no_batch_kills_the_engine(
                 ended[update.request_id] = update.finish_reason
 
     assert set(ids) == set(ended)
+    assert not client.core.compiling
     scheduler = client.core.scheduler
     assert not scheduler.has_unfinished
     assert scheduler.allocator.num_blocks == scheduler.allocator.num_free_blocks

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from otel_engine import LLM, SamplingParams
+from otel_engine.ipc.messages import TokenLogprobs
 
 pytestmark = pytest.mark.slow  # starts engines
 
@@ -130,3 +131,24 @@ def test_prompt_logprobs_survive_preemption(
         assert len(prompt) - 1 == len(entries)
         expected = [float(reference[p][prompt[p + 1]]) for p in range(len(prompt) - 1)]
         assert [e.logprob for e in entries] == pytest.approx(expected, abs=1e-3)
+
+
+def test_chat_bytes_are_each_tokens_own_bytes(tiny_model_dir: str) -> None:
+    """Characters split across tokens (é, 🌍, 世界 in a byte-level BPE): each token's `bytes`
+    are its own, so that they join into the text's UTF-8, where each token decoded alone
+    shows U+FFFD; special tokens are their text."""
+    from transformers import AutoTokenizer
+
+    from otel_engine.entrypoints.logprobs import LogprobsFormatter
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    text = "héllo 🌍 naïve 世界<|im_end|>"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    entries = [TokenLogprobs(-1.0, [t], [-1.0]) for t in ids]
+
+    content = LogprobsFormatter(tokenizer).chat(ids, entries)["content"]
+
+    assert any("\ufffd" in entry["token"] for entry in content)  # the case this is about
+    assert b"".join(bytes(entry["bytes"]) for entry in content) == text.encode()
+    for entry in content:
+        assert entry["top_logprobs"][0]["bytes"] == entry["bytes"]

@@ -28,6 +28,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from otel_engine.config import EngineConfig
 from otel_engine.engine.batch import prepare_model_input
+from otel_engine.engine.structured_output import from_response_format
 from otel_engine.observability import crash_dump
 from otel_engine.observability.crash_dump import (
     MAX_DUMP_BYTES,
@@ -168,6 +169,28 @@ def test_logit_bias_is_dumped_as_a_count_and_penalties_as_values() -> None:
     assert 3 == dump["min_tokens"]
     assert numbers_in(dump).isdisjoint(CANARY_IDS)
     assert "unlisted_fields" not in dump
+
+
+def test_a_json_schema_is_dumped_as_its_size_and_a_hash() -> None:
+    """A response_format schema names the client's fields (here the canary, as a property
+    name): a dump shows its type, byte size and a short hash, never its text; a request's
+    grammar only as whether it has one."""
+    schema = {"type": "object", "properties": {CANARY: {"type": "integer"}}}
+    spec = from_response_format(
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    )
+    request = make_request(sampling_params=SamplingParams(structured_output=spec))
+    request.grammar = object()  # type: ignore[assignment]
+
+    dump = dump_object(request)
+    part = dump["sampling_params"]["structured_output"]
+
+    assert part["type"] == "json_schema"
+    assert part["json_schema"]["bytes"] == len(spec.json_schema.encode())  # type: ignore[union-attr]
+    assert len(part["json_schema"]["sha256"]) == 16
+    assert dump["grammar"] is True
+    assert CANARY not in to_json(dump)
+    assert dump_object(SamplingParams())["structured_output"] is None
 
 
 def test_field_added_to_a_dataclass_is_left_out_and_named() -> None:

@@ -11,8 +11,8 @@ Two servers run side by side (one module fixture, so the file stays fast on two 
   long one is in flight when rank 1 raises; the engine dies and the server exits 1 after
   flushing.
 
-Prompts and stop strings carry canary strings that must appear in no output, except in the
-`request.prompt` log lines that `--log-prompts` asks for.
+Prompts, stop strings and a `response_format` schema carry canary strings that must appear
+in no output, except in the `request.prompt` log lines that `--log-prompts` asks for.
 """
 
 from __future__ import annotations
@@ -40,6 +40,18 @@ pytestmark = pytest.mark.slow  # starts servers or engine processes
 MODEL = "tiny"
 CANARY = "zq9-SERVE-CANARY-71c3"
 STOP_CANARY = "zq9-STOP-CANARY-2d8e"
+SCHEMA_CANARY = "zq9-SCHEMA-CANARY-5a0f"  # a property name of a response_format schema
+SCHEMA_FORMAT = {
+    "type": "json_schema",
+    "json_schema": {
+        "name": "canary",
+        "schema": {
+            "type": "object",
+            "properties": {SCHEMA_CANARY: {"type": "string"}},
+            "required": [SCHEMA_CANARY],
+        },
+    },
+}
 FAULT_STEP = 24  # the first request needs 4 steps; the long one is in flight at this step
 PROTOCOLS = {"grpc": "grpc", "http": "http/protobuf"}
 TRACE_IDS = {"grpc": "4bf92f3577b34da6a3ce929d0e0e4736", "http": "5ce0e9a56015fec5aadfa328ae398115"}
@@ -135,6 +147,7 @@ def _drive_grpc(run: Run) -> None:
             "messages": [{"role": "user", "content": f"Say {CANARY} back"}],
             "max_tokens": 5,
             "stop": STOP_CANARY,
+            "response_format": SCHEMA_FORMAT,
             "stream": True,
             "stream_options": {"include_usage": True},
         }
@@ -162,7 +175,7 @@ def _drive_http(run: Run) -> None:
         run.receiver.wait_for(_all_step_spans_exported, timeout=15)
         run.responses["crash"] = client.post(
             "/v1/completions",
-            json=_completion(300, ignore_eos=True),
+            json=_completion(300, ignore_eos=True, response_format=SCHEMA_FORMAT),
             headers=_headers("7" * 32),
         )
 
@@ -254,6 +267,7 @@ def test_genai_span_carries_the_sampling_parameters(runs: dict[str, Run]) -> Non
         "gen_ai.request.top_p": 0.9,
         "gen_ai.request.top_k": 20,
         "gen_ai.request.seed": 1234,
+        "gen_ai.output.type": "text",
     }.items() <= attributes.items()
 
 
@@ -277,6 +291,7 @@ def test_streamed_chat_gets_a_chat_span(runs: dict[str, Run]) -> None:
 
     assert span["attributes"]["gen_ai.operation.name"] == "chat"
     assert span["attributes"]["otel_engine.request.stream"] is True
+    assert span["attributes"]["gen_ai.output.type"] == "json"  # its response_format
     assert (
         f'"completion_tokens":{span["attributes"]["gen_ai.usage.output_tokens"]}'
         in (usage_chunk[-1])
@@ -424,7 +439,7 @@ def test_every_sample_names_the_served_model(runs: dict[str, Run]) -> None:
 
 
 def test_canary_appears_in_no_log_otlp_payload_or_metrics(runs: dict[str, Run]) -> None:
-    """Prompt and stop-string canaries are in none of: log output (but the `request.prompt`
+    """Prompt, stop-string and schema canaries are in none of: log output (but the `request.prompt`
     lines of `--log-prompts`), raw OTLP bytes, /metrics."""
     for run in runs.values():
         log = [line for line in run.server.lines() if '"event": "request.prompt"' not in line]
@@ -434,7 +449,7 @@ def test_canary_appears_in_no_log_otlp_payload_or_metrics(runs: dict[str, Run]) 
             **{f"otlp-{s}": b"".join(raw) for s, raw in run.receiver.raw.items()},
         }
         for where, data in outputs.items():
-            for canary in (CANARY, STOP_CANARY):
+            for canary in (CANARY, STOP_CANARY, SCHEMA_CANARY):
                 assert canary.encode() not in data, f"{canary} in {run.protocol} {where}"
             for block_hash in _prefix_block_hashes():  # a dictionary attack away from the ids
                 for form in (block_hash, block_hash.hex().encode(), base64.b64encode(block_hash)):

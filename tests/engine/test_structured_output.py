@@ -1,0 +1,357 @@
+"""Structured output: specs from `response_format`, schema errors, the grammar mask on the
+sampling rank, and JSON that validates from the engine (tiny model, batched, preempted)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import jsonschema
+import pytest
+import torch
+
+from otel_engine import LLM, SamplingParams
+from otel_engine.engine import structured_output
+from otel_engine.engine.structured_output import (
+    check,
+    fill_bitmasks,
+    from_response_format,
+    invalid_json_reason,
+)
+from otel_engine.errors import RequestError
+from otel_engine.ipc.messages import LogitsProcessing
+from otel_engine.model.loader import load_model_arch
+from otel_engine.model.sampler import GRAMMAR_BAN, Sampler, apply_grammar, process_logits
+from otel_engine.sampling_params import MAX_SCHEMA_BYTES, StructuredOutput
+from otel_engine.sched.request import Request, RequestStatus
+
+# Every value bounded (strings, numbers, arrays), so that even a random model must close it.
+BOUNDED = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "kind": {"enum": ["fox", "dog", "cat"]},
+        "count": {"type": "integer", "minimum": 0, "maximum": 99},
+        "ok": {"type": "boolean"},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 5}, "maxItems": 3},
+        "where": {
+            "type": "object",
+            "properties": {"x": {"type": "integer", "minimum": -9, "maximum": 9}},
+            "required": ["x"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["name", "kind", "count", "ok", "tags", "where"],
+    "additionalProperties": False,
+}
+
+
+def compiler_for(model_dir: str) -> structured_output.GrammarCompiler:
+    arch = load_model_arch(model_dir)
+    return structured_output.GrammarCompiler(model_dir, arch.vocab_size, arch.eos_token_ids)
+
+
+def schema_format(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": {"name": "thing", "schema": schema}}
+
+
+# ---- Specs and schema errors ------------------------------------------------------------
+
+
+def test_response_formats_become_specs() -> None:
+    assert from_response_format(None) is None
+    assert from_response_format({"type": "text"}) is None
+    assert from_response_format({"type": "json_object"}) == StructuredOutput("json_object")
+    spec = from_response_format(schema_format({"type": "object", "b": 1, "a": 2}))
+    assert spec == StructuredOutput("json_schema", '{"a":2,"b":1,"type":"object"}')
+
+
+@pytest.mark.parametrize(
+    ("response_format", "words"),
+    [
+        ({"type": "xml"}, "type must be"),
+        ({"type": "json_schema"}, "json_schema must be an object"),
+        ({"type": "json_schema", "json_schema": "{}"}, "json_schema must be an object"),
+        ({"type": "json_schema", "json_schema": {"schema": [1]}}, "must be a JSON object"),
+        (schema_format({"enum": ["x" * MAX_SCHEMA_BYTES]}), "at most"),
+    ],
+)
+def test_malformed_response_formats_name_the_param(
+    response_format: dict[str, Any], words: str
+) -> None:
+    with pytest.raises(RequestError, match=words) as raised:
+        from_response_format(response_format)
+    assert raised.value.param == "response_format"
+    assert raised.value.code == "invalid_value"
+
+
+@pytest.mark.parametrize(
+    ("schema", "words"),
+    [
+        ({"type": "objekt"}, "objekt"),
+        ({"type": "string", "pattern": "(("}, "unclosed group"),
+        ({"$ref": "#/$defs/missing"}, "missing"),
+        ({"type": "string", "minLength": "x"}, "minLength"),
+    ],
+)
+def test_invalid_schemas_are_refused_naming_the_problem(schema: dict[str, Any], words: str) -> None:
+    spec = from_response_format(schema_format(schema))
+    assert spec is not None
+    with pytest.raises(RequestError, match=words) as raised:
+        check(spec)
+    assert raised.value.param == "response_format"
+
+
+def test_valid_schemas_pass_the_check() -> None:
+    for spec in (StructuredOutput("json_object"), from_response_format(schema_format(BOUNDED))):
+        assert spec is not None
+        check(spec)
+
+
+def test_invalid_json_reasons() -> None:
+    assert invalid_json_reason('{"a": 1}', "stop", None) is None
+    assert invalid_json_reason('{"a": ', "length", None) == "length"
+    assert invalid_json_reason('{"a": ', "stop", "END") == "stop_string"
+    assert invalid_json_reason('{"a": ', "stop", None) == "invalid"
+
+
+# ---- The mask on the sampling rank -------------------------------------------------------
+
+
+def _bitmask(allowed: torch.Tensor) -> bytes:
+    """Pack a [rows, vocab] bool mask as llguidance does (bit b of word w: token 32 w + b)."""
+    rows, vocab = allowed.shape
+    padded = torch.zeros(rows, (vocab + 31) // 32 * 32, dtype=torch.int64)
+    padded[:, :vocab] = allowed.long()
+    weights = (1 << torch.arange(32, dtype=torch.int64)).unsqueeze(0).unsqueeze(0)
+    words = (padded.view(rows, -1, 32) * weights).sum(-1)
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    return words.numpy().tobytes()
+
+
+def test_apply_grammar_bans_exactly_the_tokens_outside_each_mask() -> None:
+    generator = torch.Generator().manual_seed(0)
+    vocab = 100  # not a multiple of 32: the last word is partly padding
+    logits = torch.randn(4, vocab, generator=generator)
+    allowed = torch.rand(2, vocab, generator=generator) < 0.3
+    rows = [1, 3]
+
+    out = apply_grammar(logits, logits, rows, _bitmask(allowed))
+
+    assert torch.equal(out[[0, 2]], logits[[0, 2]])  # rows without a grammar: untouched
+    for position, row in enumerate(rows):
+        mask = allowed[position]
+        assert torch.equal(out[row][mask], logits[row][mask])
+        assert bool((out[row][~mask] <= GRAMMAR_BAN / 2).all())
+        for temperature in (2.0, 1e-5):  # banned tokens have probability exactly 0
+            assert not bool(torch.softmax(out[row] / temperature, -1)[~mask].any())
+    masks = allowed[[1, 0, 0, 1]]  # every row with a grammar: rows 1 and 3 as above
+    every = apply_grammar(logits, logits, [0, 1, 2, 3], _bitmask(masks))
+    assert torch.equal(every[[1, 3]], out[[1, 3]])
+    assert torch.equal(every[0][masks[0]], logits[0][masks[0]])
+
+
+def test_the_grammar_wins_when_bans_leave_none_of_its_tokens() -> None:
+    """min_tokens bans EOS; a grammar that allows only EOS still gets it sampled."""
+    vocab, eos = 64, 7
+    raw = torch.randn(1, vocab)
+    processed = process_logits(raw, [LogitsProcessing(banned_token_ids=[eos])])
+    only_eos = torch.zeros(1, vocab, dtype=torch.bool)
+    only_eos[0, eos] = True
+    sampler = Sampler(torch.device("cpu"))
+
+    tokens = sampler(
+        raw,
+        [0.0],
+        [1.0],
+        [0],
+        [None],
+        [0],
+        [LogitsProcessing(banned_token_ids=[eos])],
+        [0],
+        _bitmask(only_eos),
+    )
+
+    assert torch.isneginf(processed[0, eos])
+    assert tokens == [eos]
+
+
+def test_masks_from_llguidance_allow_what_the_grammar_allows(tiny_model_dir: str) -> None:
+    """The words llguidance fills decode, bit by bit, to the tokens that keep the JSON
+    valid: after `{"kind":` only the enum's strings can start."""
+    compiler = compiler_for(tiny_model_dir)
+    spec = from_response_format(
+        schema_format(
+            {
+                "type": "object",
+                "properties": {"kind": {"enum": ["fox", "dog"]}},
+                "required": ["kind"],
+                "additionalProperties": False,
+            }
+        )
+    )
+    assert spec is not None
+    grammar = compiler.submit(spec).result(timeout=60)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    for token in tokenizer.encode('{"kind":', add_special_tokens=False):
+        assert not grammar.accept(token)
+    words = torch.frombuffer(bytearray(fill_bitmasks([grammar])), dtype=torch.int32)
+    allowed = [t for t in range(len(tokenizer)) if (int(words[t // 32]) >> (t % 32)) & 1]
+
+    assert allowed
+    for token in allowed:
+        text = tokenizer.decode([token])
+        assert (
+            text.strip() == ""
+            or '"fox"'.startswith(text.strip())
+            or '"dog"'.startswith(text.strip())
+        ), text
+    compiler.shutdown()
+
+
+def test_a_request_finishes_when_its_grammar_is_complete_or_refuses_a_token(
+    tiny_model_dir: str,
+) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    compiler = compiler_for(tiny_model_dir)
+    spec = StructuredOutput("json_object")
+
+    def request() -> Request:
+        params = SamplingParams(max_tokens=100, structured_output=spec)
+        made = Request("r", [1, 2], params, frozenset({0}))
+        made.grammar = compiler.submit(spec).result(timeout=60)
+        return made
+
+    complete = request()
+    for token in tokenizer.encode('{"a": 1}', add_special_tokens=False):
+        assert complete.status == RequestStatus.WAITING
+        complete.append_token(token)
+    assert complete.status == RequestStatus.FINISHED_STOPPED
+    assert complete.grammar is not None
+    assert complete.grammar.error is None
+
+    refused = request()
+    refused.append_token(tokenizer.encode("x", add_special_tokens=False)[0])  # not JSON's start
+    assert refused.status == RequestStatus.FINISHED_STOPPED
+    assert refused.grammar is not None
+    assert refused.grammar.error
+    compiler.shutdown()
+
+
+def test_schemas_compile_once_then_come_from_the_cache(tiny_model_dir: str) -> None:
+    compiler = compiler_for(tiny_model_dir)
+    spec = from_response_format(schema_format(BOUNDED))
+    assert spec is not None
+    grammars = [compiler.submit(spec).result(timeout=60) for _ in range(5)]
+
+    assert len(compiler.take_compile_times()) == 1
+    assert len({id(g.matcher) for g in grammars}) == 5  # each request its own position
+    bad = from_response_format(schema_format({"type": "string", "pattern": "(("}))
+    assert bad is not None
+    with pytest.raises(RequestError, match="unclosed group"):
+        compiler.submit(bad).result(timeout=60)
+    compiler.shutdown()
+
+
+# ---- Through the engine (tiny random model: only the grammar makes it write JSON) --------
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir: str) -> Iterator[LLM]:
+    # A KV cache too small for the batch: requests are preempted and recomputed mid-JSON.
+    with LLM(tiny_model_dir, dtype="float32", num_kv_blocks=24, max_num_batched_tokens=64) as e:
+        yield e
+
+
+def _structured(spec_format: dict[str, Any], **options: Any) -> SamplingParams:
+    return SamplingParams(structured_output=from_response_format(spec_format), **options)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_batched_preempted_outputs_validate(
+    llm: LLM, tiny_prompts: list[list[int]], temperature: float
+) -> None:
+    """Eight prompts at once, chunked and preempted: every output is JSON that validates."""
+    params = _structured(schema_format(BOUNDED), max_tokens=250, temperature=temperature, seed=5)
+    outputs = llm.generate(tiny_prompts[:8], params)
+
+    for output in outputs:
+        completion = output.outputs[0]
+        assert completion.finish_reason == "stop", completion.text
+        jsonschema.validate(json.loads(completion.text), BOUNDED)
+    assert llm._frontend.client.core.scheduler.num_preemptions > 0  # type: ignore[attr-defined]
+
+
+@pytest.mark.slow
+def test_json_object_is_an_object_and_plain_requests_are_unaffected(
+    llm: LLM, tiny_prompts: list[list[int]]
+) -> None:
+    plain = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    alone = llm.generate(tiny_prompts[:2], plain)
+    mixed = llm.generate(
+        tiny_prompts[:3],
+        [plain, plain, _structured({"type": "json_object"}, max_tokens=250, temperature=0.0)],
+    )
+
+    assert [o.outputs[0].token_ids for o in mixed[:2]] == [o.outputs[0].token_ids for o in alone]
+    completion = mixed[2].outputs[0]
+    if completion.finish_reason == "stop":
+        assert isinstance(json.loads(completion.text), dict)
+    else:  # a random model may nest objects until max_tokens: still a valid prefix
+        assert completion.text.lstrip().startswith("{")
+
+
+@pytest.mark.slow
+def test_a_grammar_cut_by_max_tokens_finishes_with_length(
+    llm: LLM, tiny_prompts: list[list[int]]
+) -> None:
+    params = _structured(schema_format(BOUNDED), max_tokens=5, temperature=0.0)
+    [output] = llm.generate(tiny_prompts[:1], params)
+
+    assert output.outputs[0].finish_reason == "length"
+    assert invalid_json_reason(output.outputs[0].text, "length", None) == "length"
+
+
+@pytest.mark.slow
+def test_min_tokens_and_bans_never_break_the_grammar(
+    llm: LLM, tiny_prompts: list[list[int]]
+) -> None:
+    """min_tokens bans EOS while the grammar may allow only EOS; every token still follows
+    the grammar (and the engine keeps serving)."""
+    schema = {"enum": ["fox"]}
+    params = _structured(schema_format(schema), max_tokens=20, min_tokens=10, temperature=0.0)
+    [output] = llm.generate(tiny_prompts[:1], params)
+
+    assert json.loads(output.outputs[0].text) == "fox"
+    assert output.outputs[0].finish_reason == "stop"
+
+
+@pytest.mark.slow
+def test_invalid_schema_is_refused_before_it_runs(llm: LLM, tiny_prompts: list[list[int]]) -> None:
+    bad = schema_format({"type": "string", "pattern": "(("})
+    with pytest.raises(RequestError, match="unclosed group"):
+        llm.generate(tiny_prompts[:1], _structured(bad, max_tokens=8))
+    [ok] = llm.generate(tiny_prompts[:1], SamplingParams(max_tokens=3, temperature=0.0))
+    assert len(ok.outputs[0].token_ids) == 3
+
+
+@pytest.mark.slow
+def test_tensor_parallel_writes_the_same_json(
+    llm: LLM, tiny_model_dir: str, tiny_prompts: list[list[int]]
+) -> None:
+    """At TP=2 the mask is applied on the sampling rank: greedy JSON is token for token the
+    TP=1 JSON (float32)."""
+    params = _structured(schema_format(BOUNDED), max_tokens=250, temperature=0.0)
+    one = llm.generate(tiny_prompts[:4], params)
+    with LLM(tiny_model_dir, dtype="float32", tensor_parallel_size=2) as tp2:
+        two = tp2.generate(tiny_prompts[:4], params)
+
+    assert [o.outputs[0].token_ids for o in two] == [o.outputs[0].token_ids for o in one]
+    for output in two:
+        jsonschema.validate(json.loads(output.outputs[0].text), BOUNDED)

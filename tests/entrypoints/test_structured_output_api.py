@@ -1,0 +1,228 @@
+"""`response_format` over HTTP with the official client: JSON that validates on both
+endpoints, streamed or not, with n > 1; clear 400s for bad schemas; the compile histogram
+and the invalid-JSON counter. The tiny random model writes JSON only because of the grammar."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import jsonschema
+import openai
+import pytest
+
+from tests.engine.test_structured_output import BOUNDED, schema_format
+from tests.entrypoints.conftest import Served, ServerLoop
+
+pytestmark = pytest.mark.slow  # starts engine processes
+
+MESSAGES = [{"role": "user", "content": "Describe a fox as JSON."}]
+
+
+def _schema(tag: str) -> dict[str, Any]:
+    """BOUNDED under a property name of its own: a schema no other test compiled."""
+    return {**BOUNDED, "properties": {**BOUNDED["properties"], tag: {"type": "boolean"}}}
+
+
+def test_chat_json_schema_validates_with_n(served: Served) -> None:
+    schema = _schema("chat_n")
+    chat = served.openai().chat.completions.create(
+        model=served.model,
+        messages=MESSAGES,  # type: ignore[arg-type]
+        max_tokens=250,
+        n=2,
+        seed=3,
+        temperature=1.0,
+        response_format=schema_format(schema),  # type: ignore[arg-type]
+    )
+
+    assert len(chat.choices) == 2
+    for choice in chat.choices:
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.message.content or ""), schema)
+
+
+def test_streamed_completion_json_schema_validates(served: Served) -> None:
+    stream = served.openai().completions.create(
+        model=served.model,
+        prompt="A fox:",
+        max_tokens=250,
+        temperature=0.0,
+        stream=True,
+        extra_body={"response_format": schema_format(BOUNDED)},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(text), BOUNDED)
+
+
+def test_json_object_on_chat_is_an_object(served: Served) -> None:
+    chat = served.openai().chat.completions.create(
+        model=served.model,
+        messages=MESSAGES,  # type: ignore[arg-type]
+        max_tokens=200,
+        temperature=0.0,
+        response_format={"type": "json_object"},
+    )
+    content = chat.choices[0].message.content or ""
+
+    assert content.lstrip().startswith("{")
+    if chat.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(content), dict)
+
+
+@pytest.mark.parametrize(
+    ("response_format", "words"),
+    [
+        (schema_format({"type": "string", "pattern": "(("}), "unclosed group"),
+        (schema_format({"type": "objekt"}), "objekt"),
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": "{}"}}, "JSON object"),
+        ({"type": "json_schema", "json_schema": 7}, "must be an object"),
+        ({"type": "grammar"}, "type must be"),
+    ],
+)
+def test_bad_response_formats_are_400_naming_the_problem(
+    served: Served, response_format: dict[str, Any], words: str
+) -> None:
+    client = served.openai()
+    for create in (
+        lambda: client.chat.completions.create(
+            model=served.model,
+            messages=MESSAGES,  # type: ignore[arg-type]
+            max_tokens=4,
+            response_format=response_format,  # type: ignore[arg-type]
+        ),
+        lambda: client.completions.create(
+            model=served.model,
+            prompt="hi",
+            max_tokens=4,
+            extra_body={"response_format": response_format},
+        ),
+    ):
+        with pytest.raises(openai.BadRequestError) as excinfo:
+            create()
+        error = excinfo.value.body
+        assert isinstance(error, dict)
+        assert error["param"] == "response_format"
+        assert words in error["message"]
+
+
+def test_grammars_compile_once_per_schema_and_are_timed(served: Served) -> None:
+    schema = _schema("compile_once")
+    before = served.metric("otel_engine_grammar_compile_seconds_count")
+    for _ in range(3):
+        served.openai().completions.create(
+            model=served.model,
+            prompt="hi",
+            max_tokens=250,
+            temperature=0.0,
+            extra_body={"response_format": schema_format(schema)},
+        )
+
+    assert served.metric("otel_engine_grammar_compile_seconds_count") - before == 1
+
+
+def test_output_cut_by_max_tokens_is_length_and_counted(served: Served) -> None:
+    def cut() -> float:
+        return served.metric("otel_engine_structured_output_invalid_total", reason="length")
+
+    before = cut()
+    completion = served.openai().completions.create(
+        model=served.model,
+        prompt="hi",
+        max_tokens=4,
+        extra_body={"response_format": schema_format(BOUNDED)},
+    )
+
+    assert completion.choices[0].finish_reason == "length"
+    assert cut() - before == 1
+
+
+# ---- The default model (SmolLM2-135M-Instruct): what a user sees --------------------------
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 40},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"enum": ["engineer", "doctor", "teacher", "artist"]},
+        "skills": {
+            "type": "array",
+            "items": {"type": "string", "maxLength": 30},
+            "minItems": 1,
+            "maxItems": 4,
+        },
+        "address": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 40},
+                "country": {"type": "string", "maxLength": 40},
+            },
+            "required": ["city", "country"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["name", "age", "role", "skills", "address"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def default_served(server_loop: ServerLoop) -> Iterator[Served]:
+    from otel_engine import AsyncLLM
+    from otel_engine.entrypoints.api_server import make_server
+
+    engine = AsyncLLM(max_num_seqs=32)
+    server = make_server(engine, drain_timeout=5)
+    yield Served(server_loop.start(server), engine, server)
+    server_loop.stop(server)
+    engine.shutdown()
+
+
+def test_default_model_answers_twenty_schema_requests_with_valid_json(
+    default_served: Served,
+) -> None:
+    """20 concurrent chat requests with a schema of nested objects, arrays and enums, at
+    the model's default sampling: every answer validates."""
+
+    client = default_served.async_openai()
+
+    async def ask(index: int) -> tuple[str | None, str]:
+        chat = await client.chat.completions.create(
+            model=default_served.model,
+            messages=[{"role": "user", "content": f"Invent person number {index} as JSON."}],
+            max_tokens=300,
+            seed=index,
+            response_format=schema_format(PERSON),  # type: ignore[arg-type]
+        )
+        return chat.choices[0].finish_reason, chat.choices[0].message.content or ""
+
+    async def ask_all() -> list[tuple[str | None, str]]:
+        return await asyncio.gather(*(ask(i) for i in range(20)))
+
+    answers = asyncio.run(ask_all())
+
+    for finish_reason, content in answers:
+        assert finish_reason == "stop", content
+        jsonschema.validate(json.loads(content), PERSON)
+
+
+def test_default_model_json_object_parses(default_served: Served) -> None:
+    chat = default_served.openai().chat.completions.create(
+        model=default_served.model,
+        messages=[
+            {
+                "role": "user",
+                "content": "Give a JSON object with the keys city and country for Paris.",
+            }
+        ],
+        max_tokens=100,
+        response_format={"type": "json_object"},
+    )
+
+    assert chat.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(chat.choices[0].message.content or ""), dict)
