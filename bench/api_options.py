@@ -19,9 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
-import signal
 import sys
 from typing import Any
 
@@ -33,6 +30,9 @@ from common import (
     random_prompts,
     run_concurrency,
     served_model_name,
+    server_parser,
+    start_benchmark,
+    write_json,
 )
 
 SEED = 2718
@@ -56,15 +56,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", help="HF directory or .gguf file (default: the default model)")
-    parser.add_argument("--dtype", default="bfloat16")
+    parser = server_parser(__doc__)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--repeat", type=int, default=2)
-    parser.add_argument("--startup-timeout", type=float, default=600.0)
-    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     return parser.parse_args(argv)
 
 
@@ -125,16 +121,10 @@ def print_summary(results: dict[str, Any], args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `finally` stops the server
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from otel_engine.model.loader import load_model_arch, prepare_model_dir
-
-    vocab = load_model_arch(prepare_model_dir(args.model)).vocab_size
+    vocab = start_benchmark(args.model)
     results = run(args, vocab)
     print_summary(results, args)
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as file:
-            json.dump(results, file, indent=2)
+    write_json(args.json, results)
     return 0
 
 

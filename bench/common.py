@@ -9,9 +9,13 @@ still alive, and reports how the shutdown went.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
+import json
+import os
 import random
+import signal
 import subprocess
 import sys
 import threading
@@ -30,6 +34,33 @@ from tests.helpers.procs import free_port, is_alive
 __all__ = ["free_port", "is_alive"]  # re-exported for the benchmarks
 
 FIRST_ORDINARY_TOKEN_ID = 1000  # keeps random prompts clear of special and byte tokens
+
+
+def server_parser(doc: str) -> argparse.ArgumentParser:
+    """A benchmark's command line with the flags every server benchmark takes: `--model`,
+    `--dtype`, `--startup-timeout`, `--json`."""
+    parser = argparse.ArgumentParser(description=doc.split("\n", maxsplit=1)[0])
+    parser.add_argument("--model", help="HF directory or .gguf file (default: the default model)")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--startup-timeout", type=float, default=600.0)
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    return parser
+
+
+def start_benchmark(model: str | None) -> int:
+    """Process set-up of a server benchmark: SIGTERM runs the `finally` that stops the
+    server, nothing is downloaded; returns the model's vocabulary size."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from otel_engine.model.loader import load_model_arch, prepare_model_dir
+
+    return load_model_arch(prepare_model_dir(model)).vocab_size
+
+
+def write_json(path: str | None, results: Any) -> None:
+    if path:
+        with open(path, "w", encoding="utf-8") as file:
+            json.dump(results, file, indent=2)
 
 
 def random_prompts(num: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:

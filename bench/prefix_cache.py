@@ -17,10 +17,7 @@ Then the server's prefix cache counters from /metrics. Prints numbers only; asse
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import random
-import signal
 import sys
 import time
 from typing import Any
@@ -33,6 +30,9 @@ from common import (
     print_table,
     random_prompts,
     served_model_name,
+    server_parser,
+    start_benchmark,
+    write_json,
 )
 
 SEED = 4321
@@ -67,14 +67,10 @@ WORDS = [
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", help="HF directory or .gguf file (default: the default model)")
-    parser.add_argument("--dtype", default="bfloat16")
+    parser = server_parser(__doc__)
     parser.add_argument("--prefix-len", type=int, default=1500)
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--reply-tokens", type=int, default=48)
-    parser.add_argument("--startup-timeout", type=float, default=600.0)
-    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     return parser.parse_args(argv)
 
 
@@ -210,16 +206,10 @@ def print_summary(results: dict[str, dict[str, Any]], args: argparse.Namespace) 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `finally` stops the server
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from otel_engine.model.loader import load_model_arch, prepare_model_dir
-
-    vocab = load_model_arch(prepare_model_dir(args.model)).vocab_size
+    vocab = start_benchmark(args.model)
     results = {"on": run_server(args, True, vocab), "off": run_server(args, False, vocab)}
     print_summary(results, args)
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as file:
-            json.dump(results, file, indent=2)
+    write_json(args.json, results)
     return 0
 
 
