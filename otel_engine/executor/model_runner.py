@@ -14,8 +14,8 @@ from otel_engine.config import EngineConfig
 from otel_engine.ipc.messages import ModelInput, ModelOutput, PromptLogprobsChunk, TokenLogprobs
 from otel_engine.model.attention import AttentionMetadata
 from otel_engine.model.limits import dtype_name, resolve_limits
-from otel_engine.model.llama import LlamaModel
 from otel_engine.model.loader import iter_int4, iter_weights, load_model_arch
+from otel_engine.model.registry import model_class
 from otel_engine.model.sampler import Sampler, logprobs_of
 
 logger = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ class ModelRunner:
         )
         self.dtype = _DTYPES[dtype_name(config, self.arch)]
         self.block_size = config.cache.block_size
-        self.model = LlamaModel(
+        self.model = model_class(self.arch)(
             self.arch,
             dtype=self.dtype,
             device=self.device,

@@ -1,4 +1,5 @@
-"""Small building blocks of a Llama decoder: RMSNorm and rotary position embeddings."""
+"""Small building blocks of the decoders: RMSNorm and rotary position embeddings (plain,
+Llama 3, linear and LongRoPE scaling)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,29 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
     return torch.where(is_medium, smoothed, scaled)
 
 
+def _longrope_freqs(
+    positions: torch.Tensor, bases: torch.Tensor, scaling: dict[str, Any]
+) -> tuple[torch.Tensor, float]:
+    """LongRoPE (Phi-3 long-context): frequencies divided by `short_factor` for positions
+    inside the pretrained context and by `long_factor` beyond it, and cos/sin scaled by
+    sqrt(1 + ln(factor) / ln(original context)). HF transformers switches a whole sequence
+    to the long factors once it grows past the original context, keys already computed
+    included; a paged cache keeps those keys, so here each position keeps the factors of
+    its own range (the same as HF for every sequence within the original context)."""
+    original = int(scaling["original_max_position_embeddings"])
+    factor = scaling.get("factor") or scaling["max_position_embeddings"] / original
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = (
+            1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        )
+    short = 1.0 / (torch.tensor(scaling["short_factor"], dtype=torch.float64) * bases)
+    long = 1.0 / (torch.tensor(scaling["long_factor"], dtype=torch.float64) * bases)
+    inside = (positions < original).unsqueeze(1)
+    freqs = torch.where(inside, torch.outer(positions, short), torch.outer(positions, long))
+    return freqs, float(attention_factor)
+
+
 class RotaryEmbedding:
     """Precomputed cos/sin tables indexed by position (HF rotate_half layout)."""
 
@@ -44,17 +68,22 @@ class RotaryEmbedding:
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim
+        inv_freq = 1.0 / (theta**exponents)
         attention_factor = 1.0
-        kind = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
-        if kind == "llama3":
-            inv_freq = _llama3_inv_freq(inv_freq, scaling or {})
-        elif kind == "linear":
-            inv_freq = inv_freq / float((scaling or {})["factor"])
-        elif kind not in (None, "default"):
-            raise ValueError(f"unsupported rope scaling type {kind!r}")
+        scaling = scaling or {}
+        kind = scaling.get("rope_type", scaling.get("type"))
         positions = torch.arange(max_positions, dtype=torch.float64)
-        freqs = torch.outer(positions, inv_freq)
+        if kind == "longrope":
+            freqs, attention_factor = _longrope_freqs(positions, theta**exponents, scaling)
+        else:
+            if kind == "llama3":
+                inv_freq = _llama3_inv_freq(inv_freq, scaling)
+            elif kind == "linear":
+                inv_freq = inv_freq / float(scaling["factor"])
+            elif kind not in (None, "default"):
+                raise ValueError(f"unsupported rope scaling type {kind!r}")
+            freqs = torch.outer(positions, inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
         self.cos = (emb.cos() * attention_factor).to(dtype=dtype, device=device)
         self.sin = (emb.sin() * attention_factor).to(dtype=dtype, device=device)

@@ -29,6 +29,8 @@ def check_tensor_parallel(arch: ModelArch, tp_size: int) -> None:
         problems.append(f"{arch.num_key_value_heads} key/value heads")
     if arch.intermediate_size % tp_size:
         problems.append(f"an MLP size of {arch.intermediate_size}")
+    if arch.num_experts and arch.moe_intermediate_size % tp_size:
+        problems.append(f"an expert MLP size of {arch.moe_intermediate_size}")
     if problems:
         raise ValueError(
             f"--tensor-parallel-size {tp_size} does not divide the model's "
@@ -59,5 +61,9 @@ def resolve_limits(config: EngineConfig, arch: ModelArch) -> EngineLimits:
             f"--max-model-len {max_len} exceeds the model's "
             f"max_position_embeddings {arch.max_position_embeddings}"
         )
+    if arch.sliding_window and max_len > arch.sliding_window:
+        # Attention here sees the whole context; within the window that is what the model
+        # computes, beyond it it is not: the context stops at the window.
+        max_len = arch.sliding_window
     max_len = min(max_len, num_blocks * block_size)
     return EngineLimits(num_kv_blocks=num_blocks, max_model_len=max_len)

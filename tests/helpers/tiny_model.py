@@ -163,14 +163,82 @@ def write_tiny_llama(
     return str(out)
 
 
+# Each family's tiny shape, from its real transformers config class: GQA, and a head_dim
+# other than hidden / heads where the family has the field.
+FAMILY_CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"intermediate_size": 128, "head_dim": 32}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"intermediate_size": 128}),
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        {"intermediate_size": 64, "num_local_experts": 4, "num_experts_per_tok": 2},
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        {
+            "num_hidden_layers": 3,
+            "intermediate_size": 128,
+            "moe_intermediate_size": 32,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "norm_topk_prob": True,
+            "mlp_only_layers": [1],  # one dense layer among the sparse ones
+            "head_dim": 32,
+        },
+    ),
+}
+
+
+def write_tiny_family(
+    path: str | os.PathLike[str],
+    family: str,
+    *,
+    seed: int = 0,
+    context: int = 512,
+    **overrides: Any,
+) -> str:
+    """A random checkpoint of `family` (FAMILY_CONFIGS) with the tiny tokenizer; its dir."""
+    import torch
+    import transformers
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = _train_tokenizer(768)
+    _save_tokenizer(tokenizer, out, context)
+    config_name, model_name, shape = FAMILY_CONFIGS[family]
+    kwargs: dict[str, Any] = {
+        "vocab_size": tokenizer.get_vocab_size(),
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": context,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+        "bos_token_id": tokenizer.token_to_id(IM_START),
+        "eos_token_id": tokenizer.token_to_id(IM_END),
+        "pad_token_id": tokenizer.token_to_id(ENDOFTEXT),
+        "architectures": [model_name],
+        **shape,
+        **overrides,
+    }
+    config = getattr(transformers, config_name)(**kwargs)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(config).float()
+    _scale_weights(model, seed)
+    model.save_pretrained(out, safe_serialization=True)
+    return str(out)
+
+
 def hf_greedy(
     model_dir: str | os.PathLike[str], prompts: list[list[int]], max_new_tokens: int
 ) -> list[list[int]]:
     """Greedy continuations from transformers in float32: exactly max_new_tokens per prompt."""
     import torch
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    model = LlamaForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     model.eval()
     results: list[list[int]] = []
     with torch.inference_mode():

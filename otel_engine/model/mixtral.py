@@ -1,0 +1,20 @@
+"""Mixtral: the Llama decoder with a mixture of experts in every layer (`block_sparse_moe`:
+experts' `w1` gate, `w3` up, `w2` down; top-k weights always renormalized)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from otel_engine.model.llama import LlamaLayer, LlamaModel
+
+
+class MixtralModel(LlamaModel):
+    def _load_mlp(self, take: Callable[[str], torch.Tensor], layer: LlamaLayer, index: int) -> None:
+        prefix = "block_sparse_moe.experts"
+        experts = [
+            tuple(take(f"{prefix}.{e}.{name}.weight") for name in ("w1", "w3", "w2"))
+            for e in range(self.arch.num_experts)
+        ]
+        self._set_experts(layer, take("block_sparse_moe.gate.weight"), experts)  # type: ignore[arg-type]
