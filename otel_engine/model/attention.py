@@ -29,6 +29,7 @@ class PrefillSeq:
     query_end: int
     slots: torch.Tensor | None  # None: nothing cached before, keys are this chunk's own
     mask: torch.Tensor | None
+    window_mask: torch.Tensor | None = None  # `mask` with keys outside the sliding window
 
 
 @dataclass(slots=True)
@@ -48,6 +49,10 @@ class AttentionMetadata:
     # torch path: cos/sin rows of this step's positions, [T, 1, D]
     cos: torch.Tensor | None = None
     sin: torch.Tensor | None = None
+    # models with sliding-window layers: their decode mask, and their own rotary rows
+    decode_window_mask: torch.Tensor | None = None
+    local_cos: torch.Tensor | None = None
+    local_sin: torch.Tensor | None = None
 
 
 def padded_tables(block_tables: list[list[int]]) -> list[list[int]]:
@@ -64,9 +69,12 @@ def prefill_seqs(
     device: torch.device,
     *,
     for_sdpa: bool = False,
+    window: int | None = None,
 ) -> list[PrefillSeq]:
     """Gather indices and causal masks of the step's prefill chunks (after the decodes):
-    additive float masks, or with `for_sdpa` boolean ones (None for a fresh prompt)."""
+    additive float masks, or with `for_sdpa` boolean ones (None for a fresh prompt). With a
+    sliding `window`, also the additive mask of the window's layers (a query sees the
+    `window` keys up to its own, as transformers' sliding_window_overlay)."""
     neg_inf = float("-inf")
     prefills = []
     query_start = num_decodes
@@ -86,9 +94,23 @@ def prefill_seqs(
         else:
             mask = torch.zeros((num_query, num_keys), dtype=torch.float32, device=device)
             mask.masked_fill_(key_pos > query_pos, neg_inf)
-        prefills.append(PrefillSeq(query_start, query_start + num_query, slots, mask))
+        window_mask = None
+        if window is not None:
+            window_mask = torch.zeros((num_query, num_keys), dtype=torch.float32, device=device)
+            window_mask.masked_fill_(
+                (key_pos > query_pos) | (key_pos <= query_pos - window), neg_inf
+            )
+        prefills.append(PrefillSeq(query_start, query_start + num_query, slots, mask, window_mask))
         query_start += num_query
     return prefills
+
+
+def decode_window_mask(decode_mask: torch.Tensor, seq_lens: list[int], window: int) -> torch.Tensor:
+    """`decode_mask` with the keys before each sequence's window masked too."""
+    num_decodes, max_len = decode_mask.shape[1], decode_mask.shape[-1]
+    lens = torch.tensor(seq_lens[:num_decodes], device=decode_mask.device).unsqueeze(1)
+    before = torch.arange(max_len, device=decode_mask.device).unsqueeze(0) < lens - window
+    return decode_mask.masked_fill(before.view(1, num_decodes, 1, max_len), float("-inf"))
 
 
 def decode_gather_indices(
@@ -128,6 +150,7 @@ def decode_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence, q [B, Hq, D] -> [B, Hq, D].
 
@@ -146,7 +169,8 @@ def decode_attention(
     qd = q.view(batch, num_kv_heads, group, head_dim).transpose(0, 1)
     scores = torch.bmm(qd.reshape(num_kv_heads * batch, group, head_dim), keys.transpose(1, 2))
     scores = scores.view(num_kv_heads, batch, group, max_len).float().mul_(scale)
-    probs = torch.softmax(scores.add_(meta.decode_mask), dim=-1).to(q.dtype)
+    probs = torch.softmax(scores.add_(meta.decode_mask if mask is None else mask), dim=-1)
+    probs = probs.to(q.dtype)
     context = torch.bmm(probs.view(num_kv_heads * batch, group, max_len), values)
     return (
         context.view(num_kv_heads, batch, group, head_dim)
@@ -163,17 +187,20 @@ def prefill_attention(
     v_cache: torch.Tensor,
     seq: PrefillSeq,
     scale: float,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One prefill chunk, q [N, Hq, D] (k, v: the chunk's own [N, Hkv, D]) -> [N, Hq, D]."""
+    """One prefill chunk, q [N, Hq, D] (k, v: the chunk's own [N, Hkv, D]) -> [N, Hq, D];
+    `mask` replaces the chunk's causal one (a sliding window's)."""
     num_query, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads
     keys, values = _prefill_keys(k, v, k_cache, v_cache, seq)
-    assert seq.mask is not None
+    mask = seq.mask if mask is None else mask
+    assert mask is not None
     qp = q.view(num_query, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
     qp = qp.reshape(num_kv_heads, group * num_query, head_dim)
     scores = torch.bmm(qp, keys.transpose(1, 2)).view(num_kv_heads, group, num_query, -1)
-    scores = scores.float().mul_(scale).add_(seq.mask)
+    scores = scores.float().mul_(scale).add_(mask)
     probs = torch.softmax(scores, dim=-1).to(q.dtype).view(num_kv_heads, group * num_query, -1)
     context = torch.bmm(probs, values).view(num_kv_heads, group, num_query, head_dim)
     return context.permute(2, 0, 1, 3).reshape(num_query, num_heads, head_dim)

@@ -23,6 +23,7 @@ from otel_engine.model.attention import (
     AttentionMetadata,
     decode_attention,
     decode_gather_indices,
+    decode_window_mask,
     padded_tables,
     prefill_attention,
     prefill_seqs,
@@ -43,13 +44,21 @@ class TorchOps:
         head_dim: int,
         rotary: RotaryEmbedding,
         device: torch.device,
+        *,
+        scale: float | None = None,
+        sliding_window: int | None = None,
+        local_rotary: RotaryEmbedding | None = None,
     ) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else scale
         self.rotary = rotary
         self.device = device
+        # Models whose layers alternate full and sliding-window attention (Gemma 3): the
+        # window, and the rotary embedding of the sliding layers (`attend(sliding=True)`).
+        self.sliding_window = sliding_window
+        self.local_rotary = local_rotary or rotary
 
     # prefill masks for `sdpa_prefill` (boolean) rather than `prefill_attention` (additive)
     prefill_sdpa = False
@@ -74,6 +83,7 @@ class TorchOps:
             block_size,
             device,
             for_sdpa=self.prefill_sdpa,
+            window=self.sliding_window,
         )
         meta = AttentionMetadata(
             positions=torch.tensor(positions, dtype=torch.long, device=device),
@@ -97,6 +107,13 @@ class TorchOps:
             meta.decode_blocks, meta.decode_mask = decode_gather_indices(
                 meta.num_decodes, seq_lens, block_tables, block_size, self.device
             )
+        if self.sliding_window is not None:
+            meta.local_cos, meta.local_sin = self.local_rotary.lookup(meta.positions)
+            if meta.num_decodes:
+                assert meta.decode_mask is not None
+                meta.decode_window_mask = decode_window_mask(
+                    meta.decode_mask, seq_lens, self.sliding_window
+                )
 
     def add_rms_norm(
         self, hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
@@ -111,23 +128,38 @@ class TorchOps:
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
+        *,
+        sliding: bool = False,
     ) -> torch.Tensor:
+        """Rotate q and k, write k and v to the cache, attend; `sliding`: a layer of the
+        sliding window, with its own rotary embedding (torch ops only)."""
         num_heads, num_kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-        assert meta.cos is not None
-        assert meta.sin is not None
+        rotary, cos, sin = self.rotary, meta.cos, meta.sin
+        if sliding:
+            rotary, cos, sin = self.local_rotary, meta.local_cos, meta.local_sin
+        assert cos is not None
+        assert sin is not None
         qk = qkv[:, : q_size + kv_size].view(-1, num_heads + num_kv_heads, head_dim)
-        q, k = self.rotary.apply(qk, meta.cos, meta.sin).split([num_heads, num_kv_heads], dim=1)
+        q, k = rotary.apply(qk, cos, sin).split([num_heads, num_kv_heads], dim=1)
         v = qkv[:, q_size + kv_size :].view(-1, num_kv_heads, head_dim)
         write_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         batch = meta.num_decodes
         if batch:
-            out[:batch] = decode_attention(q[:batch], k_cache, v_cache, meta, self.scale)
+            mask = meta.decode_window_mask if sliding else None
+            out[:batch] = decode_attention(q[:batch], k_cache, v_cache, meta, self.scale, mask)
         for seq in meta.prefills:
             rows = slice(seq.query_start, seq.query_end)
             out[rows] = prefill_attention(
-                q[rows], k[rows], v[rows], k_cache, v_cache, seq, self.scale
+                q[rows],
+                k[rows],
+                v[rows],
+                k_cache,
+                v_cache,
+                seq,
+                self.scale,
+                seq.window_mask if sliding else None,
             )
         return out.view(-1, num_heads * head_dim)
 
@@ -199,7 +231,11 @@ class KernelOps(TorchOps):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
+        *,
+        sliding: bool = False,
     ) -> torch.Tensor:
+        if sliding:  # the kernels attend to every cached token
+            raise NotImplementedError("sliding-window layers run on TorchOps")
         num_heads, num_kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         num_tokens = qkv.shape[0]
         num_slots = k_cache.shape[1] * k_cache.shape[2]

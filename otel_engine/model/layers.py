@@ -17,6 +17,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x32.to(dtype)
 
 
+def rms_norm_f32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm with a float32 `weight` applied before rounding to x's dtype (Gemma's order;
+    Llama's rounds first)."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight).to(x.dtype)
+
+
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
     """Llama 3.x frequency scaling: long wavelengths slowed down, short ones kept."""
     factor = float(scaling["factor"])
@@ -57,7 +64,9 @@ def _longrope_freqs(
 
 
 class RotaryEmbedding:
-    """Precomputed cos/sin tables indexed by position (HF rotate_half layout)."""
+    """Precomputed cos/sin tables indexed by position (HF rotate_half layout), over the first
+    `head_dim` dimensions of each head (fewer than the head's with a partial rotary factor:
+    the rest pass unrotated)."""
 
     def __init__(
         self,
@@ -87,6 +96,7 @@ class RotaryEmbedding:
         emb = torch.cat([freqs, freqs], dim=-1)
         self.cos = (emb.cos() * attention_factor).to(dtype=dtype, device=device)
         self.sin = (emb.sin() * attention_factor).to(dtype=dtype, device=device)
+        self.dim = head_dim
         self.half = head_dim // 2
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,5 +105,7 @@ class RotaryEmbedding:
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate x [T, H, D] (q and k heads together) by their positions."""
+        if x.shape[-1] != self.dim:  # partial: rotate the first `dim`, keep the rest
+            return torch.cat((self.apply(x[..., : self.dim], cos, sin), x[..., self.dim :]), -1)
         rotated = torch.cat((-x[..., self.half :], x[..., : self.half]), dim=-1)
         return x * cos + rotated * sin

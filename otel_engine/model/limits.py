@@ -61,7 +61,7 @@ def resolve_limits(config: EngineConfig, arch: ModelArch) -> EngineLimits:
             f"--max-model-len {max_len} exceeds the model's "
             f"max_position_embeddings {arch.max_position_embeddings}"
         )
-    if arch.sliding_window and max_len > arch.sliding_window:
+    if arch.sliding_window and max_len > arch.sliding_window and not arch.sliding_layers:
         # Attention here sees the whole context; within the window that is what the model
         # computes, beyond it it is not: the context stops at the window.
         max_len = arch.sliding_window

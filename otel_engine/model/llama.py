@@ -101,6 +101,8 @@ class LlamaModel:
     (they receive `take(name)`, which pops the layer's HF-named tensor); q/k norms and
     mixtures of experts run here when a layer has them."""
 
+    layer_class: type[LlamaLayer] = LlamaLayer
+
     def __init__(
         self,
         arch: ModelArch,
@@ -126,9 +128,9 @@ class LlamaModel:
         self.dense_layers = (
             set(arch.dense_layers) if arch.num_experts else set(range(arch.num_hidden_layers))
         )
-        self.layers = [LlamaLayer() for _ in range(arch.num_hidden_layers)]
+        self.layers = [self.layer_class() for _ in range(arch.num_hidden_layers)]
         self.rotary = RotaryEmbedding(
-            self.head_dim,
+            int(self.head_dim * arch.partial_rotary_factor),
             max_positions or arch.max_position_embeddings,
             arch.rope_theta,
             arch.rope_scaling,
@@ -138,19 +140,24 @@ class LlamaModel:
         self.embed: torch.Tensor
         self.norm: torch.Tensor
         self.lm_head: torch.Tensor
-        self.ops: LayerOps = make_layer_ops(
+        self.ops: LayerOps = self._make_ops(kernels, block_size, max_positions)
+        # oneDNN's prepacked weights go with the compiled kernels (CPU, float32/bfloat16)
+        self.is_packed = isinstance(self.ops, KernelOps) and torch.backends.mkldnn.is_available()
+        self.linear: Linear = _packed_linear if self.is_packed else F.linear
+
+    def _make_ops(self, kernels: str, block_size: int, max_positions: int | None) -> LayerOps:
+        if self.rotary.dim != self.head_dim:  # the kernels rotate whole heads
+            kernels = "torch"
+        return make_layer_ops(
             kernels,
             num_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim,
             rotary=self.rotary,
-            dtype=dtype,
-            device=device,
+            dtype=self.dtype,
+            device=self.device,
             block_size=block_size,
         )
-        # oneDNN's prepacked weights go with the compiled kernels (CPU, float32/bfloat16)
-        self.is_packed = isinstance(self.ops, KernelOps) and torch.backends.mkldnn.is_available()
-        self.linear: Linear = _packed_linear if self.is_packed else F.linear
 
     # ---- loading -------------------------------------------------------------------------
 
@@ -160,15 +167,15 @@ class LlamaModel:
         for name, tensor in weights:
             staged[name] = tensor
         self.embed = self._place(staged.pop("model.embed_tokens.weight"))
-        self.norm = self._place(staged.pop("model.norm.weight"))
+        self.norm = self._norm_weight(staged.pop("model.norm.weight"))
         lm_head = staged.pop("lm_head.weight", None)
         self.lm_head = (
             self.embed if lm_head is None or self.arch.tie_word_embeddings else self._place(lm_head)
         )
         for i, layer in enumerate(self.layers):
             take = functools.partial(_pop_prefixed, staged, f"model.layers.{i}.")
-            layer.input_norm = self._place(take("input_layernorm.weight"))
-            layer.post_norm = self._place(take("post_attention_layernorm.weight"))
+            layer.input_norm = self._norm_weight(take("input_layernorm.weight"))
+            layer.post_norm = self._norm_weight(take("post_attention_layernorm.weight"))
             self._load_attention(take, layer)
             self._load_mlp(take, layer, i)
         unused = [n for n in staged if "rotary_emb" not in n]
@@ -187,8 +194,8 @@ class LlamaModel:
             )
         layer.o_proj = self._place(self._cols(take("self_attn.o_proj.weight")))
         if self.arch.qk_norm:
-            layer.q_norm = self._place(take("self_attn.q_norm.weight"))
-            layer.k_norm = self._place(take("self_attn.k_norm.weight"))
+            layer.q_norm = self._norm_weight(take("self_attn.q_norm.weight"))
+            layer.k_norm = self._norm_weight(take("self_attn.k_norm.weight"))
 
     def _set_qkv(
         self, layer: LlamaLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -239,6 +246,10 @@ class LlamaModel:
     def _cols(self, weight: torch.Tensor) -> torch.Tensor:
         size = weight.shape[1] // self.tp_size
         return weight[:, self.tp_rank * size : (self.tp_rank + 1) * size]
+
+    def _norm_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """An RMSNorm weight as the forward uses it."""
+        return self._place(weight)
 
     def _place(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to(device=self.device, dtype=self.dtype).contiguous()

@@ -48,7 +48,9 @@ ARCHITECTURE_FAMILIES = {
     "Phi3ForCausalLM": "phi3",
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Gemma3ForCausalLM": "gemma3",
 }
+
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURE_FAMILIES)
 
 
@@ -92,6 +94,13 @@ class ModelArch:
     dense_layers: tuple[int, ...] = ()
     sliding_window: int | None = None  # attention sees at most this many tokens back
     partial_rotary_factor: float = 1.0  # the share of each head that RoPE rotates
+    # Gemma 3: the layers that use the sliding window (the others attend to everything) and
+    # their RoPE base, the attention scale (query_pre_attn_scalar ** -0.5), and the tanh
+    # soft cap of the final logits.
+    sliding_layers: tuple[int, ...] = ()
+    local_rope_theta: float | None = None
+    attention_scale: float | None = None
+    final_logit_softcapping: float | None = None
 
     def family_limits(self) -> dict[str, Any]:
         """What sets this family apart, for the startup log and crash dumps."""
@@ -99,6 +108,8 @@ class ModelArch:
         if self.num_experts:
             limits["num_experts"] = self.num_experts
             limits["num_experts_per_tok"] = self.num_experts_per_tok
+        if self.sliding_layers:
+            limits["num_sliding_layers"] = len(self.sliding_layers)
         return limits
 
 
@@ -145,6 +156,8 @@ def load_model_arch(model_dir: str) -> ModelArch:
         )
     generation_path = os.path.join(model_dir, "generation_config.json")
     generation = _read_json(generation_path) if os.path.isfile(generation_path) else {}
+    if ARCHITECTURE_FAMILIES[architecture] == "gemma3":
+        config = _gemma3_config(config)
     rope = config.get("rope_parameters") or {}
     scaling = config.get("rope_scaling") or {k: v for k, v in rope.items() if k != "rope_theta"}
     rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
@@ -156,11 +169,8 @@ def load_model_arch(model_dir: str) -> ModelArch:
     if config.get("use_sliding_window") is False:  # Qwen2/Qwen3 carry a window they do not use
         window = None
     partial = float(scaling.pop("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)))
-    if partial != 1.0:
-        raise ValueError(
-            f"{architecture} with partial_rotary_factor {partial} (RoPE on part of each head) "
-            "is not supported yet"
-        )
+    if not 0.0 < partial <= 1.0:
+        raise ValueError(f"{architecture}: partial_rotary_factor {partial} is not in (0, 1]")
     if rope_type == "longrope":  # its factor comes from the two context lengths
         scaling.setdefault(
             "original_max_position_embeddings", config.get("original_max_position_embeddings")
@@ -187,7 +197,7 @@ def load_model_arch(model_dir: str) -> ModelArch:
         ),
         torch_dtype=config.get("torch_dtype") or config.get("dtype") or "float32",
         family=family,
-        qk_norm=family in ("qwen3", "qwen3_moe"),
+        qk_norm=family in ("qwen3", "qwen3_moe", "gemma3"),
         num_experts=num_experts,
         num_experts_per_tok=int(config.get("num_experts_per_tok") or 0),
         moe_intermediate_size=int(
@@ -197,7 +207,52 @@ def load_model_arch(model_dir: str) -> ModelArch:
         dense_layers=_dense_layers(config) if num_experts else (),
         sliding_window=int(window) if window else None,
         partial_rotary_factor=partial,
+        sliding_layers=tuple(config.get("sliding_layers", ())),
+        local_rope_theta=config.get("local_rope_theta"),
+        attention_scale=config.get("attention_scale"),
+        final_logit_softcapping=config.get("final_logit_softcapping"),
     )
+
+
+def _gemma3_config(config: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's config.json in the shape `load_model_arch` reads: the full-attention
+    layers' RoPE as the model's (`rope_theta`, `rope_scaling`), the sliding layers' base and
+    indices apart, the attention scale; what is not implemented refused."""
+    if config.get("attn_logit_softcapping") is not None:
+        raise ValueError("Gemma3ForCausalLM with attn_logit_softcapping is not supported yet")
+    activation = config.get("hidden_activation", "gelu_pytorch_tanh")
+    if activation != "gelu_pytorch_tanh":
+        raise ValueError(
+            f"Gemma3ForCausalLM with hidden_activation {activation!r} is not supported"
+        )
+    layers = config["num_hidden_layers"]
+    types = config.get("layer_types")
+    if not types:
+        pattern = int(
+            config.get("sliding_window_pattern") or config.get("_sliding_window_pattern") or 6
+        )
+        types = [
+            "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+            for i in range(layers)
+        ]
+    rope = config.get("rope_parameters") or {}
+    full = dict(rope.get("full_attention") or {})
+    local = rope.get("sliding_attention") or {}
+    if not full:  # transformers 4 keys
+        full = dict(config.get("rope_scaling") or {})
+        full["rope_theta"] = config.get("rope_theta", 1_000_000.0)
+    return {
+        **config,
+        "rope_parameters": None,
+        "rope_theta": full.pop("rope_theta", 1_000_000.0),
+        "rope_scaling": full or None,
+        "local_rope_theta": float(
+            local.get("rope_theta") or config.get("rope_local_base_freq") or 10_000.0
+        ),
+        "sliding_layers": [i for i, kind in enumerate(types) if kind == "sliding_attention"],
+        "attention_scale": float(config.get("query_pre_attn_scalar") or config["head_dim"]) ** -0.5,
+        "tie_word_embeddings": config.get("tie_word_embeddings", True),
+    }
 
 
 def _dense_layers(config: dict[str, Any]) -> tuple[int, ...]:

@@ -5,6 +5,7 @@ layers.py or moe.py), plus a line here and one in the loader's table."""
 
 from __future__ import annotations
 
+from otel_engine.model.gemma3 import Gemma3Model
 from otel_engine.model.llama import LlamaModel
 from otel_engine.model.loader import ModelArch
 from otel_engine.model.mixtral import MixtralModel
@@ -17,6 +18,7 @@ MODEL_CLASSES: dict[str, type[LlamaModel]] = {
     "phi3": Phi3Model,
     "mixtral": MixtralModel,
     "qwen3_moe": Qwen3MoeModel,
+    "gemma3": Gemma3Model,
 }
 
 

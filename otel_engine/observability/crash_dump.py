@@ -222,7 +222,12 @@ def engine_config_part(config: Any, arch: Any = None, limits: Any = None) -> dic
         part["num_layers"] = arch.num_hidden_layers
         part["num_attention_heads"] = arch.num_attention_heads
         part["num_kv_heads"] = arch.num_key_value_heads
-        part.update(arch.family_limits())
+        # the lambda: reading the attribute may fail too, inside _safe
+        limits = _safe(lambda: arch.family_limits())  # noqa: PLW0108
+        if isinstance(limits, dict) and "error" not in limits:
+            part.update(limits)
+        else:
+            part["family_limits"] = limits
     return part
 
 

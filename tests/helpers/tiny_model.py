@@ -187,6 +187,25 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
             "head_dim": 32,
         },
     ),
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        {
+            "num_hidden_layers": 4,
+            "intermediate_size": 128,
+            "head_dim": 32,
+            "query_pre_attn_scalar": 24,
+            # a window shorter than most test prompts, on every other layer
+            "sliding_window": 16,
+            "layer_types": ["sliding_attention", "full_attention"] * 2,
+            "rope_parameters": {
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            },
+            "final_logit_softcapping": 30.0,
+            "tie_word_embeddings": True,
+        },
+    ),
 }
 
 
