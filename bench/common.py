@@ -64,12 +64,14 @@ def write_json(path: str | None, results: Any) -> None:
 
 
 def random_prompts(num: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
-    """`num` distinct prompts of `length` random token ids; the same for the same seed."""
+    """`num` distinct prompts of `length` random token ids; the same for the same seed. Ids
+    start past the special and byte tokens (at 1000, or a quarter into a tiny vocabulary)."""
     rng = random.Random(seed)
+    first = min(FIRST_ORDINARY_TOKEN_ID, vocab_size // 4)
     prompts: list[list[int]] = []
     seen: set[tuple[int, ...]] = set()
     while len(prompts) < num:
-        prompt = [rng.randrange(FIRST_ORDINARY_TOKEN_ID, vocab_size) for _ in range(length)]
+        prompt = [rng.randrange(first, vocab_size) for _ in range(length)]
         if tuple(prompt) not in seen:
             seen.add(tuple(prompt))
             prompts.append(prompt)

@@ -14,13 +14,12 @@ not matmul speed: the point is that no family falls off a cliff. Prints numbers 
 from __future__ import annotations
 
 import argparse
-import random
 import sys
 import tempfile
 import time
 
 import torch
-from common import print_table
+from common import print_table, random_prompts
 
 from otel_engine import LLM, SamplingParams
 from otel_engine.model import llama, moe
@@ -29,19 +28,13 @@ from tests.helpers.tiny_model import FAMILY_CONFIGS, write_tiny_family, write_ti
 PROMPT_LEN = 32
 
 
-def prompts_of(batch: int, seed: int) -> list[list[int]]:
-    """Random ids of the tiny vocabulary, clear of its 3 special tokens."""
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 700) for _ in range(PROMPT_LEN)] for _ in range(batch)]
-
-
 def measure(model_dir: str, args: argparse.Namespace) -> float:
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     with LLM(model_dir, dtype=args.dtype) as engine:
-        engine.generate(prompts_of(args.batch, 1), params)  # warm-up
+        engine.generate(random_prompts(args.batch, PROMPT_LEN, 768, 1), params)  # warm-up
         best = 0.0
         for attempt in range(2):
-            prompts = prompts_of(args.batch, 10 + attempt)
+            prompts = random_prompts(args.batch, PROMPT_LEN, 768, 10 + attempt)
             started = time.perf_counter()
             outputs = engine.generate(prompts, params)
             seconds = time.perf_counter() - started
