@@ -14,16 +14,18 @@ not matmul speed: the point is that no family falls off a cliff. Prints numbers 
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 from common import print_table, random_prompts
 
 from otel_engine import LLM, SamplingParams
 from otel_engine.model import llama, moe
-from tests.helpers.tiny_model import FAMILY_CONFIGS, write_tiny_family, write_tiny_llama
 
 PROMPT_LEN = 32
 
@@ -73,6 +75,26 @@ def moe_layer_times(dtype: torch.dtype) -> list[list[str]]:
     return rows
 
 
+def write_checkpoints(root: str) -> dict[str, str]:
+    """Every family's tiny checkpoint, written by a child process: torch work on this
+    process's main thread would give it a second OpenMP pool, which the in-process engine's
+    step thread then competes with (3-4x slower steps)."""
+    script = (
+        "import json, sys; sys.path.insert(0, sys.argv[2]);"
+        "from tests.helpers.tiny_model import FAMILY_CONFIGS, write_tiny_family, write_tiny_llama;"
+        "root = sys.argv[1];"
+        "dirs = {'llama': write_tiny_llama(root + '/llama')};"
+        "dirs.update({f: write_tiny_family(root + '/' + f, f) for f in sorted(FAMILY_CONFIGS)});"
+        "print(json.dumps(dirs))"
+    )
+    repo = str(Path(__file__).resolve().parents[1])
+    done = subprocess.run(
+        [sys.executable, "-c", script, root, repo], check=True, capture_output=True, text=True
+    )
+    dirs: dict[str, str] = json.loads(done.stdout.strip().splitlines()[-1])
+    return dirs
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batch", type=int, default=8)
@@ -81,9 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rows = []
     with tempfile.TemporaryDirectory() as root:
-        dirs = {"llama": write_tiny_llama(f"{root}/llama")}
-        for family in sorted(FAMILY_CONFIGS):
-            dirs[family] = write_tiny_family(f"{root}/{family}", family)
+        dirs = write_checkpoints(root)
         for family, model_dir in dirs.items():
             rate = measure(model_dir, args)
             rows.append(
