@@ -8,8 +8,9 @@ samples one token each, and schedules the next step: a decode batch of N request
 every KV block of their prompt. That step, its `ModelInput`, a real `EngineConfig` and the
 scheduler's state are what `EngineCore.record_crash` hands to the dumper. Measured:
 
-- build: `crash_dump.build_dump` of the three parts (scheduler output with tensor shapes,
-  engine config, system stats), the size cap included, as the engine core calls it;
+- build: `crash_dump.build_dump` of the four parts (scheduler output with tensor shapes,
+  engine config, system stats, a full 64-step history), the size cap included, as the engine
+  core calls it;
 - report: `crash_dump.report_crash` on a real SDK span (in-memory exporter) and a logger
   rendering the JSON line through the real pipeline into memory;
 - the dump's JSON size next to `MAX_DUMP_BYTES`, and how many requests it lists / omits.
@@ -47,6 +48,7 @@ from otel_engine.observability.log_render import (
     structure_exception,
 )
 from otel_engine.observability.logging import shared_processors
+from otel_engine.observability.step_history import StepHistory
 from otel_engine.sampling_params import SamplingParams
 from otel_engine.sched.kv_cache import BlockAllocator, num_blocks_for
 from otel_engine.sched.request import Request
@@ -96,8 +98,19 @@ def decode_batch(case: Case, num_requests: int) -> tuple[Scheduler, Any, Any]:
     return scheduler, step, model_input
 
 
+def full_history(num_steps: int = 64) -> StepHistory:
+    """The default 64 steps of history, full, with numbers of realistic width."""
+    history = StepHistory(num_steps)
+    now = time.time()
+    for step in range(1, 1000):
+        history.record(
+            (step, now + step * 0.05, 0.0473912, 256, 3, 1024, 1, 0.8734, 12, 253, 40, 2)
+        )
+    return history
+
+
 def dump_parts(case: Case, scheduler: Scheduler, step: Any, model_input: Any) -> dict[str, Any]:
-    """The three part builders, bound as `EngineCore.record_crash` binds them."""
+    """The part builders, bound as `EngineCore.record_crash` binds them (a full history)."""
     config = EngineConfig.from_kwargs(
         model="/models/SmolLM2-135M-Instruct",
         tensor_parallel_size=2,
@@ -105,15 +118,11 @@ def dump_parts(case: Case, scheduler: Scheduler, step: Any, model_input: Any) ->
         num_kv_blocks=scheduler.allocator.num_blocks,
         max_num_seqs=len(step.chunks),
     )
-    arch = SimpleNamespace(
-        architecture="LlamaForCausalLM",
-        num_hidden_layers=30,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-    )
+    arch = load_model_arch_like()
     failure = crash_dump.failure_summary("worker-1", "RuntimeError", "bench", "exception")
     pids: dict[str, int | None] = {"engine_core": os.getpid(), "otel-worker-0": os.getpid()}
     started = time.monotonic() - 3600.0
+    history = full_history()
     return {
         "scheduler_output": lambda: crash_dump.scheduler_output_part(step, model_input),
         "engine_config": lambda: crash_dump.engine_config_part(config, arch),
@@ -124,7 +133,19 @@ def dump_parts(case: Case, scheduler: Scheduler, step: Any, model_input: Any) ->
             failure=failure,
             process_pids=pids,
         ),
+        "history": history.part,
     }
+
+
+def load_model_arch_like() -> Any:
+    """The default model's architecture fields the config part reads."""
+    return SimpleNamespace(
+        architecture="LlamaForCausalLM",
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        family_limits=lambda: {"family": "llama", "sliding_window": None},
+    )
 
 
 def json_logger() -> logging.Logger:

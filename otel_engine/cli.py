@@ -52,6 +52,8 @@ ENGINE_FLAGS = (
     "log_level",
     "otlp_logs",
     "log_prompts",
+    "crash_history_steps",
+    "crash_dump_dir",
 )
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
@@ -163,6 +165,19 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="DEBUG ONLY: log each request's prompt and stop strings (request.prompt); "
         "the only way prompt text ever reaches the logs",
+    )
+    telemetry.add_argument(
+        "--crash-history-steps",
+        type=int,
+        metavar="N",
+        help="steps the engine core keeps as plain numbers for the crash dump's history "
+        "part (default 64; 0 disables)",
+    )
+    telemetry.add_argument(
+        "--crash-dump-dir",
+        metavar="DIR",
+        help="also write each crash dump, with the engine config, to "
+        "DIR/crash-<utc time>-<pid>.json (mode 0600) before clients get their errors",
     )
 
 

@@ -85,6 +85,11 @@ class ObservabilityConfig:
     log_format: str = "json"
     log_level: str = "INFO"
     log_prompts: bool = False
+    crash_history_steps: int = 64  # steps the crash dump's `history` keeps (0: none)
+    crash_dump_dir: str | None = None  # also write each crash dump to a file there
+
+
+MAX_CRASH_HISTORY_STEPS = 256  # a dump lists at most 256 items (crash_dump.MAX_LIST_ITEMS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +144,8 @@ class EngineConfig:
         for name in ("engine_ready_timeout", "step_timeout", "shutdown_timeout"):
             if getattr(self.timeouts, name) <= 0:
                 raise ValueError(f"{name} must be positive")
+        if not 0 <= self.observability.crash_history_steps <= MAX_CRASH_HISTORY_STEPS:
+            raise ValueError(f"crash_history_steps must be in [0, {MAX_CRASH_HISTORY_STEPS}]")
 
     def encode(self) -> bytes:
         return msgspec.msgpack.encode(self)

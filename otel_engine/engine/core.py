@@ -40,6 +40,7 @@ from otel_engine.ipc.messages import (
 from otel_engine.model.loader import ModelArch
 from otel_engine.observability import crash_dump
 from otel_engine.observability.faults import maybe_inject
+from otel_engine.observability.step_history import StepHistory
 from otel_engine.observability.tracing import get_tracer, inject_context, is_tracing, link_from
 from otel_engine.sched.kv_cache import BlockAllocator
 from otel_engine.sched.request import Request
@@ -89,6 +90,7 @@ class EngineCore:
         self.current_model_input: ModelInput | None = None
         self.current_step_span: trace.Span | None = None
         self.crash_recorded = False
+        self.history = StepHistory(config.observability.crash_history_steps)
         logger.info(
             "engine.config",
             extra={"engine_config": crash_dump.engine_config_part(config, self.arch, self.limits)},
@@ -227,6 +229,7 @@ class EngineCore:
                 self._collect_prompt_logprobs(output, result)
             logprobs = _logprobs_by_request(output, result)
             updated = self.scheduler.update(output, result.sampled_token_ids)
+        self._record_step(output)
         return self._outputs(
             output.step_id,
             [_update(r, logprobs.get(r.request_id)) for r in updated],
@@ -234,6 +237,32 @@ class EngineCore:
             num_scheduled_seqs=len(output.chunks),
             num_scheduled_tokens=output.num_batched_tokens,
             step_duration_s=self.last_step_at - self.last_step_started_at,
+        )
+
+    def _record_step(self, output: SchedulerOutput) -> None:
+        """The step in the crash history: plain numbers only (step_history.FIELDS)."""
+        history = self.history
+        if not history.size:
+            return
+        scheduler = self.scheduler
+        allocator = scheduler.allocator
+        chunks = output.chunks
+        duration = self.last_step_at - self.last_step_started_at
+        history.record(
+            (
+                output.step_id,
+                time.time() - duration,
+                duration,
+                len(chunks),
+                sum(1 for chunk in chunks if chunk.num_tokens > 1),
+                output.num_batched_tokens,
+                len(output.preempted_request_ids),
+                allocator.usage,
+                allocator.num_cached_blocks,
+                len(scheduler.running),
+                len(scheduler.waiting),
+                len(scheduler.paused),
+            )
         )
 
     def _execute(self, output: SchedulerOutput, trace_context: dict[str, str]) -> ModelOutput:
@@ -297,7 +326,8 @@ class EngineCore:
         return span
 
     def record_crash(self, info: ErrorInfo) -> None:
-        """Build the crash dump of the current step and deliver it (span event and log).
+        """Build the crash dump of the current step and deliver it (span event and log, and
+        the --crash-dump-dir file).
 
         Called on every fatal path before anything is torn down; never raises. Ends the
         step span (or a stand-alone `engine_core.crash` span outside a step) and keeps
@@ -321,6 +351,7 @@ class EngineCore:
                     "engine_config": lambda: crash_dump.engine_config_part(
                         self.config, self.arch, self.limits
                     ),
+                    "history": self.history.part,
                     "system_stats": lambda: crash_dump.system_stats_part(
                         scheduler=self.scheduler,
                         started_at=self.started_at,
@@ -330,7 +361,11 @@ class EngineCore:
                     ),
                 }
             )
-            crash_dump.report_crash(dump, span, failure, logger)
+            directory = self.config.observability.crash_dump_dir
+            path = None
+            if directory:
+                path = crash_dump.write_dump_file(directory, dump, failure, self.config, logger)
+            crash_dump.report_crash(dump, span, failure, logger, path)
             if span is not None:
                 self.failed_step_context = inject_context(trace.set_span_in_context(span))
                 span.end()

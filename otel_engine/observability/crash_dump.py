@@ -21,6 +21,8 @@ import math
 import os
 import platform
 import sys
+import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -323,11 +325,19 @@ def build_dump(parts: dict[str, Callable[[], Any]]) -> dict[str, Any]:
 
 
 def cap(dump: dict[str, Any]) -> dict[str, Any]:
-    """Fit the JSON in MAX_DUMP_BYTES: drop listed requests first (they are counted), then
-    replace the largest remaining part by its size."""
+    """Fit the JSON in MAX_DUMP_BYTES: drop the oldest history steps first, then listed
+    requests (both are counted), then replace the largest remaining part by its size."""
     dump = _sanitize(dump)
     scheduler_part = dump.get("scheduler_output")
+    history = dump.get("history")
     while len(to_json(dump)) > MAX_DUMP_BYTES:
+        steps = history.get("steps") if isinstance(history, dict) else None
+        if steps and isinstance(history, dict):
+            removed = max(1, len(steps) // 4)
+            del steps[:removed]
+            omitted = history.get("num_omitted_steps", 0)
+            history["num_omitted_steps"] = (omitted if isinstance(omitted, int) else 0) + removed
+            continue
         requests = scheduler_part.get("requests") if isinstance(scheduler_part, dict) else None
         if requests and isinstance(scheduler_part, dict):
             removed = max(1, len(requests) // 4)
@@ -402,18 +412,81 @@ def failure_summary(process: str, error_type: str, message: str, how: str) -> di
     }
 
 
-def report_crash(dump: dict[str, Any], span: Any, failure: dict[str, Any], logger: Any) -> None:
+FILE_WRITE_TIMEOUT_S = 1.0  # a dump file that cannot be written by then is given up
+
+
+def write_dump_file(
+    directory: str, dump: dict[str, Any], failure: dict[str, Any], config: Any, logger: Any
+) -> str | None:
+    """Write the dump, the failure and the whole engine config (what `replay` needs to
+    rebuild the engine) to `directory`/crash-<utc time>-<pid>.json: a temp file of mode 0600
+    renamed into place. Returns its path; None (logged) when it fails or takes longer than
+    FILE_WRITE_TIMEOUT_S (a hung file system must not hold the crash path). Never raises."""
+    outcome: dict[str, Any] = {}
+
+    def write() -> None:
+        try:
+            os.makedirs(directory, mode=0o700, exist_ok=True)
+            now = time.time()
+            stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(now)) + f"{now % 1:.6f}"[1:]
+            path = os.path.join(directory, f"crash-{stamp}Z-{os.getpid()}.json")
+            fd, temp = tempfile.mkstemp(prefix=".crash-", suffix=".tmp", dir=directory)
+            try:
+                with os.fdopen(fd, "w", encoding="utf-8") as file:
+                    file.write(to_json({**dump, "failure": failure, "engine": _config(config)}))
+                os.replace(temp, path)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(temp)
+                raise
+            outcome["path"] = path
+        except Exception as exc:
+            outcome["error"] = _describe(exc)
+
+    thread = threading.Thread(target=write, name="crash-dump-file", daemon=True)
+    thread.start()
+    thread.join(FILE_WRITE_TIMEOUT_S)
+    if "path" in outcome:
+        return str(outcome["path"])
+    error = outcome.get("error", f"not written within {FILE_WRITE_TIMEOUT_S} s")
+    with contextlib.suppress(Exception):
+        logger.error(
+            "engine_crash_dump.file_failed", extra={"directory": directory, "error": error}
+        )
+    return None
+
+
+def _config(config: Any) -> Any:
+    """The engine config as plain data (its instance id left out: it names this run only)."""
+    import msgspec
+
+    data = msgspec.to_builtins(config)
+    if isinstance(data, dict):
+        data.pop("instance_id", None)
+    return data
+
+
+def report_crash(
+    dump: dict[str, Any],
+    span: Any,
+    failure: dict[str, Any],
+    logger: Any,
+    dump_path: str | None = None,
+) -> None:
     """Deliver a dump: a span event `otel_engine.crash` (plus status ERROR) and one JSON
     log line `engine_crash_dump` (an OTLP log record too when log export is on), both in
-    the failing step span's context. Never raises."""
+    the failing step span's context, with `dump_path` when it was also written to a file.
+    Never raises."""
     try:
-        _report(dump, span, failure, logger)
+        _report(dump, span, failure, logger, dump_path)
     except Exception as exc:  # the dumper must never turn a crash into a different crash
         with contextlib.suppress(Exception):
             logger.error("engine_crash_dump.failed", extra={"error": _describe(exc)})
 
 
-def _report(dump: dict[str, Any], span: Any, failure: dict[str, Any], logger: Any) -> None:
+def _report(
+    dump: dict[str, Any], span: Any, failure: dict[str, Any], logger: Any, dump_path: str | None
+) -> None:
     from opentelemetry import trace
     from opentelemetry.trace import Status, StatusCode
 
@@ -423,10 +496,13 @@ def _report(dump: dict[str, Any], span: Any, failure: dict[str, Any], logger: An
         "otel_engine.crash.scheduler_output": to_json(dump.get("scheduler_output")),
         "otel_engine.crash.engine_config": to_json(dump.get("engine_config")),
         "otel_engine.crash.system_stats": to_json(dump.get("system_stats")),
+        "otel_engine.crash.history": to_json(dump.get("history")),
         "otel_engine.crash.failed_process": str(failure.get("process")),
         "otel_engine.crash.failed_rank": -1 if rank is None else rank,
         "otel_engine.crash.reason": reason,
     }
+    if dump_path is not None:
+        attributes["otel_engine.crash.dump_path"] = dump_path
     try:
         if span is not None and span.is_recording():
             span.add_event(
@@ -444,12 +520,14 @@ def _report(dump: dict[str, Any], span: Any, failure: dict[str, Any], logger: An
         "scheduler_output": dump.get("scheduler_output"),
         "engine_config": dump.get("engine_config"),
         "system_stats": dump.get("system_stats"),
+        "history": dump.get("history"),
         "failed_process": failure.get("process"),
         "failed_rank": rank,
         "reason": reason,
         "exception.type": failure.get("type"),
         "exception.message": failure.get("message"),
         "dump_build_ms": dump.get("build_ms"),
+        "dump_path": dump_path,
     }
     try:
         with trace.use_span(span, end_on_exit=False):

@@ -1,0 +1,55 @@
+"""The engine core's flight recorder: the last N steps as plain numbers, for crash dumps.
+
+A fixed ring of tuples (no request ids, no token ids, nothing a client sent), one written per
+step; the crash dump's `history` part lists them oldest first. What the steps before a crash
+show: durations growing before a hang, KV usage and preemptions climbing before an OOM, the
+batch shape that preceded the failing one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+FIELDS = (
+    "step_id",
+    "started_at",  # wall clock, seconds since the epoch
+    "duration_s",
+    "num_requests",
+    "num_prefill_chunks",
+    "num_scheduled_tokens",
+    "num_preemptions",
+    "kv_cache_usage",
+    "num_cached_blocks",
+    "num_running",
+    "num_waiting",
+    "num_paused",
+)
+
+
+class StepHistory:
+    """The last `size` steps (0: none kept)."""
+
+    __slots__ = ("_next", "_ring", "size")
+
+    def __init__(self, size: int) -> None:
+        self.size = max(0, size)
+        self._ring: list[tuple[float, ...] | None] = [None] * self.size
+        self._next = 0
+
+    def record(self, row: tuple[float, ...]) -> None:
+        """One step, its values in FIELDS order."""
+        if self.size:
+            self._ring[self._next % self.size] = row
+            self._next += 1
+
+    def part(self) -> dict[str, Any]:
+        """The crash dump's `history`: field names, and the kept steps oldest first."""
+        start = self._next % self.size if self._next > self.size else 0
+        rows = self._ring[start:] + self._ring[:start] if self.size else []
+        steps = [[round(v, 6) if isinstance(v, float) else v for v in r] for r in rows if r]
+        return {
+            "fields": list(FIELDS),
+            "steps": steps,
+            "num_steps_recorded": self._next,
+            "num_omitted_steps": self._next - len(steps),
+        }
