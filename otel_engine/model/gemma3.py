@@ -31,6 +31,7 @@ class Gemma3Layer(LlamaLayer):
 
 class Gemma3Model(LlamaModel):
     layer_class = Gemma3Layer
+    head_norm = staticmethod(rms_norm_f32)
 
     def _make_ops(self, kernels: str, block_size: int, max_positions: int | None) -> LayerOps:
         """Torch ops with the window (whatever `kernels` says), and the sliding layers' RoPE."""
@@ -64,16 +65,6 @@ class Gemma3Model(LlamaModel):
         super()._load_mlp(take, layer, index)
         layer.pre_ff_norm = self._norm_weight(take("pre_feedforward_layernorm.weight"))
         layer.post_ff_norm = self._norm_weight(take("post_feedforward_layernorm.weight"))
-
-    def _norm_qk(self, qkv: torch.Tensor, layer: LlamaLayer) -> None:
-        assert layer.q_norm is not None
-        assert layer.k_norm is not None
-        eps, head_dim = self.arch.rms_norm_eps, self.head_dim
-        q_size, kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
-        q = qkv[:, :q_size].view(-1, self.num_heads, head_dim)
-        k = qkv[:, q_size : q_size + kv_size].view(-1, self.num_kv_heads, head_dim)
-        q.copy_(rms_norm_f32(q, layer.q_norm, eps))
-        k.copy_(rms_norm_f32(k, layer.k_norm, eps))
 
     @torch.inference_mode()
     def forward(

@@ -102,6 +102,7 @@ class LlamaModel:
     mixtures of experts run here when a layer has them."""
 
     layer_class: type[LlamaLayer] = LlamaLayer
+    head_norm = staticmethod(rms_norm)  # of the q and k heads (Qwen3, Gemma 3)
 
     def __init__(
         self,
@@ -319,8 +320,8 @@ class LlamaModel:
         q_size, kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
         q = qkv[:, :q_size].view(-1, self.num_heads, head_dim)
         k = qkv[:, q_size : q_size + kv_size].view(-1, self.num_kv_heads, head_dim)
-        q.copy_(rms_norm(q, layer.q_norm, eps))
-        k.copy_(rms_norm(k, layer.k_norm, eps))
+        q.copy_(self.head_norm(q, layer.q_norm, eps))
+        k.copy_(self.head_norm(k, layer.k_norm, eps))
 
     def _linear(
         self,

@@ -355,3 +355,49 @@ def test_tensor_parallel_writes_the_same_json(
     assert [o.outputs[0].token_ids for o in two] == [o.outputs[0].token_ids for o in one]
     for output in two:
         jsonschema.validate(json.loads(output.outputs[0].text), BOUNDED)
+
+
+@pytest.mark.slow
+def test_output_that_leaves_its_grammar_fails_that_request_alone(
+    tiny_model_dir: str, tiny_prompts: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the mask not applied (a bug, simulated), the random model samples a token the
+    grammar refuses: that request fails with 500 structured_output_failed, a plain request
+    of the same batch finishes, and the engine keeps serving."""
+    from otel_engine.errors import RequestFailedError
+    from otel_engine.model import sampler
+
+    monkeypatch.setattr(sampler, "apply_grammar", lambda logits, raw, rows, bitmask: logits)
+    plain = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    structured = _structured({"type": "json_object"}, max_tokens=20, temperature=0.0)
+    with LLM(tiny_model_dir, dtype="float32") as engine:
+        with pytest.raises(RequestFailedError) as failed:
+            engine.generate(tiny_prompts[:2], [plain, structured])
+        [after] = engine.generate(tiny_prompts[:1], plain)
+
+    assert failed.value.code == "structured_output_failed"
+    assert len(after.outputs[0].token_ids) == 6
+
+
+@pytest.mark.slow
+def test_a_grammar_the_core_cannot_set_up_fails_that_request_alone(
+    llm: LLM, tiny_prompts: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """llguidance failing in the core (here: its tokenizer view cannot be built) is a 500
+    for the request that needed it; the others are served."""
+    from otel_engine.errors import RequestFailedError
+
+    client = llm._frontend.client
+    compiler = client.core.grammars  # type: ignore[attr-defined]
+
+    def broken() -> None:
+        raise OSError("tokenizer files are gone")
+
+    monkeypatch.setattr(compiler, "_tokenizer", None)
+    monkeypatch.setattr(compiler, "_cache", type(compiler._cache)())
+    monkeypatch.setattr(compiler, "_llg_tokenizer", broken)
+    spec = schema_format({"type": "object", "properties": {"never_seen": {"type": "integer"}}})
+    with pytest.raises(RequestFailedError, match="could not be set up"):
+        llm.generate(tiny_prompts[:1], _structured(spec, max_tokens=8))
+    [ok] = llm.generate(tiny_prompts[:1], SamplingParams(max_tokens=3, temperature=0.0))
+    assert len(ok.outputs[0].token_ids) == 3
