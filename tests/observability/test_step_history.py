@@ -157,3 +157,21 @@ def _capture(logger: logging.Logger) -> Iterator[list[logging.LogRecord]]:
         yield records
     finally:
         logger.removeHandler(handler)
+
+
+def test_a_dump_file_write_that_hangs_is_given_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file system that hangs (simulated: the rename sleeps) holds the crash path for at
+    most FILE_WRITE_TIMEOUT_S: None and one error line."""
+    from otel_engine.observability import crash_dump
+
+    monkeypatch.setattr(crash_dump.os, "replace", lambda *_: time.sleep(3))
+    logger = logging.getLogger("test.dump_file_hang")
+    started = time.monotonic()
+    with _capture(logger) as records:
+        path = write_dump_file(str(tmp_path), {"x": 1}, {}, None, logger)
+
+    assert path is None
+    assert time.monotonic() - started < crash_dump.FILE_WRITE_TIMEOUT_S + 0.5
+    assert [r.getMessage() for r in records] == ["engine_crash_dump.file_failed"]
