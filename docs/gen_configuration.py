@@ -50,7 +50,7 @@ ENVIRONMENT: list[tuple[str, str, str]] = [
         "`OTEL_ENGINE_FAULT`",
         EVERY,
         "fault injection for drills and tests: `<worker\\|engine_core>:"
-        "<raise\\|oom\\|exit\\|hang>[:rank=R][:step=S][:phase=run\\|load]` "
+        "<raise\\|oom\\|exit\\|hang>[:rank=R][:step=S][:when=KEY>=N][:phase=run\\|load]` "
         "(see operations.md)",
     ),
     (
@@ -213,7 +213,8 @@ def _command(name: str, parser: argparse.ArgumentParser) -> list[str]:
     lines = [f"## `otel-engine {name}`", "", parser.description or "", ""]
     positional = [a for a in parser._actions if not a.option_strings]
     for action in positional:
-        lines.append(f"Positional `{action.metavar or action.dest}`: prompts to complete.")
+        meaning = action.help or "prompts to complete"
+        lines.append(f"Positional `{action.metavar or action.dest}`: {meaning}.")
         lines.append("")
     for group in parser._action_groups:
         actions = [a for a in group._group_actions if a.option_strings and a.dest != "help"]

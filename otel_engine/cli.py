@@ -277,6 +277,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--chat", action="store_true", help="wrap each prompt in the model's chat template"
     )
     _add_engine_flags(generate)
+
+    replay = commands.add_parser(
+        "replay",
+        help="run the failing batch of a crash dump file again",
+        description="Run the failing batch of a --crash-dump-dir file again, with synthetic "
+        "token ids, and say whether it fails the same way (exit 0: reproduced, 1: no "
+        "failure, 2: a different failure, 3: the dump cannot be replayed here). The engine "
+        "config is the dump's; the flags given here win.",
+        allow_abbrev=False,
+    )
+    replay.add_argument("file", metavar="FILE", help="a crash-<utc time>-<pid>.json file")
+    _add_engine_flags(replay)
     return parser
 
 
@@ -411,7 +423,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_main_process(config)
     if args.command == "serve":
         return serve(args, config)
+    if args.command == "replay":
+        return _replay(args, options)
     return generate(args, options)
+
+
+def _replay(args: argparse.Namespace, options: dict[str, Any]) -> int:
+    from otel_engine import replay
+
+    given = {k: v for k, v in options.items() if k != "model"}
+    try:
+        code, line = replay.replay(args.file, args.model, given)
+    except replay.ReplayError as error:
+        print(f"replay: cannot replay: {error}", file=sys.stderr)
+        return replay.UNUSABLE
+    print(line, flush=True)
+    return code
 
 
 if __name__ == "__main__":

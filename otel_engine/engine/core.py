@@ -220,10 +220,20 @@ class EngineCore:
         )
 
     def step(self) -> StepOutputs:
-        """Schedule, execute and update one batch (`_stepping` does the bookkeeping)."""
-        output = self.scheduler.schedule()
+        """Schedule, execute and update one batch."""
+        return self.run(self.scheduler.schedule())
+
+    def run(self, output: SchedulerOutput) -> StepOutputs:
+        """Execute and update one scheduled batch (`_stepping` does the bookkeeping); `replay`
+        hands it a batch rebuilt from a crash dump."""
         with self._stepping(output) as trace_context:
-            maybe_inject("engine_core", phase="run", step=output.step_id)
+            maybe_inject(
+                "engine_core",
+                phase="run",
+                step=output.step_id,
+                num_requests=len(output.chunks),
+                num_tokens=output.num_batched_tokens,
+            )
             result = self._execute(output, trace_context)
             if result.prompt_logprobs:
                 self._collect_prompt_logprobs(output, result)

@@ -39,6 +39,7 @@ from otel_engine.ipc.messages import (
 from otel_engine.ipc.paths import IpcDir
 from otel_engine.ipc.process import spawn, wait_for_death
 from otel_engine.observability.setup import spawn_env
+from otel_engine.sched.scheduler import SchedulerOutput
 from otel_engine.timing import CORE_OUTPUT_POLL_S
 
 logger = logging.getLogger(__name__)
@@ -138,9 +139,19 @@ class InprocClient:
         if not core.has_work:
             core.wait_compiled(CORE_OUTPUT_POLL_S)  # a structured request's grammar
             return None
+        return self._step(core.step)
+
+    def run_batch(self, output: SchedulerOutput) -> CoreOutput:
+        """Run one batch scheduled by the caller (`otel-engine replay`), as `get_output` runs
+        a step: its outputs, or `EngineDead` when it fails or hangs."""
+        core = self.core
+        return self._step(lambda: core.run(output))
+
+    def _step(self, step: Callable[[], StepOutputs]) -> CoreOutput:
+        core = self.core
         timeout = core.config.timeouts.step_timeout
         try:
-            output: StepOutputs = self._steps.call(core.step, timeout)
+            output: StepOutputs = self._steps.call(step, timeout)
             return output
         except TimeoutError:
             info = step_timeout_error(core.current_step_id, core.config, "engine_core")

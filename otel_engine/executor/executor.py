@@ -120,7 +120,14 @@ class UniprocExecutor:
         self.runner = ModelRunner(config, model_dir, rank=0)
 
     def execute(self, step: ModelInput) -> ModelOutput:
-        maybe_inject("worker", phase="run", rank=0, step=step.step_id)
+        maybe_inject(
+            "worker",
+            phase="run",
+            rank=0,
+            step=step.step_id,
+            num_requests=len(step.query_lens),
+            num_tokens=len(step.input_ids),
+        )
         return self.runner.execute(step)
 
     def check_health(self, next_step: int | None = None) -> None:

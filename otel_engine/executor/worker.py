@@ -99,7 +99,14 @@ def _busy_loop(runner: ModelRunner, rank: int, inputs: zmq.Socket, outputs: zmq.
                 },
             )
         try:
-            maybe_inject("worker", phase="run", rank=rank, step=message.step_id)
+            maybe_inject(
+                "worker",
+                phase="run",
+                rank=rank,
+                step=message.step_id,
+                num_requests=len(message.query_lens),
+                num_tokens=len(message.input_ids),
+            )
             sampled = runner.execute(message)
         except Exception as exc:
             logger.exception("worker.step_failed", extra={"rank": rank, "step": message.step_id})

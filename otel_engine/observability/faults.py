@@ -1,7 +1,9 @@
 """Fault injection for tests and chaos drills: `OTEL_ENGINE_FAULT` (DESIGN.md section 5).
 
-`OTEL_ENGINE_FAULT="<where>:<kind>[:rank=R][:step=S][:phase=P]"` with where in
-{worker, engine_core}, kind in {raise, oom, exit, hang}, phase in {run, load}. Read from
+`OTEL_ENGINE_FAULT="<where>:<kind>[:rank=R][:step=S][:when=KEY>=N][:phase=P]"` with where
+in {worker, engine_core}, kind in {raise, oom, exit, hang}, phase in {run, load}, and KEY in
+{num_requests, num_tokens} (scheduled in the step): `when` fires at the first step whose
+batch is at least that large (with `step=` too: only at that step, if it is). Read from
 the environment by every process when it sets itself up (`configure()`: the spawn
 trampoline for children, the engine's set-up in the caller's process), never at import, so a
 bad value is a clear startup error; nothing else can set it.
@@ -20,6 +22,7 @@ ENV_VAR = "OTEL_ENGINE_FAULT"
 WHERE = ("worker", "engine_core")
 KINDS = ("raise", "oom", "exit", "hang")
 PHASES = ("run", "load")
+WHEN_KEYS = ("num_requests", "num_tokens")
 
 
 class InjectedFault(RuntimeError):
@@ -35,8 +38,18 @@ class Fault:
     where: str
     kind: str
     rank: int = 0
-    step: int = 1
+    step: int | None = 1  # None: any step (with `when`)
     phase: str = "run"
+    when: tuple[str, int] | None = None  # (KEY, N): the step's KEY >= N
+
+    def matches(self, step: int, num_requests: int, num_tokens: int) -> bool:
+        """Whether a run-phase step of this shape fires the fault."""
+        if self.step is not None and self.step != step:
+            return False
+        if self.when is None:
+            return True
+        key, minimum = self.when
+        return (num_requests if key == "num_requests" else num_tokens) >= minimum
 
     @classmethod
     def parse(cls, text: str) -> Fault:
@@ -48,15 +61,20 @@ class Fault:
         options: dict[str, str] = {}
         for part in parts[2:]:
             key, _, value = part.partition("=")
-            if key not in ("rank", "step", "phase") or not value:
+            if key not in ("rank", "step", "phase", "when") or not value:
                 raise ValueError(f"{ENV_VAR}={text!r}: unknown option {part!r}")
             options[key] = value
         phase = options.get("phase", "run")
         if phase not in PHASES:
             raise ValueError(f"{ENV_VAR}={text!r}: phase must be one of {PHASES}")
-        return cls(
-            parts[0], parts[1], int(options.get("rank", 0)), int(options.get("step", 1)), phase
-        )
+        when = None
+        if "when" in options:
+            key, _, minimum = options["when"].partition(">=")
+            if key not in WHEN_KEYS or not minimum.isdigit():
+                raise ValueError(f"{ENV_VAR}={text!r}: when must be <{'|'.join(WHEN_KEYS)}>>=N")
+            when = (key, int(minimum))
+        step = int(options["step"]) if "step" in options else (None if when else 1)
+        return cls(parts[0], parts[1], int(options.get("rank", 0)), step, phase, when)
 
 
 def configured_fault() -> Fault | None:
@@ -71,12 +89,21 @@ def configure() -> Fault | None:
     return _FAULT
 
 
-def maybe_inject(where: str, *, phase: str, rank: int = 0, step: int = 0) -> None:
-    """Fire the configured fault if it matches this place; cheap when none is set."""
+def maybe_inject(
+    where: str,
+    *,
+    phase: str,
+    rank: int = 0,
+    step: int = 0,
+    num_requests: int = 0,
+    num_tokens: int = 0,
+) -> None:
+    """Fire the configured fault if it matches this place (and, in a step, its number and
+    shape); cheap when none is set."""
     fault = _FAULT
     if fault is None or fault.where != where or fault.phase != phase or fault.rank != rank:
         return
-    if phase == "run" and fault.step != step:
+    if phase == "run" and not fault.matches(step, num_requests, num_tokens):
         return
     logger.warning(
         "fault.injected", extra={"where": where, "kind": fault.kind, "rank": rank, "step": step}

@@ -1,0 +1,153 @@
+"""`otel-engine replay FILE`: run the failing batch of a crash dump again, without its prompts.
+
+The dump file (`--crash-dump-dir`) holds the engine config and the failing step's batch by
+numbers: each request's prompt and output lengths, the tokens computed and scheduled, its
+sampling limits, the order, the step number. Replay builds the same engine (the dump's config,
+command-line flags winning; `--model` when the dump's model path does not exist here), puts
+requests of exactly those shapes into its scheduler with synthetic token ids and KV blocks,
+and runs that one step, under the same `OTEL_ENGINE_FAULT` if one was set. It prints one line:
+
+    replay: reproduced                                  exit 0 (same type in the same process)
+    replay: no failure                                  exit 1
+    replay: different failure: <type> in <process>      exit 2
+
+What a dump does not keep is not replayed: prompt and output text (synthetic ids stand in),
+stop strings, logit-bias ids, response_format schemas, and requests the 64 KiB cap left out
+(said on stderr).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+from otel_engine.config import EngineConfig
+from otel_engine.sampling_params import SamplingParams
+from otel_engine.sched.request import Request, RequestStatus
+from otel_engine.sched.scheduler import ScheduledChunk, SchedulerOutput
+
+REPRODUCED, NO_FAILURE, DIFFERENT, UNUSABLE = 0, 1, 2, 3
+# SamplingParams fields a dump shows by value (the others it shows as counts or flags)
+_VALUES = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "ignore_eos",
+    "skip_special_tokens",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_p",
+    "min_tokens",
+    "logprobs",
+    "prompt_logprobs",
+)
+# Settings of the run that wrote the dump that a replay must not reuse
+_NOT_REPLAYED = ("otlp_endpoint", "otlp_protocol", "otlp_logs", "crash_dump_dir", "multiprocess")
+
+
+class ReplayError(Exception):
+    """The dump cannot be replayed here (the message says why)."""
+
+
+def load(path: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as file:
+            dump = json.load(file)
+    except (OSError, ValueError) as error:
+        raise ReplayError(f"cannot read {path}: {error}") from None
+    for part in ("engine", "failure", "scheduler_output"):
+        if not isinstance(dump, dict) or not isinstance(dump.get(part), dict):
+            raise ReplayError(f"{path} has no {part!r} part: not a --crash-dump-dir file")
+    return dump
+
+
+def engine_options(
+    dump: dict[str, Any], model: str | None, overrides: dict[str, Any]
+) -> dict[str, Any]:
+    """`EngineConfig.from_kwargs` options: the dump's engine config, then `overrides`."""
+    options: dict[str, Any] = {}
+    for section in dump["engine"].values():
+        if isinstance(section, dict):
+            options.update(section)
+    for name in _NOT_REPLAYED:
+        options.pop(name, None)
+    options.update(overrides)
+    if model is not None:
+        options["model"] = model
+    path = options.get("model")
+    if path is not None and not os.path.exists(path):
+        raise ReplayError(f"the dump's model {path} does not exist here: pass --model PATH")
+    return options
+
+
+def rebuild_batch(core: Any, batch: dict[str, Any]) -> SchedulerOutput:
+    """The dump's failing step as a scheduled batch of synthetic requests in `core`'s
+    scheduler, each holding the KV blocks its chunk needs."""
+    scheduler = core.scheduler
+    vocab = core.arch.vocab_size
+    chunks = []
+    for index, entry in enumerate(batch.get("requests") or []):
+        num_prompt, num_output = int(entry["prompt_token_ids"]), int(entry["output_token_ids"])
+        start, count = int(entry["scheduled_start"]), int(entry["num_scheduled_tokens"])
+        ids = [
+            (index * 7919 + position) % (vocab - 1) + 1
+            for position in range(num_prompt + num_output)
+        ]
+        request = Request(
+            request_id=f"replay-{index}",
+            prompt_token_ids=ids[:num_prompt],
+            sampling_params=_params(entry.get("sampling_params") or {}),
+            eos_token_ids=core.eos_token_ids,
+        )
+        request.output_token_ids = ids[num_prompt:]
+        if not scheduler.allocator.can_allocate(request, start + count):
+            raise ReplayError(
+                f"the KV cache here cannot hold the batch (request {index} needs "
+                f"{start + count} tokens): pass --num-kv-blocks"
+            )
+        scheduler.allocator.allocate(request, start + count)
+        request.num_computed_tokens = start
+        request.status = RequestStatus.RUNNING
+        scheduler.requests[request.request_id] = request
+        scheduler.running.append(request)
+        chunks.append(ScheduledChunk(request, start, count))
+    step_id = int(batch.get("step_id") or 1)
+    scheduler.num_steps = step_id
+    return SchedulerOutput(step_id=step_id, chunks=chunks)
+
+
+def _params(dumped: dict[str, Any]) -> SamplingParams:
+    values = {name: dumped[name] for name in _VALUES if dumped.get(name) is not None}
+    return SamplingParams(**values, seed=0 if dumped.get("seed") else None)
+
+
+def replay(path: str, model: str | None, overrides: dict[str, Any]) -> tuple[int, str]:
+    """Replay the dump at `path`; the exit status and the line to print."""
+    from otel_engine import LLM
+    from otel_engine.engine.core_client import InprocClient
+    from otel_engine.ipc.messages import EngineDead
+
+    dump = load(path)
+    options = {**engine_options(dump, model, overrides), "multiprocess": False}
+    EngineConfig.from_kwargs(**dict(options))  # a clear error before anything starts
+    batch = dump["scheduler_output"]
+    omitted = int(batch.get("num_omitted_requests") or 0)
+    if omitted:
+        print(f"replay: {omitted} requests were left out of the dump", file=sys.stderr)
+    expected = (dump["failure"].get("type"), dump["failure"].get("process"))
+    llm = LLM(**options)
+    client = llm._frontend.client
+    if not isinstance(client, InprocClient):
+        raise ReplayError("replay runs the engine core in this process")
+    result = client.run_batch(rebuild_batch(client.core, batch))
+    llm.shutdown()
+    if not isinstance(result, EngineDead):
+        return NO_FAILURE, "replay: no failure"
+    got = (result.error.type, result.error.process)
+    if got == expected:
+        return REPRODUCED, "replay: reproduced"
+    return DIFFERENT, f"replay: different failure: {got[0]} in {got[1]}"
