@@ -21,8 +21,20 @@ from tests.helpers.procs import ServerProcess
 
 pytestmark = pytest.mark.slow  # starts servers or engine processes
 
-FAULT = "engine_core:raise:when=num_requests>=3"
 NUM_CLIENTS = 4
+# (tensor parallel size, the fault, the same fault as an out-of-memory error)
+CASES = {
+    "engine_core-tp1": (
+        1,
+        "engine_core:raise:when=num_requests>=3",
+        "engine_core:oom:when=num_requests>=3",
+    ),
+    "worker-rank1-tp2": (
+        2,
+        "worker:raise:rank=1:when=num_requests>=3",
+        "worker:oom:rank=1:when=num_requests>=3",
+    ),
+}
 
 
 def _crowd(base_url: str) -> None:
@@ -54,41 +66,48 @@ def _replay(path: Path, *args: str, fault: str | None) -> subprocess.CompletedPr
     )
 
 
-@pytest.fixture
-def dump_file(
-    start_server: Callable[..., tuple[ServerProcess, ProcessWatch]], tmp_path: Path
-) -> Path:
+@pytest.fixture(params=sorted(CASES))
+def case(
+    request: pytest.FixtureRequest,
+    start_server: Callable[..., tuple[ServerProcess, ProcessWatch]],
+    tmp_path: Path,
+) -> tuple[Path, str, str]:
+    """The dump file a server wrote when the fault hit, the fault, and its OOM variant."""
+    tp, fault, oom = CASES[request.param]
     directory = tmp_path / "dumps"
-    server, _ = start_server("--crash-dump-dir", str(directory), fault=FAULT)
+    server, _ = start_server(
+        "--crash-dump-dir", str(directory), "--tensor-parallel-size", str(tp), fault=fault
+    )
     _crowd(server.base_url)
     assert wait_exit(server) == 1
     [path] = list(directory.glob("crash-*.json"))
-    return path
+    return path, fault, oom
 
 
 def test_replay_reproduces_names_a_different_failure_or_none(
-    dump_file: Path, tiny_model_dir: str, tmp_path: Path
+    case: tuple[Path, str, str], tiny_model_dir: str, tmp_path: Path
 ) -> None:
+    dump_file, fault, oom = case
     dump = json.loads(dump_file.read_text())
-    batch = dump["scheduler_output"]
-    assert batch["num_requests"] >= 3
-    assert dump["failure"] == {**dump["failure"], "process": "engine_core", "type": "InjectedFault"}
+    assert dump["scheduler_output"]["num_requests"] >= 3
+    assert dump["failure"]["type"] == "InjectedFault"
+    process = dump["failure"]["process"]
 
-    same = _replay(dump_file, fault=FAULT)
+    same = _replay(dump_file, fault=fault)
     assert (same.returncode, same.stdout.strip()) == (0, "replay: reproduced"), same.stderr
     clean = _replay(dump_file, fault=None)
     assert (clean.returncode, clean.stdout.strip()) == (1, "replay: no failure"), clean.stderr
-    other = _replay(dump_file, fault="engine_core:oom:when=num_requests>=3")
+    other = _replay(dump_file, fault=oom)
     assert other.returncode == 2, other.stderr
     assert other.stdout.strip() == (
-        "replay: different failure: InjectedOutOfMemoryError in engine_core"
+        f"replay: different failure: InjectedOutOfMemoryError in {process}"
     )
 
     moved = tmp_path / "moved.json"
     dump["engine"]["model"]["model"] = str(tmp_path / "not-here")
     moved.write_text(json.dumps(dump))
-    missing = _replay(moved, fault=FAULT)
+    missing = _replay(moved, fault=fault)
     assert missing.returncode == 3
     assert "pass --model" in missing.stderr
-    given = _replay(moved, "--model", tiny_model_dir, fault=FAULT)
+    given = _replay(moved, "--model", tiny_model_dir, fault=fault)
     assert (given.returncode, given.stdout.strip()) == (0, "replay: reproduced"), given.stderr
