@@ -26,6 +26,7 @@ from otel_engine.observability.log_render import (
     structure_exception,
 )
 from otel_engine.observability.logging import add_root_handler, current_processors
+from otel_engine.observability.otlp_export import make_exporter
 
 _SEVERITY = {
     logging.DEBUG: 5,
@@ -102,8 +103,6 @@ def start_log_export(config: ObservabilityConfig, resource: Resource) -> tuple[A
     """
     from opentelemetry.sdk._logs import LoggerProvider
     from opentelemetry.sdk._logs.export import BatchLogRecordProcessor
-
-    from otel_engine.observability.tracing import make_exporter
 
     provider = LoggerProvider(resource=resource, shutdown_on_exit=False)
     provider.add_log_record_processor(BatchLogRecordProcessor(make_exporter(config, "logs")))

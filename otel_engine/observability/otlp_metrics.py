@@ -35,12 +35,8 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from prometheus_client import CollectorRegistry
 
 from otel_engine.config import ObservabilityConfig
-from otel_engine.observability.tracing import (
-    build_resource,
-    is_enabled,
-    make_exporter,
-    register_closer,
-)
+from otel_engine.observability.otlp_export import is_enabled, make_exporter
+from otel_engine.observability.tracing import build_resource, register_closer
 
 logger = logging.getLogger(__name__)
 _CUMULATIVE = AggregationTemporality.CUMULATIVE

@@ -10,7 +10,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
 from otel_engine.config import ObservabilityConfig
-from otel_engine.observability.tracing import build_resource, make_exporter
+from otel_engine.observability.otlp_export import make_exporter
+from otel_engine.observability.tracing import build_resource
 from tests.helpers.otlp_receiver import OtlpReceiver
 
 

@@ -13,14 +13,13 @@ from opentelemetry.sdk.trace import TracerProvider
 
 import otel_engine
 from otel_engine.config import ObservabilityConfig
+from otel_engine.observability.otlp_export import is_enabled, resolve_protocol
 from otel_engine.observability.tracing import (
     build_resource,
     configure_tracing,
     extract_context,
     inject_context,
-    is_enabled,
     link_from,
-    resolve_protocol,
 )
 from tests.helpers.otlp_receiver import OtlpReceiver
 from tests.observability.conftest import RunPython, json_lines
