@@ -9,8 +9,10 @@ frame to the front end before the process shuts its workers down and exits 1.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import shutil
 import threading
 import time
 
@@ -28,7 +30,7 @@ from otel_engine.ipc.messages import (
     Shutdown,
 )
 from otel_engine.ipc.paths import IpcDir
-from otel_engine.ipc.process import ReadyChannel
+from otel_engine.ipc.process import ReadyChannel, on_parent_death
 from otel_engine.model.limits import resolve_limits
 from otel_engine.model.loader import load_model_arch
 from otel_engine.observability.faults import maybe_inject
@@ -66,6 +68,9 @@ def run_engine_core(
     """Process target of `otel-engine-core`."""
     config = EngineConfig.decode(config_bytes)
     ipc_dir = IpcDir(config.instance_id, path=ipc_path)
+    # The front end removes the directory when it stops; when it was killed, the engine
+    # core is the last process of the server that knows it (its workers follow it out).
+    on_parent_death(functools.partial(shutil.rmtree, ipc_dir.path, ignore_errors=True))
     core = build_engine_core(config, model_dir, ipc_dir)
     context = zmq.Context(io_threads=1)
     inputs = context.socket(zmq.PULL)

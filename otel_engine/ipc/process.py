@@ -21,7 +21,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import msgspec
@@ -267,6 +267,15 @@ def _set_title(name: str) -> None:
     setproctitle.setproctitle(name)
 
 
+_ORPHAN_CLEANUPS: list[Callable[[], None]] = []
+
+
+def on_parent_death(cleanup: Callable[[], None]) -> None:
+    """Run `cleanup` (quick, no raising) when this child exits because its parent died: what
+    the parent would have removed on an orderly stop (the engine core: the IPC directory)."""
+    _ORPHAN_CLEANUPS.append(cleanup)
+
+
 def _watch_parent(death_fd: int) -> None:
     """Exit this process as soon as the parent is gone (EOF on the death pipe)."""
 
@@ -274,6 +283,9 @@ def _watch_parent(death_fd: int) -> None:
         while os.read(death_fd, 1):
             pass
         logger.error("parent.died")
+        for cleanup in _ORPHAN_CLEANUPS:
+            with contextlib.suppress(Exception):
+                cleanup()
         os._exit(1)
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()

@@ -7,9 +7,11 @@ nothing left); a model path that does not exist fails at once, naming the path.
 
 from __future__ import annotations
 
+import glob
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,8 +30,11 @@ STOP_LIMIT_S = 10.0
 def test_sigkill_of_api_server_leaves_no_children(
     start_server: Callable[..., tuple[ServerProcess, ProcessWatch]],
 ) -> None:
-    """SIGKILL of the api_server at TP=2: engine core and both workers exit within 5 s."""
+    """SIGKILL of the api_server at TP=2: engine core and both workers exit within 5 s,
+    and the server's private IPC directory (its sockets) is gone with them."""
     server, watch = start_server("--tensor-parallel-size", "2")
+    ipc_dirs = glob.glob(os.path.join(tempfile.gettempdir(), f"otel-engine-{server.pid}-*"))
+    assert len(ipc_dirs) == 1
     watch.sample()
     assert {"otel-engine-core", "otel-worker-0", "otel-worker-1"} <= watch.titles()
     watch.stop()
@@ -40,6 +45,7 @@ def test_sigkill_of_api_server_leaves_no_children(
 
     watch.assert_all_gone(ORPHAN_LIMIT_S)
     print(f"children gone {time.monotonic() - killed_at:.2f} s after SIGKILL of the api_server")
+    assert not os.path.exists(ipc_dirs[0])
 
 
 def _wait_for_log(server: ServerProcess, event: str, timeout: float) -> None:
