@@ -22,7 +22,10 @@ CRASH_FLUSH_S = 1.0  # the crash dump's telemetry flush before EngineDead is sen
 STALL_GRACE_S = 5.0  # a frozen core (no watchdog report) is given up this much after the timeout
 TERM_GRACE_S = 3.0  # SIGTERM to SIGKILL for a child that does not stop
 DRAIN_CANCEL_GRACE_S = 5.0  # requests cancelled at the drain deadline send their 503s
-TELEMETRY_FLUSH_S = 5.0  # the most a clean exit waits for spans, logs and metrics to leave
+# The most each process's clean exit waits for its spans, logs and metrics to leave. A
+# reachable collector takes milliseconds; an unreachable or silent one would hold every exit
+# for the exporters' retries (10 s each), and workers, engine core and api_server exit in turn.
+TELEMETRY_FLUSH_S = 1.0
 SERVER_TICK_S = 0.1  # uvicorn's main loop checks for an exit this often
 GRACEFUL_HTTP_SHUTDOWN_S = 5  # uvicorn's wait for open connections after the drain
 THREAD_JOIN_S = 2.0  # a helper thread (output pump, watchdog) joined at shutdown

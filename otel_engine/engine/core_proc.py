@@ -39,6 +39,7 @@ from otel_engine.timing import (
     CORE_IDLE_POLL_S,
     CRASH_FLUSH_S,
     GRAMMAR_POLL_S,
+    TELEMETRY_FLUSH_S,
     THREAD_JOIN_S,
     watchdog_poll_s,
 )
@@ -98,7 +99,7 @@ def run_engine_core(
         outputs.close(linger=2000)
         context.term()
     logger.info("engine.stopped", extra={"exit_code": exit_code})
-    shutdown_telemetry(timeout_s=config.timeouts.shutdown_timeout / 3)
+    shutdown_telemetry(timeout_s=min(TELEMETRY_FLUSH_S, config.timeouts.shutdown_timeout))
     if exit_code:
         os._exit(exit_code)
 

@@ -35,6 +35,7 @@ from otel_engine.observability.tracing import (
     is_tracing,
     shutdown_telemetry,
 )
+from otel_engine.timing import TELEMETRY_FLUSH_S
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ def run_worker(
     outputs.close(linger=1000)
     context.term()
     dist.destroy_process_group()
-    shutdown_telemetry(timeout_s=2.0)
+    shutdown_telemetry(timeout_s=TELEMETRY_FLUSH_S)
 
 
 def _busy_loop(runner: ModelRunner, rank: int, inputs: zmq.Socket, outputs: zmq.Socket) -> None:
@@ -120,7 +121,7 @@ def _busy_loop(runner: ModelRunner, rank: int, inputs: zmq.Socket, outputs: zmq.
             inputs.close(linger=0)
             outputs.close(linger=2000)
             outputs.context.term()
-            shutdown_telemetry(timeout_s=2.0)
+            shutdown_telemetry(timeout_s=TELEMETRY_FLUSH_S)
             os._exit(1)
         if span is not None:
             span.end()

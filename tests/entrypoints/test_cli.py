@@ -59,6 +59,8 @@ EXTRA_FLAGS = {
     "--stream-write-timeout",
     "--max-prompt-chars",
 }
+# DESIGN.md section 5b, the post-mortem contracts
+POST_MORTEM_FLAGS = {"--crash-dump-dir", "--crash-history-steps"}
 PROMPTS = ["The engine schedules", "Once upon a time"]
 
 
@@ -88,8 +90,9 @@ def _run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[st
 def test_serve_has_exactly_the_documented_flags() -> None:
     """`serve` takes DESIGN.md's flags plus the extras (model name, KV memory, seed, OTLP logs,
     prompt logging, the final scrape after an engine failure, the limits per client, the CPU
-    kernel and 4-bit weight choices)."""
-    assert DESIGN_SERVE_FLAGS | EXTRA_FLAGS | {"-h", "--help"} == _flags("serve")
+    kernel and 4-bit weight choices) and the post-mortem ones of section 5b."""
+    expected = DESIGN_SERVE_FLAGS | EXTRA_FLAGS | POST_MORTEM_FLAGS | {"-h", "--help"}
+    assert expected == _flags("serve")
 
 
 def test_serve_defaults_bind_localhost_8000() -> None:
