@@ -63,6 +63,7 @@ from otel_engine.entrypoints.protocol import (
 )
 from otel_engine.entrypoints.serving import OpenAIServing
 from otel_engine.observability.metrics import EngineMetrics
+from otel_engine.observability.otlp_export import on_export_failure
 from otel_engine.observability.otlp_metrics import start_otlp_metrics
 from otel_engine.timing import GRACEFUL_HTTP_SHUTDOWN_S
 
@@ -290,6 +291,7 @@ def make_server(
     died (an embedding host program decides what to do); `exit_code` is 1 either way.
     """
     metrics = EngineMetrics(model_name=engine.model_name, process_metrics=True)
+    on_export_failure(metrics.on_export_failure)
     limits = limits or ServerLimits()
     state = ServerState(engine=engine, api_key=api_key, limits=limits, metrics=metrics)
     timeout = engine.config.timeouts.shutdown_timeout if drain_timeout is None else drain_timeout

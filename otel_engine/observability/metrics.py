@@ -296,6 +296,13 @@ class EngineMetrics:
             ["reason"],
             registry=r,
         )
+        self.telemetry_export_failures = Counter(
+            "otel_engine_telemetry_export_failures",
+            "Exports of this server process's spans, metrics or logs that failed after the "
+            "exporter's retries (the collector is unreachable or refused them), by signal.",
+            ["signal"],
+            registry=r,
+        )
         self.frontend_requests = Gauge(
             "otel_engine_frontend_requests",
             "Requests with state in the api_server; above 0 with no traffic is a leak.",
@@ -322,6 +329,9 @@ class EngineMetrics:
         }
         self._health = {state: self.health_state.labels(state) for state in HEALTH_STATES}
         self._closed = {r: self.connections_closed.labels(r) for r in CONNECTION_CLOSE_REASONS}
+        self._export_failures = {
+            s: self.telemetry_export_failures.labels(s) for s in ("traces", "metrics", "logs")
+        }
         self._invalid_json = {
             r: self.structured_output_invalid.labels(r) for r in INVALID_JSON_REASONS
         }
@@ -329,6 +339,10 @@ class EngineMetrics:
 
     def on_ignored_fields(self, num_fields: int) -> None:
         self.ignored_request_fields.inc(num_fields)
+
+    def on_export_failure(self, signal: str) -> None:
+        """An OTLP export of this process failed (observability/otlp_export.py)."""
+        self._export_failures[signal].inc()
 
     def on_structured_output_invalid(self, reason: str) -> None:
         """A structured-output choice returned without valid JSON (INVALID_JSON_REASONS)."""

@@ -29,7 +29,7 @@ from opentelemetry.trace import Link
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from otel_engine.config import ObservabilityConfig
-from otel_engine.observability.otlp_export import is_enabled, make_exporter
+from otel_engine.observability.otlp_export import export_failures, is_enabled, make_exporter
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +37,8 @@ DEFAULT_SERVICE_NAME = "otel-engine"
 ROLE_KEY = "otel_engine.process.role"
 RANK_KEY = "otel_engine.worker.rank"
 TRACER_NAME = "otel_engine"
+# A process whose exports already failed gives its last flush this long, not its full budget.
+FLUSH_WHEN_FAILING_S = 0.2
 
 _W3C = TraceContextTextMapPropagator()
 _CLOSERS: list[tuple[str, Callable[[float], None]]] = []
@@ -114,6 +116,8 @@ def shutdown_telemetry(timeout_s: float = 5.0) -> bool:
     _CLOSERS.clear()
     if not closers:
         return True
+    if any(export_failures().values()):  # the collector did not take the last exports
+        timeout_s = min(timeout_s, FLUSH_WHEN_FAILING_S)
     deadline = time.monotonic() + timeout_s
 
     def run() -> None:

@@ -39,6 +39,7 @@ FAMILIES = {
     "otel_engine_step_tokens": "histogram",
     "otel_engine_preemptions": "counter",
     "otel_engine_grammar_compile_seconds": "histogram",
+    "otel_engine_telemetry_export_failures": "counter",
     "otel_engine_structured_output_invalid": "counter",
     "otel_engine_engine_health_state": "gauge",
 }
