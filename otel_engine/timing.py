@@ -26,6 +26,9 @@ DRAIN_CANCEL_GRACE_S = 5.0  # requests cancelled at the drain deadline send thei
 # reachable collector takes milliseconds; an unreachable or silent one would hold every exit
 # for the exporters' retries (10 s each), and workers, engine core and api_server exit in turn.
 TELEMETRY_FLUSH_S = 1.0
+FLUSH_WHEN_FAILING_S = 0.2  # the last flush of a process whose exports already failed
+CRASH_FILE_WRITE_S = 1.0  # a --crash-dump-dir file not written by then is given up
+CORE_SEND_RETRY_S = 0.05  # a full input queue to a live engine core: look again this often
 SERVER_TICK_S = 0.1  # uvicorn's main loop checks for an exit this often
 GRACEFUL_HTTP_SHUTDOWN_S = 5  # uvicorn's wait for open connections after the drain
 THREAD_JOIN_S = 2.0  # a helper thread (output pump, watchdog) joined at shutdown

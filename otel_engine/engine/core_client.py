@@ -40,11 +40,10 @@ from otel_engine.ipc.paths import IpcDir
 from otel_engine.ipc.process import spawn, wait_for_death
 from otel_engine.observability.setup import spawn_env
 from otel_engine.sched.scheduler import SchedulerOutput
-from otel_engine.timing import CORE_OUTPUT_POLL_S
+from otel_engine.timing import CORE_OUTPUT_POLL_S, CORE_SEND_RETRY_S
 
 logger = logging.getLogger(__name__)
 
-SEND_RETRY_MS = 50  # a full input queue to a live core: wait this long for room, then look again
 
 
 class _StepThread:
@@ -242,7 +241,7 @@ class MPClient:
             except zmq.Again:
                 if self._death is not None or not self.core.is_alive():
                     return False
-                self._inputs.poll(SEND_RETRY_MS, zmq.POLLOUT)
+                self._inputs.poll(int(CORE_SEND_RETRY_S * 1000), zmq.POLLOUT)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids:

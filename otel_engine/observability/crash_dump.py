@@ -27,6 +27,8 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from otel_engine.timing import CRASH_FILE_WRITE_S
+
 MAX_DUMP_BYTES = 64 * 1024
 MAX_LIST_ITEMS = 256  # block ids and other lists of safe numbers are cut here
 
@@ -412,16 +414,13 @@ def failure_summary(process: str, error_type: str, message: str, how: str) -> di
     }
 
 
-FILE_WRITE_TIMEOUT_S = 1.0  # a dump file that cannot be written by then is given up
-
-
 def write_dump_file(
     directory: str, dump: dict[str, Any], failure: dict[str, Any], config: Any, logger: Any
 ) -> str | None:
     """Write the dump, the failure and the whole engine config (what `replay` needs to
     rebuild the engine) to `directory`/crash-<utc time>-<pid>.json: a temp file of mode 0600
     renamed into place. Returns its path; None (logged) when it fails or takes longer than
-    FILE_WRITE_TIMEOUT_S (a hung file system must not hold the crash path). Never raises."""
+    CRASH_FILE_WRITE_S (a hung file system must not hold the crash path). Never raises."""
     outcome: dict[str, Any] = {}
 
     def write() -> None:
@@ -445,10 +444,10 @@ def write_dump_file(
 
     thread = threading.Thread(target=write, name="crash-dump-file", daemon=True)
     thread.start()
-    thread.join(FILE_WRITE_TIMEOUT_S)
+    thread.join(CRASH_FILE_WRITE_S)
     if "path" in outcome:
         return str(outcome["path"])
-    error = outcome.get("error", f"not written within {FILE_WRITE_TIMEOUT_S} s")
+    error = outcome.get("error", f"not written within {CRASH_FILE_WRITE_S} s")
     with contextlib.suppress(Exception):
         logger.error(
             "engine_crash_dump.file_failed", extra={"directory": directory, "error": error}

@@ -30,6 +30,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from otel_engine.config import ObservabilityConfig
 from otel_engine.observability.otlp_export import export_failures, is_enabled, make_exporter
+from otel_engine.timing import FLUSH_WHEN_FAILING_S
 
 logger = logging.getLogger(__name__)
 
@@ -37,8 +38,6 @@ DEFAULT_SERVICE_NAME = "otel-engine"
 ROLE_KEY = "otel_engine.process.role"
 RANK_KEY = "otel_engine.worker.rank"
 TRACER_NAME = "otel_engine"
-# A process whose exports already failed gives its last flush this long, not its full budget.
-FLUSH_WHEN_FAILING_S = 0.2
 
 _W3C = TraceContextTextMapPropagator()
 _CLOSERS: list[tuple[str, Callable[[float], None]]] = []

@@ -20,6 +20,7 @@ from otel_engine import LLM, EngineDeadError, SamplingParams
 from otel_engine.observability import faults
 from otel_engine.observability.crash_dump import MAX_DUMP_BYTES, cap, to_json, write_dump_file
 from otel_engine.observability.step_history import FIELDS, StepHistory
+from otel_engine.timing import CRASH_FILE_WRITE_S
 
 
 def test_the_ring_keeps_the_last_steps_oldest_first() -> None:
@@ -163,7 +164,7 @@ def test_a_dump_file_write_that_hangs_is_given_up(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A file system that hangs (simulated: the rename sleeps) holds the crash path for at
-    most FILE_WRITE_TIMEOUT_S: None and one error line."""
+    most CRASH_FILE_WRITE_S: None and one error line."""
     from otel_engine.observability import crash_dump
 
     monkeypatch.setattr(crash_dump.os, "replace", lambda *_: time.sleep(3))
@@ -173,5 +174,5 @@ def test_a_dump_file_write_that_hangs_is_given_up(
         path = write_dump_file(str(tmp_path), {"x": 1}, {}, None, logger)
 
     assert path is None
-    assert time.monotonic() - started < crash_dump.FILE_WRITE_TIMEOUT_S + 0.5
+    assert time.monotonic() - started < CRASH_FILE_WRITE_S + 0.5
     assert [r.getMessage() for r in records] == ["engine_crash_dump.file_failed"]
