@@ -269,3 +269,51 @@ def hf_greedy(
                 ids.append(int(logits[0, -1].argmax()))
             results.append(ids[len(prompt) :])
     return results
+
+
+def write_tiny_gguf(model_dir: str, path: str | os.PathLike[str], kind: str) -> str:
+    """The checkpoint at `model_dir` as a float32 GGUF file of architecture `kind` (the names
+    and keys llama.cpp writes, via the gguf package's tensor name map), its byte-level BPE
+    tokenizer included; for the converter's tests."""
+    import gguf
+    from safetensors.torch import load_file
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    spec = json.loads((Path(model_dir) / "tokenizer.json").read_text())
+    writer = gguf.GGUFWriter(str(path), kind)
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    rope = config.get("rope_parameters") or {}
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_freq_base(rope.get("rope_theta") or config.get("rope_theta") or 10000.0)
+    tokens = [""] * len(spec["model"]["vocab"])
+    for token, index in spec["model"]["vocab"].items():
+        tokens[index] = token
+    special = {added["id"] for added in spec["added_tokens"]}
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if i in special else 1 for i in range(len(tokens))])
+    writer.add_token_merges(
+        [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
+    )
+    writer.add_bos_token_id(config["bos_token_id"])
+    writer.add_eos_token_id(config["eos_token_id"])
+    arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == kind)
+    names = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
+    for name, tensor in load_file(str(Path(model_dir) / "model.safetensors")).items():
+        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert gguf_name is not None, name
+        writer.add_tensor(gguf_name, tensor.float().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)

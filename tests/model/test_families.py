@@ -19,7 +19,12 @@ from otel_engine.model.layers import RotaryEmbedding
 from otel_engine.model.loader import SUPPORTED_ARCHITECTURES, load_model_arch
 from otel_engine.model.moe import MoeWeights, moe_forward, moe_forward_dense
 from otel_engine.observability.crash_dump import engine_config_part
-from tests.helpers.tiny_model import FAMILY_CONFIGS, hf_greedy, write_tiny_family
+from tests.helpers.tiny_model import (
+    FAMILY_CONFIGS,
+    hf_greedy,
+    write_tiny_family,
+    write_tiny_gguf,
+)
 
 FAMILIES = sorted(FAMILY_CONFIGS)
 MAX_TOKENS = 12
@@ -211,10 +216,10 @@ def test_gemma3_logprobs_equal_transformers_across_the_sliding_window(
         assert max(abs(a - b) for a, b in zip(entry.top_logprobs, top, strict=True)) < 1e-4
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "gemma3", "phi3"])
+@pytest.mark.parametrize("kind", ["qwen3moe", "gemma3", "phi3"])
 def test_gguf_of_another_kind_fails_naming_it(tmp_path: Path, kind: str) -> None:
-    """The GGUF converter reads `llama` and `qwen2` files; another kind fails at once with
-    its name and the supported ones (use the Hugging Face checkpoint of such a model)."""
+    """The GGUF converter reads `llama`, `qwen2` and `qwen3` files; another kind fails at once
+    with its name and the supported ones (use the Hugging Face checkpoint of such a model)."""
     import gguf
     import numpy as np
 
@@ -231,3 +236,25 @@ def test_gguf_of_another_kind_fails_naming_it(tmp_path: Path, kind: str) -> None
 
     with pytest.raises(ValueError, match=rf"GGUF architecture '{kind}' is not supported.*llama"):
         prepare_model_dir(str(path))
+
+
+@pytest.mark.slow
+def test_a_qwen3_gguf_converts_to_a_checkpoint_that_runs_like_transformers(
+    tmp_path: Path, tiny_prompts: list[list[int]]
+) -> None:
+    """A Qwen3 GGUF (q/k norms, head_dim 32 != hidden / heads) becomes a Qwen3 checkpoint:
+    the engine's greedy tokens on the .gguf equal transformers' on the converted directory."""
+    from otel_engine.model.loader import prepare_model_dir
+
+    model_dir = write_tiny_family(tmp_path / "hf", "qwen3")
+    path = write_tiny_gguf(model_dir, tmp_path / "tiny-qwen3.gguf", "qwen3")
+    converted = prepare_model_dir(path)
+    arch = load_model_arch(converted)
+    prompts = tiny_prompts[:4]
+    with LLM(path, dtype="float32") as llm:
+        outputs = llm.generate(prompts, GREEDY)
+
+    assert (arch.architecture, arch.qk_norm, arch.head_dim) == ("Qwen3ForCausalLM", True, 32)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == hf_greedy(
+        converted, prompts, MAX_TOKENS
+    )
