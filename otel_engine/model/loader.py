@@ -357,6 +357,7 @@ _GGUF_ARCHS = {
     "llama": ("LlamaForCausalLM", "llama", True),
     "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
     "qwen3": ("Qwen3ForCausalLM", "qwen3", False),
+    "phi3": ("Phi3ForCausalLM", "phi3", False),
 }
 _GGUF_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _GGUF_LAYER_NAMES = {
@@ -371,6 +372,10 @@ _GGUF_LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_q_norm": "self_attn.q_norm",  # qwen3
     "attn_k_norm": "self_attn.k_norm",
+}
+# Kinds that store some layer tensors fused (the HF checkpoint does too)
+_GGUF_ARCH_LAYER_NAMES = {
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
 }
 _GGUF_SCALARS = dict(enumerate("BbHhIif?")) | {10: "Q", 11: "q", 12: "d"}
 _GGUF_STRING, _GGUF_ARRAY, _GGUF_MIN_VERSION = 8, 9, 2
@@ -414,7 +419,8 @@ def _convert_gguf(gguf_path: str, out: str) -> None:
     metadata, tensors = _read_gguf(gguf_path)
     config = _hf_config(metadata, tensors)
     permute = _GGUF_ARCHS[metadata["general.architecture"]][2]
-    weights, int4 = _gguf_weights(gguf_path, tensors, config if permute else None)
+    kind = metadata["general.architecture"]
+    weights, int4 = _gguf_weights(gguf_path, tensors, kind, config if permute else None)
     save_file(weights, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
     if int4:
         os.makedirs(os.path.dirname(os.path.join(out, INT4_FILE)))
@@ -511,19 +517,22 @@ def _hf_config(metadata: dict[str, Any], tensors: list[TensorEntry]) -> dict[str
         "max_position_embeddings": get("context_length", 2048),
         "tie_word_embeddings": "output.weight" not in shapes,
         "attention_bias": "blk.0.attn_q.bias" in shapes,
+        "sliding_window": get("attention.sliding_window"),
         "bos_token_id": metadata.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": metadata.get("tokenizer.ggml.eos_token_id"),
+        "pad_token_id": metadata.get("tokenizer.ggml.padding_token_id"),
         "torch_dtype": "bfloat16",
     }
 
 
-def _hf_tensor_name(name: str) -> str:
+def _hf_tensor_name(name: str, arch: str) -> str:
     stem, _, kind = name.rpartition(".")
     if stem in _GGUF_NAMES:
         return f"{_GGUF_NAMES[stem]}.{kind}"
     layer = re.fullmatch(r"blk\.(\d+)\.(\w+)", stem)
-    if layer and layer[2] in _GGUF_LAYER_NAMES:
-        return f"model.layers.{layer[1]}.{_GGUF_LAYER_NAMES[layer[2]]}.{kind}"
+    names = {**_GGUF_LAYER_NAMES, **_GGUF_ARCH_LAYER_NAMES.get(arch, {})}
+    if layer and layer[2] in names:
+        return f"model.layers.{layer[1]}.{names[layer[2]]}.{kind}"
     raise ValueError(
         f"GGUF tensor {name!r} has no Hugging Face equivalent in this converter "
         "(rope_freqs means llama3 RoPE scaling: use the Hugging Face checkpoint instead)"
@@ -531,7 +540,7 @@ def _hf_tensor_name(name: str) -> str:
 
 
 def _gguf_weights(
-    path: str, tensors: list[TensorEntry], permute_config: dict[str, Any] | None
+    path: str, tensors: list[TensorEntry], arch: str, permute_config: dict[str, Any] | None
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Dequantized bfloat16 tensors with HF names; q/k rows back in HF order if permuted.
     Also, for 4-bit tensors, their 4-bit form (`iter_int4` reads it back)."""
@@ -543,7 +552,7 @@ def _gguf_weights(
     data = np.memmap(path, dtype=np.uint8, mode="r")
     weights, int4 = {}, {}
     for name, shape, ggml_type, offset in tensors:
-        hf_name = _hf_tensor_name(name)
+        hf_name = _hf_tensor_name(name, arch)
         qtype = GGMLQuantizationType(ggml_type)
         block_size, block_bytes = GGML_QUANT_SIZES[qtype]
         rows, row_bytes = math.prod(shape[:-1]), shape[-1] // block_size * block_bytes

@@ -306,6 +306,7 @@ def write_tiny_gguf(model_dir: str, path: str | os.PathLike[str], kind: str) -> 
     )
     writer.add_bos_token_id(config["bos_token_id"])
     writer.add_eos_token_id(config["eos_token_id"])
+    writer.add_pad_token_id(config["pad_token_id"])
     arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == kind)
     names = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
     for name, tensor in load_file(str(Path(model_dir) / "model.safetensors")).items():

@@ -216,10 +216,10 @@ def test_gemma3_logprobs_equal_transformers_across_the_sliding_window(
         assert max(abs(a - b) for a, b in zip(entry.top_logprobs, top, strict=True)) < 1e-4
 
 
-@pytest.mark.parametrize("kind", ["qwen3moe", "gemma3", "phi3"])
+@pytest.mark.parametrize("kind", ["qwen3moe", "gemma3"])
 def test_gguf_of_another_kind_fails_naming_it(tmp_path: Path, kind: str) -> None:
-    """The GGUF converter reads `llama`, `qwen2` and `qwen3` files; another kind fails at once
-    with its name and the supported ones (use the Hugging Face checkpoint of such a model)."""
+    """The GGUF converter reads `llama`, `qwen2`, `qwen3` and `phi3` files; another kind fails
+    at once with its name and the supported ones (use the Hugging Face checkpoint)."""
     import gguf
     import numpy as np
 
@@ -239,22 +239,27 @@ def test_gguf_of_another_kind_fails_naming_it(tmp_path: Path, kind: str) -> None
 
 
 @pytest.mark.slow
-def test_a_qwen3_gguf_converts_to_a_checkpoint_that_runs_like_transformers(
-    tmp_path: Path, tiny_prompts: list[list[int]]
+@pytest.mark.parametrize(
+    ("family", "architecture"), [("qwen3", "Qwen3ForCausalLM"), ("phi3", "Phi3ForCausalLM")]
+)
+def test_a_gguf_converts_to_a_checkpoint_that_runs_like_transformers(
+    tmp_path: Path, tiny_prompts: list[list[int]], family: str, architecture: str
 ) -> None:
-    """A Qwen3 GGUF (q/k norms, head_dim 32 != hidden / heads) becomes a Qwen3 checkpoint:
-    the engine's greedy tokens on the .gguf equal transformers' on the converted directory."""
+    """A Qwen3 GGUF (q/k norms, head_dim 32 != hidden / heads) and a Phi-3 one (fused qkv
+    and gate/up) become checkpoints of their family: the engine's greedy tokens on the .gguf
+    equal transformers' on the converted directory."""
     from otel_engine.model.loader import prepare_model_dir
 
-    model_dir = write_tiny_family(tmp_path / "hf", "qwen3")
-    path = write_tiny_gguf(model_dir, tmp_path / "tiny-qwen3.gguf", "qwen3")
+    model_dir = write_tiny_family(tmp_path / "hf", family)
+    path = write_tiny_gguf(model_dir, tmp_path / f"tiny-{family}.gguf", family)
     converted = prepare_model_dir(path)
     arch = load_model_arch(converted)
     prompts = tiny_prompts[:4]
     with LLM(path, dtype="float32") as llm:
         outputs = llm.generate(prompts, GREEDY)
 
-    assert (arch.architecture, arch.qk_norm, arch.head_dim) == ("Qwen3ForCausalLM", True, 32)
+    assert (arch.architecture, arch.head_dim) == (architecture, load_model_arch(model_dir).head_dim)
+    assert arch.qk_norm == (family == "qwen3")
     assert [list(o.outputs[0].token_ids) for o in outputs] == hf_greedy(
         converted, prompts, MAX_TOKENS
     )
