@@ -534,8 +534,9 @@ def _hf_tensor_name(name: str, arch: str) -> str:
     if layer and layer[2] in names:
         return f"model.layers.{layer[1]}.{names[layer[2]]}.{kind}"
     raise ValueError(
-        f"GGUF tensor {name!r} has no Hugging Face equivalent in this converter "
-        "(rope_freqs means llama3 RoPE scaling: use the Hugging Face checkpoint instead)"
+        f"GGUF tensor {name!r} of this {arch!r} file has no Hugging Face equivalent in this "
+        "converter (experts: a mixture of experts; rope_freqs, rope_factors: RoPE scaling): "
+        "use the model's Hugging Face checkpoint instead"
     )
 
 
