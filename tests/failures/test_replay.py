@@ -111,3 +111,15 @@ def test_replay_reproduces_names_a_different_failure_or_none(
     assert "pass --model" in missing.stderr
     given = _replay(moved, "--model", tiny_model_dir, fault=fault)
     assert (given.returncode, given.stdout.strip()) == (0, "replay: reproduced"), given.stderr
+
+
+@pytest.mark.parametrize("content", ["not json", '{"engine": {}}', "[1, 2]"])
+def test_a_file_that_is_no_dump_cannot_be_replayed(tmp_path: Path, content: str) -> None:
+    """Exit 3 with the reason on stderr, before any engine starts."""
+    path = tmp_path / "crash.json"
+    path.write_text(content)
+
+    result = _replay(path, fault=None)
+
+    assert result.returncode == 3
+    assert "replay: cannot replay:" in result.stderr
