@@ -437,6 +437,9 @@ def _replay(args: argparse.Namespace, options: dict[str, Any]) -> int:
     except replay.ReplayError as error:
         print(f"replay: cannot replay: {error}", file=sys.stderr)
         return replay.UNUSABLE
+    except (KeyError, TypeError, ValueError) as error:  # a dump missing what replay reads
+        print(f"replay: cannot replay: {type(error).__name__}: {error}", file=sys.stderr)
+        return replay.UNUSABLE
     print(line, flush=True)
     return code
 

@@ -84,6 +84,24 @@ def engine_options(
     return options
 
 
+_BATCH_KEYS = ("prompt_token_ids", "output_token_ids", "scheduled_start", "num_scheduled_tokens")
+
+
+def check_batch(batch: dict[str, Any]) -> None:
+    """ReplayError unless every listed request has the numbers a replay needs."""
+    requests = batch.get("requests")
+    if not isinstance(requests, list) or not requests:
+        raise ReplayError("the dump lists no request of the failing batch")
+    for index, entry in enumerate(requests):
+        missing = [
+            k
+            for k in _BATCH_KEYS
+            if not isinstance(entry, dict) or not isinstance(entry.get(k), int)
+        ]
+        if missing:
+            raise ReplayError(f"request {index} of the dump has no {', '.join(missing)}")
+
+
 def rebuild_batch(core: Any, batch: dict[str, Any]) -> SchedulerOutput:
     """The dump's failing step as a scheduled batch of synthetic requests in `core`'s
     scheduler, each holding the KV blocks its chunk needs."""
@@ -135,6 +153,7 @@ def replay(path: str, model: str | None, overrides: dict[str, Any]) -> tuple[int
     options = {**engine_options(dump, model, overrides), "multiprocess": False}
     EngineConfig.from_kwargs(**dict(options))  # a clear error before anything starts
     batch = dump["scheduler_output"]
+    check_batch(batch)
     omitted = int(batch.get("num_omitted_requests") or 0)
     if omitted:
         print(f"replay: {omitted} requests were left out of the dump", file=sys.stderr)

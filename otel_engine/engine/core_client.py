@@ -45,7 +45,6 @@ from otel_engine.timing import CORE_OUTPUT_POLL_S, CORE_SEND_RETRY_S
 logger = logging.getLogger(__name__)
 
 
-
 class _StepThread:
     """Thread `engine-step`: builds and steps the in-process engine core, so that the caller
     can stop waiting for a step that hangs (a daemon: a hung step never blocks the exit).

@@ -113,7 +113,10 @@ def test_replay_reproduces_names_a_different_failure_or_none(
     assert (given.returncode, given.stdout.strip()) == (0, "replay: reproduced"), given.stderr
 
 
-@pytest.mark.parametrize("content", ["not json", '{"engine": {}}', "[1, 2]"])
+NO_BATCH = '{"engine": {}, "failure": {}, "scheduler_output": {"requests": [{"x": 1}]}}'
+
+
+@pytest.mark.parametrize("content", ["not json", '{"engine": {}}', "[1, 2]", NO_BATCH])
 def test_a_file_that_is_no_dump_cannot_be_replayed(tmp_path: Path, content: str) -> None:
     """Exit 3 with the reason on stderr, before any engine starts."""
     path = tmp_path / "crash.json"
