@@ -358,6 +358,25 @@ _GGUF_ARCHS = {
     "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
     "qwen3": ("Qwen3ForCausalLM", "qwen3", False),
     "phi3": ("Phi3ForCausalLM", "phi3", False),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe", False),
+}
+# A `llama` file with experts is Mixtral.
+_GGUF_MIXTRAL = ("MixtralForCausalLM", "mixtral", True)
+# Experts stored as one 3-D tensor per kind: GGUF name -> the family's per-expert names
+# ({e}: the expert), and the router.
+_GGUF_EXPERT_NAMES = {
+    "mixtral": {
+        "ffn_gate_inp": "block_sparse_moe.gate",
+        "ffn_gate_exps": "block_sparse_moe.experts.{e}.w1",
+        "ffn_up_exps": "block_sparse_moe.experts.{e}.w3",
+        "ffn_down_exps": "block_sparse_moe.experts.{e}.w2",
+    },
+    "qwen3moe": {
+        "ffn_gate_inp": "mlp.gate",
+        "ffn_gate_exps": "mlp.experts.{e}.gate_proj",
+        "ffn_up_exps": "mlp.experts.{e}.up_proj",
+        "ffn_down_exps": "mlp.experts.{e}.down_proj",
+    },
 }
 _GGUF_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _GGUF_LAYER_NAMES = {
@@ -420,7 +439,12 @@ def _convert_gguf(gguf_path: str, out: str) -> None:
     config = _hf_config(metadata, tensors)
     permute = _GGUF_ARCHS[metadata["general.architecture"]][2]
     kind = metadata["general.architecture"]
-    weights, int4 = _gguf_weights(gguf_path, tensors, kind, config if permute else None)
+    num_experts = int(config.get("num_local_experts") or 0)
+    if kind == "llama" and num_experts:
+        kind = "mixtral"
+    weights, int4 = _gguf_weights(
+        gguf_path, tensors, kind, config if permute else None, num_experts
+    )
     save_file(weights, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
     if int4:
         os.makedirs(os.path.dirname(os.path.join(out, INT4_FILE)))
@@ -495,14 +519,27 @@ def _hf_config(metadata: dict[str, Any], tensors: list[TensorEntry]) -> dict[str
         return float(f"{value:.7g}") if isinstance(value, float) else value  # f32 1e-5 -> 1e-05
 
     hidden, heads = get("embedding_length"), get("attention.head_count")
+    names = (
+        _GGUF_ARCHS[arch][:2] if not get("expert_count") or arch != "llama" else _GGUF_MIXTRAL[:2]
+    )
+    experts: dict[str, Any] = {}
+    if get("expert_count"):
+        experts = {
+            "num_local_experts": get("expert_count"),
+            "num_experts": get("expert_count"),
+            "num_experts_per_tok": get("expert_used_count"),
+            "moe_intermediate_size": get("expert_feed_forward_length"),
+            "norm_topk_prob": True,
+        }
     rope_scaling = None
     if get("rope.scaling.type") in ("linear", "yarn"):
         rope_scaling = {"rope_type": get("rope.scaling.type"), "factor": get("rope.scaling.factor")}
         if original := get("rope.scaling.original_context_length"):
             rope_scaling["original_max_position_embeddings"] = original
     return {
-        "architectures": [_GGUF_ARCHS[arch][0]],
-        "model_type": _GGUF_ARCHS[arch][1],
+        "architectures": [names[0]],
+        "model_type": names[1],
+        **{key: value for key, value in experts.items() if value is not None},
         "vocab_size": shapes["token_embd.weight"][0],
         "hidden_size": hidden,
         "intermediate_size": get("feed_forward_length"),
@@ -525,6 +562,19 @@ def _hf_config(metadata: dict[str, Any], tensors: list[TensorEntry]) -> dict[str
     }
 
 
+def _expert_names(name: str, kind: str, num_experts: int) -> list[str] | None:
+    """The per-expert HF names of a GGUF expert tensor (one for a router), or None."""
+    stem, _, suffix = name.rpartition(".")
+    layer = re.fullmatch(r"blk\.(\d+)\.(\w+)", stem)
+    table = _GGUF_EXPERT_NAMES.get(kind, {})
+    if not layer or layer[2] not in table:
+        return None
+    pattern = f"model.layers.{layer[1]}.{table[layer[2]]}.{suffix}"
+    if "{e}" not in pattern:
+        return [pattern]
+    return [pattern.format(e=e) for e in range(num_experts)]
+
+
 def _hf_tensor_name(name: str, arch: str) -> str:
     stem, _, kind = name.rpartition(".")
     if stem in _GGUF_NAMES:
@@ -541,7 +591,11 @@ def _hf_tensor_name(name: str, arch: str) -> str:
 
 
 def _gguf_weights(
-    path: str, tensors: list[TensorEntry], arch: str, permute_config: dict[str, Any] | None
+    path: str,
+    tensors: list[TensorEntry],
+    arch: str,
+    permute_config: dict[str, Any] | None,
+    num_experts: int = 0,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Dequantized bfloat16 tensors with HF names; q/k rows back in HF order if permuted.
     Also, for 4-bit tensors, their 4-bit form (`iter_int4` reads it back)."""
@@ -553,6 +607,20 @@ def _gguf_weights(
     data = np.memmap(path, dtype=np.uint8, mode="r")
     weights, int4 = {}, {}
     for name, shape, ggml_type, offset in tensors:
+        expert_names = _expert_names(name, arch, shape[0]) if num_experts else None
+        if expert_names is not None:  # experts: one HF tensor each, no 4-bit copies
+            qtype = GGMLQuantizationType(ggml_type)
+            block_size, block_bytes = GGML_QUANT_SIZES[qtype]
+            rows, row_bytes = math.prod(shape[:-1]), shape[-1] // block_size * block_bytes
+            raw = data[offset : offset + rows * row_bytes].reshape(rows, row_bytes)
+            stacked = torch.from_numpy(dequantize(raw, qtype).copy()).reshape(shape)
+            stacked = stacked.to(torch.bfloat16)
+            if len(expert_names) == 1:
+                weights[expert_names[0]] = stacked.contiguous()
+            else:
+                for index, expert_name in enumerate(expert_names):
+                    weights[expert_name] = stacked[index].contiguous()
+            continue
         hf_name = _hf_tensor_name(name, arch)
         qtype = GGMLQuantizationType(ggml_type)
         block_size, block_bytes = GGML_QUANT_SIZES[qtype]

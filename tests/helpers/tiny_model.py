@@ -293,6 +293,47 @@ def write_tiny_gguf(model_dir: str, path: str | os.PathLike[str], kind: str) -> 
     writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_rope_freq_base(rope.get("rope_theta") or config.get("rope_theta") or 10000.0)
+    _write_gguf_tokenizer(writer, spec, config)
+    experts = config.get("num_local_experts") or config.get("num_experts") or 0
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        if "moe_intermediate_size" in config:
+            writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == kind)
+    names = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
+    stacks: dict[str, dict[int, Any]] = {}
+    for name, tensor in load_file(str(Path(model_dir) / "model.safetensors")).items():
+        moe = _gguf_expert_name(name)
+        if moe is not None:  # llama.cpp stores each layer's experts as one 3-D tensor
+            gguf_name, expert = moe
+            stacks.setdefault(gguf_name, {})[expert] = tensor.float().numpy()
+            continue
+        rows = tensor
+        if kind == "llama" and (".q_proj." in name or ".k_proj." in name):  # llama.cpp's order
+            heads = config["num_attention_heads" if ".q_proj." in name else "num_key_value_heads"]
+            rows = _llama_cpp_rows(tensor, heads)
+        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert gguf_name is not None, name
+        writer.add_tensor(gguf_name, rows.float().numpy())
+    import numpy as np
+
+    for gguf_name, by_expert in stacks.items():
+        tensor = (
+            by_expert[-1]
+            if -1 in by_expert
+            else np.stack([by_expert[e] for e in sorted(by_expert)])
+        )
+        writer.add_tensor(gguf_name, tensor)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
+
+
+def _write_gguf_tokenizer(writer: Any, spec: dict[str, Any], config: dict[str, Any]) -> None:
+    """The byte-level BPE tokenizer as GGUF metadata (tokens, types, merges, special ids)."""
     tokens = [""] * len(spec["model"]["vocab"])
     for token, index in spec["model"]["vocab"].items():
         tokens[index] = token
@@ -301,20 +342,40 @@ def write_tiny_gguf(model_dir: str, path: str | os.PathLike[str], kind: str) -> 
     writer.add_tokenizer_pre("qwen2")
     writer.add_token_list(tokens)
     writer.add_token_types([3 if i in special else 1 for i in range(len(tokens))])
-    writer.add_token_merges(
-        [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
-    )
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
+    writer.add_token_merges(merges)
     writer.add_bos_token_id(config["bos_token_id"])
     writer.add_eos_token_id(config["eos_token_id"])
     writer.add_pad_token_id(config["pad_token_id"])
-    arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == kind)
-    names = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
-    for name, tensor in load_file(str(Path(model_dir) / "model.safetensors")).items():
-        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
-        assert gguf_name is not None, name
-        writer.add_tensor(gguf_name, tensor.float().numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return str(path)
+
+
+def _llama_cpp_rows(weight: Any, heads: int) -> Any:
+    """q/k rows in llama.cpp's order for `llama` files (the converter undoes it)."""
+    shape = weight.shape
+    grouped = weight.reshape(heads, 2, shape[0] // heads // 2, *shape[1:])
+    return grouped.swapaxes(1, 2).reshape(shape)
+
+
+_EXPERT_PARTS = {
+    "gate_proj": "ffn_gate_exps",
+    "up_proj": "ffn_up_exps",
+    "down_proj": "ffn_down_exps",
+    "w1": "ffn_gate_exps",
+    "w3": "ffn_up_exps",
+    "w2": "ffn_down_exps",
+}
+
+
+def _gguf_expert_name(name: str) -> tuple[str, int] | None:
+    """(GGUF name, expert) of an HF expert or router tensor (router: expert -1), or None."""
+    import re
+
+    expert = re.fullmatch(
+        r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight", name
+    )
+    if expert:
+        return f"blk.{expert[1]}.{_EXPERT_PARTS[expert[3]]}.weight", int(expert[2])
+    router = re.fullmatch(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.gate\.weight", name)
+    if router:
+        return f"blk.{router[1]}.ffn_gate_inp.weight", -1
+    return None

@@ -216,10 +216,10 @@ def test_gemma3_logprobs_equal_transformers_across_the_sliding_window(
         assert max(abs(a - b) for a, b in zip(entry.top_logprobs, top, strict=True)) < 1e-4
 
 
-@pytest.mark.parametrize("kind", ["qwen3moe", "gemma3"])
+@pytest.mark.parametrize("kind", ["gemma3", "qwen2moe"])
 def test_gguf_of_another_kind_fails_naming_it(tmp_path: Path, kind: str) -> None:
-    """The GGUF converter reads `llama`, `qwen2`, `qwen3` and `phi3` files; another kind fails
-    at once with its name and the supported ones (use the Hugging Face checkpoint)."""
+    """The GGUF converter reads `llama` (Mixtral too), `qwen2`, `qwen3`, `qwen3moe` and `phi3`
+    files; another kind fails at once with its name and the supported ones."""
     import gguf
     import numpy as np
 
@@ -240,18 +240,26 @@ def test_gguf_of_another_kind_fails_naming_it(tmp_path: Path, kind: str) -> None
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("family", "architecture"), [("qwen3", "Qwen3ForCausalLM"), ("phi3", "Phi3ForCausalLM")]
+    ("family", "kind", "architecture"),
+    [
+        ("qwen3", "qwen3", "Qwen3ForCausalLM"),
+        ("phi3", "phi3", "Phi3ForCausalLM"),
+        ("qwen3_moe", "qwen3moe", "Qwen3MoeForCausalLM"),
+        ("mixtral", "llama", "MixtralForCausalLM"),  # llama.cpp writes Mixtral as llama
+    ],
 )
 def test_a_gguf_converts_to_a_checkpoint_that_runs_like_transformers(
-    tmp_path: Path, tiny_prompts: list[list[int]], family: str, architecture: str
+    tmp_path: Path, tiny_prompts: list[list[int]], family: str, kind: str, architecture: str
 ) -> None:
-    """A Qwen3 GGUF (q/k norms, head_dim 32 != hidden / heads) and a Phi-3 one (fused qkv
-    and gate/up) become checkpoints of their family: the engine's greedy tokens on the .gguf
-    equal transformers' on the converted directory."""
+    """Qwen3 (q/k norms, head_dim 32 != hidden / heads), Phi-3 (fused qkv and gate/up) and
+    the mixtures of experts (3-D expert tensors split per expert; Mixtral's q/k rows in
+    llama.cpp's order) become checkpoints of their family: the engine's greedy tokens on the
+    .gguf equal transformers' on the converted directory."""
     from otel_engine.model.loader import prepare_model_dir
 
-    model_dir = write_tiny_family(tmp_path / "hf", family)
-    path = write_tiny_gguf(model_dir, tmp_path / f"tiny-{family}.gguf", family)
+    overrides = {"mlp_only_layers": []} if family == "qwen3_moe" else {}  # not in a GGUF
+    model_dir = write_tiny_family(tmp_path / "hf", family, **overrides)
+    path = write_tiny_gguf(model_dir, tmp_path / f"tiny-{family}.gguf", kind)
     converted = prepare_model_dir(path)
     arch = load_model_arch(converted)
     prompts = tiny_prompts[:4]
@@ -259,7 +267,7 @@ def test_a_gguf_converts_to_a_checkpoint_that_runs_like_transformers(
         outputs = llm.generate(prompts, GREEDY)
 
     assert (arch.architecture, arch.head_dim) == (architecture, load_model_arch(model_dir).head_dim)
-    assert arch.qk_norm == (family == "qwen3")
+    assert arch.qk_norm == family.startswith("qwen3")
     assert [list(o.outputs[0].token_ids) for o in outputs] == hf_greedy(
         converted, prompts, MAX_TOKENS
     )
