@@ -111,12 +111,16 @@ def test_replay_reproduces_names_a_different_failure_or_none(
     assert "pass --model" in missing.stderr
     given = _replay(moved, "--model", tiny_model_dir, fault=fault)
     assert (given.returncode, given.stdout.strip()) == (0, "replay: reproduced"), given.stderr
+    cramped = _replay(dump_file, "--num-kv-blocks", "1", fault=fault)
+    assert cramped.returncode == 3, cramped.stdout
+    assert "pass --num-kv-blocks" in cramped.stderr
 
 
 NO_BATCH = '{"engine": {}, "failure": {}, "scheduler_output": {"requests": [{"x": 1}]}}'
+EMPTY_BATCH = '{"engine": {}, "failure": {}, "scheduler_output": {"requests": []}}'
 
 
-@pytest.mark.parametrize("content", ["not json", '{"engine": {}}', "[1, 2]", NO_BATCH])
+@pytest.mark.parametrize("content", ["not json", '{"engine": {}}', "[1, 2]", NO_BATCH, EMPTY_BATCH])
 def test_a_file_that_is_no_dump_cannot_be_replayed(tmp_path: Path, content: str) -> None:
     """Exit 3 with the reason on stderr, before any engine starts."""
     path = tmp_path / "crash.json"

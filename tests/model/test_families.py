@@ -271,3 +271,20 @@ def test_a_gguf_converts_to_a_checkpoint_that_runs_like_transformers(
     assert [list(o.outputs[0].token_ids) for o in outputs] == hf_greedy(
         converted, prompts, MAX_TOKENS
     )
+
+
+@pytest.mark.parametrize(
+    ("override", "words"),
+    [
+        ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+        ({"hidden_activation": "gelu"}, "hidden_activation"),
+    ],
+)
+def test_gemma_variants_not_implemented_are_refused_at_load(
+    tmp_path: Path, override: dict[str, Any], words: str
+) -> None:
+    """Attention soft-capping (Gemma 2's) or another activation would compute something
+    else: refused with a message, before any engine starts."""
+    model_dir = write_tiny_family(tmp_path, "gemma3", **override)
+    with pytest.raises(ValueError, match=words):
+        load_model_arch(model_dir)
