@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import deque
 import threading
 import time
 import weakref
@@ -35,6 +36,10 @@ logger = logging.getLogger(__name__)
 
 MAX_UNDELIVERED_OUTPUTS = 32  # outputs waiting for their consumer before the request pauses
 RESUME_BELOW_OUTPUTS = 8  # the consumer caught up: the request runs again
+# The event loop hands out engine steps for at most this long before it answers sockets
+# again: on a starved machine steps pile up, and handing out the whole backlog in one go
+# kept `/health` waiting for hundreds of milliseconds.
+DELIVER_BUDGET_S = 0.01
 
 
 @dataclass(slots=True, eq=False)
@@ -74,6 +79,8 @@ class AsyncLLM:
         self._stopped = threading.Event()
         self.last_progress_at = time.monotonic()
         self._step_listeners: list[Callable[[StepOutputs], None]] = []
+        self._undelivered: deque[StepOutputs | EngineDead] = deque()
+        self._drain_scheduled = False
         client = self._frontend.client
         assert isinstance(client, MPClient)
         self._client = client
@@ -186,11 +193,34 @@ class AsyncLLM:
         self.num_paused -= 1
         self._client.resume_requests([request_id])
 
-    def _call_in_loop(self, function: Any, argument: Any) -> None:
+    def _hand_over(self, output: StepOutputs | EngineDead) -> None:
+        """From the output thread: queue `output` for the event loop and make sure a drain
+        is scheduled (one at a time; a duplicate only finds nothing to do)."""
+        self._undelivered.append(output)
+        if self._drain_scheduled:
+            return
+        self._drain_scheduled = True
         loop = self._loop
         if loop is not None and not loop.is_closed():
             with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(function, argument)
+                loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        """In the event loop: hand out queued steps in order, for at most
+        `DELIVER_BUDGET_S`; what is left goes after the sockets had their turn."""
+        self._drain_scheduled = False
+        undelivered = self._undelivered
+        deadline = time.monotonic() + DELIVER_BUDGET_S
+        while undelivered:
+            output = undelivered.popleft()
+            if isinstance(output, EngineDead):
+                self._fail_all(output)
+            else:
+                self._deliver(output)
+            if undelivered and time.monotonic() > deadline:
+                self._drain_scheduled = True
+                asyncio.get_running_loop().call_soon(self._drain)
+                return
 
     def add_step_listener(self, listener: Callable[[StepOutputs], None]) -> None:
         """Call `listener(step)` in the event loop for every engine step (metrics)."""
@@ -253,10 +283,9 @@ def _pump_outputs(ref: weakref.ref[AsyncLLM], client: MPClient, stopped: threadi
             output = EngineDead(error=_stalled(llm.config.timeouts.step_timeout))
             client.kill()
         if output is not None and llm._loop is not None:
+            llm._hand_over(output)
             if isinstance(output, EngineDead):
-                llm._call_in_loop(llm._fail_all, output)
                 return
-            llm._call_in_loop(llm._deliver, output)
         del llm
 
 

@@ -29,10 +29,12 @@ pytestmark = pytest.mark.slow  # starts servers or engine processes
 API_KEY = "hostile-key"
 PROMPT = "Once upon a time there was a small town by the sea."
 HEALTH_LIMIT_S = 0.1
-# A probe over the limit once in a test is the 2-core machine scheduling four busy processes
-# (the engine core's two compute threads, the server, the client), not the event loop: the
-# freezes this guards against lasted seconds. More than one, or one past this, fails.
-HEALTH_HARD_LIMIT_S = 0.3
+# A late probe now and then is the 2-core machine scheduling half a dozen busy processes (the
+# engine core's two compute threads, the server, the client, the prober, whatever else the
+# machine runs), not the event loop: with two CPU hogs beside the suite, probes reached
+# 0.6-1.2 s in tests that answer within 15 ms on a quiet machine. The freezes this guards
+# against lasted 5-44 s. So: a probe in a hundred may be late, none past a second.
+HEALTH_HARD_LIMIT_S = 1.0
 VOCAB = 768  # tests/helpers/tiny_model.py
 
 
@@ -45,9 +47,9 @@ def server(long_context_model_dir: str) -> Iterator[ServerProcess]:
 
 
 def assert_health_answered_in_time(probe: HealthProbe) -> None:
-    """/health within 100 ms all along (one late answer allowed, none past 300 ms)."""
+    """/health within 100 ms all along (a probe in a hundred may be late, none past 1 s)."""
     late = [round(s, 3) for s in probe.latencies if s > HEALTH_LIMIT_S]
-    assert len(late) <= 1, late
+    assert len(late) <= 1 + len(probe.latencies) // 100, late
     assert probe.max_latency_s <= HEALTH_HARD_LIMIT_S, late
 
 
