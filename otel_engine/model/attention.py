@@ -151,8 +151,10 @@ def decode_attention(
     meta: AttentionMetadata,
     scale: float,
     mask: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """One query token per sequence, q [B, Hq, D] -> [B, Hq, D].
+    """One query token per sequence, q [B, Hq, D] -> [B, Hq, D]; `softcap`: scores pass
+    through cap * tanh(score / cap) before the mask (Gemma's attention soft-capping).
 
     The caches are head-major [Hkv, num_blocks, block_size, D]: gathering whole blocks
     yields [Hkv, batch, len, D], which batched matmuls consume without another copy.
@@ -169,6 +171,8 @@ def decode_attention(
     qd = q.view(batch, num_kv_heads, group, head_dim).transpose(0, 1)
     scores = torch.bmm(qd.reshape(num_kv_heads * batch, group, head_dim), keys.transpose(1, 2))
     scores = scores.view(num_kv_heads, batch, group, max_len).float().mul_(scale)
+    if softcap:
+        scores = _softcap(scores, softcap)
     probs = torch.softmax(scores.add_(meta.decode_mask if mask is None else mask), dim=-1)
     probs = probs.to(q.dtype)
     context = torch.bmm(probs.view(num_kv_heads * batch, group, max_len), values)
@@ -188,9 +192,10 @@ def prefill_attention(
     seq: PrefillSeq,
     scale: float,
     mask: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """One prefill chunk, q [N, Hq, D] (k, v: the chunk's own [N, Hkv, D]) -> [N, Hq, D];
-    `mask` replaces the chunk's causal one (a sliding window's)."""
+    `mask` replaces the chunk's causal one (a sliding window's); `softcap` as in decode."""
     num_query, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads
@@ -200,10 +205,17 @@ def prefill_attention(
     qp = q.view(num_query, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
     qp = qp.reshape(num_kv_heads, group * num_query, head_dim)
     scores = torch.bmm(qp, keys.transpose(1, 2)).view(num_kv_heads, group, num_query, -1)
-    scores = scores.float().mul_(scale).add_(mask)
+    scores = scores.float().mul_(scale)
+    if softcap:
+        scores = _softcap(scores, softcap)
+    scores = scores.add_(mask)
     probs = torch.softmax(scores, dim=-1).to(q.dtype).view(num_kv_heads, group * num_query, -1)
     context = torch.bmm(probs, values).view(num_kv_heads, group, num_query, head_dim)
     return context.permute(2, 0, 1, 3).reshape(num_query, num_heads, head_dim)
+
+
+def _softcap(scores: torch.Tensor, cap: float) -> torch.Tensor:
+    return scores.div_(cap).tanh_().mul_(cap)
 
 
 def sdpa_prefill(

@@ -1,9 +1,11 @@
-"""Gemma 3 (text): the shared decoder's weights and attention with Gemma's differences.
+"""Gemma 3 (text) and Gemma 2: the shared decoder's weights and attention with Gemma's
+differences (Gemma 2: no q/k norms, one RoPE base for every layer).
 
 Embeddings scaled by sqrt(hidden); RMSNorms of weight (1 + w), applied in float32; norms on
 both sides of the attention and of the MLP (the residual adds their outputs); a GeGLU MLP
 (tanh-approximate GELU); q and k heads normalized before RoPE; attention scaled by
-query_pre_attn_scalar ** -0.5; layers that alternate a sliding window (with their own RoPE
+query_pre_attn_scalar ** -0.5, its scores soft-capped (cap * tanh(s / cap)) where the config
+has `attn_logit_softcapping`; layers that alternate a sliding window (with their own RoPE
 base) and full attention; a tanh soft cap on the final logits where the config has one.
 The windowed layers need the torch attention ops (`TorchOps` with a window); the compiled
 kernels attend to every cached token.
@@ -55,6 +57,7 @@ class Gemma3Model(LlamaModel):
             scale=arch.attention_scale,
             sliding_window=arch.sliding_window if self.sliding else None,
             local_rotary=local_rotary,
+            softcap=arch.attn_logit_softcapping,
         )
 
     def _norm_weight(self, weight: torch.Tensor) -> torch.Tensor:
@@ -82,7 +85,8 @@ class Gemma3Model(LlamaModel):
         ):
             assert isinstance(layer, Gemma3Layer)
             qkv = self._linear(rms_norm_f32(hidden, layer.input_norm, eps), layer.qkv, None)
-            self._norm_qk(qkv, layer)
+            if self.arch.qk_norm:
+                self._norm_qk(qkv, layer)
             attn = ops.attend(qkv, k_cache, v_cache, meta, sliding=index in self.sliding)
             out = self._all_reduce(self._linear(attn, layer.o_proj, None))
             hidden = hidden + rms_norm_f32(out, layer.post_norm, eps)

@@ -48,6 +48,7 @@ class TorchOps:
         scale: float | None = None,
         sliding_window: int | None = None,
         local_rotary: RotaryEmbedding | None = None,
+        softcap: float | None = None,
     ) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -59,6 +60,7 @@ class TorchOps:
         # window, and the rotary embedding of the sliding layers (`attend(sliding=True)`).
         self.sliding_window = sliding_window
         self.local_rotary = local_rotary or rotary
+        self.softcap = softcap  # attention logit soft-capping (Gemma 2 style configs)
 
     # prefill masks for `sdpa_prefill` (boolean) rather than `prefill_attention` (additive)
     prefill_sdpa = False
@@ -148,7 +150,9 @@ class TorchOps:
         batch = meta.num_decodes
         if batch:
             mask = meta.decode_window_mask if sliding else None
-            out[:batch] = decode_attention(q[:batch], k_cache, v_cache, meta, self.scale, mask)
+            out[:batch] = decode_attention(
+                q[:batch], k_cache, v_cache, meta, self.scale, mask, self.softcap
+            )
         for seq in meta.prefills:
             rows = slice(seq.query_start, seq.query_end)
             out[rows] = prefill_attention(
@@ -160,6 +164,7 @@ class TorchOps:
                 seq,
                 self.scale,
                 seq.window_mask if sliding else None,
+                self.softcap,
             )
         return out.view(-1, num_heads * head_dim)
 

@@ -49,6 +49,7 @@ ARCHITECTURE_FAMILIES = {
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Gemma3ForCausalLM": "gemma3",
+    "Gemma2ForCausalLM": "gemma2",
 }
 
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURE_FAMILIES)
@@ -96,11 +97,12 @@ class ModelArch:
     partial_rotary_factor: float = 1.0  # the share of each head that RoPE rotates
     # Gemma 3: the layers that use the sliding window (the others attend to everything) and
     # their RoPE base, the attention scale (query_pre_attn_scalar ** -0.5), and the tanh
-    # soft cap of the final logits.
+    # soft caps of the final logits and of the attention scores.
     sliding_layers: tuple[int, ...] = ()
     local_rope_theta: float | None = None
     attention_scale: float | None = None
     final_logit_softcapping: float | None = None
+    attn_logit_softcapping: float | None = None
 
     def family_limits(self) -> dict[str, Any]:
         """What sets this family apart, for the startup log and crash dumps."""
@@ -110,6 +112,8 @@ class ModelArch:
             limits["num_experts_per_tok"] = self.num_experts_per_tok
         if self.sliding_layers:
             limits["num_sliding_layers"] = len(self.sliding_layers)
+        if self.attn_logit_softcapping:
+            limits["attn_logit_softcapping"] = self.attn_logit_softcapping
         return limits
 
 
@@ -156,8 +160,8 @@ def load_model_arch(model_dir: str) -> ModelArch:
         )
     generation_path = os.path.join(model_dir, "generation_config.json")
     generation = _read_json(generation_path) if os.path.isfile(generation_path) else {}
-    if ARCHITECTURE_FAMILIES[architecture] == "gemma3":
-        config = _gemma3_config(config)
+    if ARCHITECTURE_FAMILIES[architecture] in ("gemma2", "gemma3"):
+        config = _gemma_config(config, ARCHITECTURE_FAMILIES[architecture])
     rope = config.get("rope_parameters") or {}
     scaling = config.get("rope_scaling") or {k: v for k, v in rope.items() if k != "rope_theta"}
     rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
@@ -211,36 +215,46 @@ def load_model_arch(model_dir: str) -> ModelArch:
         local_rope_theta=config.get("local_rope_theta"),
         attention_scale=config.get("attention_scale"),
         final_logit_softcapping=config.get("final_logit_softcapping"),
+        attn_logit_softcapping=config.get("attn_logit_softcapping"),
     )
 
 
-def _gemma3_config(config: dict[str, Any]) -> dict[str, Any]:
-    """Gemma 3's config.json in the shape `load_model_arch` reads: the full-attention
+def _gemma_config(config: dict[str, Any], family: str) -> dict[str, Any]:
+    """Gemma 2's and 3's config.json in the shape `load_model_arch` reads: the full-attention
     layers' RoPE as the model's (`rope_theta`, `rope_scaling`), the sliding layers' base and
-    indices apart, the attention scale; what is not implemented refused."""
-    if config.get("attn_logit_softcapping") is not None:
-        raise ValueError("Gemma3ForCausalLM with attn_logit_softcapping is not supported yet")
+    indices apart (Gemma 2: one base for both), the attention scale; what is not implemented
+    refused."""
     activation = config.get("hidden_activation", "gelu_pytorch_tanh")
     if activation != "gelu_pytorch_tanh":
+        raise ValueError(f"{family} with hidden_activation {activation!r} is not supported")
+    if family == "gemma3" and config.get("attn_logit_softcapping") is not None:
+        # transformers' Gemma 3 (5.x) ignores the field, Gemma 2 applies it: a checkpoint
+        # trained with one would run as the other (no Gemma 3 release sets it)
         raise ValueError(
-            f"Gemma3ForCausalLM with hidden_activation {activation!r} is not supported"
+            "Gemma3ForCausalLM with attn_logit_softcapping is ambiguous (transformers' Gemma 3 "
+            "ignores it); remove it from config.json, or use Gemma2ForCausalLM, which applies it"
         )
     layers = config["num_hidden_layers"]
     types = config.get("layer_types")
     if not types:
+        default = 2 if family == "gemma2" else 6
         pattern = int(
-            config.get("sliding_window_pattern") or config.get("_sliding_window_pattern") or 6
+            config.get("sliding_window_pattern") or config.get("_sliding_window_pattern") or default
         )
         types = [
             "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
             for i in range(layers)
         ]
     rope = config.get("rope_parameters") or {}
+    if "rope_theta" in rope:  # Gemma 2: one RoPE for every layer
+        rope = {"full_attention": rope, "sliding_attention": rope}
     full = dict(rope.get("full_attention") or {})
     local = rope.get("sliding_attention") or {}
     if not full:  # transformers 4 keys
         full = dict(config.get("rope_scaling") or {})
         full["rope_theta"] = config.get("rope_theta", 1_000_000.0)
+        if family == "gemma2":
+            local = {"rope_theta": full["rope_theta"]}
     return {
         **config,
         "rope_parameters": None,
@@ -359,6 +373,7 @@ _GGUF_ARCHS = {
     "qwen3": ("Qwen3ForCausalLM", "qwen3", False),
     "phi3": ("Phi3ForCausalLM", "phi3", False),
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe", False),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text", False),
 }
 # A `llama` file with experts is Mixtral.
 _GGUF_MIXTRAL = ("MixtralForCausalLM", "mixtral", True)
@@ -395,7 +410,20 @@ _GGUF_LAYER_NAMES = {
 # Kinds that store some layer tensors fused (the HF checkpoint does too)
 _GGUF_ARCH_LAYER_NAMES = {
     "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    "gemma3": {
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
 }
+# Kinds whose RMSNorms scale by (1 + w): llama.cpp stores 1 + w (a plain RMSNorm weight).
+_GGUF_NORMS_PLUS_ONE = frozenset({"gemma3"})
+# What llama.cpp's Gemma 3 code assumes rather than reads (llama-model.cpp): a full-attention
+# layer every 6th, a RoPE base of 10,000 on the sliding layers, and the attention scaled by
+# hidden / heads for the 27B model (62 layers) and by head_dim for the others.
+_GEMMA3_SLIDING_PATTERN = 6
+_GEMMA3_LOCAL_ROPE_THETA = 10_000.0
+_GEMMA3_27B_LAYERS = 62
 _GGUF_SCALARS = dict(enumerate("BbHhIif?")) | {10: "Q", 11: "q", 12: "d"}
 _GGUF_STRING, _GGUF_ARRAY, _GGUF_MIN_VERSION = 8, 9, 2
 
@@ -536,7 +564,7 @@ def _hf_config(metadata: dict[str, Any], tensors: list[TensorEntry]) -> dict[str
         rope_scaling = {"rope_type": get("rope.scaling.type"), "factor": get("rope.scaling.factor")}
         if original := get("rope.scaling.original_context_length"):
             rope_scaling["original_max_position_embeddings"] = original
-    return {
+    config = {
         "architectures": [names[0]],
         "model_type": names[1],
         **{key: value for key, value in experts.items() if value is not None},
@@ -559,6 +587,52 @@ def _hf_config(metadata: dict[str, Any], tensors: list[TensorEntry]) -> dict[str
         "eos_token_id": metadata.get("tokenizer.ggml.eos_token_id"),
         "pad_token_id": metadata.get("tokenizer.ggml.padding_token_id"),
         "torch_dtype": "bfloat16",
+    }
+    if arch == "gemma3":
+        config = _gemma3_gguf_config(config, get("attention.sliding_window_pattern"))
+    return config
+
+
+def _gemma3_gguf_config(config: dict[str, Any], pattern: Any) -> dict[str, Any]:
+    """A Gemma 3 file's config in transformers' Gemma3TextConfig keys; `pattern` is the
+    file's sliding-window pattern (an int, or a flag per layer, true for sliding), if any."""
+    layers = config["num_hidden_layers"]
+    if not config["sliding_window"]:
+        raise ValueError("a gemma3 GGUF without gemma3.attention.sliding_window")
+    if isinstance(pattern, list):
+        if len(pattern) != layers:
+            raise ValueError(
+                f"a gemma3 GGUF with {len(pattern)} sliding-window flags for {layers} layers"
+            )
+        sliding = [bool(flag) for flag in pattern]
+    else:
+        every = int(pattern or _GEMMA3_SLIDING_PATTERN)
+        sliding = [(i + 1) % every != 0 for i in range(layers)]
+    scaling = config.pop("rope_scaling") or {}
+    if scaling.get("rope_type", "linear") != "linear":
+        raise ValueError(
+            f"a gemma3 GGUF with {scaling['rope_type']!r} RoPE scaling is not supported"
+        )
+    full = {"rope_type": "linear" if scaling else "default", "rope_theta": config.pop("rope_theta")}
+    if scaling:
+        full["factor"] = scaling["factor"]
+    head_dim = config["head_dim"]
+    if layers == _GEMMA3_27B_LAYERS:
+        query_pre_attn_scalar = config["hidden_size"] // config["num_attention_heads"]
+    else:
+        query_pre_attn_scalar = head_dim
+    return {
+        **config,
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+        "rope_parameters": {
+            "full_attention": full,
+            "sliding_attention": {"rope_type": "default", "rope_theta": _GEMMA3_LOCAL_ROPE_THETA},
+        },
+        "query_pre_attn_scalar": query_pre_attn_scalar,
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
     }
 
 
@@ -636,6 +710,8 @@ def _gguf_weights(
             parts = [_unpermute_rows(p, permute_config["num_attention_heads"]) for p in parts]
         elif permute_config is not None and ".k_proj." in hf_name:
             parts = [_unpermute_rows(p, permute_config["num_key_value_heads"]) for p in parts]
+        if arch in _GGUF_NORMS_PLUS_ONE and hf_name.endswith("norm.weight"):
+            parts[0] = parts[0] - 1.0
         weights[hf_name] = parts[0].to(torch.bfloat16).contiguous()
         if four_bit:
             q, scale, shift = parts[1:]

@@ -19,6 +19,7 @@ MODEL_CLASSES: dict[str, type[LlamaModel]] = {
     "mixtral": MixtralModel,
     "qwen3_moe": Qwen3MoeModel,
     "gemma3": Gemma3Model,
+    "gemma2": Gemma3Model,  # Gemma 3 without q/k norms, one RoPE base: `ModelArch` says so
 }
 
 

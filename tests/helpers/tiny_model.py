@@ -206,6 +206,23 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
             "tie_word_embeddings": True,
         },
     ),
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        {
+            "num_hidden_layers": 4,
+            "intermediate_size": 128,
+            "head_dim": 32,
+            "query_pre_attn_scalar": 24,
+            "sliding_window": 16,
+            "layer_types": ["sliding_attention", "full_attention"] * 2,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1e4},
+            # a cap low enough to change the scores of a random model (Gemma 2 ships 50)
+            "attn_logit_softcapping": 2.0,
+            "final_logit_softcapping": 30.0,
+            "tie_word_embeddings": True,
+        },
+    ),
 }
 
 
@@ -292,6 +309,13 @@ def write_tiny_gguf(model_dir: str, path: str | os.PathLike[str], kind: str) -> 
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    if kind == "gemma3":  # as llama.cpp's Gemma3Model writes it
+        rope = rope["full_attention"]
+        writer.add_sliding_window(config["sliding_window"])
+        writer.add_sliding_window_pattern([t == "sliding_attention" for t in config["layer_types"]])
+        if rope.get("rope_type") == "linear":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(rope["factor"])
     writer.add_rope_freq_base(rope.get("rope_theta") or config.get("rope_theta") or 10000.0)
     _write_gguf_tokenizer(writer, spec, config)
     experts = config.get("num_local_experts") or config.get("num_experts") or 0
@@ -315,6 +339,8 @@ def write_tiny_gguf(model_dir: str, path: str | os.PathLike[str], kind: str) -> 
             rows = _llama_cpp_rows(tensor, heads)
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
         assert gguf_name is not None, name
+        if kind == "gemma3" and name.endswith("norm.weight"):  # llama.cpp stores 1 + w
+            rows = rows.float() + 1.0
         writer.add_tensor(gguf_name, rows.float().numpy())
     import numpy as np
 

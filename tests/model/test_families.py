@@ -5,6 +5,7 @@ each family (LongRoPE tables, expert routing, sliding windows, limits in the con
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,12 @@ FAMILIES = sorted(FAMILY_CONFIGS)
 MAX_TOKENS = 12
 # One request fits the cache, the batch does not; prompts are longer than the step budget.
 SMALL_CACHE: dict[str, Any] = {"block_size": 4, "num_kv_blocks": 40, "max_num_batched_tokens": 24}
+# What a GGUF file cannot say: Qwen3-MoE's dense layers, and Gemma 3's attention scale (llama.cpp
+# derives it from the model size) and final logit soft cap (llama.cpp has none for Gemma 3).
+GGUF_OVERRIDES: dict[str, dict[str, Any]] = {
+    "qwen3_moe": {"mlp_only_layers": []},
+    "gemma3": {"query_pre_attn_scalar": 32, "final_logit_softcapping": None},
+}
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
 
 
@@ -167,7 +174,7 @@ def test_grouped_experts_equal_the_dense_loop() -> None:
 def test_an_unsupported_architecture_fails_at_startup_listing_the_supported(
     tmp_path: Path,
 ) -> None:
-    """Gemma 2 is not implemented: starting an engine on it fails in under 2 s, before any
+    """Falcon is not implemented: starting an engine on it fails in under 2 s, before any
     process starts, with every supported architecture named."""
     import json
     import time
@@ -175,11 +182,11 @@ def test_an_unsupported_architecture_fails_at_startup_listing_the_supported(
     model_dir = write_tiny_family(tmp_path, "qwen3")
     config_path = Path(model_dir) / "config.json"
     config = json.loads(config_path.read_text())
-    config["architectures"] = ["Gemma2ForCausalLM"]
+    config["architectures"] = ["FalconForCausalLM"]
     config_path.write_text(json.dumps(config))
 
     started = time.monotonic()
-    with pytest.raises(ValueError, match="Gemma2ForCausalLM") as raised:
+    with pytest.raises(ValueError, match="FalconForCausalLM") as raised:
         LLM(model_dir)
 
     assert time.monotonic() - started < 2.0
@@ -188,24 +195,33 @@ def test_an_unsupported_architecture_fails_at_startup_listing_the_supported(
 
 
 @pytest.mark.slow
-def test_gemma3_logprobs_equal_transformers_across_the_sliding_window(
-    tmp_path: Path, tiny_prompts: list[list[int]]
+@pytest.mark.parametrize("family", ["gemma3", "gemma2"])
+def test_gemma_logprobs_equal_transformers_across_the_sliding_window(
+    tmp_path: Path, tiny_prompts: list[list[int]], family: str
 ) -> None:
     """A 200-token prompt, 12 times the window: every position's log-probabilities (the
     logits up to a constant) agree with transformers' within 1e-4 in float32, on the
-    sliding layers (which must not see past the window) and the full ones."""
+    sliding layers (which must not see past the window) and the full ones; for Gemma 2
+    with attention soft-capping, at a cap that changes every layer's scores."""
     from transformers import AutoModelForCausalLM
 
-    model_dir = write_tiny_family(tmp_path, "gemma3")
+    model_dir = write_tiny_family(tmp_path, family)
     prompt = [t for p in tiny_prompts for t in p][:200]
     with LLM(model_dir, dtype="float32", max_num_batched_tokens=64) as llm:  # chunked too
         [output] = llm.generate(
             [prompt], SamplingParams(max_tokens=1, prompt_logprobs=5, temperature=0.0)
         )
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    # transformers' SDPA path refuses a soft cap; its eager path applies it
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="eager"
+    )
     with torch.inference_mode():
-        logits = model(input_ids=torch.tensor([prompt])).logits[0]
-    reference = torch.log_softmax(logits.float(), dim=-1)
+        reference = torch.log_softmax(model(input_ids=torch.tensor([prompt])).logits[0], -1)
+        if family == "gemma2":
+            for layer in model.model.layers:
+                layer.self_attn.attn_logit_softcapping = None
+            uncapped = torch.log_softmax(model(input_ids=torch.tensor([prompt])).logits[0], -1)
+            assert (uncapped - reference).abs().max() > 0.01  # the cap matters here
 
     assert output.prompt_logprobs is not None
     assert len(output.prompt_logprobs) == len(prompt) - 1
@@ -216,10 +232,10 @@ def test_gemma3_logprobs_equal_transformers_across_the_sliding_window(
         assert max(abs(a - b) for a, b in zip(entry.top_logprobs, top, strict=True)) < 1e-4
 
 
-@pytest.mark.parametrize("kind", ["gemma3", "qwen2moe"])
+@pytest.mark.parametrize("kind", ["gemma2", "qwen2moe"])
 def test_gguf_of_another_kind_fails_naming_it(tmp_path: Path, kind: str) -> None:
-    """The GGUF converter reads `llama` (Mixtral too), `qwen2`, `qwen3`, `qwen3moe` and `phi3`
-    files; another kind fails at once with its name and the supported ones."""
+    """The GGUF converter reads `llama` (Mixtral too), `qwen2`, `qwen3`, `qwen3moe`, `phi3`
+    and `gemma3` files; another kind fails at once with its name and the supported ones."""
     import gguf
     import numpy as np
 
@@ -246,18 +262,23 @@ def test_gguf_of_another_kind_fails_naming_it(tmp_path: Path, kind: str) -> None
         ("phi3", "phi3", "Phi3ForCausalLM"),
         ("qwen3_moe", "qwen3moe", "Qwen3MoeForCausalLM"),
         ("mixtral", "llama", "MixtralForCausalLM"),  # llama.cpp writes Mixtral as llama
+        ("gemma3", "gemma3", "Gemma3ForCausalLM"),
     ],
 )
 def test_a_gguf_converts_to_a_checkpoint_that_runs_like_transformers(
     tmp_path: Path, tiny_prompts: list[list[int]], family: str, kind: str, architecture: str
 ) -> None:
-    """Qwen3 (q/k norms, head_dim 32 != hidden / heads), Phi-3 (fused qkv and gate/up) and
-    the mixtures of experts (3-D expert tensors split per expert; Mixtral's q/k rows in
-    llama.cpp's order) become checkpoints of their family: the engine's greedy tokens on the
-    .gguf equal transformers' on the converted directory."""
+    """Qwen3 (q/k norms, head_dim 32 != hidden / heads), Phi-3 (fused qkv and gate/up), the
+    mixtures of experts (3-D expert tensors split per expert; Mixtral's q/k rows in
+    llama.cpp's order) and Gemma 3 (norms stored as 1 + w, renamed, sliding layers and the
+    full layers' linear RoPE scaling from the file's keys) become checkpoints of their
+    family: the engine's greedy tokens on the .gguf equal transformers' on the converted
+    directory."""
+    from safetensors.torch import load_file
+
     from otel_engine.model.loader import prepare_model_dir
 
-    overrides = {"mlp_only_layers": []} if family == "qwen3_moe" else {}  # not in a GGUF
+    overrides: dict[str, Any] = GGUF_OVERRIDES.get(family, {})
     model_dir = write_tiny_family(tmp_path / "hf", family, **overrides)
     path = write_tiny_gguf(model_dir, tmp_path / f"tiny-{family}.gguf", kind)
     converted = prepare_model_dir(path)
@@ -267,24 +288,51 @@ def test_a_gguf_converts_to_a_checkpoint_that_runs_like_transformers(
         outputs = llm.generate(prompts, GREEDY)
 
     assert (arch.architecture, arch.head_dim) == (architecture, load_model_arch(model_dir).head_dim)
-    assert arch.qk_norm == family.startswith("qwen3")
+    assert arch.qk_norm == family.startswith(("qwen3", "gemma3"))
     assert [list(o.outputs[0].token_ids) for o in outputs] == hf_greedy(
         converted, prompts, MAX_TOKENS
     )
+    original = load_file(f"{model_dir}/model.safetensors")
+    for name, tensor in load_file(f"{converted}/model.safetensors").items():
+        if name in original and name.endswith("norm.weight"):  # Gemma's back to w from 1 + w
+            assert torch.allclose(tensor.float(), original[name].float(), atol=1e-2), name
+    as_read = dataclasses.replace(arch, torch_dtype="float32")
+    assert as_read == dataclasses.replace(load_model_arch(model_dir), torch_dtype="float32")
 
 
 @pytest.mark.parametrize(
     ("override", "words"),
     [
-        ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+        ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping is ambiguous"),
         ({"hidden_activation": "gelu"}, "hidden_activation"),
     ],
 )
 def test_gemma_variants_not_implemented_are_refused_at_load(
     tmp_path: Path, override: dict[str, Any], words: str
 ) -> None:
-    """Attention soft-capping (Gemma 2's) or another activation would compute something
-    else: refused with a message, before any engine starts."""
+    """Another activation would compute something else, and attention soft-capping on Gemma 3
+    means what transformers' Gemma 3 does not do: refused with a message, before any engine
+    starts."""
     model_dir = write_tiny_family(tmp_path, "gemma3", **override)
     with pytest.raises(ValueError, match=words):
         load_model_arch(model_dir)
+
+
+@pytest.mark.parametrize(("layers", "scalar"), [(26, 256), (62, 168)])
+def test_gemma3_gguf_keys_llama_cpp_leaves_out_get_its_values(layers: int, scalar: int) -> None:
+    """A Gemma 3 file without a sliding-window pattern has a full-attention layer every 6th
+    (as llama.cpp assumes); the 27B model (62 layers) scales attention by hidden / heads, the
+    others by head_dim; the sliding layers' RoPE base is 10,000."""
+    from otel_engine.model.loader import _gemma3_gguf_config
+
+    base = {"num_hidden_layers": layers, "hidden_size": 5376, "num_attention_heads": 32}
+    base |= {"head_dim": 256, "sliding_window": 1024, "rope_theta": 1e6, "rope_scaling": None}
+    config = _gemma3_gguf_config(base, None)
+
+    full = [i for i, kind in enumerate(config["layer_types"]) if kind == "full_attention"]
+    assert full == list(range(5, layers, 6))
+    assert scalar == config["query_pre_attn_scalar"]
+    assert {"rope_type": "default", "rope_theta": 1e6} == config["rope_parameters"][
+        "full_attention"
+    ]
+    assert 10_000.0 == config["rope_parameters"]["sliding_attention"]["rope_theta"]
