@@ -15,10 +15,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections import deque
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any

@@ -298,32 +298,8 @@ def write_tiny_gguf(model_dir: str, path: str | os.PathLike[str], kind: str) -> 
     config = json.loads((Path(model_dir) / "config.json").read_text())
     spec = json.loads((Path(model_dir) / "tokenizer.json").read_text())
     writer = gguf.GGUFWriter(str(path), kind)
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    rope = config.get("rope_parameters") or {}
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_head_count(config["num_attention_heads"])
-    writer.add_head_count_kv(config["num_key_value_heads"])
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    if kind == "gemma3":  # as llama.cpp's Gemma3Model writes it
-        rope = rope["full_attention"]
-        writer.add_sliding_window(config["sliding_window"])
-        writer.add_sliding_window_pattern([t == "sliding_attention" for t in config["layer_types"]])
-        if rope.get("rope_type") == "linear":
-            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-            writer.add_rope_scaling_factor(rope["factor"])
-    writer.add_rope_freq_base(rope.get("rope_theta") or config.get("rope_theta") or 10000.0)
+    _write_gguf_hparams(writer, config, kind)
     _write_gguf_tokenizer(writer, spec, config)
-    experts = config.get("num_local_experts") or config.get("num_experts") or 0
-    if experts:
-        writer.add_expert_count(experts)
-        writer.add_expert_used_count(config["num_experts_per_tok"])
-        if "moe_intermediate_size" in config:
-            writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
     arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == kind)
     names = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
     stacks: dict[str, dict[int, Any]] = {}
@@ -356,6 +332,37 @@ def write_tiny_gguf(model_dir: str, path: str | os.PathLike[str], kind: str) -> 
     writer.write_tensors_to_file()
     writer.close()
     return str(path)
+
+
+def _write_gguf_hparams(writer: Any, config: dict[str, Any], kind: str) -> None:
+    """The model's shape as llama.cpp's converter writes it for `kind`."""
+    import gguf
+
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    rope = config.get("rope_parameters") or {}
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    if kind == "gemma3":  # as llama.cpp's Gemma3Model writes it
+        rope = rope["full_attention"]
+        writer.add_sliding_window(config["sliding_window"])
+        writer.add_sliding_window_pattern([t == "sliding_attention" for t in config["layer_types"]])
+        if rope.get("rope_type") == "linear":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(rope["factor"])
+    writer.add_rope_freq_base(rope.get("rope_theta") or config.get("rope_theta") or 10000.0)
+    experts = config.get("num_local_experts") or config.get("num_experts") or 0
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        if "moe_intermediate_size" in config:
+            writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
 
 
 def _write_gguf_tokenizer(writer: Any, spec: dict[str, Any], config: dict[str, Any]) -> None:
