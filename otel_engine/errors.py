@@ -54,11 +54,13 @@ class EngineDeadError(OtelEngineError):
         failed_process: str = "",
         traceback: str = "",
         crash_context: dict[str, str] | None = None,
+        location: str = "",
     ) -> None:
         super().__init__(message)
         self.message = message
         self.cause_type = cause_type
         self.failed_process = failed_process
+        self.location = location  # `ErrorInfo.location`: safe for clients
         self.traceback = traceback
         self.crash_context = crash_context or {}  # W3C context of the span with the crash
 

@@ -17,6 +17,9 @@ CORE_IDLE_POLL_S = 0.2  # an idle engine core checks its workers' health this of
 GRAMMAR_POLL_S = 0.002  # an idle engine core building a grammar checks it this often
 WATCHDOG_POLL_MAX_S = 0.5  # the step watchdog looks at least this often (or timeout / 4)
 FAILURE_GRACE_S = 0.3  # after one rank fails, other ranks' reports are collected this long
+RANK_REPORT_WAIT_S = (
+    0.3  # after a step timeout at TP > 1, every worker has this long to say where it is
+)
 FAILED_REPORT_WAIT_S = 1.5  # a rank that exited with code 1 reported first: wait for it
 CRASH_FLUSH_S = 1.0  # the crash dump's telemetry flush before EngineDead is sent
 STALL_GRACE_S = 5.0  # a frozen core (no watchdog report) is given up this much after the timeout
@@ -40,12 +43,13 @@ def watchdog_poll_s(timeouts: TimeoutConfig) -> float:
 
 def hang_to_exit_s(timeouts: TimeoutConfig) -> float:
     """From the start of a step that hangs to the server's exit, at most (with
-    --final-scrape-wait 0): the timeout, the watchdog's look, the crash flush, the front
-    end's poll, one server tick, stopping a child that ignores SIGTERM, and the last
-    telemetry flush."""
+    --final-scrape-wait 0): the timeout, the watchdog's look, asking the workers where they
+    are, the crash flush, the front end's poll, one server tick, stopping a child that
+    ignores SIGTERM, and the last telemetry flush."""
     return (
         timeouts.step_timeout
         + watchdog_poll_s(timeouts)
+        + RANK_REPORT_WAIT_S
         + CRASH_FLUSH_S
         + CORE_OUTPUT_POLL_S
         + SERVER_TICK_S

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from contextlib import contextmanager
 from typing import Any
@@ -22,6 +22,7 @@ from otel_engine.engine.structured_output import GrammarCompiler, RequestGrammar
 from otel_engine.engine.validation import check_request
 from otel_engine.errors import RequestError
 from otel_engine.executor.executor import Executor, failure_info, how_it_failed
+from otel_engine.executor.hang import hang_error, ranks_part
 from otel_engine.ipc.messages import (
     AbortRequests,
     AddRequest,
@@ -31,6 +32,7 @@ from otel_engine.ipc.messages import (
     ModelInput,
     ModelOutput,
     PauseRequests,
+    RankReport,
     RequestRejected,
     RequestUpdate,
     ResumeRequests,
@@ -91,6 +93,7 @@ class EngineCore:
         self.current_step_span: trace.Span | None = None
         self.crash_recorded = False
         self.history = StepHistory(config.observability.crash_history_steps)
+        self.rank_reports: list[RankReport | None] = []  # asked after a step timeout
         logger.info(
             "engine.config",
             extra={"engine_config": crash_dump.engine_config_part(config, self.arch, self.limits)},
@@ -335,6 +338,13 @@ class EngineCore:
         )
         return span
 
+    def hang_error(self, process: str) -> ErrorInfo:
+        """The current step's timeout error, naming the hung rank at TP > 1: the workers
+        are asked where they are (`executor/hang.py`); their answers go into the crash
+        dump's `ranks` part. Called from the thread that gave up on the step."""
+        self.rank_reports = self.executor.ask_ranks()
+        return hang_error(self.current_step_id, self.config, process, self.rank_reports)
+
     def record_crash(self, info: ErrorInfo) -> None:
         """Build the crash dump of the current step and deliver it (span event and log, and
         the --crash-dump-dir file).
@@ -353,24 +363,25 @@ class EngineCore:
             failure = crash_dump.failure_summary(
                 info.process, info.type, info.message, how_it_failed(info)
             )
-            dump = crash_dump.build_dump(
-                {
-                    "scheduler_output": lambda: crash_dump.scheduler_output_part(
-                        self.current_output, self.current_model_input, self.config.model.device
-                    ),
-                    "engine_config": lambda: crash_dump.engine_config_part(
-                        self.config, self.arch, self.limits
-                    ),
-                    "history": self.history.part,
-                    "system_stats": lambda: crash_dump.system_stats_part(
-                        scheduler=self.scheduler,
-                        started_at=self.started_at,
-                        last_step_at=self.last_step_at,
-                        failure=failure,
-                        process_pids=self.executor.process_pids(),
-                    ),
-                }
-            )
+            parts: dict[str, Callable[[], Any]] = {
+                "scheduler_output": lambda: crash_dump.scheduler_output_part(
+                    self.current_output, self.current_model_input, self.config.model.device
+                ),
+                "engine_config": lambda: crash_dump.engine_config_part(
+                    self.config, self.arch, self.limits
+                ),
+                "history": self.history.part,
+                "system_stats": lambda: crash_dump.system_stats_part(
+                    scheduler=self.scheduler,
+                    started_at=self.started_at,
+                    last_step_at=self.last_step_at,
+                    failure=failure,
+                    process_pids=self.executor.process_pids(),
+                ),
+            }
+            if self.rank_reports:
+                parts["ranks"] = lambda: ranks_part(self.rank_reports)
+            dump = crash_dump.build_dump(parts)
             directory = self.config.observability.crash_dump_dir
             path = None
             if directory:

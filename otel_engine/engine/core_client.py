@@ -22,7 +22,7 @@ from otel_engine.config import EngineConfig
 from otel_engine.engine.core import EngineCore
 from otel_engine.engine.core_proc import build_engine_core
 from otel_engine.errors import EngineDeadError, EngineStartupError, FailureCause
-from otel_engine.executor.executor import failure_info, step_timeout_error
+from otel_engine.executor.executor import failure_info
 from otel_engine.ipc.codec import Codec
 from otel_engine.ipc.messages import (
     AbortRequests,
@@ -152,7 +152,7 @@ class InprocClient:
             output: StepOutputs = self._steps.call(step, timeout)
             return output
         except TimeoutError:
-            info = step_timeout_error(core.current_step_id, core.config, "engine_core")
+            info = core.hang_error("engine_core")
             logger.error(
                 "engine.step_timeout", extra={"step": core.current_step_id, "timeout_s": timeout}
             )

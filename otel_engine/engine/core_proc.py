@@ -20,7 +20,7 @@ import zmq
 
 from otel_engine.config import EngineConfig
 from otel_engine.engine.core import EngineCore
-from otel_engine.executor.executor import failure_info, make_executor, step_timeout_error
+from otel_engine.executor.executor import failure_info, make_executor
 from otel_engine.ipc.codec import Codec
 from otel_engine.ipc.messages import (
     AddRequest,
@@ -128,7 +128,7 @@ class StepWatchdog:
             started = core.step_started_at
             if started is None or time.monotonic() - started < self.timeout:
                 continue
-            info = step_timeout_error(core.current_step_id, core.config, PROCESS_NAME)
+            info = core.hang_error(PROCESS_NAME)
             logger.error(
                 "engine.step_timeout",
                 extra={"step": core.current_step_id, "timeout_s": self.timeout},

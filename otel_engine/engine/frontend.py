@@ -32,6 +32,7 @@ def dead_error(dead: EngineDead) -> EngineDeadError:
         failed_process=info.process,
         traceback=info.traceback,
         crash_context=dict(dead.trace_context),
+        location=info.location,
     )
 
 

@@ -80,10 +80,15 @@ def from_request_error(error: RequestError) -> APIError:
 
 
 def from_engine_dead(error: EngineDeadError) -> APIError:
-    """500 naming the cause class and the failed process, never the traceback."""
+    """500 naming the cause class, the failed process and, for a hung rank, where it hung;
+    never the exception's message or traceback."""
     where = f" in {error.failed_process}" if error.failed_process else ""
+    location = f": {error.location}" if error.location else ""
     return APIError(
-        500, f"engine failed: {error.cause_type}{where}", type=INTERNAL, code="engine_dead"
+        500,
+        f"engine failed: {error.cause_type}{where}{location}",
+        type=INTERNAL,
+        code="engine_dead",
     )
 
 

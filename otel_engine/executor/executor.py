@@ -19,11 +19,14 @@ import zmq
 
 from otel_engine.config import EngineConfig
 from otel_engine.errors import FailureCause
+from otel_engine.executor.hang import ask_ranks
+from otel_engine.executor.responder import flight_recorder_env
 from otel_engine.ipc.codec import Codec, error_info
 from otel_engine.ipc.messages import (
     ErrorInfo,
     ModelInput,
     ModelOutput,
+    RankReport,
     StopWorker,
     WorkerFailure,
     WorkerRequest,
@@ -101,15 +104,6 @@ def worker_death(workers: list[ChildProcess]) -> tuple[ErrorInfo, int | None]:
     return info, worker.exitcode
 
 
-def step_timeout_error(step_id: int, config: EngineConfig, process: str) -> ErrorInfo:
-    timeout = config.timeouts.step_timeout
-    return ErrorInfo(
-        type=FailureCause.STEP_TIMEOUT,
-        message=f"step {step_id} made no progress in {timeout:g} s (see --step-timeout)",
-        process=process,
-    )
-
-
 class UniprocExecutor:
     """The model runs right here (TP=1)."""
 
@@ -132,6 +126,10 @@ class UniprocExecutor:
 
     def check_health(self, next_step: int | None = None) -> None:
         """Nothing to watch: a failure raises in `execute` itself."""
+
+    def ask_ranks(self) -> list[RankReport | None]:
+        """No workers to ask: the hang is in this process."""
+        return []
 
     def kill(self) -> None:
         """No child processes to kill."""
@@ -162,13 +160,14 @@ class MultiprocExecutor:
         self._monitor: threading.Thread | None = None
         self._results = self._context.socket(zmq.PULL)
         self._results.bind(ipc_dir.address("worker-out"))
+        self._probe_addresses = [ipc_dir.address(f"worker-probe-{r}") for r in range(self.tp_size)]
         dist_init = f"tcp://127.0.0.1:{free_tcp_port()}"
         for rank in range(self.tp_size):
             socket = self._context.socket(zmq.PUSH)
             address = ipc_dir.address(f"worker-in-{rank}")
             socket.bind(address)
             self._inputs.append(socket)
-        worker_env = spawn_env(config)
+        worker_env = {**spawn_env(config), **flight_recorder_env()}
         try:
             for rank in range(self.tp_size):
                 self.workers.append(
@@ -180,6 +179,7 @@ class MultiprocExecutor:
                         dist_init,
                         ipc_dir.address(f"worker-in-{rank}"),
                         ipc_dir.address("worker-out"),
+                        self._probe_addresses[rank],
                         role="worker",
                         rank=rank,
                         env=worker_env,
@@ -247,6 +247,10 @@ class MultiprocExecutor:
             )
             raise WorkerError(self._failure)
         return message
+
+    def ask_ranks(self) -> list[RankReport | None]:
+        """Every worker's answer to where it is (`hang.ask_ranks`), from any thread."""
+        return ask_ranks(self._context, self._probe_addresses)
 
     def process_pids(self) -> dict[str, int | None]:
         pids: dict[str, int | None] = {"engine_core": os.getpid()}

@@ -20,6 +20,7 @@ from opentelemetry.trace import Status, StatusCode
 
 from otel_engine.config import EngineConfig
 from otel_engine.executor.model_runner import ModelRunner
+from otel_engine.executor.responder import Responder
 from otel_engine.ipc.codec import Codec, error_info
 from otel_engine.ipc.messages import (
     ModelInput,
@@ -48,6 +49,7 @@ def run_worker(
     dist_init: str,
     input_address: str,
     output_address: str,
+    probe_address: str,
 ) -> None:
     """Process target of `otel-worker-{rank}`."""
     config = EngineConfig.decode(config_bytes)
@@ -70,9 +72,11 @@ def run_worker(
     inputs.connect(input_address)
     outputs = context.socket(zmq.PUSH)
     outputs.connect(output_address)
+    responder = Responder(rank, probe_address)
     channel.ready()
     logger.info("worker.ready", extra={"rank": rank})
-    _busy_loop(runner, rank, inputs, outputs)
+    _busy_loop(runner, rank, inputs, outputs, responder)
+    responder.stop()
     inputs.close(linger=0)
     outputs.close(linger=1000)
     context.term()
@@ -80,7 +84,9 @@ def run_worker(
     shutdown_telemetry(timeout_s=TELEMETRY_FLUSH_S)
 
 
-def _busy_loop(runner: ModelRunner, rank: int, inputs: zmq.Socket, outputs: zmq.Socket) -> None:
+def _busy_loop(
+    runner: ModelRunner, rank: int, inputs: zmq.Socket, outputs: zmq.Socket, responder: Responder
+) -> None:
     requests: Codec[WorkerRequest] = Codec(WorkerRequest)
     responses: Codec[WorkerResponse] = Codec(WorkerResponse)
     tracer = get_tracer()
@@ -99,6 +105,7 @@ def _busy_loop(runner: ModelRunner, rank: int, inputs: zmq.Socket, outputs: zmq.
                     "otel_engine.worker.rank": rank,
                 },
             )
+        responder.step_id = message.step_id
         try:
             maybe_inject(
                 "worker",
@@ -123,6 +130,7 @@ def _busy_loop(runner: ModelRunner, rank: int, inputs: zmq.Socket, outputs: zmq.
             outputs.context.term()
             shutdown_telemetry(timeout_s=TELEMETRY_FLUSH_S)
             os._exit(1)
+        responder.step_id = None
         if span is not None:
             span.end()
         if rank == 0:

@@ -22,6 +22,9 @@ class ErrorInfo(msgspec.Struct, frozen=True):
     message: str
     traceback: str = ""
     process: str = ""  # e.g. "engine_core", "worker-1"
+    # Where it is known to have failed, built from stack frames only (no message text), so
+    # safe to show clients: "rank 1 hung in maybe_inject at otel_engine/...py:118".
+    location: str = ""
 
 
 class EngineLimits(msgspec.Struct, frozen=True, array_like=True):
@@ -257,3 +260,30 @@ class WorkerFailure(msgspec.Struct, frozen=True, tag="worker_failure", array_lik
 
 
 WorkerResponse = ModelOutput | WorkerFailure
+
+# ---- Engine core <-> a worker's responder thread, after a step timeout ------------------
+
+
+class StackFrame(msgspec.Struct, frozen=True, array_like=True):
+    """One frame of a thread's Python stack: where, never what (no locals, no source)."""
+
+    file: str
+    line: int
+    function: str
+
+
+class RankReport(msgspec.Struct, frozen=True):
+    """What a worker says of itself when the core asks after a step timeout.
+
+    `last_enqueued_collective` / `last_completed_collective`: the sequence ids of its process
+    group's collectives from PyTorch's Flight Recorder (-1: none yet, or no recorder);
+    `last_collective`: the newest one's name (e.g. "gloo:all_reduce"); `step_id`: the step
+    its busy loop is executing (None between steps); `stack`: its main thread, innermost
+    frame last."""
+
+    rank: int
+    step_id: int | None
+    last_enqueued_collective: int
+    last_completed_collective: int
+    last_collective: str
+    stack: list[StackFrame]

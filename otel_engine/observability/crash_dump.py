@@ -34,7 +34,7 @@ MAX_LIST_ITEMS = 256  # block ids and other lists of safe numbers are cut here
 
 # Policies a type declares in `__crash_dump__ = {field: rule}`:
 VALUE = "value"  # a number, bool, enum or identifier: dumped as is
-COUNT = "count"  # a sequence: only its length
+COUNT = "count"  # a sequence: only its length (None stays None)
 IS_SET = "is_set"  # only whether it holds something
 NESTED = "nested"  # another object with its own policy (None stays None)
 DIGEST = "digest"  # text: its size in bytes and a short SHA-256, never the text
@@ -71,7 +71,7 @@ def _apply(rule: Rule, value: Any) -> Any:
     if rule == VALUE:
         return _scalar(value)
     if rule == COUNT:
-        return len(value)
+        return None if value is None else len(value)
     if rule == IS_SET:
         return bool(value) if not isinstance(value, (int, float)) else True
     if rule == NESTED:
@@ -500,6 +500,8 @@ def _report(
         "otel_engine.crash.failed_rank": -1 if rank is None else rank,
         "otel_engine.crash.reason": reason,
     }
+    if dump.get("ranks") is not None:
+        attributes["otel_engine.crash.ranks"] = to_json(dump.get("ranks"))
     if dump_path is not None:
         attributes["otel_engine.crash.dump_path"] = dump_path
     try:
@@ -520,6 +522,7 @@ def _report(
         "engine_config": dump.get("engine_config"),
         "system_stats": dump.get("system_stats"),
         "history": dump.get("history"),
+        "ranks": dump.get("ranks"),
         "failed_process": failure.get("process"),
         "failed_rank": rank,
         "reason": reason,

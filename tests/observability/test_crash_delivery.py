@@ -77,7 +77,7 @@ SCENARIOS = [
     ),
     Scenario(
         "step-timeout-tp2", 2, f"worker:hang:rank=1:step={FAULT_STEP}", None, "INFO",
-        "StepTimeout", ("engine_core",), None, "timeout", step_timeout=3.0,
+        "StepTimeout", ("otel-worker-1",), 1, "timeout", step_timeout=3.0,  # the hung rank
     ),
     Scenario(
         "watchdog-timeout", 1, f"worker:hang:step={FAULT_STEP}", None, "DEBUG",

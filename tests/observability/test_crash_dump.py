@@ -131,6 +131,7 @@ def test_request_dump_has_counts_and_safe_fields_only() -> None:
     assert CANARY not in to_json(dump)
     assert numbers_in(dump).isdisjoint([424242, *CANARY_IDS, 907, 908])
     assert "unlisted_fields" not in dump
+    assert dump["prompt_logprobs"] is None  # a counted field that is unset: no error in its place
 
 
 def test_request_dump_shows_cached_tokens_but_never_block_hashes() -> None:
