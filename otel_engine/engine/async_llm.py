@@ -197,13 +197,12 @@ class AsyncLLM:
         """From the output thread: queue `output` for the event loop and make sure a drain
         is scheduled (one at a time; a duplicate only finds nothing to do)."""
         self._undelivered.append(output)
-        if self._drain_scheduled:
+        loop = self._loop
+        if self._drain_scheduled or loop is None or loop.is_closed():
             return
         self._drain_scheduled = True
-        loop = self._loop
-        if loop is not None and not loop.is_closed():
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(self._drain)
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+            loop.call_soon_threadsafe(self._drain)
 
     def _drain(self) -> None:
         """In the event loop: hand out queued steps in order, for at most

@@ -226,3 +226,40 @@ def test_every_step_reaches_the_step_listeners(
     real_steps = [s for s in steps if s.step_id > 0]
     assert -(-len(prompt) // 16) == len(real_steps)
     assert [16] * (len(real_steps) - 1) == [s.num_scheduled_tokens for s in real_steps[:-1]]
+
+
+def test_a_backlog_of_steps_leaves_the_event_loop_room_in_between(
+    engine: AsyncLLM, run: Callable[[Any], Any]
+) -> None:
+    """Steps that piled up while the server was starved (here 40, each taking 3 ms in a
+    listener) are handed out in order, but in slices of about `DELIVER_BUDGET_S`: a socket
+    callback scheduled behind them runs after a few steps, not after all 40."""
+    import time
+
+    from otel_engine.engine.async_llm import DELIVER_BUDGET_S
+
+    seen: list[object] = []
+
+    def slow_listener(step: StepOutputs) -> None:
+        if step.step_id > 10_000:  # not a frame of the engine's own
+            time.sleep(0.003)
+            seen.append(step.step_id)
+
+    async def pile_up() -> None:
+        for step_id in range(1, 41):
+            engine._hand_over(StepOutputs(step_id=10_000 + step_id, updates=[]))
+        asyncio.get_running_loop().call_soon(seen.append, "socket")
+
+    run(collect(engine, [1, 2, 3], greedy(max_tokens=1), "binds-the-loop"))
+    engine.add_step_listener(slow_listener)
+    try:
+        run(pile_up())
+        deadline = time.monotonic() + 10
+        while len(seen) < 41 and time.monotonic() < deadline:
+            run(asyncio.sleep(0.01))
+    finally:
+        engine._step_listeners.remove(slow_listener)
+
+    steps = [s for s in seen if s != "socket"]
+    assert [10_000 + i for i in range(1, 41)] == steps
+    assert seen.index("socket") <= 2 * DELIVER_BUDGET_S / 0.003 + 1

@@ -152,3 +152,48 @@ def test_a_hung_rank_is_named_to_every_client_and_in_the_dump(
     [crash_line] = [r for r in server.json_lines() if r.get("event") == "engine_crash_dump"]
     assert rank == crash_line["failed_rank"]
     assert crash_line["ranks"] == ranks
+
+
+def test_ask_ranks_answers_for_a_live_responder_and_none_for_a_silent_rank(
+    tmp_path: Path,
+) -> None:
+    """A real responder thread answers with its main thread's frames (this test's, here) and
+    no collective (no process group); a rank whose socket nobody serves is None once the
+    one deadline passed, without holding up the answer of the other."""
+    import threading
+    import time
+
+    import zmq
+
+    from otel_engine.executor.hang import ask_ranks
+    from otel_engine.executor.responder import Responder
+
+    live, silent = f"ipc://{tmp_path}/live", f"ipc://{tmp_path}/silent"
+    responder = Responder(0, live)
+    responder.step_id = 7
+    context = zmq.Context()
+    try:
+        started = time.monotonic()
+        reports = ask_ranks(context, [live, silent], timeout_s=0.3)
+        waited = time.monotonic() - started
+    finally:
+        context.term()
+        responder.stop()
+
+    [answer, none] = reports
+    assert none is None
+    assert answer is not None
+    assert (0, 7, -1, -1) == (
+        answer.rank,
+        answer.step_id,
+        answer.last_enqueued_collective,
+        answer.last_completed_collective,
+    )
+    assert threading.current_thread() is threading.main_thread()
+    [here] = [
+        f
+        for f in answer.stack
+        if f.function == "test_ask_ranks_answers_for_a_live_responder_and_none_for_a_silent_rank"
+    ]
+    assert "tests/failures/test_hung_rank.py" == here.file  # relative: no machine's paths
+    assert 0.3 <= waited < 1.0

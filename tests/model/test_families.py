@@ -336,3 +336,25 @@ def test_gemma3_gguf_keys_llama_cpp_leaves_out_get_its_values(layers: int, scala
         "full_attention"
     ]
     assert 10_000.0 == config["rope_parameters"]["sliding_attention"]["rope_theta"]
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        ({"sliding_window": None}, "without gemma3.attention.sliding_window"),
+        ({"pattern": [True, False, True]}, "3 sliding-window flags for 4 layers"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "'yarn' RoPE scaling"),
+    ],
+)
+def test_a_gemma3_gguf_the_model_cannot_run_as_written_is_refused(
+    change: dict[str, Any], words: str
+) -> None:
+    """No sliding window, a per-layer pattern of the wrong length, or a RoPE scaling Gemma 3
+    does not use: refused with what is wrong, not run as something else."""
+    from otel_engine.model.loader import _gemma3_gguf_config
+
+    pattern = change.pop("pattern", None)
+    base = {"num_hidden_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "head_dim": 32}
+    base |= {"sliding_window": 16, "rope_theta": 1e6, "rope_scaling": None, **change}
+    with pytest.raises(ValueError, match=words):
+        _gemma3_gguf_config(base, pattern)
