@@ -40,33 +40,30 @@ def ask_ranks(
     """Every rank's `RankReport`, None for a rank that did not answer within `timeout_s`
     (all asked at once, one deadline). Never raises."""
     codec: Codec[RankReport] = Codec(RankReport)
-    sockets: list[zmq.Socket | None] = []
+    sockets: list[zmq.Socket] = []
     reports: list[RankReport | None] = [None] * len(addresses)
     try:
+        poller = zmq.Poller()
         for address in addresses:
             socket = context.socket(zmq.REQ)
             socket.setsockopt(zmq.LINGER, 0)
             socket.connect(address)
             socket.send(b"where")
             sockets.append(socket)
-        poller = zmq.Poller()
-        for socket in sockets:
             poller.register(socket, zmq.POLLIN)
         deadline = time.monotonic() + timeout_s
-        waiting = set(range(len(sockets)))
+        waiting = dict(enumerate(sockets))
         while waiting and (left := deadline - time.monotonic()) > 0:
             ready = dict(poller.poll(int(left * 1000) + 1))
-            for rank in list(waiting):
-                socket = sockets[rank]
-                if socket is not None and socket in ready:
+            for rank, socket in list(waiting.items()):
+                if socket in ready:
                     reports[rank] = _decode(codec, socket.recv())
-                    waiting.discard(rank)
+                    del waiting[rank]
     except zmq.ZMQError:
-        pass
+        pass  # what was answered so far stands
     finally:
         for socket in sockets:
-            if socket is not None:
-                socket.close(linger=0)
+            socket.close(linger=0)
     return reports
 
 

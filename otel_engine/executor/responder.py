@@ -94,10 +94,11 @@ class Responder:
 def _last_collective() -> tuple[int, int, str]:
     """(last enqueued, last completed, name of the newest) from the Flight Recorder of this
     process's default group; (-1, -1, "") when it records nothing."""
+    torch = sys.modules.get("torch")  # a worker has it; importing it here would take seconds
+    if torch is None:
+        return -1, -1, ""
     try:
-        import torch
-
-        trace = json.loads(torch._C._distributed_c10d._dump_fr_trace_json())  # type: ignore[attr-defined]
+        trace = json.loads(torch._C._distributed_c10d._dump_fr_trace_json())
     except Exception:
         return -1, -1, ""
     status: dict[str, Any] = next(iter((trace.get("pg_status") or {}).values()), {})
