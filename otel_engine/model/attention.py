@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from otel_engine.model.layers import soft_cap_
+
 
 @dataclass(slots=True)
 class PrefillSeq:
@@ -172,7 +174,7 @@ def decode_attention(
     scores = torch.bmm(qd.reshape(num_kv_heads * batch, group, head_dim), keys.transpose(1, 2))
     scores = scores.view(num_kv_heads, batch, group, max_len).float().mul_(scale)
     if softcap:
-        scores = _softcap(scores, softcap)
+        scores = soft_cap_(scores, softcap)
     probs = torch.softmax(scores.add_(meta.decode_mask if mask is None else mask), dim=-1)
     probs = probs.to(q.dtype)
     context = torch.bmm(probs.view(num_kv_heads * batch, group, max_len), values)
@@ -207,15 +209,11 @@ def prefill_attention(
     scores = torch.bmm(qp, keys.transpose(1, 2)).view(num_kv_heads, group, num_query, -1)
     scores = scores.float().mul_(scale)
     if softcap:
-        scores = _softcap(scores, softcap)
+        scores = soft_cap_(scores, softcap)
     scores = scores.add_(mask)
     probs = torch.softmax(scores, dim=-1).to(q.dtype).view(num_kv_heads, group * num_query, -1)
     context = torch.bmm(probs, values).view(num_kv_heads, group, num_query, head_dim)
     return context.permute(2, 0, 1, 3).reshape(num_query, num_heads, head_dim)
-
-
-def _softcap(scores: torch.Tensor, cap: float) -> torch.Tensor:
-    return scores.div_(cap).tanh_().mul_(cap)
 
 
 def sdpa_prefill(

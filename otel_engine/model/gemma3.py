@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from otel_engine.model.attention import AttentionMetadata
 from otel_engine.model.layer_ops import LayerOps, TorchOps
-from otel_engine.model.layers import RotaryEmbedding, rms_norm_f32
+from otel_engine.model.layers import RotaryEmbedding, rms_norm_f32, soft_cap_
 from otel_engine.model.llama import LlamaLayer, LlamaModel
 
 
@@ -103,5 +103,5 @@ class Gemma3Model(LlamaModel):
         logits = super().compute_logits(hidden)
         cap = self.arch.final_logit_softcapping
         if cap:
-            logits = torch.tanh(logits / cap) * cap
+            logits = soft_cap_(logits, cap)
         return logits

@@ -109,3 +109,8 @@ class RotaryEmbedding:
             return torch.cat((self.apply(x[..., : self.dim], cos, sin), x[..., self.dim :]), -1)
         rotated = torch.cat((-x[..., self.half :], x[..., : self.half]), dim=-1)
         return x * cos + rotated * sin
+
+
+def soft_cap_(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap * tanh(x / cap), in place: Gemma's soft caps on attention scores and logits."""
+    return x.div_(cap).tanh_().mul_(cap)

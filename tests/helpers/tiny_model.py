@@ -206,24 +206,18 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
             "tie_word_embeddings": True,
         },
     ),
-    "gemma2": (
-        "Gemma2Config",
-        "Gemma2ForCausalLM",
-        {
-            "num_hidden_layers": 4,
-            "intermediate_size": 128,
-            "head_dim": 32,
-            "query_pre_attn_scalar": 24,
-            "sliding_window": 16,
-            "layer_types": ["sliding_attention", "full_attention"] * 2,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 1e4},
-            # a cap low enough to change the scores of a random model (Gemma 2 ships 50)
-            "attn_logit_softcapping": 2.0,
-            "final_logit_softcapping": 30.0,
-            "tie_word_embeddings": True,
-        },
-    ),
 }
+# Gemma 2: Gemma 3's tiny shape with one RoPE for every layer and attention soft-capping, at a
+# cap low enough to change the scores of a random model (Gemma 2 ships 50).
+FAMILY_CONFIGS["gemma2"] = (
+    "Gemma2Config",
+    "Gemma2ForCausalLM",
+    {
+        **FAMILY_CONFIGS["gemma3"][2],
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e4},
+        "attn_logit_softcapping": 2.0,
+    },
+)
 
 
 def write_tiny_family(
