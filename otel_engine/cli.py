@@ -79,10 +79,10 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     model.add_argument(
         "--int4",
         choices=INT4,
-        help="auto: when the checkpoint stores weights in 4 bits (GGUF Q4_0/Q4_1) and --kernels "
-        "is auto, steps of up to 8 tokens multiply by them (faster for one or a few streams; "
-        "costs a second copy of the weights, a quarter of their bfloat16 size); off: never "
-        "(default: auto)",
+        help="auto: when the checkpoint stores weights in 4 bits (GGUF Q4_0/Q4_1), --kernels "
+        "is auto and the CPU has AVX-512 BF16, steps of up to 16 tokens multiply by them "
+        "(faster for one or a few streams; costs a second copy of the weights, a quarter of "
+        "their bfloat16 size); off: never (default: auto)",
     )
     model.add_argument(
         "--generation-config",

@@ -343,5 +343,119 @@ static inline vec select_pos(vec x, vec if_pos, vec if_neg) { return x >= 0.0f ?
 DEFINE_KERNELS(float, f32)
 DEFINE_KERNELS(bf16, bf16)
 
+/* ---- 4-bit weights, bfloat16 activations (AVX-512 BF16) -------------------------------------
+ *
+ * out[M, N] (bfloat16) = x[M, K] @ W.T for a matrix stored as a GGUF Q4_0/Q4_1 file stores it:
+ * W[n, k] = d[n, g] * q[n, k] + m[n, g] per group g of 32 weights along a row, q in 0..15.
+ * Per group, with q - 8 exact in bfloat16 (the activations stay as they are):
+ *     sum_k x[k] W[n, k] = d[n, g] * sum_k x[k] (q[n, k] - 8) + (m + 8d)[n, g] * sum_k x[k]
+ * the inner sum by vdpbf16ps in float32, the rest in float32, rounded to bfloat16 once. For a
+ * few rows a step is bound by reading the weights, and these are a quarter of bfloat16's
+ * bytes. Every row is computed the same way whatever the other rows are.
+ *
+ * Packed weights (llama.py `_pack_int4`): per block of 16 output rows of W, per group, 256
+ * bytes: byte (j, c, e) of the j-th 32 bytes holds, for row c, k = 32g + 4j + e in its low
+ * nibble and k = 32g + 4j + 2 + e in its high nibble (j < 8, c < 16, e < 2), so that widened
+ * to 16 bits, each nibble is one half of vdpbf16ps's (k, k + 1) pairs. `params`: per block,
+ * per group, 16 floats d then 16 floats m + 8d. N is a multiple of 16, K of 32. */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#define Q4_GROUP 32
+#define Q4_ROWS 4 /* rows of x per tile; a tile is up to 4 rows by 32 columns of out */
+
+/* ROWS rows of x by BLOCKS (1 or 2) blocks of 16 columns of out; constants where called. */
+static inline __attribute__((always_inline)) void q4_tile(
+    const int ROWS, const int BLOCKS, const bf16 *restrict x, const float *restrict sums,
+    int64_t k, const uint8_t *restrict w, const float *restrict params, bf16 *restrict out,
+    int64_t n) {
+    const int64_t groups = k / Q4_GROUP;
+    /* bfloat16 bits of q - 8 for q = 0..15 (vpermw looks each 16-bit lane up) */
+    const __m512i centred = _mm512_set_epi16(
+        0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000,
+        0xbf80, 0xc000, 0xc040, 0xc080, 0xc0a0, 0xc0c0, 0xc0e0, 0xc100,
+        0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000,
+        0xbf80, 0xc000, 0xc040, 0xc080, 0xc0a0, 0xc0c0, 0xc0e0, 0xc100);
+    const __m512i nibble = _mm512_set1_epi16(0x0f);
+    vec acc[Q4_ROWS][2];
+    for (int r = 0; r < ROWS; r++)
+        for (int b = 0; b < BLOCKS; b++) acc[r][b] = ZERO();
+    for (int64_t g = 0; g < groups; g++) {
+        vec dot[Q4_ROWS][2];
+        for (int r = 0; r < ROWS; r++)
+            for (int b = 0; b < BLOCKS; b++) dot[r][b] = ZERO();
+        for (int j = 0; j < 8; j++) {
+            __m512bh low[2], high[2];
+            for (int b = 0; b < BLOCKS; b++) {
+                const __m512i bytes = _mm512_cvtepu8_epi16(
+                    _mm256_loadu_si256((const __m256i *)(w + (b * groups + g) * 256 + j * 32)));
+                low[b] = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(bytes, nibble), centred);
+                high[b] = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(bytes, 4), centred);
+            }
+            for (int r = 0; r < ROWS; r++) {
+                int32_t pairs[2];
+                memcpy(pairs, x + r * k + g * Q4_GROUP + j * 4, sizeof pairs);
+                const __m512bh first = (__m512bh)_mm512_set1_epi32(pairs[0]);
+                const __m512bh second = (__m512bh)_mm512_set1_epi32(pairs[1]);
+                for (int b = 0; b < BLOCKS; b++) {
+                    dot[r][b] = _mm512_dpbf16_ps(dot[r][b], low[b], first);
+                    dot[r][b] = _mm512_dpbf16_ps(dot[r][b], high[b], second);
+                }
+            }
+        }
+        for (int b = 0; b < BLOCKS; b++) {
+            const float *group = params + (b * groups + g) * 32;
+            const vec d = _mm512_loadu_ps(group), m = _mm512_loadu_ps(group + 16);
+            for (int r = 0; r < ROWS; r++) {
+                acc[r][b] = FMA(dot[r][b], d, acc[r][b]);
+                acc[r][b] = FMA(m, SET(sums[r * groups + g]), acc[r][b]);
+            }
+        }
+    }
+    for (int r = 0; r < ROWS; r++)
+        for (int b = 0; b < BLOCKS; b++) store_bf16(out + r * n + b * 16, acc[r][b], 16);
+}
+
+static void q4_rows(int64_t rows, int blocks, const bf16 *x, const float *sums, int64_t k,
+                    const uint8_t *w, const float *params, bf16 *out, int64_t n) {
+    const int64_t groups = k / Q4_GROUP;
+    int64_t r = 0;
+#define Q4_TILE(ROWS, BLOCKS)                                                                  \
+    q4_tile(ROWS, BLOCKS, x + r * k, sums + r * groups, k, w, params, out + r * n, n)
+    if (blocks == 2) {
+        for (; r + Q4_ROWS <= rows; r += Q4_ROWS) Q4_TILE(4, 2);
+        switch (rows - r) {
+        case 3: Q4_TILE(3, 2); break;
+        case 2: Q4_TILE(2, 2); break;
+        case 1: Q4_TILE(1, 2); break;
+        }
+    } else {
+        for (; r + Q4_ROWS <= rows; r += Q4_ROWS) Q4_TILE(4, 1);
+        switch (rows - r) {
+        case 3: Q4_TILE(3, 1); break;
+        case 2: Q4_TILE(2, 1); break;
+        case 1: Q4_TILE(1, 1); break;
+        }
+    }
+#undef Q4_TILE
+}
+
+/* sums: scratch for rows * k / 32 floats (each group's sum of x) */
+void q4_linear_bf16(bf16 *restrict out, const bf16 *restrict x, const uint8_t *restrict w,
+                    const float *restrict params, float *restrict sums, int64_t rows, int64_t n,
+                    int64_t k) {
+    const int64_t groups = k / Q4_GROUP, blocks = n / 16, pairs = (blocks + 1) / 2;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t g = 0; g < groups; g++) {
+            const bf16 *at = x + r * k + g * Q4_GROUP;
+            sums[r * groups + g] = _mm512_reduce_add_ps(ADD(load_bf16(at, 16), load_bf16(at + 16, 16)));
+        }
+    _Pragma("omp parallel for schedule(static) if (pairs > 1)")
+    for (int64_t pair = 0; pair < pairs; pair++) {
+        const int64_t block = 2 * pair;
+        q4_rows(rows, block + 1 < blocks ? 2 : 1, x, sums, k, w + block * groups * 256,
+                params + block * groups * 32, out + block * 16, n);
+    }
+}
+#endif
+
 /* The largest block size decode_attention takes (the Python side checks it). */
 int64_t otel_kernels_max_block_size(void) { return MAX_BLOCK_SIZE; }

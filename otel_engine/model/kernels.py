@@ -37,6 +37,10 @@ SIGNATURES: dict[str, list[type]] = {
     "silu_mul": [_P, _P, _I, _I],
 }
 SUFFIXES = ("f32", "bf16")
+# Built only where the CPU has what they need (AVX-512 BF16); absent from the library elsewhere.
+OPTIONAL_SIGNATURES: dict[str, list[type]] = {
+    "q4_linear_bf16": [_P, _P, _P, _P, _P, _I, _I, _I],
+}
 
 
 def _cache_dir() -> Path:
@@ -97,6 +101,11 @@ def load() -> ctypes.CDLL | None:
     for name, argtypes in SIGNATURES.items():
         for suffix in SUFFIXES:
             function = getattr(library, f"{name}_{suffix}")
+            function.argtypes = argtypes
+            function.restype = None
+    for name, argtypes in OPTIONAL_SIGNATURES.items():
+        function = getattr(library, name, None)
+        if function is not None:
             function.argtypes = argtypes
             function.restype = None
     library.otel_kernels_max_block_size.restype = ctypes.c_int64

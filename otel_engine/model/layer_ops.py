@@ -13,6 +13,7 @@ residual `delta` into `hidden` in place (the residual stream is owned by the for
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -64,6 +65,8 @@ class TorchOps:
 
     # prefill masks for `sdpa_prefill` (boolean) rather than `prefill_attention` (additive)
     prefill_sdpa = False
+    # the compiled 4-bit matmul (`LlamaModel.load_int4`), where there is one
+    q4_linear: Callable[..., None] | None = None
 
     def build_metadata(
         self,
@@ -198,6 +201,8 @@ class KernelOps(TorchOps):
         self._rope_and_cache = getattr(library, f"rope_and_cache_{suffix}")
         self._decode_attention = getattr(library, f"decode_attention_{suffix}")
         self._silu_mul = getattr(library, f"silu_mul_{suffix}")
+        if dtype == torch.bfloat16:  # absent where the CPU has no AVX-512 BF16
+            self.q4_linear = getattr(library, "q4_linear_bf16", None)
         half = head_dim // 2
         # [max_positions, head_dim] float32: cos of each frequency, then its sin
         self._cos_sin = torch.cat(

@@ -11,15 +11,17 @@ With `kernels="auto"` on CPU the weights are prepacked once for oneDNN (which us
 AVX-512 where the CPU has them) and the rest of each layer runs in the compiled kernels
 (`layer_ops.KernelOps`); `kernels="torch"` keeps plain `F.linear` and torch ops, the
 reference that the tests compare the fast path with. A checkpoint stored in 4 bits (a GGUF
-Q4_0/Q4_1, the default model) can also keep its 4-bit weights (`load_int4`): steps of at
-most `INT4_MAX_ROWS` tokens then multiply by them (4x fewer bytes to read: a decode step of
-one sequence is bound by reading the weights), larger ones by the bfloat16 weights.
+Q4_0/Q4_1, the default model) also keeps its 4-bit weights (`load_int4`): steps of at most
+`INT4_MAX_ROWS` tokens multiply by them in the compiled kernel (`q4_linear_bf16` in
+cpu_kernels.c, on CPUs with AVX-512 BF16; 4x fewer bytes to read, and a decode step of a few
+sequences is bound by reading the weights), larger ones by the bfloat16 weights.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -33,10 +35,10 @@ from otel_engine.model.loader import INT4_GROUP, Int4Tensor, ModelArch
 from otel_engine.model.moe import MoeWeights, moe_forward
 
 Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
-Int4Weight = tuple[torch.Tensor, torch.Tensor]  # packed 4-bit values, [groups, N, 2] scale/zero
-# Up to this many rows a 4-bit matmul beats oneDNN bfloat16 on the default model (measured:
-# 5.9 vs 17.7 ms for the 30 layers at 1 row, 15.3 vs 16.3 at 8, 26 vs 16 at 16).
-INT4_MAX_ROWS = 8
+# Up to this many rows the 4-bit kernel beats oneDNN bfloat16 on the default model (30 layers,
+# weights in cache: 0.95 vs 2.95 ms at 1 row, 2.96 vs 3.94 at 8, 5.9 vs 5.5 at 16, 11.0 vs
+# 9.3 at 32; bench/throughput.py at batch 32: 781 tok/s with it for 32-row steps, 809 without).
+INT4_MAX_ROWS = 16
 
 
 def _packed_linear(
@@ -45,21 +47,39 @@ def _packed_linear(
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
+@dataclass(frozen=True)
+class Int4Weight:
+    """A fused matrix [rows, cols] in 4 bits, in `q4_linear_bf16`'s layout (cpu_kernels.c):
+    `packed` uint8 [rows / 16, groups, 256] (two weights a byte); `params` float32 [rows /
+    16, groups, 2, 16]: each group's scale d, then its offset m + 8d, for 16 rows."""
+
+    packed: torch.Tensor
+    params: torch.Tensor
+    rows: int
+    cols: int
+
+
 def _pack_int4(
     parts: list[Int4Tensor], shard: Callable[[torch.Tensor], torch.Tensor]
 ) -> Int4Weight | None:
-    """Fused rows of 4-bit matrices, this rank's shard, in the CPU int4 kernel's layout (its
-    formula is (q - 8) * scale + zero, so zero = offset + 8 * scale); None if it does not fit
-    (a shard's columns must hold whole groups, its rows a multiple of 16)."""
+    """Fused rows of 4-bit matrices, this rank's shard, laid out for the kernel; None if it
+    does not fit (a shard's columns must hold whole groups, its rows a multiple of 16)."""
     q = torch.cat([shard(p.q) for p in parts])
-    scale = torch.cat([shard(p.scale) for p in parts])
-    offset = torch.cat([shard(p.offset) for p in parts])
-    if q.shape[1] != scale.shape[1] * INT4_GROUP or q.shape[0] % 16:
+    scale = torch.cat([shard(p.scale) for p in parts]).float()
+    offset = torch.cat([shard(p.offset) for p in parts]).float()
+    rows, cols = q.shape
+    groups = scale.shape[1]
+    if cols != groups * INT4_GROUP or rows % 16:
         return None
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 2)
-    zero = offset + 8 * scale
-    scales = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()
-    return packed, scales.to(torch.bfloat16)
+    # k = 32 group + 4 j + 2 nibble + e:
+    # [blocks, 16 rows, groups, j, nibble, e] -> [blocks, groups, j, 16 rows, e, nibble]
+    nibbles = q.view(rows // 16, 16, groups, 8, 2, 2).permute(0, 2, 3, 1, 5, 4)
+    packed = (nibbles[..., 0] | (nibbles[..., 1] << 4)).reshape(rows // 16, groups, 256)
+    per_block = [
+        t.view(rows // 16, 16, groups).transpose(1, 2) for t in (scale, offset + 8 * scale)
+    ]
+    params = torch.stack(per_block, dim=2).contiguous()
+    return Int4Weight(packed.contiguous(), params, rows, cols)
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:
@@ -145,6 +165,7 @@ class LlamaModel:
         # oneDNN's prepacked weights go with the compiled kernels (CPU, float32/bfloat16)
         self.is_packed = isinstance(self.ops, KernelOps) and torch.backends.mkldnn.is_available()
         self.linear: Linear = _packed_linear if self.is_packed else F.linear
+        self._int4_scratch = torch.empty(0)  # the 4-bit kernel's sums of x per group
 
     def _make_ops(self, kernels: str, block_size: int, max_positions: int | None) -> LayerOps:
         if self.rotary.dim != self.head_dim:  # the kernels rotate whole heads
@@ -259,8 +280,11 @@ class LlamaModel:
 
     def load_int4(self, weights: dict[str, Int4Tensor]) -> str | None:
         """Keep 4-bit copies of every layer's matrices from the checkpoint's 4-bit tensors
-        (this rank's shard). Returns why not (and changes nothing) when some matrix has no
-        4-bit form or its shard does not fit the kernel."""
+        (this rank's shard), for steps of at most `INT4_MAX_ROWS` rows. Returns why not (and
+        changes nothing) when the kernel is not there, some matrix has no 4-bit form or its
+        shard does not fit the kernel."""
+        if self.ops.q4_linear is None:
+            return "the 4-bit kernel needs the compiled kernels, bfloat16 and AVX-512 BF16"
         fused = {
             "qkv4": (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), self._rows),
             "o_proj4": (("self_attn.o_proj",), self._cols),
@@ -330,10 +354,26 @@ class LlamaModel:
         int4: Int4Weight | None,
         bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if int4 is not None and x.shape[0] <= INT4_MAX_ROWS:
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, int4[0], INT4_GROUP, int4[1])
-            return out if bias is None else out.add_(bias)
-        return self.linear(x, weight, bias)
+        if int4 is None or x.shape[0] > INT4_MAX_ROWS:
+            return self.linear(x, weight, bias)
+        rows = x.shape[0]
+        x = x.contiguous()
+        out = torch.empty((rows, int4.rows), dtype=x.dtype)
+        need = rows * (int4.cols // INT4_GROUP)
+        if self._int4_scratch.numel() < need:
+            self._int4_scratch = torch.empty(need, dtype=torch.float32)
+        assert self.ops.q4_linear is not None
+        self.ops.q4_linear(
+            out.data_ptr(),
+            x.data_ptr(),
+            int4.packed.data_ptr(),
+            int4.params.data_ptr(),
+            self._int4_scratch.data_ptr(),
+            rows,
+            int4.rows,
+            int4.cols,
+        )
+        return out if bias is None else out.add_(bias)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

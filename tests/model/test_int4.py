@@ -1,6 +1,7 @@
-"""The default model's own 4-bit weights (GGUF Q4_1): stored and reloaded exactly, laid out
-for torch's int4 kernel with scale d and zero m + 8d, and used by small steps with greedy
-output close to the bfloat16 path's."""
+"""The default model's own 4-bit weights (GGUF Q4_1): stored and reloaded exactly, multiplied
+by the compiled 4-bit kernel (`q4_linear_bf16`) as d * (q - 8) + (m + 8d) within bfloat16
+rounding, for every shape a tensor-parallel shard or a step can give it, and used by small
+steps with greedy output that leaves the bfloat16 path's only at near-ties."""
 
 from __future__ import annotations
 
@@ -9,8 +10,17 @@ import torch
 
 from otel_engine import LLM, SamplingParams
 from otel_engine.engine.core_client import InprocClient
-from otel_engine.model.llama import INT4_MAX_ROWS, _pack_int4
-from otel_engine.model.loader import INT4_GROUP, iter_int4, iter_weights, prepare_model_dir
+from otel_engine.model import kernels
+from otel_engine.model.llama import INT4_MAX_ROWS, Int4Weight, LlamaModel, _pack_int4
+from otel_engine.model.loader import (
+    INT4_GROUP,
+    Int4Tensor,
+    iter_int4,
+    iter_weights,
+    load_model_arch,
+    prepare_model_dir,
+)
+from otel_engine.outputs import CompletionOutput
 
 pytestmark = pytest.mark.slow  # starts servers or engine processes
 
@@ -54,22 +64,102 @@ def test_4bit_weights_are_the_dequantized_weights(model_dir: str, name: str) -> 
     assert int(int4.q.max()) <= 15
 
 
+def _dequantized(int4: Int4Tensor) -> torch.Tensor:
+    return (_expand(int4.scale) * int4.q.float() + _expand(int4.offset)).double()
+
+
+def _q4_linear(x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
+    library = kernels.load()
+    assert library is not None
+    if not hasattr(library, "q4_linear_bf16"):
+        pytest.skip("this CPU has no AVX-512 BF16")
+    out = torch.empty((x.shape[0], weight.rows), dtype=torch.bfloat16)
+    sums = torch.empty(x.shape[0] * weight.cols // INT4_GROUP)
+    library.q4_linear_bf16(
+        out.data_ptr(),
+        x.data_ptr(),
+        weight.packed.data_ptr(),
+        weight.params.data_ptr(),
+        sums.data_ptr(),
+        x.shape[0],
+        weight.rows,
+        weight.cols,
+    )
+    return out
+
+
+def _assert_close(out: torch.Tensor, expected: torch.Tensor) -> None:
+    """Within the rounding of the output to bfloat16 (2^-8 relative), plus float32 sums."""
+    error = (out.double() - expected).abs()
+    bound = expected.abs() / 256 + 1e-5 * expected.abs().max()
+    assert bool((error <= bound).all()), float((error - bound).max())
+
+
 def test_int4_kernel_computes_scale_times_q_plus_offset(model_dir: str) -> None:
-    """Packed for the kernel (its formula is (q - 8) * scale + zero, so zero is offset + 8
-    * scale), the matmul equals x @ W.T of the dequantized weight within bfloat16 rounding."""
+    """Packed for the kernel, the default model's MLP matmul equals x @ W.T of the dequantized
+    weight (computed in float64) within the output's bfloat16 rounding, for every row count
+    the 4-bit path takes."""
     int4 = iter_int4(model_dir)["model.layers.0.mlp.gate_proj"]
-    weight = _expand(int4.scale) * int4.q.float() + _expand(int4.offset)
     packed = _pack_int4([int4], lambda t: t)
     assert packed is not None
-    x = torch.randn(INT4_MAX_ROWS, weight.shape[1]).to(torch.bfloat16)
-
-    out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed[0], INT4_GROUP, packed[1])
-
-    expected = x.float() @ weight.T
-    assert (out.float() - expected).abs().max().item() < 0.01 * expected.abs().max().item()
+    for rows in range(1, INT4_MAX_ROWS + 1):
+        x = torch.randn(rows, packed.cols).to(torch.bfloat16)
+        _assert_close(_q4_linear(x, packed), x.double() @ _dequantized(int4).T)
 
 
-def _greedy(int4: str) -> list[list[int]]:
+def test_int4_kernel_shapes_rows_and_non_finite_input() -> None:
+    """Odd blocks of 16 columns, 1..9 rows (every tail of its 4-row tiles), fused parts: each
+    row's result is the same whatever the other rows are (bit for bit), an inf or NaN in a
+    row makes that row non-finite and leaves the others alone."""
+    generator = torch.Generator().manual_seed(0)
+    parts = []
+    for rows in (16, 32):  # fused: 3 blocks of 16 columns of the output
+        q = torch.randint(0, 16, (rows, 96), dtype=torch.uint8, generator=generator)
+        scale = torch.rand(rows, 3, generator=generator) * 0.05
+        offset = -8 * scale + torch.randn(rows, 3, generator=generator) * 0.01
+        parts.append(Int4Tensor(q, scale.to(torch.float16), offset.to(torch.float16)))
+    packed = _pack_int4(parts, lambda t: t)
+    assert packed is not None
+    weight = torch.cat([_dequantized(p) for p in parts])
+    x = (torch.randn(9, 96, generator=generator) * 4).to(torch.bfloat16)
+    full = _q4_linear(x, packed)
+    _assert_close(full, x.double() @ weight.T)
+    for rows in range(1, 9):
+        assert torch.equal(_q4_linear(x[:rows].contiguous(), packed), full[:rows])
+    x[2, 5], x[4, 70] = float("inf"), float("nan")
+    out = _q4_linear(x, packed).float()
+    assert not out[2].isfinite().any()
+    assert not out[4].isfinite().any()
+    assert torch.equal(out[[0, 1, 3, 5, 6, 7, 8]], full[[0, 1, 3, 5, 6, 7, 8]].float())
+
+
+@pytest.mark.parametrize("tp_rank", [0, 2])
+def test_int4_shards_of_the_ranks_match_their_bfloat16_shards(model_dir: str, tp_rank: int) -> None:
+    """At tensor parallel size 3 (the default model's 9 heads and 3 KV heads do not split in
+    2), the first and last rank's 4-bit shard of every fused matrix (q/k/v and
+    gate/up by rows, o_proj and down by columns) gives that rank's bfloat16 shard's product,
+    for a decode row and a 16-row step."""
+    arch = load_model_arch(model_dir)
+    model = LlamaModel(
+        arch, dtype=torch.bfloat16, device=torch.device("cpu"), tp_rank=tp_rank, tp_size=3
+    )
+    model.load_weights(iter_weights(model_dir))
+    dense = {name: getattr(model.layers[7], name) for name in ("qkv", "o_proj", "gate_up", "down")}
+    if model.load_int4(iter_int4(model_dir)) is not None:
+        pytest.skip("no 4-bit kernel on this CPU")
+    layer = model.layers[7]
+    for name, weight in dense.items():
+        int4 = getattr(layer, name + "4")
+        assert int4 is not None
+        for rows in (1, INT4_MAX_ROWS):
+            x = torch.randn(rows, int4.cols).to(torch.bfloat16)
+            reference = model.linear(x, weight, None).double()
+            out = model._linear(x, weight, int4).double()
+            relative = (out - reference).norm() / reference.norm()
+            assert relative < 0.01, (name, rows, float(relative))
+
+
+def _greedy(int4: str) -> list[CompletionOutput]:
     with LLM(dtype="bfloat16", int4=int4) as llm:
         client = llm._frontend.client
         assert isinstance(client, InprocClient)
@@ -84,24 +174,33 @@ def _greedy(int4: str) -> list[list[int]]:
             )
             for p in PROMPTS
         ]
-        params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True, logprobs=5)
         # one request at a time: every decode step has one row, the 4-bit path
-        return [llm.generate([list(c)], params)[0].outputs[0].token_ids for c in chats]
+        return [llm.generate([list(c)], params)[0].outputs[0] for c in chats]
 
 
-def test_4bit_greedy_output_stays_close_to_bfloat16() -> None:
-    """Greedy continuations of the SmolLM2 prompts with the 4-bit weights for single-row
-    steps and with bfloat16 weights only: the first token (from the prefill, bfloat16 on both)
-    is the same, a third of the 32-token continuations are identical (rounding differences
-    change near-ties later, as any change of kernel does), and the 4-bit path still knows the
-    capital of France."""
+def test_4bit_greedy_output_leaves_bfloat16_only_at_near_ties() -> None:
+    """Greedy continuations of the SmolLM2 prompts with the 4-bit weights for small steps
+    and with bfloat16 weights only. The first token (from the prefill, bfloat16 on both) is
+    the same. Where a continuation leaves the other, the two tokens were a near-tie for the
+    bfloat16 path (within 0.5 nats; its logits are bfloat16, 0.125 apart at this size): the
+    4-bit weights are exact where the bfloat16 copy rounds them, and either rounding flips a
+    near-tie. The 4-bit path still knows the capital of France."""
     four_bit, bf16 = _greedy("auto"), _greedy("off")
 
-    first_divergence = [
-        next((i for i, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), NUM_TOKENS)
-        for x, y in zip(four_bit, bf16, strict=True)
-    ]
-    assert min(first_divergence) >= 1, first_divergence
-    assert sum(d == NUM_TOKENS for d in first_divergence) >= len(PROMPTS) // 3, first_divergence
+    for x, y in zip(four_bit, bf16, strict=True):
+        diverged = [
+            i for i, (a, b) in enumerate(zip(x.token_ids, y.token_ids, strict=True)) if a != b
+        ]
+        if not diverged:
+            continue
+        first = diverged[0]
+        assert first >= 1
+        assert y.logprobs is not None
+        position = y.logprobs[first]
+        top = dict(zip(position.top_token_ids, position.top_logprobs, strict=True))
+        chosen = x.token_ids[first]
+        assert chosen in top, (first, chosen, top)
+        assert top[y.token_ids[first]] - top[chosen] <= 0.5, (first, chosen, top)
     with LLM(dtype="bfloat16") as llm:
-        assert "Paris" in llm.tokenizer.decode(four_bit[0])
+        assert "Paris" in llm.tokenizer.decode(four_bit[0].token_ids)
