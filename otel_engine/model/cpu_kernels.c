@@ -223,17 +223,8 @@ static inline __attribute__((always_inline)) void decode_item_##SUFFIX(         
                 __builtin_prefetch((const char *)(values + next) + byte);                        \
             }                                                                                    \
         }                                                                                        \
-        for (int64_t j = 0; j < count; j++) {                                                    \
-            vec dots[group];                                                                     \
-            for (int64_t g = 0; g < group; g++) dots[g] = ZERO();                                \
-            for (int64_t d = 0; d < head_dim; d += LANES) {                                      \
-                const int64_t n = CHUNK(head_dim, d);                                            \
-                const vec k = load_##SUFFIX(kb + j * head_dim + d, n);                           \
-                for (int64_t g = 0; g < group; g++)                                              \
-                    dots[g] = FMA(load_f32(&q[g][d], n), k, dots[g]);                            \
-            }                                                                                    \
-            for (int64_t g = 0; g < group; g++) scores[g][j] = HSUM(dots[g]);                    \
-        }                                                                                        \
+        scores_##SUFFIX(&scores[0][0], block_size, qkv + b * qkv_width + kvh * group * head_dim, \
+                        &q[0][0], kb, count, group, head_dim, scale);                            \
         for (int64_t g = 0; g < group; g++) {                                                    \
             float block_max = -INFINITY;                                                         \
             for (int64_t j = 0; j < count; j++)                                                  \
@@ -251,24 +242,8 @@ static inline __attribute__((always_inline)) void decode_item_##SUFFIX(         
             run_sum[g] = run_sum[g] * rescale + total;                                           \
             rescales[g] = rescale;                                                               \
         }                                                                                        \
-        /* acc = acc * rescale + p @ V: each V row loaded once for every head of the group */   \
-        vec sums[group][chunks];                                                                 \
-        for (int64_t g = 0; g < group; g++)                                                      \
-            for (int64_t c = 0; c < chunks; c++)                                                 \
-                sums[g][c] = MUL(load_f32(&acc[g][c * LANES], CHUNK(head_dim, c * LANES)),       \
-                                 SET(rescales[g]));                                              \
-        for (int64_t j = 0; j < count; j++) {                                                    \
-            vec weights[group];                                                                  \
-            for (int64_t g = 0; g < group; g++) weights[g] = SET(scores[g][j]);                  \
-            for (int64_t c = 0; c < chunks; c++) {                                               \
-                const vec v = load_##SUFFIX(vb + j * head_dim + c * LANES,                       \
-                                            CHUNK(head_dim, c * LANES));                         \
-                for (int64_t g = 0; g < group; g++) sums[g][c] = FMA(weights[g], v, sums[g][c]); \
-            }                                                                                    \
-        }                                                                                        \
-        for (int64_t g = 0; g < group; g++)                                                      \
-            for (int64_t c = 0; c < chunks; c++)                                                 \
-                store_f32(&acc[g][c * LANES], sums[g][c], CHUNK(head_dim, c * LANES));           \
+        values_##SUFFIX(&acc[0][0], &scores[0][0], block_size, rescales, vb, count, group,        \
+                        head_dim);                                                               \
     }                                                                                            \
     for (int64_t g = 0; g < group; g++) {                                                        \
         T *o = out + (b * num_heads + kvh * group + g) * head_dim;                               \
@@ -339,6 +314,189 @@ static inline vec abs_vec(vec x) { return fabsf(x); }
 static inline vec div_vec(vec a, vec b) { return a / b; }
 static inline vec select_pos(vec x, vec if_pos, vec if_neg) { return x >= 0.0f ? if_pos : if_neg; }
 #endif
+
+/* Attention scores of one query head group against `count` cached keys: scores[g * stride +
+ * j] = q_g . k_j * scale. The generic form takes q already scaled, as float32. */
+#define GENERIC_SCORES(T, SUFFIX)                                                                \
+static inline __attribute__((always_inline)) void generic_scores_##SUFFIX(                       \
+    float *restrict scores, int64_t stride, const float *restrict q, const T *restrict kb,       \
+    int64_t count, const int64_t group, const int64_t head_dim) {                                \
+    for (int64_t j = 0; j < count; j++) {                                                        \
+        vec dots[group];                                                                         \
+        for (int64_t g = 0; g < group; g++) dots[g] = ZERO();                                    \
+        for (int64_t d = 0; d < head_dim; d += LANES) {                                          \
+            const int64_t n = CHUNK(head_dim, d);                                                \
+            const vec k = load_##SUFFIX(kb + j * head_dim + d, n);                               \
+            for (int64_t g = 0; g < group; g++)                                                  \
+                dots[g] = FMA(load_f32(q + g * head_dim + d, n), k, dots[g]);                    \
+        }                                                                                        \
+        for (int64_t g = 0; g < group; g++) scores[g * stride + j] = HSUM(dots[g]);              \
+    }                                                                                            \
+}
+GENERIC_SCORES(float, f32)
+GENERIC_SCORES(bf16, bf16)
+
+static inline __attribute__((always_inline)) void scores_f32(
+    float *restrict scores, int64_t stride, const float *restrict q_raw, const float *restrict q,
+    const float *restrict kb, int64_t count, const int64_t group, const int64_t head_dim,
+    float scale) {
+    (void)q_raw;
+    (void)scale;
+    generic_scores_f32(scores, stride, q, kb, count, group, head_dim);
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+/* The sums of 16 vectors, one per lane: lane j = sum of v[j]'s 16 lanes (pairs added
+ * within 128-bit lanes, then the 128-bit lanes across): 45 instructions for 16 sums. */
+static inline vec sum16(const vec v[16]) {
+    vec pairs[8], quads[4], halves[2];
+    for (int i = 0; i < 8; i++) /* per 128-bit lane: [a, b, a, b] partial sums */
+        pairs[i] = ADD(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                       _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) /* per 128-bit lane: [a, b, c, d], each its lane's total */
+        quads[i] = ADD(_mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                       _mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int i = 0; i < 2; i++)
+        halves[i] = ADD(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                        _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return ADD(_mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(2, 0, 2, 0)),
+               _mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+#define MAX_GROUP 8
+#endif
+
+/* acc[g] = acc[g] * rescales[g] + sum_j probs[g * stride + j] * v_j over `count` cached
+ * values: each value row loaded once for every head of the group. */
+#define GENERIC_VALUES(T, SUFFIX)                                                                \
+static inline __attribute__((always_inline)) void generic_values_##SUFFIX(                       \
+    float *restrict acc, const float *restrict probs, int64_t stride,                            \
+    const float *restrict rescales, const T *restrict vb, int64_t count, const int64_t group,    \
+    const int64_t head_dim) {                                                                    \
+    const int64_t chunks = (head_dim + LANES - 1) / LANES;                                       \
+    vec sums[group][chunks];                                                                     \
+    for (int64_t g = 0; g < group; g++)                                                          \
+        for (int64_t c = 0; c < chunks; c++)                                                     \
+            sums[g][c] = MUL(load_f32(acc + g * head_dim + c * LANES, CHUNK(head_dim, c * LANES)), \
+                             SET(rescales[g]));                                                  \
+    for (int64_t j = 0; j < count; j++) {                                                        \
+        vec weights[group];                                                                      \
+        for (int64_t g = 0; g < group; g++) weights[g] = SET(probs[g * stride + j]);             \
+        for (int64_t c = 0; c < chunks; c++) {                                                   \
+            const vec v = load_##SUFFIX(vb + j * head_dim + c * LANES, CHUNK(head_dim, c * LANES)); \
+            for (int64_t g = 0; g < group; g++) sums[g][c] = FMA(weights[g], v, sums[g][c]);     \
+        }                                                                                        \
+    }                                                                                            \
+    for (int64_t g = 0; g < group; g++)                                                          \
+        for (int64_t c = 0; c < chunks; c++)                                                     \
+            store_f32(acc + g * head_dim + c * LANES, sums[g][c], CHUNK(head_dim, c * LANES));   \
+}
+GENERIC_VALUES(float, f32)
+GENERIC_VALUES(bf16, bf16)
+
+static inline __attribute__((always_inline)) void values_f32(
+    float *restrict acc, const float *restrict probs, int64_t stride,
+    const float *restrict rescales, const float *restrict vb, int64_t count, const int64_t group,
+    const int64_t head_dim) {
+    generic_values_f32(acc, probs, stride, rescales, vb, count, group, head_dim);
+}
+
+/* bfloat16 with head_dim 64 and AVX-512 BF16: two value rows at a time by vdpbf16ps, their
+ * bfloat16 elements interleaved (d of row j, d of row j + 1) against the two probabilities
+ * rounded to bfloat16 (as flash attention's P @ V does); float32 sums. Interleaving puts d in
+ * the order [0-3, 8-11, 16-19, 24-27] (low) and [4-7, 12-15, 20-23, 28-31] (high) per 32, so
+ * acc is permuted into that order for the block and back. Otherwise the generic form. */
+static inline __attribute__((always_inline)) void values_bf16(
+    float *restrict acc, const float *restrict probs, int64_t stride,
+    const float *restrict rescales, const bf16 *restrict vb, int64_t count, const int64_t group,
+    const int64_t head_dim) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+    if (head_dim == 64 && group <= MAX_GROUP) {
+        const __m512i to_low = _mm512_set_epi32(27, 26, 25, 24, 19, 18, 17, 16, 11, 10, 9, 8, 3, 2, 1, 0);
+        const __m512i to_high = _mm512_set_epi32(31, 30, 29, 28, 23, 22, 21, 20, 15, 14, 13, 12, 7, 6, 5, 4);
+        const __m512i to_first = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+        const __m512i to_second = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
+        vec sums[MAX_GROUP][4]; /* per head: chunk 0 low, high; chunk 1 low, high */
+        for (int64_t g = 0; g < group; g++) {
+            const vec scale = SET(rescales[g]);
+            for (int c = 0; c < 2; c++) {
+                const vec first = MUL(_mm512_loadu_ps(acc + g * 64 + c * 32), scale);
+                const vec second = MUL(_mm512_loadu_ps(acc + g * 64 + c * 32 + 16), scale);
+                sums[g][2 * c] = _mm512_permutex2var_ps(first, to_low, second);
+                sums[g][2 * c + 1] = _mm512_permutex2var_ps(first, to_high, second);
+            }
+        }
+        for (int64_t j = 0; j < count; j += 2) {
+            const bf16 *row = vb + j * 64;
+            const __m512i a0 = _mm512_loadu_si512(row), a1 = _mm512_loadu_si512(row + 32);
+            /* past the sequence: zeros, never the slot's contents */
+            const __m512i b0 = j + 1 < count ? _mm512_loadu_si512(row + 64) : _mm512_setzero_si512();
+            const __m512i b1 = j + 1 < count ? _mm512_loadu_si512(row + 96) : _mm512_setzero_si512();
+            const __m512bh v[4] = {
+                (__m512bh)_mm512_unpacklo_epi16(a0, b0), (__m512bh)_mm512_unpackhi_epi16(a0, b0),
+                (__m512bh)_mm512_unpacklo_epi16(a1, b1), (__m512bh)_mm512_unpackhi_epi16(a1, b1)};
+            for (int64_t g = 0; g < group; g++) {
+                const float next = j + 1 < count ? probs[g * stride + j + 1] : 0.0f;
+                bf16 pair[2];
+                store1_bf16(&pair[0], probs[g * stride + j]);
+                store1_bf16(&pair[1], next);
+                int32_t bits;
+                memcpy(&bits, pair, sizeof bits);
+                const __m512bh weights = (__m512bh)_mm512_set1_epi32(bits);
+                for (int c = 0; c < 4; c++) sums[g][c] = _mm512_dpbf16_ps(sums[g][c], v[c], weights);
+            }
+        }
+        for (int64_t g = 0; g < group; g++)
+            for (int c = 0; c < 2; c++) {
+                _mm512_storeu_ps(acc + g * 64 + c * 32,
+                                 _mm512_permutex2var_ps(sums[g][2 * c], to_first, sums[g][2 * c + 1]));
+                _mm512_storeu_ps(acc + g * 64 + c * 32 + 16,
+                                 _mm512_permutex2var_ps(sums[g][2 * c], to_second, sums[g][2 * c + 1]));
+            }
+        return;
+    }
+#endif
+    generic_values_bf16(acc, probs, stride, rescales, vb, count, group, head_dim);
+}
+
+/* bfloat16 with head_dim 64 and AVX-512 BF16: q . k by vdpbf16ps on the stored bfloat16 q
+ * and k (exact products, float32 sums), 16 keys at a time with one sum16 per head, then
+ * scaled; otherwise the generic form. */
+static inline __attribute__((always_inline)) void scores_bf16(
+    float *restrict scores, int64_t stride, const bf16 *restrict q_raw, const float *restrict q,
+    const bf16 *restrict kb, int64_t count, const int64_t group, const int64_t head_dim,
+    float scale) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+    if (head_dim == 64 && group <= MAX_GROUP) {
+        __m512bh q_low[MAX_GROUP], q_high[MAX_GROUP];
+        for (int64_t g = 0; g < group; g++) {
+            q_low[g] = (__m512bh)_mm512_loadu_si512(q_raw + g * 64);
+            q_high[g] = (__m512bh)_mm512_loadu_si512(q_raw + g * 64 + 32);
+        }
+        for (int64_t start = 0; start < count; start += 16) {
+            const int64_t n = count - start < 16 ? count - start : 16;
+            vec dots[MAX_GROUP][16];
+            for (int64_t j = 0; j < 16; j++) {
+                if (j < n) { /* slots past the sequence may hold anything: never read */
+                    const bf16 *k = kb + (start + j) * 64;
+                    const __m512bh k_low = (__m512bh)_mm512_loadu_si512(k);
+                    const __m512bh k_high = (__m512bh)_mm512_loadu_si512(k + 32);
+                    for (int64_t g = 0; g < group; g++)
+                        dots[g][j] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(ZERO(), q_low[g], k_low),
+                                                      q_high[g], k_high);
+                } else {
+                    for (int64_t g = 0; g < group; g++) dots[g][j] = ZERO();
+                }
+            }
+            for (int64_t g = 0; g < group; g++)
+                store_f32(scores + g * stride + start, MUL(sum16(dots[g]), SET(scale)), n);
+        }
+        return;
+    }
+#endif
+    (void)q_raw;
+    (void)scale;
+    generic_scores_bf16(scores, stride, q, kb, count, group, head_dim);
+}
 
 DEFINE_KERNELS(float, f32)
 DEFINE_KERNELS(bf16, bf16)

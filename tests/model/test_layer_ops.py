@@ -137,6 +137,46 @@ def test_attend_matches(
         assert_close(written_by_torch, written_by_kernel, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 2, 16)])
+def test_decode_attention_never_reads_past_the_sequence(
+    library: object, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int
+) -> None:
+    """Cache slots past a sequence's length (the rest of its last block) may hold anything, a
+    NaN included: decode attention gives the same finite output as with zeros there, for
+    odd and even lengths (the bfloat16 kernel takes value rows two at a time)."""
+    _, kernel_ops = both(library, dtype, heads, kv_heads, head_dim)
+    block_size, seq_lens = 16, [1, 2, 5, 16, 17, 30, 33]
+    tables = [[2 * i, 2 * i + 1, 2 * i + 14] for i in range(len(seq_lens))]
+    shape = (kv_heads, 2 * len(seq_lens) + 14, block_size, head_dim)
+    metadata = kernel_ops.build_metadata(
+        positions=[n - 1 for n in seq_lens],
+        slot_mapping=[
+            t[(n - 1) // block_size] * block_size + (n - 1) % block_size
+            for t, n in zip(tables, seq_lens, strict=True)
+        ],
+        num_decodes=len(seq_lens),
+        query_lens=[1] * len(seq_lens),
+        seq_lens=seq_lens,
+        block_tables=tables,
+        block_size=block_size,
+    )
+    qkv = torch.randn(len(seq_lens), (heads + 2 * kv_heads) * head_dim).to(dtype)
+    valid = torch.zeros(shape[1] * block_size, dtype=torch.bool)
+    for table, n in zip(tables, seq_lens, strict=True):
+        for p in range(n):
+            valid[table[p // block_size] * block_size + p % block_size] = True
+    contents = [torch.randn(shape).to(dtype) for _ in range(2)]
+    outputs = []
+    for filler in (0.0, float("nan")):
+        k_cache, v_cache = (c.clone() for c in contents)
+        for cache in (k_cache, v_cache):
+            cache.view(kv_heads, -1, head_dim)[:, ~valid] = filler
+        outputs.append(kernel_ops.attend(qkv.clone(), k_cache, v_cache, metadata))
+    assert bool(outputs[1].isfinite().all())
+    assert torch.equal(outputs[0], outputs[1])
+
+
 def test_no_compiler_falls_back_to_torch_ops(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without a C compiler the kernels are unavailable and the model runs on torch ops."""
     monkeypatch.setenv("CC", "/nonexistent/cc")
