@@ -48,6 +48,7 @@ class AttentionMetadata:
     # kernel path: block tables and lengths as the C kernels read them
     decode_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] int32, 0-padded
     decode_lens: torch.Tensor | None = None  # [num_decodes] int32
+    prefill_tables: list[torch.Tensor] | None = None  # per prefill chunk, its block table int32
     # torch path: cos/sin rows of this step's positions, [T, 1, D]
     cos: torch.Tensor | None = None
     sin: torch.Tensor | None = None

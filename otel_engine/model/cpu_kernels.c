@@ -199,7 +199,6 @@ static inline __attribute__((always_inline)) void decode_item_##SUFFIX(         
     int64_t block_size, int64_t num_slots, int64_t qkv_width, float scale) {                     \
     float q[group][head_dim], acc[group][head_dim];                                              \
     float run_max[group], run_sum[group], rescales[group], scores[group][block_size];            \
-    const int64_t chunks = (head_dim + LANES - 1) / LANES;                                       \
     for (int64_t g = 0; g < group; g++) {                                                        \
         const T *qh = qkv + b * qkv_width + (kvh * group + g) * head_dim;                        \
         for (int64_t d = 0; d < head_dim; d++) {                                                 \
@@ -611,6 +610,139 @@ void q4_linear_bf16(bf16 *restrict out, const bf16 *restrict x, const uint8_t *r
         const int64_t block = 2 * pair;
         q4_rows(rows, block + 1 < blocks ? 2 : 1, x, sums, k, w + block * groups * 256,
                 params + block * groups * 32, out + block * 16, n);
+    }
+}
+#endif
+
+/* ---- prefill attention, bfloat16, head size 64 (AVX-512 BF16) --------------------------------
+ *
+ * One prefill chunk of one sequence: its `num_query` queries (rows query_start.. of qkv, the
+ * last positions of the sequence) against its `num_keys` keys and values, read from the paged
+ * cache (the chunk's own already written there), causal. Flash-attention style: each tile of
+ * 4 query rows of one head streams the key tiles it may see (32 keys each), with an online
+ * softmax in float32; q . k and p . v by vdpbf16ps on bfloat16 (exact products, float32
+ * sums; p rounded to bfloat16, as flash attention's P @ V does), out rounded once.
+ *
+ * First every KV head's keys and values are packed into `scratch` (tiles of 32 keys, pairs
+ * of bfloat16 in vdpbf16ps's layout, zeros past num_keys):
+ *   keys:   [kv_head][tile][d / 2][32 keys][2]  (a pair of dimensions per key)
+ *   values: [kv_head][tile][16 key pairs][64 d][2]  (a pair of keys per dimension)
+ * scratch holds 2 * num_kv_heads * tiles * 2048 bfloat16. */
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define PREFILL_KEYS 32 /* keys per tile */
+#define PREFILL_ROWS 4  /* query rows per tile */
+
+static inline __attribute__((always_inline)) void prefill_rows(
+    const int ROWS, bf16 *restrict out, int64_t out_stride, const bf16 *restrict q,
+    int64_t q_stride, const bf16 *restrict keys, const bf16 *restrict values, int64_t first_pos,
+    int64_t num_keys, float scale) {
+    float run_max[PREFILL_ROWS], run_sum[PREFILL_ROWS];
+    vec acc[PREFILL_ROWS][4];
+    for (int r = 0; r < ROWS; r++) {
+        run_max[r] = -INFINITY;
+        run_sum[r] = 0.0f;
+        for (int c = 0; c < 4; c++) acc[r][c] = ZERO();
+    }
+    const int64_t last_key = first_pos + ROWS - 1; /* the last row's own position */
+    const int64_t end = last_key + 1 < num_keys ? last_key + 1 : num_keys;
+    for (int64_t start = 0; start < end; start += PREFILL_KEYS) {
+        const bf16 *kt = keys + (start / PREFILL_KEYS) * 2048;
+        const bf16 *vt = values + (start / PREFILL_KEYS) * 2048;
+        vec scores[PREFILL_ROWS][2];
+        for (int r = 0; r < ROWS; r++) scores[r][0] = scores[r][1] = ZERO();
+        for (int pair = 0; pair < 32; pair++) {
+            const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kt + pair * 64);
+            const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kt + pair * 64 + 32);
+            for (int r = 0; r < ROWS; r++) {
+                int32_t bits;
+                memcpy(&bits, q + r * q_stride + 2 * pair, sizeof bits);
+                const __m512bh qq = (__m512bh)_mm512_set1_epi32(bits);
+                scores[r][0] = _mm512_dpbf16_ps(scores[r][0], k0, qq);
+                scores[r][1] = _mm512_dpbf16_ps(scores[r][1], k1, qq);
+            }
+        }
+        int32_t probs[PREFILL_ROWS][16]; /* bfloat16 pairs (key 2i, key 2i + 1) */
+        const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+        for (int r = 0; r < ROWS; r++) {
+            /* keys after the row's own position (and past the sequence) are not seen */
+            const int64_t seen = first_pos + r + 1 - start;
+            for (int h = 0; h < 2; h++) {
+                const __mmask16 visible = _mm512_cmplt_epi32_mask(
+                    _mm512_add_epi32(lane, _mm512_set1_epi32(16 * h)),
+                    _mm512_set1_epi32((int32_t)(seen < PREFILL_KEYS ? seen : PREFILL_KEYS)));
+                scores[r][h] = _mm512_mask_mov_ps(SET(-INFINITY), visible, scores[r][h]);
+            }
+            const float tile_max = _mm512_reduce_max_ps(_mm512_max_ps(scores[r][0], scores[r][1]));
+            const float new_max = tile_max > run_max[r] ? tile_max : run_max[r];
+            const float rescale = expf((run_max[r] - new_max) * scale);
+            run_max[r] = new_max;
+            const vec shift = SET(new_max * scale);
+            const vec p0 = exp_vec(_mm512_fmsub_ps(scores[r][0], SET(scale), shift));
+            const vec p1 = exp_vec(_mm512_fmsub_ps(scores[r][1], SET(scale), shift));
+            run_sum[r] = run_sum[r] * rescale + _mm512_reduce_add_ps(ADD(p0, p1));
+            for (int c = 0; c < 4; c++) acc[r][c] = MUL(acc[r][c], SET(rescale));
+            /* keys 0-31 as consecutive bfloat16: 32-bit lane i is the pair (2i, 2i + 1) */
+            _mm512_storeu_si512(probs[r], (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+        }
+        for (int pair = 0; pair < 16; pair++) {
+            __m512bh v[4];
+            for (int c = 0; c < 4; c++) v[c] = (__m512bh)_mm512_loadu_si512(vt + pair * 128 + c * 32);
+            for (int r = 0; r < ROWS; r++) {
+                const __m512bh pp = (__m512bh)_mm512_set1_epi32(probs[r][pair]);
+                for (int c = 0; c < 4; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], v[c], pp);
+            }
+        }
+    }
+    for (int r = 0; r < ROWS; r++) {
+        const vec inv = SET(1.0f / run_sum[r]);
+        for (int c = 0; c < 4; c++) store_bf16(out + r * out_stride + c * 16, MUL(acc[r][c], inv), 16);
+    }
+}
+
+void prefill_attention_bf16(bf16 *restrict out, const bf16 *restrict qkv,
+                            const bf16 *restrict k_cache, const bf16 *restrict v_cache,
+                            const int32_t *restrict table, bf16 *restrict scratch,
+                            int64_t query_start, int64_t num_query, int64_t num_keys,
+                            int64_t num_heads, int64_t num_kv_heads, int64_t block_size,
+                            int64_t num_slots, int64_t qkv_width, float scale) {
+    const int64_t tiles = (num_keys + PREFILL_KEYS - 1) / PREFILL_KEYS;
+    const int64_t group = num_heads / num_kv_heads;
+    bf16 *packed_keys = scratch, *packed_values = scratch + num_kv_heads * tiles * 2048;
+    _Pragma("omp parallel for schedule(static)")
+    for (int64_t work = 0; work < num_kv_heads * tiles; work++) {
+        const int64_t h = work / tiles, tile = work % tiles;
+        bf16 *kp = packed_keys + work * 2048, *vp = packed_values + work * 2048;
+        const bf16 *keys = k_cache + h * num_slots * 64, *values = v_cache + h * num_slots * 64;
+        for (int64_t j = 0; j < PREFILL_KEYS; j++) {
+            const int64_t key = tile * PREFILL_KEYS + j;
+            const bf16 *k = NULL, *v = NULL;
+            if (key < num_keys) {
+                const int64_t slot = (int64_t)table[key / block_size] * block_size + key % block_size;
+                k = keys + slot * 64;
+                v = values + slot * 64;
+            }
+            for (int64_t d = 0; d < 64; d++) {
+                kp[(d / 2) * 64 + j * 2 + d % 2] = k ? k[d] : 0;
+                vp[(j / 2) * 128 + d * 2 + j % 2] = v ? v[d] : 0;
+            }
+        }
+    }
+    const int64_t row_tiles = (num_query + PREFILL_ROWS - 1) / PREFILL_ROWS;
+    const int64_t out_width = num_heads * 64, first = num_keys - num_query;
+    _Pragma("omp parallel for schedule(dynamic)")
+    for (int64_t work = 0; work < num_heads * row_tiles; work++) {
+        const int64_t head = work % num_heads, row = (work / num_heads) * PREFILL_ROWS;
+        const int64_t rows = num_query - row < PREFILL_ROWS ? num_query - row : PREFILL_ROWS;
+        const int64_t h = head / group;
+        bf16 *o = out + (query_start + row) * out_width + head * 64;
+        const bf16 *q = qkv + (query_start + row) * qkv_width + head * 64;
+        const bf16 *kp = packed_keys + h * tiles * 2048, *vp = packed_values + h * tiles * 2048;
+        switch (rows) {
+        case 4: prefill_rows(4, o, out_width, q, qkv_width, kp, vp, first + row, num_keys, scale); break;
+        case 3: prefill_rows(3, o, out_width, q, qkv_width, kp, vp, first + row, num_keys, scale); break;
+        case 2: prefill_rows(2, o, out_width, q, qkv_width, kp, vp, first + row, num_keys, scale); break;
+        default: prefill_rows(1, o, out_width, q, qkv_width, kp, vp, first + row, num_keys, scale);
+        }
     }
 }
 #endif

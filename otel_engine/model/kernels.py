@@ -40,6 +40,7 @@ SUFFIXES = ("f32", "bf16")
 # Built only where the CPU has what they need (AVX-512 BF16); absent from the library elsewhere.
 OPTIONAL_SIGNATURES: dict[str, list[type]] = {
     "q4_linear_bf16": [_P, _P, _P, _P, _P, _I, _I, _I],
+    "prefill_attention_bf16": [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _F],
 }
 
 

@@ -81,6 +81,8 @@ BATCHES = {
     "chunk": ([5], [21]),  # a later chunk of a long prompt (keys from the cache)
     "mixed": ([1, 1, 6, 9], [16, 40, 6, 30]),  # decodes first, then prefill chunks
     "full": ([1], [64]),  # a sequence at the cache's capacity for it (max_model_len)
+    "long": ([70], [70]),  # a prompt over several of the prefill kernel's 32-key tiles
+    "long chunk": ([37], [101]),  # a later chunk whose keys span four tiles
 }
 
 
@@ -139,29 +141,34 @@ def test_attend_matches(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 2, 16)])
-def test_decode_attention_never_reads_past_the_sequence(
-    library: object, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int
+@pytest.mark.parametrize("step", ["decode", "prefill"])
+def test_attention_never_reads_past_the_sequence(
+    library: object, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, step: str
 ) -> None:
     """Cache slots past a sequence's length (the rest of its last block) may hold anything, a
-    NaN included: decode attention gives the same finite output as with zeros there, for
-    odd and even lengths (the bfloat16 kernel takes value rows two at a time)."""
+    NaN included: attention gives the same finite output as with zeros there, for odd and
+    even lengths (the bfloat16 kernels take value rows two at a time), in decode steps and
+    in prefill chunks (fresh prompts and a later chunk)."""
     _, kernel_ops = both(library, dtype, heads, kv_heads, head_dim)
     block_size, seq_lens = 16, [1, 2, 5, 16, 17, 30, 33]
+    query_lens = [1] * len(seq_lens) if step == "decode" else [1, 2, 5, 16, 17, 3, 33]
     tables = [[2 * i, 2 * i + 1, 2 * i + 14] for i in range(len(seq_lens))]
     shape = (kv_heads, 2 * len(seq_lens) + 14, block_size, head_dim)
+    positions = [p for q, n in zip(query_lens, seq_lens, strict=True) for p in range(n - q, n)]
+    rows = [i for i, q in enumerate(query_lens) for _ in range(q)]
     metadata = kernel_ops.build_metadata(
-        positions=[n - 1 for n in seq_lens],
+        positions=positions,
         slot_mapping=[
-            t[(n - 1) // block_size] * block_size + (n - 1) % block_size
-            for t, n in zip(tables, seq_lens, strict=True)
+            tables[i][p // block_size] * block_size + p % block_size
+            for i, p in zip(rows, positions, strict=True)
         ],
-        num_decodes=len(seq_lens),
-        query_lens=[1] * len(seq_lens),
+        num_decodes=sum(1 for q in query_lens if q == 1),
+        query_lens=query_lens,
         seq_lens=seq_lens,
         block_tables=tables,
         block_size=block_size,
     )
-    qkv = torch.randn(len(seq_lens), (heads + 2 * kv_heads) * head_dim).to(dtype)
+    qkv = torch.randn(len(positions), (heads + 2 * kv_heads) * head_dim).to(dtype)
     valid = torch.zeros(shape[1] * block_size, dtype=torch.bool)
     for table, n in zip(tables, seq_lens, strict=True):
         for p in range(n):
