@@ -536,9 +536,9 @@ static inline __attribute__((always_inline)) void q4_tile(
     for (int r = 0; r < ROWS; r++)
         for (int b = 0; b < BLOCKS; b++) acc[r][b] = ZERO();
     for (int64_t g = 0; g < groups; g++) {
-        vec dot[Q4_ROWS][2];
+        vec dot[Q4_ROWS][2], dot_high[Q4_ROWS][2]; /* two chains each: dpbf16 latency */
         for (int r = 0; r < ROWS; r++)
-            for (int b = 0; b < BLOCKS; b++) dot[r][b] = ZERO();
+            for (int b = 0; b < BLOCKS; b++) dot[r][b] = dot_high[r][b] = ZERO();
         for (int j = 0; j < 8; j++) {
             __m512bh low[2], high[2];
             for (int b = 0; b < BLOCKS; b++) {
@@ -554,7 +554,7 @@ static inline __attribute__((always_inline)) void q4_tile(
                 const __m512bh second = (__m512bh)_mm512_set1_epi32(pairs[1]);
                 for (int b = 0; b < BLOCKS; b++) {
                     dot[r][b] = _mm512_dpbf16_ps(dot[r][b], low[b], first);
-                    dot[r][b] = _mm512_dpbf16_ps(dot[r][b], high[b], second);
+                    dot_high[r][b] = _mm512_dpbf16_ps(dot_high[r][b], high[b], second);
                 }
             }
         }
@@ -562,7 +562,7 @@ static inline __attribute__((always_inline)) void q4_tile(
             const float *group = params + (b * groups + g) * 32;
             const vec d = _mm512_loadu_ps(group), m = _mm512_loadu_ps(group + 16);
             for (int r = 0; r < ROWS; r++) {
-                acc[r][b] = FMA(dot[r][b], d, acc[r][b]);
+                acc[r][b] = FMA(ADD(dot[r][b], dot_high[r][b]), d, acc[r][b]);
                 acc[r][b] = FMA(m, SET(sums[r * groups + g]), acc[r][b]);
             }
         }
