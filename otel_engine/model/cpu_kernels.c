@@ -17,6 +17,7 @@
  *   block_tables          [batch, max_blocks] int32; seq_lens [batch] int32
  */
 #include <math.h>
+#include <stdlib.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -611,6 +612,111 @@ void q4_linear_bf16(bf16 *restrict out, const bf16 *restrict x, const uint8_t *r
         q4_rows(rows, block + 1 < blocks ? 2 : 1, x, sums, k, w + block * groups * 256,
                 params + block * groups * 32, out + block * 16, n);
     }
+}
+#endif
+
+/* ---- the same 4-bit weights for steps of more rows: dequantized panels -----------------------
+ *
+ * out = x @ W.T with W dequantized to bfloat16 (d * (q - 8) + (m + 8d), rounded: the values of
+ * the bfloat16 copy of the weights), a panel of 48 output columns at a time into a per-thread
+ * buffer in vdpbf16ps's pair layout, then multiplied by tiles of 8 rows x 48 columns (24
+ * float32 accumulators): the weights are read in 4 bits from memory, once per step. */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#define PANEL_BLOCKS 3 /* blocks of 16 columns per panel */
+#define PANEL_ROWS 8
+
+/* The panel's `count` blocks, dequantized: [k / 2][block][16 columns][2] bfloat16. */
+static void q4_dequantize_panel(bf16 *restrict panel, const uint8_t *restrict w,
+                                const float *restrict params, int64_t groups, int count) {
+    const __m512i interleave = _mm512_set_epi16(
+        31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+        23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i low16 = _mm512_set1_epi32(0xffff);
+    for (int b = 0; b < count; b++)
+        for (int64_t g = 0; g < groups; g++) {
+            const float *group = params + (b * groups + g) * 32;
+            const vec d = _mm512_loadu_ps(group), m = _mm512_loadu_ps(group + 16);
+            for (int j = 0; j < 8; j++) {
+                /* 16-bit word 2c + e: column c's k = 32g + 4j + e (low nibble), + 2 (high) */
+                const __m512i bytes = _mm512_cvtepu8_epi16(
+                    _mm256_loadu_si256((const __m256i *)(w + (b * groups + g) * 256 + j * 32)));
+                const __m512i halves[2] = {_mm512_and_si512(bytes, _mm512_set1_epi16(0x0f)),
+                                           _mm512_srli_epi16(bytes, 4)};
+                for (int h = 0; h < 2; h++) {
+                    const vec even = _mm512_cvtepi32_ps(_mm512_and_si512(halves[h], low16));
+                    const vec odd = _mm512_cvtepi32_ps(_mm512_srli_epi32(halves[h], 16));
+                    const vec eight = SET(8.0f);
+                    const __m512bh both = _mm512_cvtne2ps_pbh(FMA(_mm512_sub_ps(odd, eight), d, m),
+                                                              FMA(_mm512_sub_ps(even, eight), d, m));
+                    const int64_t pair = (g * 32 + j * 4 + h * 2) / 2;
+                    _mm512_storeu_si512(panel + (pair * PANEL_BLOCKS + b) * 32,
+                                        _mm512_permutexvar_epi16(interleave, (__m512i)both));
+                }
+            }
+        }
+}
+
+static inline __attribute__((always_inline)) void q4_panel_tile(
+    const int ROWS, const int BLOCKS, const bf16 *restrict x, int64_t k,
+    const bf16 *restrict panel, bf16 *restrict out, int64_t n) {
+    vec acc[PANEL_ROWS][PANEL_BLOCKS];
+    for (int r = 0; r < ROWS; r++)
+        for (int b = 0; b < BLOCKS; b++) acc[r][b] = ZERO();
+    for (int64_t pair = 0; pair < k / 2; pair++) {
+        __m512bh w[PANEL_BLOCKS];
+        for (int b = 0; b < BLOCKS; b++)
+            w[b] = (__m512bh)_mm512_loadu_si512(panel + (pair * PANEL_BLOCKS + b) * 32);
+        for (int r = 0; r < ROWS; r++) {
+            int32_t bits;
+            memcpy(&bits, x + r * k + 2 * pair, sizeof bits);
+            const __m512bh xx = (__m512bh)_mm512_set1_epi32(bits);
+            for (int b = 0; b < BLOCKS; b++) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], w[b], xx);
+        }
+    }
+    for (int r = 0; r < ROWS; r++)
+        for (int b = 0; b < BLOCKS; b++) store_bf16(out + r * n + b * 16, acc[r][b], 16);
+}
+
+static void q4_panel_rows(int64_t rows, int blocks, const bf16 *x, int64_t k, const bf16 *panel,
+                          bf16 *out, int64_t n) {
+    int64_t r = 0;
+#define PANEL_TILE(ROWS, BLOCKS) q4_panel_tile(ROWS, BLOCKS, x + r * k, k, panel, out + r * n, n)
+#define PANEL_TILES(BLOCKS)                                                                    \
+    do {                                                                                       \
+        for (; r + PANEL_ROWS <= rows; r += PANEL_ROWS) PANEL_TILE(8, BLOCKS);                 \
+        if (rows - r >= 4) { PANEL_TILE(4, BLOCKS); r += 4; }                                  \
+        for (; r < rows; r++) PANEL_TILE(1, BLOCKS);                                           \
+    } while (0)
+    if (blocks == 3) PANEL_TILES(3);
+    else if (blocks == 2) PANEL_TILES(2);
+    else PANEL_TILES(1);
+#undef PANEL_TILES
+#undef PANEL_TILE
+}
+
+/* Returns 0, or -1 when a thread's panel buffer (k * 96 bytes) could not be allocated (out is
+ * then incomplete). */
+int64_t q4_panel_linear_bf16(bf16 *restrict out, const bf16 *restrict x, const uint8_t *restrict w,
+                             const float *restrict params, int64_t rows, int64_t n, int64_t k) {
+    const int64_t groups = k / Q4_GROUP, blocks = n / 16;
+    const int64_t panels = (blocks + PANEL_BLOCKS - 1) / PANEL_BLOCKS;
+    int64_t failed = 0;
+    _Pragma("omp parallel if (panels > 1) reduction(|: failed)")
+    {
+        bf16 *panel = malloc((size_t)k * PANEL_BLOCKS * 16 * sizeof(bf16));
+        failed |= panel == NULL;
+        _Pragma("omp for schedule(static)")
+        for (int64_t p = 0; p < panels; p++) {
+            const int64_t block = p * PANEL_BLOCKS;
+            const int count = blocks - block < PANEL_BLOCKS ? (int)(blocks - block) : PANEL_BLOCKS;
+            if (panel == NULL) continue;
+            q4_dequantize_panel(panel, w + block * groups * 256, params + block * groups * 32,
+                                groups, count);
+            q4_panel_rows(rows, count, x, k, panel, out + block * 16, n);
+        }
+        free(panel);
+    }
+    return failed ? -1 : 0;
 }
 #endif
 

@@ -41,7 +41,9 @@ SUFFIXES = ("f32", "bf16")
 OPTIONAL_SIGNATURES: dict[str, list[type]] = {
     "q4_linear_bf16": [_P, _P, _P, _P, _P, _I, _I, _I],
     "prefill_attention_bf16": [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _F],
+    "q4_panel_linear_bf16": [_P, _P, _P, _P, _I, _I, _I],
 }
+RETURNS_STATUS = {"q4_panel_linear_bf16"}  # 0, or -1: a buffer could not be allocated
 
 
 def _cache_dir() -> Path:
@@ -108,6 +110,6 @@ def load() -> ctypes.CDLL | None:
         function = getattr(library, name, None)
         if function is not None:
             function.argtypes = argtypes
-            function.restype = None
+            function.restype = ctypes.c_int64 if name in RETURNS_STATUS else None
     library.otel_kernels_max_block_size.restype = ctypes.c_int64
     return library

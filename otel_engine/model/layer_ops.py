@@ -67,6 +67,7 @@ class TorchOps:
     prefill_sdpa = False
     # the compiled 4-bit matmul (`LlamaModel.load_int4`), where there is one
     q4_linear: Callable[..., None] | None = None
+    q4_panel_linear: Callable[..., int] | None = None  # the same for steps of more rows
 
     def build_metadata(
         self,
@@ -206,6 +207,7 @@ class KernelOps(TorchOps):
         self._prefill_attention = None
         if dtype == torch.bfloat16:
             self.q4_linear = getattr(library, "q4_linear_bf16", None)
+            self.q4_panel_linear = getattr(library, "q4_panel_linear_bf16", None)
             if head_dim == PREFILL_KERNEL_HEAD_DIM:
                 self._prefill_attention = getattr(library, "prefill_attention_bf16", None)
         self._prefill_scratch = torch.empty(0, dtype=dtype)  # its packed keys and values

@@ -11,10 +11,12 @@ With `kernels="auto"` on CPU the weights are prepacked once for oneDNN (which us
 AVX-512 where the CPU has them) and the rest of each layer runs in the compiled kernels
 (`layer_ops.KernelOps`); `kernels="torch"` keeps plain `F.linear` and torch ops, the
 reference that the tests compare the fast path with. A checkpoint stored in 4 bits (a GGUF
-Q4_0/Q4_1, the default model) also keeps its 4-bit weights (`load_int4`): steps of at most
-`INT4_MAX_ROWS` tokens multiply by them in the compiled kernel (`q4_linear_bf16` in
-cpu_kernels.c, on CPUs with AVX-512 BF16; 4x fewer bytes to read, and a decode step of a few
-sequences is bound by reading the weights), larger ones by the bfloat16 weights.
+Q4_0/Q4_1, the default model) multiplies by its own 4-bit weights instead (`load_int4`, on
+CPUs with AVX-512 BF16), and its bfloat16 copies are dropped: steps of at most
+`INT4_MAX_ROWS` tokens in `q4_linear_bf16` (cpu_kernels.c; the exact 4-bit weights, 4x fewer
+bytes to read than bfloat16, and a decode step of a few sequences is bound by reading them),
+larger ones in `q4_panel_linear_bf16` (the weights dequantized to bfloat16 a panel at a time,
+as fast as oneDNN from 17 to 2,048 rows).
 """
 
 from __future__ import annotations
@@ -35,10 +37,13 @@ from otel_engine.model.loader import INT4_GROUP, Int4Tensor, ModelArch
 from otel_engine.model.moe import MoeWeights, moe_forward
 
 Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
-# Up to this many rows the 4-bit kernel beats oneDNN bfloat16 on the default model (30 layers,
-# weights in cache: 0.95 vs 2.95 ms at 1 row, 2.96 vs 3.94 at 8, 5.9 vs 5.5 at 16, 11.0 vs
-# 9.3 at 32; bench/throughput.py at batch 32: 781 tok/s with it for 32-row steps, 809 without).
+# Up to this many rows the exact 4-bit kernel is the faster (the default model's 30 layers,
+# weights in cache: 0.74 ms at 1 row, 2.63 at 8, 5.0 at 16; oneDNN bfloat16 2.6 / 3.5 / 4.9),
+# beyond it the panel kernel (6.5 ms at 17 rows, 8.9 at 32, 417 at 2,048; oneDNN 5.4 / 8.8 /
+# 422).
 INT4_MAX_ROWS = 16
+# what a layer keeps of its bfloat16 matrices once their 4-bit form is in use
+_DROPPED = torch.empty(0)
 
 
 def _packed_linear(
@@ -279,12 +284,11 @@ class LlamaModel:
     # ---- forward -------------------------------------------------------------------------
 
     def load_int4(self, weights: dict[str, Int4Tensor]) -> str | None:
-        """Keep 4-bit copies of every layer's matrices from the checkpoint's 4-bit tensors
-        (this rank's shard), for steps of at most `INT4_MAX_ROWS` rows. Returns why not (and
-        changes nothing) when the kernel is not there, some matrix has no 4-bit form or its
-        shard does not fit the kernel."""
-        if self.ops.q4_linear is None:
-            return "the 4-bit kernel needs the compiled kernels, bfloat16 and AVX-512 BF16"
+        """Multiply by the checkpoint's 4-bit tensors (this rank's shard of every layer's
+        matrices) and drop their bfloat16 copies. Returns why not (and changes nothing) when
+        the kernels are not there, some matrix has no 4-bit form or its shard does not fit."""
+        if self.ops.q4_linear is None or self.ops.q4_panel_linear is None:
+            return "the 4-bit kernels need the compiled kernels, bfloat16 and AVX-512 BF16"
         fused = {
             "qkv4": (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), self._rows),
             "o_proj4": (("self_attn.o_proj",), self._cols),
@@ -307,6 +311,7 @@ class LlamaModel:
         for layer_weights, target in zip(built, self.layers, strict=True):
             for attribute, weight in layer_weights.items():
                 setattr(target, attribute, weight)
+                setattr(target, attribute.removesuffix("4"), _DROPPED)
         return None
 
     @torch.inference_mode()
@@ -354,25 +359,22 @@ class LlamaModel:
         int4: Int4Weight | None,
         bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if int4 is None or x.shape[0] > INT4_MAX_ROWS:
+        if int4 is None:
             return self.linear(x, weight, bias)
-        rows = x.shape[0]
+        rows, ops = x.shape[0], self.ops
         x = x.contiguous()
         out = torch.empty((rows, int4.rows), dtype=x.dtype)
-        need = rows * (int4.cols // INT4_GROUP)
-        if self._int4_scratch.numel() < need:
-            self._int4_scratch = torch.empty(need, dtype=torch.float32)
-        assert self.ops.q4_linear is not None
-        self.ops.q4_linear(
-            out.data_ptr(),
-            x.data_ptr(),
-            int4.packed.data_ptr(),
-            int4.params.data_ptr(),
-            self._int4_scratch.data_ptr(),
-            rows,
-            int4.rows,
-            int4.cols,
-        )
+        pointers = (out.data_ptr(), x.data_ptr(), int4.packed.data_ptr(), int4.params.data_ptr())
+        if rows > INT4_MAX_ROWS:
+            assert ops.q4_panel_linear is not None
+            if ops.q4_panel_linear(*pointers, rows, int4.rows, int4.cols) != 0:
+                raise MemoryError("the 4-bit kernel could not allocate its panel buffer")
+        else:
+            need = rows * (int4.cols // INT4_GROUP)
+            if self._int4_scratch.numel() < need:
+                self._int4_scratch = torch.empty(need, dtype=torch.float32)
+            assert ops.q4_linear is not None
+            ops.q4_linear(*pointers, self._int4_scratch.data_ptr(), rows, int4.rows, int4.cols)
         return out if bias is None else out.add_(bias)
 
     @torch.inference_mode()

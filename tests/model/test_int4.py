@@ -5,13 +5,21 @@ steps with greedy output that leaves the bfloat16 path's only at near-ties."""
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 
 from otel_engine import LLM, SamplingParams
 from otel_engine.engine.core_client import InprocClient
 from otel_engine.model import kernels
-from otel_engine.model.llama import INT4_MAX_ROWS, Int4Weight, LlamaModel, _pack_int4
+from otel_engine.model.llama import (
+    _DROPPED,
+    INT4_MAX_ROWS,
+    Int4Weight,
+    LlamaModel,
+    _pack_int4,
+)
 from otel_engine.model.loader import (
     INT4_GROUP,
     Int4Tensor,
@@ -68,11 +76,16 @@ def _dequantized(int4: Int4Tensor) -> torch.Tensor:
     return (_expand(int4.scale) * int4.q.float() + _expand(int4.offset)).double()
 
 
-def _q4_linear(x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
+def _library() -> ctypes.CDLL:
     library = kernels.load()
     assert library is not None
     if not hasattr(library, "q4_linear_bf16"):
         pytest.skip("this CPU has no AVX-512 BF16")
+    return library
+
+
+def _q4_linear(x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
+    library = _library()
     out = torch.empty((x.shape[0], weight.rows), dtype=torch.bfloat16)
     sums = torch.empty(x.shape[0] * weight.cols // INT4_GROUP)
     library.q4_linear_bf16(
@@ -133,12 +146,55 @@ def test_int4_kernel_shapes_rows_and_non_finite_input() -> None:
     assert torch.equal(out[[0, 1, 3, 5, 6, 7, 8]], full[[0, 1, 3, 5, 6, 7, 8]].float())
 
 
+def _q4_panel_linear(x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
+    out = torch.empty((x.shape[0], weight.rows), dtype=torch.bfloat16)
+    pointers = (out.data_ptr(), x.data_ptr(), weight.packed.data_ptr(), weight.params.data_ptr())
+    assert _library().q4_panel_linear_bf16(*pointers, x.shape[0], weight.rows, weight.cols) == 0
+    return out
+
+
+@pytest.mark.parametrize("blocks", [1, 2, 3, 5])
+def test_panel_kernel_multiplies_by_the_bfloat16_weights(blocks: int) -> None:
+    """Steps of more than INT4_MAX_ROWS rows: the weights dequantized to bfloat16 (the values
+    of the bfloat16 copy) times x, within the output's rounding, for panels of 1 to 3 blocks
+    of 16 columns and row counts that leave every tail of its 8-row tiles; and the same rows
+    give the same results bit for bit whatever else is in the step."""
+    generator = torch.Generator().manual_seed(blocks)
+    q = torch.randint(0, 16, (16 * blocks, 96), dtype=torch.uint8, generator=generator)
+    scale = (torch.rand(16 * blocks, 3, generator=generator) * 0.05).to(torch.float16)
+    offset = (-8 * scale.float() + torch.randn(16 * blocks, 3, generator=generator) * 0.01).to(
+        torch.float16
+    )
+    int4 = Int4Tensor(q, scale, offset)
+    packed = _pack_int4([int4], lambda t: t)
+    assert packed is not None
+    weight = _dequantized(int4).float().to(torch.bfloat16).double()
+    x = torch.randn(31, 96, generator=generator).to(torch.bfloat16)
+    full = _q4_panel_linear(x, packed)
+    _assert_close(full, x.double() @ weight.T)
+    for rows in (INT4_MAX_ROWS + 1, 20, 29):
+        assert torch.equal(_q4_panel_linear(x[:rows].contiguous(), packed), full[:rows])
+
+
+def test_panel_kernel_reports_a_failed_allocation() -> None:
+    """A panel buffer that cannot be allocated (k * 96 bytes: here 2^61) is reported, not
+    ignored (the model turns it into MemoryError: the shards test below)."""
+    library = _library()
+    tiny = torch.zeros(256, dtype=torch.uint8)
+    out = torch.empty((INT4_MAX_ROWS + 1, 16), dtype=torch.bfloat16)
+    status = library.q4_panel_linear_bf16(
+        out.data_ptr(), tiny.data_ptr(), tiny.data_ptr(), tiny.data_ptr(), 17, 16, 1 << 55
+    )
+    assert status == -1
+
+
 @pytest.mark.parametrize("tp_rank", [0, 2])
 def test_int4_shards_of_the_ranks_match_their_bfloat16_shards(model_dir: str, tp_rank: int) -> None:
     """At tensor parallel size 3 (the default model's 9 heads and 3 KV heads do not split in
     2), the first and last rank's 4-bit shard of every fused matrix (q/k/v and
     gate/up by rows, o_proj and down by columns) gives that rank's bfloat16 shard's product,
-    for a decode row and a 16-row step."""
+    for a decode row, a 16-row step and two larger ones (the panel kernel), with their
+    bfloat16 copies dropped; a panel buffer it cannot allocate raises MemoryError."""
     arch = load_model_arch(model_dir)
     model = LlamaModel(
         arch, dtype=torch.bfloat16, device=torch.device("cpu"), tp_rank=tp_rank, tp_size=3
@@ -151,12 +207,16 @@ def test_int4_shards_of_the_ranks_match_their_bfloat16_shards(model_dir: str, tp
     for name, weight in dense.items():
         int4 = getattr(layer, name + "4")
         assert int4 is not None
-        for rows in (1, INT4_MAX_ROWS):
+        for rows in (1, INT4_MAX_ROWS, INT4_MAX_ROWS + 1, 40):
             x = torch.randn(rows, int4.cols).to(torch.bfloat16)
             reference = model.linear(x, weight, None).double()
             out = model._linear(x, weight, int4).double()
             relative = (out - reference).norm() / reference.norm()
             assert relative < 0.01, (name, rows, float(relative))
+        assert getattr(layer, name).numel() == 0  # the bfloat16 copy is dropped
+    huge = Int4Weight(layer.qkv4.packed, layer.qkv4.params, 16, 1 << 55)  # type: ignore[union-attr]
+    with pytest.raises(MemoryError):
+        model._linear(torch.zeros(INT4_MAX_ROWS + 1, 32, dtype=torch.bfloat16), _DROPPED, huge)
 
 
 def _greedy(int4: str) -> list[CompletionOutput]:
