@@ -248,14 +248,21 @@ def test_aborted_non_streaming_request_counts_its_tokens(server: ServerProcess) 
     base = server.base_url
     tokens_before = metric_value(base, "otel_engine_generation_tokens_total")
     aborts_before = metric_value(base, "otel_engine_request_errors_total", error_type="aborted")
-    body = json.dumps({"prompt": PROMPT, "max_tokens": 3000, "ignore_eos": True}).encode()
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 4000, "ignore_eos": True}).encode()
     with socket.create_connection(("127.0.0.1", server.port)) as sock:
         sock.sendall(
             b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             b"Authorization: Bearer " + API_KEY.encode() + b"\r\n"
             b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
         )
-        time.sleep(1.0)
+        # hang up while it generates (4,000 tokens take seconds), some tokens in
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not metric_value(
+            base, "otel_engine_requests_running"
+        ):
+            time.sleep(0.02)
+        time.sleep(0.2)
+        assert 1 == metric_value(base, "otel_engine_requests_running")
 
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline and aborts_before == metric_value(

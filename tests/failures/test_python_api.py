@@ -23,7 +23,9 @@ pytestmark = pytest.mark.slow  # starts servers or engine processes
 
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11], [12, 13], [14, 15, 16, 17, 18]]
 PARAMS = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
-FAULT_STEP = 3
+# Late enough that every request has had a step of its own before the fault, even when the
+# four arrive over two or three steps (a step of the tiny model takes about a millisecond).
+FAULT_STEP = 8
 RAISE_LIMIT_S = 30.0
 STARTUP_LIMIT_S = 10.0  # "within seconds", with slack for TP=2 start-up on 2 shared cores
 
@@ -98,7 +100,7 @@ def test_startup_failure_raises_and_reaps(
 def test_runtime_failure_fails_every_request_and_reaps(
     api: str, tp: int, tiny_model_dir: str, children: ProcessWatch, fault: Callable[[str], None]
 ) -> None:
-    """A worker raising at step 3 with four requests in flight: every request gets
+    """A worker raising at step 8 with four requests in flight: every request gets
     EngineDeadError naming the cause, and every process is gone without shutdown()."""
     fault(f"worker:raise:rank={tp - 1}:step={FAULT_STEP}")
     engine = _start(api, tiny_model_dir, tp)
