@@ -73,11 +73,13 @@ def prefill_seqs(
     *,
     for_sdpa: bool = False,
     window: int | None = None,
+    masks: bool = True,
 ) -> list[PrefillSeq]:
     """Gather indices and causal masks of the step's prefill chunks (after the decodes):
-    additive float masks, or with `for_sdpa` boolean ones (None for a fresh prompt). With a
-    sliding `window`, also the additive mask of the window's layers (a query sees the
-    `window` keys up to its own, as transformers' sliding_window_overlay)."""
+    additive float masks, or with `for_sdpa` boolean ones (None for a fresh prompt); none
+    without `masks` (a kernel that applies causality itself). With a sliding `window`, also
+    the additive mask of the window's layers (a query sees the `window` keys up to its own,
+    as transformers' sliding_window_overlay)."""
     neg_inf = float("-inf")
     prefills = []
     query_start = num_decodes
@@ -92,7 +94,9 @@ def prefill_seqs(
         key_pos = torch.arange(num_keys, device=device).unsqueeze(0)
         query_pos = torch.arange(start, num_keys, device=device).unsqueeze(1)
         mask: torch.Tensor | None
-        if for_sdpa:
+        if not masks:
+            mask = None
+        elif for_sdpa:
             mask = None if slots is None else key_pos <= query_pos
         else:
             mask = torch.zeros((num_query, num_keys), dtype=torch.float32, device=device)

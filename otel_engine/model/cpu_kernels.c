@@ -520,6 +520,14 @@ DEFINE_KERNELS(bf16, bf16)
 #define Q4_GROUP 32
 #define Q4_ROWS 4 /* rows of x per tile; a tile is up to 4 rows by 32 columns of out */
 
+/* The j-th 32 bytes of block b's group g widened to 16-bit words: word 2c + e holds column
+ * c's q for k = 32g + 4j + e in its low nibble and for k + 2 in its high one. */
+static inline __m512i q4_words(const uint8_t *restrict w, int64_t groups, int b, int64_t g,
+                               int j) {
+    return _mm512_cvtepu8_epi16(
+        _mm256_loadu_si256((const __m256i *)(w + (b * groups + g) * 256 + j * 32)));
+}
+
 /* ROWS rows of x by BLOCKS (1 or 2) blocks of 16 columns of out; constants where called. */
 static inline __attribute__((always_inline)) void q4_tile(
     const int ROWS, const int BLOCKS, const bf16 *restrict x, const float *restrict sums,
@@ -543,8 +551,7 @@ static inline __attribute__((always_inline)) void q4_tile(
         for (int j = 0; j < 8; j++) {
             __m512bh low[2], high[2];
             for (int b = 0; b < BLOCKS; b++) {
-                const __m512i bytes = _mm512_cvtepu8_epi16(
-                    _mm256_loadu_si256((const __m256i *)(w + (b * groups + g) * 256 + j * 32)));
+                const __m512i bytes = q4_words(w, groups, b, g, j);
                 low[b] = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(bytes, nibble), centred);
                 high[b] = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(bytes, 4), centred);
             }
@@ -613,7 +620,6 @@ void q4_linear_bf16(bf16 *restrict out, const bf16 *restrict x, const uint8_t *r
                 params + block * groups * 32, out + block * 16, n);
     }
 }
-#endif
 
 /* ---- the same 4-bit weights for steps of more rows: dequantized panels -----------------------
  *
@@ -621,7 +627,6 @@ void q4_linear_bf16(bf16 *restrict out, const bf16 *restrict x, const uint8_t *r
  * the bfloat16 copy of the weights), a panel of 48 output columns at a time into a per-thread
  * buffer in vdpbf16ps's pair layout, then multiplied by tiles of 8 rows x 48 columns (24
  * float32 accumulators): the weights are read in 4 bits from memory, once per step. */
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #define PANEL_BLOCKS 3 /* blocks of 16 columns per panel */
 #define PANEL_ROWS 8
 
@@ -637,9 +642,7 @@ static void q4_dequantize_panel(bf16 *restrict panel, const uint8_t *restrict w,
             const float *group = params + (b * groups + g) * 32;
             const vec d = _mm512_loadu_ps(group), m = _mm512_loadu_ps(group + 16);
             for (int j = 0; j < 8; j++) {
-                /* 16-bit word 2c + e: column c's k = 32g + 4j + e (low nibble), + 2 (high) */
-                const __m512i bytes = _mm512_cvtepu8_epi16(
-                    _mm256_loadu_si256((const __m256i *)(w + (b * groups + g) * 256 + j * 32)));
+                const __m512i bytes = q4_words(w, groups, b, g, j);
                 const __m512i halves[2] = {_mm512_and_si512(bytes, _mm512_set1_epi16(0x0f)),
                                            _mm512_srli_epi16(bytes, 4)};
                 for (int h = 0; h < 2; h++) {

@@ -65,6 +65,8 @@ class TorchOps:
 
     # prefill masks for `sdpa_prefill` (boolean) rather than `prefill_attention` (additive)
     prefill_sdpa = False
+    # whether `attend` reads prefill masks (the compiled prefill attention needs none)
+    prefill_masks = True
     # the compiled 4-bit matmul (`LlamaModel.load_int4`), where there is one
     q4_linear: Callable[..., None] | None = None
     q4_panel_linear: Callable[..., int] | None = None  # the same for steps of more rows
@@ -90,6 +92,7 @@ class TorchOps:
             device,
             for_sdpa=self.prefill_sdpa,
             window=self.sliding_window,
+            masks=self.prefill_masks,
         )
         meta = AttentionMetadata(
             positions=torch.tensor(positions, dtype=torch.long, device=device),
@@ -179,6 +182,8 @@ class TorchOps:
 
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 PREFILL_KERNEL_HEAD_DIM = 64  # the compiled prefill attention's one head size
+# its packed keys and values: tiles of 32 keys, 2,048 bfloat16 each (cpu_kernels.c)
+PREFILL_TILE_KEYS, PREFILL_TILE_ELEMENTS = 32, 2048
 
 
 def _ptr(tensor: torch.Tensor | None) -> int | None:
@@ -210,6 +215,7 @@ class KernelOps(TorchOps):
             self.q4_panel_linear = getattr(library, "q4_panel_linear_bf16", None)
             if head_dim == PREFILL_KERNEL_HEAD_DIM:
                 self._prefill_attention = getattr(library, "prefill_attention_bf16", None)
+        self.prefill_masks = self._prefill_attention is None
         self._prefill_scratch = torch.empty(0, dtype=dtype)  # its packed keys and values
         half = head_dim // 2
         # [max_positions, head_dim] float32: cos of each frequency, then its sin
@@ -329,7 +335,8 @@ class KernelOps(TorchOps):
         for seq, table in zip(meta.prefills, meta.prefill_tables, strict=True):
             num_query = seq.query_end - seq.query_start
             num_keys = num_query if seq.slots is None else seq.slots.numel()
-            need = 2 * self.num_kv_heads * -(-num_keys // 32) * 2048
+            tiles = -(-num_keys // PREFILL_TILE_KEYS)
+            need = 2 * self.num_kv_heads * tiles * PREFILL_TILE_ELEMENTS
             if self._prefill_scratch.numel() < need:
                 self._prefill_scratch = torch.empty(need, dtype=qkv.dtype)
             self._prefill_attention(

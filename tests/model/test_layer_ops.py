@@ -184,6 +184,26 @@ def test_attention_never_reads_past_the_sequence(
     assert torch.equal(outputs[0], outputs[1])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_masks_only_where_attention_reads_them(library: object, dtype: torch.dtype) -> None:
+    """A later prefill chunk (keys from the cache) needs a mask on torch's fused attention;
+    the compiled prefill attention (bfloat16, head size 64) applies causality itself, so
+    none is built for it (a [queries, keys] tensor per chunk, every step)."""
+    _, kernel_ops = both(library, dtype, 9, 3, 64)
+    meta = kernel_ops.build_metadata(
+        positions=list(range(16, 21)),
+        slot_mapping=list(range(16, 21)),
+        num_decodes=0,
+        query_lens=[5],
+        seq_lens=[21],
+        block_tables=[[0, 1]],
+        block_size=16,
+    )
+    uses_kernel = dtype == torch.bfloat16 and hasattr(library, "prefill_attention_bf16")
+    assert (meta.prefills[0].mask is None) == uses_kernel
+    assert (meta.prefill_tables is not None) == uses_kernel
+
+
 def test_no_compiler_falls_back_to_torch_ops(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without a C compiler the kernels are unavailable and the model runs on torch ops."""
     monkeypatch.setenv("CC", "/nonexistent/cc")
