@@ -38,10 +38,15 @@ CASES = {
 
 
 def _crowd(base_url: str) -> None:
-    """Four concurrent completions: the step that batches three of them fails."""
+    """Four concurrent completions: the step that batches three of them fails.
+
+    They start together and each runs long enough (the tiny model decodes a token in well
+    under a millisecond) that they overlap however the threads are scheduled."""
+    start = threading.Barrier(NUM_CLIENTS)
 
     def one(index: int) -> None:
-        body = {"prompt": f"request {index} " * 8, "max_tokens": 40, "ignore_eos": True}
+        body = {"prompt": f"request {index} " * 8, "max_tokens": 400, "ignore_eos": True}
+        start.wait(30)
         with contextlib.suppress(httpx.HTTPError):  # the server is going down
             httpx.post(f"{base_url}/v1/completions", json=body, timeout=60, trust_env=False)
 
