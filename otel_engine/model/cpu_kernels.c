@@ -123,9 +123,21 @@ static inline vec keep(vec x, int64_t n) { (void)n; return x; }
 /* decode attention specialised for head_dim 64 and a group size known at compile time */
 #define DECODE_CASE(SUFFIX, G)                                                                   \
     case G:                                                                                      \
-        decode_item_##SUFFIX(out, qkv, k_cache, v_cache, table, len, b, kvh, num_heads, G, 64,   \
-                             block_size, num_slots, qkv_width, scale);                           \
+        DECODE64_##SUFFIX(G);                                                                    \
         break;
+#define DECODE64_f32(G)                                                                          \
+    decode_item_f32(out, qkv, k_cache, v_cache, table, len, b, kvh, num_heads, G, 64, block_size, \
+                    num_slots, qkv_width, scale)
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define DECODE64_bf16(G)                                                                         \
+    decode64_bf16(out + (b * num_heads + kvh * G) * 64, qkv + b * qkv_width + kvh * G * 64,       \
+                  k_cache + kvh * num_slots * 64, v_cache + kvh * num_slots * 64, table, len, G,  \
+                  __builtin_ctzll((unsigned long long)block_size), scale)
+#else
+#define DECODE64_bf16(G)                                                                         \
+    decode_item_bf16(out, qkv, k_cache, v_cache, table, len, b, kvh, num_heads, G, 64,           \
+                     block_size, num_slots, qkv_width, scale)
+#endif
 #define CHUNK(n, i) ((n) - (i) < LANES ? (n) - (i) : LANES)
 
 #define DEFINE_KERNELS(T, SUFFIX)                                                                \
@@ -223,8 +235,7 @@ static inline __attribute__((always_inline)) void decode_item_##SUFFIX(         
                 __builtin_prefetch((const char *)(values + next) + byte);                        \
             }                                                                                    \
         }                                                                                        \
-        scores_##SUFFIX(&scores[0][0], block_size, qkv + b * qkv_width + kvh * group * head_dim, \
-                        &q[0][0], kb, count, group, head_dim, scale);                            \
+        scores_##SUFFIX(&scores[0][0], block_size, &q[0][0], kb, count, group, head_dim);        \
         for (int64_t g = 0; g < group; g++) {                                                    \
             float block_max = -INFINITY;                                                         \
             for (int64_t j = 0; j < count; j++)                                                  \
@@ -316,9 +327,9 @@ static inline vec select_pos(vec x, vec if_pos, vec if_neg) { return x >= 0.0f ?
 #endif
 
 /* Attention scores of one query head group against `count` cached keys: scores[g * stride +
- * j] = q_g . k_j * scale. The generic form takes q already scaled, as float32. */
-#define GENERIC_SCORES(T, SUFFIX)                                                                \
-static inline __attribute__((always_inline)) void generic_scores_##SUFFIX(                       \
+ * j] = q_g . k_j, q already scaled, as float32. */
+#define DEFINE_SCORES(T, SUFFIX)                                                                 \
+static inline __attribute__((always_inline)) void scores_##SUFFIX(                               \
     float *restrict scores, int64_t stride, const float *restrict q, const T *restrict kb,       \
     int64_t count, const int64_t group, const int64_t head_dim) {                                \
     for (int64_t j = 0; j < count; j++) {                                                        \
@@ -333,17 +344,8 @@ static inline __attribute__((always_inline)) void generic_scores_##SUFFIX(      
         for (int64_t g = 0; g < group; g++) scores[g * stride + j] = HSUM(dots[g]);              \
     }                                                                                            \
 }
-GENERIC_SCORES(float, f32)
-GENERIC_SCORES(bf16, bf16)
-
-static inline __attribute__((always_inline)) void scores_f32(
-    float *restrict scores, int64_t stride, const float *restrict q_raw, const float *restrict q,
-    const float *restrict kb, int64_t count, const int64_t group, const int64_t head_dim,
-    float scale) {
-    (void)q_raw;
-    (void)scale;
-    generic_scores_f32(scores, stride, q, kb, count, group, head_dim);
-}
+DEFINE_SCORES(float, f32)
+DEFINE_SCORES(bf16, bf16)
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 /* The sums of 16 vectors, one per lane: lane j = sum of v[j]'s 16 lanes (pairs added
@@ -367,8 +369,8 @@ static inline vec sum16(const vec v[16]) {
 
 /* acc[g] = acc[g] * rescales[g] + sum_j probs[g * stride + j] * v_j over `count` cached
  * values: each value row loaded once for every head of the group. */
-#define GENERIC_VALUES(T, SUFFIX)                                                                \
-static inline __attribute__((always_inline)) void generic_values_##SUFFIX(                       \
+#define DEFINE_VALUES(T, SUFFIX)                                                                 \
+static inline __attribute__((always_inline)) void values_##SUFFIX(                               \
     float *restrict acc, const float *restrict probs, int64_t stride,                            \
     const float *restrict rescales, const T *restrict vb, int64_t count, const int64_t group,    \
     const int64_t head_dim) {                                                                    \
@@ -390,113 +392,135 @@ static inline __attribute__((always_inline)) void generic_values_##SUFFIX(      
         for (int64_t c = 0; c < chunks; c++)                                                     \
             store_f32(acc + g * head_dim + c * LANES, sums[g][c], CHUNK(head_dim, c * LANES));   \
 }
-GENERIC_VALUES(float, f32)
-GENERIC_VALUES(bf16, bf16)
+DEFINE_VALUES(float, f32)
+DEFINE_VALUES(bf16, bf16)
 
-static inline __attribute__((always_inline)) void values_f32(
-    float *restrict acc, const float *restrict probs, int64_t stride,
-    const float *restrict rescales, const float *restrict vb, int64_t count, const int64_t group,
-    const int64_t head_dim) {
-    generic_values_f32(acc, probs, stride, rescales, vb, count, group, head_dim);
+/* ---- decode attention, bfloat16, head_dim 64 (AVX-512 BF16) --------------------------------
+ *
+ * One (sequence, KV head) per call, every query head of its group at once, in passes of up to
+ * DECODE_PASS cached keys: first q . k for all of them (vdpbf16ps on the stored bfloat16 q and
+ * k: exact products, float32 sums; one sum16 per 16 keys and head), then one softmax update
+ * per pass (the probabilities rounded to bfloat16, as flash attention's P @ V does), then p . v
+ * two value rows at a time by vdpbf16ps. A step reads every cached key and value once, from
+ * blocks scattered over memory, so the rows DECODE_AHEAD ahead of the one read are prefetched
+ * a row at a time (keys, then the pass's values, then the next pass's keys) and the loads stay
+ * in flight while the arithmetic runs. Slots past the sequence are never read. */
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define DECODE_PASS 256 /* keys per pass */
+#define DECODE_AHEAD 32 /* rows prefetched ahead of the one read: measured best of 16-64 */
+
+/* The cached row of position j: block table[j / block_size], block_size = 1 << shift. */
+static inline const bf16 *cached_row(const bf16 *base, const int32_t *table, int64_t j,
+                                     int shift) {
+    return base + (((int64_t)table[j >> shift] << shift) + (j & ((1 << shift) - 1))) * 64;
+}
+/* Both cache lines of a row. As inline assembly: GCC 12 at -O3 dropped every
+ * __builtin_prefetch of this loop from its output (and cold-cache decode took twice as long). */
+static inline void prefetch_row(const bf16 *row) {
+    __asm__ volatile("prefetcht0 %0" : : "m"(*(const char *)row));
+    __asm__ volatile("prefetcht0 %0" : : "m"(*((const char *)row + 64)));
 }
 
-/* bfloat16 with head_dim 64 and AVX-512 BF16: two value rows at a time by vdpbf16ps, their
- * bfloat16 elements interleaved (d of row j, d of row j + 1) against the two probabilities
- * rounded to bfloat16 (as flash attention's P @ V does); float32 sums. Interleaving puts d in
- * the order [0-3, 8-11, 16-19, 24-27] (low) and [4-7, 12-15, 20-23, 28-31] (high) per 32, so
- * acc is permuted into that order for the block and back. Otherwise the generic form. */
-static inline __attribute__((always_inline)) void values_bf16(
-    float *restrict acc, const float *restrict probs, int64_t stride,
-    const float *restrict rescales, const bf16 *restrict vb, int64_t count, const int64_t group,
-    const int64_t head_dim) {
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-    if (head_dim == 64 && group <= MAX_GROUP) {
-        const __m512i to_low = _mm512_set_epi32(27, 26, 25, 24, 19, 18, 17, 16, 11, 10, 9, 8, 3, 2, 1, 0);
-        const __m512i to_high = _mm512_set_epi32(31, 30, 29, 28, 23, 22, 21, 20, 15, 14, 13, 12, 7, 6, 5, 4);
-        const __m512i to_first = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
-        const __m512i to_second = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
-        vec sums[MAX_GROUP][4]; /* per head: chunk 0 low, high; chunk 1 low, high */
-        for (int64_t g = 0; g < group; g++) {
-            const vec scale = SET(rescales[g]);
-            for (int c = 0; c < 2; c++) {
-                const vec first = MUL(_mm512_loadu_ps(acc + g * 64 + c * 32), scale);
-                const vec second = MUL(_mm512_loadu_ps(acc + g * 64 + c * 32 + 16), scale);
-                sums[g][2 * c] = _mm512_permutex2var_ps(first, to_low, second);
-                sums[g][2 * c + 1] = _mm512_permutex2var_ps(first, to_high, second);
+static inline __attribute__((always_inline)) void decode64_bf16(
+    bf16 *restrict out, const bf16 *restrict q, const bf16 *restrict keys,
+    const bf16 *restrict values, const int32_t *restrict table, int64_t len, const int64_t group,
+    int shift, float scale) {
+    __m512bh q_low[MAX_GROUP], q_high[MAX_GROUP];
+    vec acc[MAX_GROUP][4]; /* per head, d in vdpbf16ps's order: see the end */
+    float run_max[MAX_GROUP], run_sum[MAX_GROUP];
+    float scores[MAX_GROUP][DECODE_PASS] __attribute__((aligned(64)));
+    bf16 probs[MAX_GROUP][DECODE_PASS] __attribute__((aligned(64)));
+    for (int64_t g = 0; g < group; g++) {
+        q_low[g] = (__m512bh)_mm512_loadu_si512(q + g * 64);
+        q_high[g] = (__m512bh)_mm512_loadu_si512(q + g * 64 + 32);
+        for (int c = 0; c < 4; c++) acc[g][c] = ZERO();
+        run_max[g] = -INFINITY;
+        run_sum[g] = 0.0f;
+    }
+    for (int64_t first = 0; first < len; first += DECODE_PASS) {
+        const int64_t n = len - first < DECODE_PASS ? len - first : DECODE_PASS;
+        for (int64_t start = 0; start < n; start += 16) {
+            const int64_t count = n - start < 16 ? n - start : 16;
+            const bf16 *rows[16];
+            for (int64_t j = 0; j < 16; j++) {
+                const int64_t ahead = start + j + DECODE_AHEAD;
+                rows[j] = j < count ? cached_row(keys, table, first + start + j, shift) : NULL;
+                if (ahead < n) prefetch_row(cached_row(keys, table, first + ahead, shift));
+                else if (ahead - n < n) prefetch_row(cached_row(values, table, first + ahead - n, shift));
+            }
+            for (int64_t g = 0; g < group; g++) {
+                vec dots[16];
+                for (int64_t j = 0; j < 16; j++) {
+                    if (j < count) { /* slots past the sequence may hold anything: never read */
+                        const __m512bh k_low = (__m512bh)_mm512_loadu_si512(rows[j]);
+                        const __m512bh k_high = (__m512bh)_mm512_loadu_si512(rows[j] + 32);
+                        dots[j] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(ZERO(), q_low[g], k_low),
+                                                   q_high[g], k_high);
+                    } else {
+                        dots[j] = ZERO();
+                    }
+                }
+                _mm512_store_ps(&scores[g][start], MUL(sum16(dots), SET(scale)));
             }
         }
-        for (int64_t j = 0; j < count; j += 2) {
-            const bf16 *row = vb + j * 64;
+        for (int64_t g = 0; g < group; g++) {
+            vec top = SET(-INFINITY);
+            for (int64_t i = 0; i < n; i += 16)
+                top = _mm512_max_ps(top, _mm512_mask_blend_ps(tail_mask(n - i), SET(-INFINITY),
+                                                              _mm512_load_ps(&scores[g][i])));
+            const float pass_max = _mm512_reduce_max_ps(top);
+            const float new_max = pass_max > run_max[g] ? pass_max : run_max[g];
+            const float rescale = expf(run_max[g] - new_max);
+            run_max[g] = new_max;
+            vec total = ZERO();
+            for (int64_t i = 0; i < n; i += 16) {
+                const vec p = keep(exp_vec(ADD(_mm512_load_ps(&scores[g][i]), SET(-new_max))), n - i);
+                total = ADD(total, p);
+                _mm256_store_si256((__m256i *)&probs[g][i], (__m256i)_mm512_cvtneps_pbh(p));
+            }
+            run_sum[g] = run_sum[g] * rescale + HSUM(total);
+            for (int c = 0; c < 4; c++) acc[g][c] = MUL(acc[g][c], SET(rescale));
+        }
+        for (int64_t j = 0; j < n; j += 2) {
+            for (int64_t i = j + DECODE_AHEAD; i < j + DECODE_AHEAD + 2; i++) {
+                if (i < n) prefetch_row(cached_row(values, table, first + i, shift));
+                else if (first + i < len) prefetch_row(cached_row(keys, table, first + i, shift));
+            }
+            const bf16 *row = cached_row(values, table, first + j, shift);
             const __m512i a0 = _mm512_loadu_si512(row), a1 = _mm512_loadu_si512(row + 32);
-            /* past the sequence: zeros, never the slot's contents */
-            const __m512i b0 = j + 1 < count ? _mm512_loadu_si512(row + 64) : _mm512_setzero_si512();
-            const __m512i b1 = j + 1 < count ? _mm512_loadu_si512(row + 96) : _mm512_setzero_si512();
+            __m512i b0 = _mm512_setzero_si512(), b1 = _mm512_setzero_si512();
+            if (j + 1 < n) { /* past the sequence: zeros, never the slot's contents */
+                const bf16 *next = cached_row(values, table, first + j + 1, shift);
+                b0 = _mm512_loadu_si512(next);
+                b1 = _mm512_loadu_si512(next + 32);
+            }
+            /* (d of row j, d of row j + 1) pairs against (p_j, p_j+1) */
             const __m512bh v[4] = {
                 (__m512bh)_mm512_unpacklo_epi16(a0, b0), (__m512bh)_mm512_unpackhi_epi16(a0, b0),
                 (__m512bh)_mm512_unpacklo_epi16(a1, b1), (__m512bh)_mm512_unpackhi_epi16(a1, b1)};
             for (int64_t g = 0; g < group; g++) {
-                const float next = j + 1 < count ? probs[g * stride + j + 1] : 0.0f;
-                bf16 pair[2];
-                store1_bf16(&pair[0], probs[g * stride + j]);
-                store1_bf16(&pair[1], next);
-                int32_t bits;
-                memcpy(&bits, pair, sizeof bits);
-                const __m512bh weights = (__m512bh)_mm512_set1_epi32(bits);
-                for (int c = 0; c < 4; c++) sums[g][c] = _mm512_dpbf16_ps(sums[g][c], v[c], weights);
+                int32_t pair;
+                memcpy(&pair, &probs[g][j], sizeof pair);
+                const __m512bh weights = (__m512bh)_mm512_set1_epi32(pair);
+                for (int c = 0; c < 4; c++) acc[g][c] = _mm512_dpbf16_ps(acc[g][c], v[c], weights);
             }
         }
-        for (int64_t g = 0; g < group; g++)
-            for (int c = 0; c < 2; c++) {
-                _mm512_storeu_ps(acc + g * 64 + c * 32,
-                                 _mm512_permutex2var_ps(sums[g][2 * c], to_first, sums[g][2 * c + 1]));
-                _mm512_storeu_ps(acc + g * 64 + c * 32 + 16,
-                                 _mm512_permutex2var_ps(sums[g][2 * c], to_second, sums[g][2 * c + 1]));
-            }
-        return;
     }
-#endif
-    generic_values_bf16(acc, probs, stride, rescales, vb, count, group, head_dim);
-}
-
-/* bfloat16 with head_dim 64 and AVX-512 BF16: q . k by vdpbf16ps on the stored bfloat16 q
- * and k (exact products, float32 sums), 16 keys at a time with one sum16 per head, then
- * scaled; otherwise the generic form. */
-static inline __attribute__((always_inline)) void scores_bf16(
-    float *restrict scores, int64_t stride, const bf16 *restrict q_raw, const float *restrict q,
-    const bf16 *restrict kb, int64_t count, const int64_t group, const int64_t head_dim,
-    float scale) {
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-    if (head_dim == 64 && group <= MAX_GROUP) {
-        __m512bh q_low[MAX_GROUP], q_high[MAX_GROUP];
-        for (int64_t g = 0; g < group; g++) {
-            q_low[g] = (__m512bh)_mm512_loadu_si512(q_raw + g * 64);
-            q_high[g] = (__m512bh)_mm512_loadu_si512(q_raw + g * 64 + 32);
+    /* unpacking put d in the order [0-3, 8-11, 16-19, 24-27] (acc[c = 0]) and [4-7, 12-15,
+     * 20-23, 28-31] (acc[1]) of the first 32, likewise for the second 32 (acc[2], acc[3]) */
+    const __m512i to_first = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+    const __m512i to_second = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
+    for (int64_t g = 0; g < group; g++) {
+        const vec inv = SET(run_sum[g] > 0.0f ? 1.0f / run_sum[g] : 0.0f);
+        for (int c = 0; c < 2; c++) {
+            store_bf16(out + g * 64 + c * 32,
+                       MUL(_mm512_permutex2var_ps(acc[g][2 * c], to_first, acc[g][2 * c + 1]), inv), 16);
+            store_bf16(out + g * 64 + c * 32 + 16,
+                       MUL(_mm512_permutex2var_ps(acc[g][2 * c], to_second, acc[g][2 * c + 1]), inv), 16);
         }
-        for (int64_t start = 0; start < count; start += 16) {
-            const int64_t n = count - start < 16 ? count - start : 16;
-            vec dots[MAX_GROUP][16];
-            for (int64_t j = 0; j < 16; j++) {
-                if (j < n) { /* slots past the sequence may hold anything: never read */
-                    const bf16 *k = kb + (start + j) * 64;
-                    const __m512bh k_low = (__m512bh)_mm512_loadu_si512(k);
-                    const __m512bh k_high = (__m512bh)_mm512_loadu_si512(k + 32);
-                    for (int64_t g = 0; g < group; g++)
-                        dots[g][j] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(ZERO(), q_low[g], k_low),
-                                                      q_high[g], k_high);
-                } else {
-                    for (int64_t g = 0; g < group; g++) dots[g][j] = ZERO();
-                }
-            }
-            for (int64_t g = 0; g < group; g++)
-                store_f32(scores + g * stride + start, MUL(sum16(dots[g]), SET(scale)), n);
-        }
-        return;
     }
-#endif
-    (void)q_raw;
-    (void)scale;
-    generic_scores_bf16(scores, stride, q, kb, count, group, head_dim);
 }
+#endif
 
 DEFINE_KERNELS(float, f32)
 DEFINE_KERNELS(bf16, bf16)

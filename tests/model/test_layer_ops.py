@@ -83,6 +83,7 @@ BATCHES = {
     "full": ([1], [64]),  # a sequence at the cache's capacity for it (max_model_len)
     "long": ([70], [70]),  # a prompt over several of the prefill kernel's 32-key tiles
     "long chunk": ([37], [101]),  # a later chunk whose keys span four tiles
+    "long decode": ([1, 1, 1], [256, 300, 515]),  # over the decode kernel's 256-key passes
 }
 
 
@@ -90,7 +91,7 @@ BATCHES = {
 @pytest.mark.parametrize("batch", list(BATCHES))
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim", "block_size"),
-    [(4, 2, 16, 4), (9, 3, 64, 16), (4, 4, 32, 8), (8, 1, 64, 16), (6, 2, 40, 4)],
+    [(4, 2, 16, 4), (9, 3, 64, 16), (4, 4, 32, 8), (8, 1, 64, 16), (6, 2, 40, 4), (4, 2, 64, 1)],
 )
 def test_attend_matches(
     library: object,
@@ -106,7 +107,7 @@ def test_attend_matches(
     query_lens, seq_lens = BATCHES[batch]
     torch_ops, kernel_ops = both(library, dtype, heads, kv_heads, head_dim)
     rng = random.Random(len(query_lens) * head_dim + block_size)
-    num_blocks = 96
+    num_blocks = max(96, 2 * sum(-(-n // block_size) for n in seq_lens))
     free = list(range(num_blocks))
     rng.shuffle(free)
     tables = [[free.pop() for _ in range(-(-n // block_size))] for n in seq_lens]
