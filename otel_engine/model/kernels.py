@@ -42,8 +42,10 @@ OPTIONAL_SIGNATURES: dict[str, list[type]] = {
     "q4_linear_bf16": [_P, _P, _P, _P, _P, _I, _I, _I],
     "prefill_attention_bf16": [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _F],
     "q4_panel_linear_bf16": [_P, _P, _P, _P, _I, _I, _I],
+    "decoder_stack_bf16": [_P] * 19 + [_F, _F],
 }
-RETURNS_STATUS = {"q4_panel_linear_bf16"}  # 0, or -1: a buffer could not be allocated
+# 0, or -1: a buffer could not be allocated
+RETURNS_STATUS = {"q4_panel_linear_bf16", "decoder_stack_bf16"}
 
 
 def _cache_dir() -> Path:

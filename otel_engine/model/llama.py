@@ -171,6 +171,7 @@ class LlamaModel:
         self.is_packed = isinstance(self.ops, KernelOps) and torch.backends.mkldnn.is_available()
         self.linear: Linear = _packed_linear if self.is_packed else F.linear
         self._int4_scratch = torch.empty(0)  # the 4-bit kernel's sums of x per group
+        self._stack: _DecoderStack | None = None  # built on the first forward that can use it
 
     def _make_ops(self, kernels: str, block_size: int, max_positions: int | None) -> LayerOps:
         if self.rotary.dim != self.head_dim:  # the kernels rotate whole heads
@@ -325,6 +326,9 @@ class LlamaModel:
         eps = self.arch.rms_norm_eps
         ops, linear = self.ops, self._linear
         hidden = F.embedding(input_ids, self.embed)  # the residual stream, updated in place
+        stack = self._decoder_stack(kv_caches)
+        if stack is not None:
+            return stack.forward(hidden, meta)
         delta: torch.Tensor | None = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             x = ops.add_rms_norm(hidden, delta, layer.input_norm, eps)
@@ -340,6 +344,25 @@ class LlamaModel:
                 act = ops.silu_mul(linear(x, layer.gate_up, layer.gate_up4))
                 delta = self._all_reduce(linear(act, layer.down, layer.down4))
         return ops.add_rms_norm(hidden, delta, self.norm, eps)
+
+    def _decoder_stack(
+        self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> _DecoderStack | None:
+        """The compiled stack for these caches, where this model is what it runs: one rank,
+        every layer's four matrices in 4 bits, no biases, q/k norms or experts."""
+        if self._stack is not None and self._stack.kv_caches is kv_caches:
+            return self._stack
+        ops = self.ops
+        if not isinstance(ops, KernelOps) or ops.decoder_stack is None or self.tp_size != 1:
+            return None
+        for layer in self.layers:
+            weights = (layer.qkv4, layer.o_proj4, layer.gate_up4, layer.down4)
+            if any(w is None for w in weights) or layer.qkv_bias is not None:
+                return None
+            if layer.q_norm is not None or layer.moe is not None:
+                return None
+        self._stack = _DecoderStack(self, ops, kv_caches)
+        return self._stack
 
     def _norm_qk(self, qkv: torch.Tensor, layer: LlamaLayer) -> None:
         """RMSNorm each q and k head of `qkv` in place (Qwen3), before `attend` rotates them."""
@@ -385,3 +408,98 @@ class LlamaModel:
         if self.tp_size > 1:
             dist.all_reduce(x)
         return x
+
+
+class _DecoderStack:
+    """A 4-bit model's decoder layers as one call into `decoder_stack_bf16` (cpu_kernels.c):
+    the same kernels, in the same order, as `LlamaModel.forward`'s loop with KernelOps (the
+    same results to the bit), without the Python and ctypes around each of them."""
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        ops: KernelOps,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> None:
+        assert ops.decoder_stack is not None
+        self.kv_caches = kv_caches
+        self._call = ops.decoder_stack
+        self._ops = ops
+        self._model = model
+        fields = []
+        for layer, (k_cache, v_cache) in zip(model.layers, kv_caches, strict=True):
+            for tensor in (layer.input_norm, layer.post_norm):
+                fields.append(tensor.data_ptr())
+            for weight in (layer.qkv4, layer.o_proj4, layer.gate_up4, layer.down4):
+                assert weight is not None
+                fields += [weight.packed.data_ptr(), weight.params.data_ptr()]
+            fields += [k_cache.data_ptr(), v_cache.data_ptr()]
+        self._layers = torch.tensor(fields, dtype=torch.int64)  # STACK_FIELDS per layer
+        k_cache = kv_caches[0][0]
+        self._cache_dims = (k_cache.shape[2], k_cache.shape[1] * k_cache.shape[2])
+        widest = max(model.arch.hidden_size, model.intermediate)
+        self._sums = torch.empty(INT4_MAX_ROWS * widest // INT4_GROUP, dtype=torch.float32)
+
+    def forward(self, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        model, ops = self._model, self._ops
+        tokens, size = hidden.shape
+        heads, kv_heads, inter = model.num_heads, model.num_kv_heads, model.intermediate
+        block_size, num_slots = self._cache_dims
+        decodes = meta.num_decodes
+        tables, lens = meta.decode_tables, meta.decode_lens
+        if meta.prefills:
+            chunks, scratch = ops.prefill_chunks(meta)
+        else:
+            chunks, scratch = _NO_CHUNKS, _NO_CHUNKS
+        dims = torch.tensor(
+            [
+                tokens,
+                size,
+                inter,
+                heads,
+                kv_heads,
+                block_size,
+                num_slots,
+                INT4_MAX_ROWS,
+                decodes,
+                tables.shape[1] if decodes and tables is not None else 0,
+                chunks.shape[0],
+                len(model.layers),
+            ],
+            dtype=torch.int64,
+        )
+        dtype = hidden.dtype
+        out = torch.empty_like(hidden)
+        x, attn, delta = (torch.empty_like(hidden) for _ in range(3))
+        qkv = torch.empty((tokens, (heads + 2 * kv_heads) * model.head_dim), dtype=dtype)
+        gate_up = torch.empty((tokens, 2 * inter), dtype=dtype)
+        act = torch.empty((tokens, inter), dtype=dtype)
+        status = self._call(
+            hidden.data_ptr(),
+            out.data_ptr(),
+            self._layers.data_ptr(),
+            dims.data_ptr(),
+            model.norm.data_ptr(),
+            ops.cos_sin.data_ptr(),
+            meta.positions.data_ptr(),
+            meta.slot_mapping.data_ptr(),
+            tables.data_ptr() if decodes and tables is not None else None,
+            lens.data_ptr() if decodes and lens is not None else None,
+            chunks.data_ptr(),
+            x.data_ptr(),
+            qkv.data_ptr(),
+            attn.data_ptr(),
+            delta.data_ptr(),
+            gate_up.data_ptr(),
+            act.data_ptr(),
+            self._sums.data_ptr(),
+            scratch.data_ptr(),
+            model.arch.rms_norm_eps,
+            ops.scale,
+        )
+        if status != 0:
+            raise MemoryError("the 4-bit kernel could not allocate its panel buffer")
+        return out
+
+
+_NO_CHUNKS = torch.zeros((0, 4), dtype=torch.int64)

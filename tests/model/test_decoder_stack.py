@@ -1,0 +1,124 @@
+"""The compiled decoder stack (`decoder_stack_bf16`, one call for all of a 4-bit model's
+layers) against the Python layer loop it replaces, on the default model's own 4-bit weights:
+the same output, residual stream and KV cache contents to the bit, for decode, prefill,
+chunked and mixed steps on either side of `INT4_MAX_ROWS` rows; and the models it does not
+apply to keep the loop."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from otel_engine.model.llama import INT4_MAX_ROWS, LlamaModel
+from otel_engine.model.loader import iter_int4, iter_weights, load_model_arch, prepare_model_dir
+
+pytestmark = pytest.mark.slow  # loads the default model
+
+BLOCK_SIZE = 16
+NUM_BLOCKS = 160
+# (query_lens, seq_lens): decodes first, then prefill chunks
+BATCHES = {
+    "decode": ([1, 1, 1], [17, 33, 5]),
+    "decode 32": ([1] * 32, [3 + 3 * i for i in range(32)]),  # past INT4_MAX_ROWS rows
+    "prefill": ([7], [7]),
+    "chunk": ([40], [70]),  # a later chunk: keys from the cache
+    "mixed": ([1, 1, 6, 8], [16, 40, 6, 30]),
+    "mixed large": ([1] * 5 + [25, 3], [30, 2, 300, 16, 65, 25, 90]),
+}
+
+
+@pytest.fixture(scope="module")
+def model() -> LlamaModel:
+    model_dir = prepare_model_dir(None)
+    arch = load_model_arch(model_dir)
+    model = LlamaModel(arch, dtype=torch.bfloat16, device=torch.device("cpu"), max_positions=1024)
+    model.load_weights(iter_weights(model_dir))
+    if model.load_int4(iter_int4(model_dir)) is not None:
+        pytest.skip("no 4-bit kernels on this CPU")
+    return model
+
+
+def _step(model: LlamaModel, batch: str) -> tuple[torch.Tensor, dict[str, object]]:
+    query_lens, seq_lens = BATCHES[batch]
+    rng = random.Random(batch)
+    free = list(range(NUM_BLOCKS))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(-(-n // BLOCK_SIZE))] for n in seq_lens]
+    positions, slots = [], []
+    for query_len, seq_len, table in zip(query_lens, seq_lens, tables, strict=True):
+        for p in range(seq_len - query_len, seq_len):
+            positions.append(p)
+            slots.append(table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE)
+    metadata = {
+        "positions": positions,
+        "slot_mapping": slots,
+        "num_decodes": sum(1 for n in query_lens if n == 1),
+        "query_lens": query_lens,
+        "seq_lens": seq_lens,
+        "block_tables": tables,
+        "block_size": BLOCK_SIZE,
+    }
+    ids = torch.tensor([rng.randrange(model.arch.vocab_size) for _ in positions])
+    return ids, metadata
+
+
+def _caches(model: LlamaModel) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Cached keys and values of the earlier tokens: random, the same for both runs."""
+    generator = torch.Generator().manual_seed(0)
+    shape = (model.num_kv_heads, NUM_BLOCKS, BLOCK_SIZE, model.head_dim)
+    return [
+        tuple(torch.randn(shape, generator=generator).to(torch.bfloat16) for _ in range(2))  # type: ignore[misc]
+        for _ in model.layers
+    ]
+
+
+@pytest.mark.parametrize("batch", list(BATCHES))
+def test_stack_gives_the_layer_loop_s_bits(model: LlamaModel, batch: str) -> None:
+    ids, metadata = _step(model, batch)
+    results = []
+    for use_stack in (True, False):
+        caches = _caches(model)
+        model._stack = None
+        if not use_stack:
+            model._decoder_stack = lambda kv_caches: None  # type: ignore[method-assign]
+        try:
+            hidden = model.forward(ids, caches, model.ops.build_metadata(**metadata))
+            if use_stack:
+                assert model._stack is not None  # it ran
+        finally:
+            model.__dict__.pop("_decoder_stack", None)
+        results.append((hidden, caches))
+
+    (stacked, stack_caches), (looped, loop_caches) = results
+    assert (ids.numel() > INT4_MAX_ROWS) == (batch in ("decode 32", "chunk", "mixed large"))
+    assert torch.isfinite(stacked.float()).all()
+    assert torch.equal(stacked, looped)
+    for (k1, v1), (k2, v2) in zip(stack_caches, loop_caches, strict=True):
+        assert torch.equal(k1, k2)
+        assert torch.equal(v1, v2)
+
+
+def test_the_stack_applies_only_to_a_4bit_model_on_one_rank(model: LlamaModel) -> None:
+    caches = _caches(model)
+    model._stack = None
+    assert model._decoder_stack(caches) is not None
+    assert model._decoder_stack(caches) is model._decoder_stack(caches)  # built once
+    other = _caches(model)
+    assert model._decoder_stack(other) is not None
+    assert model._stack is not None
+    assert model._stack.kv_caches is other  # rebuilt for them
+    qkv4 = model.layers[3].qkv4
+    model._stack = None
+    model.layers[3].qkv4 = None  # one matrix without a 4-bit form: the loop
+    try:
+        assert model._decoder_stack(caches) is None
+    finally:
+        model.layers[3].qkv4 = qkv4
+    model._stack = None
+    model.tp_size = 2
+    try:
+        assert model._decoder_stack(caches) is None
+    finally:
+        model.tp_size = 1
