@@ -105,6 +105,10 @@ class ModelRunner:
             return ModelOutput(step.step_id, [], prompt_logprobs=prompt_logprobs)
         ends = torch.tensor(step.query_lens, device=device).cumsum(0) - 1
         rows = ends[torch.tensor(step.sample_indices, dtype=torch.long, device=device)]
+        if _greedy_only(step):
+            greedy = self.model.greedy_tokens(hidden[rows])
+            if greedy is not None:
+                return ModelOutput(step.step_id, greedy, [], prompt_logprobs)
         logits = self.model.compute_logits(hidden[rows])
         tokens = self.sampler(
             logits,
@@ -138,6 +142,14 @@ class ModelRunner:
             logits = self.model.compute_logits(rows)
             result += logprobs_of(logits, part, [chunk.num_top] * len(part))  # type: ignore[arg-type]
         return result
+
+
+def _greedy_only(step: ModelInput) -> bool:
+    """Every sampled row takes its argmax of the raw logits: temperature 0, and no logit
+    processing, grammar or logprobs."""
+    if step.processing or step.grammar_rows or step.num_logprobs:
+        return False
+    return all(t == 0.0 for t in step.temperatures)
 
 
 _HUGE_PAGE = 2 << 20

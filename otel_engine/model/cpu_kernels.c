@@ -151,6 +151,49 @@ static inline vec keep(vec x, int64_t n) { (void)n; return x; }
 #endif
 #define CHUNK(n, i) ((n) - (i) < LANES ? (n) - (i) : LANES)
 
+/* The index of the first greatest value of a row of n (float32 from either type), or of its
+ * first NaN: what torch's max(dim=-1) returns. */
+#ifdef __AVX512F__
+#define ARGMAX_ROW(SUFFIX)                                                                       \
+static int64_t argmax_row_##SUFFIX(const T_##SUFFIX *row, int64_t n) {                           \
+    vec best = SET(-INFINITY);                                                                   \
+    __m512i index = _mm512_setzero_si512(), at = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8,   \
+                                                                 7, 6, 5, 4, 3, 2, 1, 0);        \
+    __mmask16 nan = 0;                                                                           \
+    for (int64_t i = 0; i < n; i += LANES) {                                                     \
+        const vec v = _mm512_mask_blend_ps(tail_mask(n - i), SET(-INFINITY),                     \
+                                           load_##SUFFIX(row + i, CHUNK(n, i)));                 \
+        const __mmask16 greater = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ); /* ties: earlier */   \
+        best = _mm512_mask_mov_ps(best, greater, v);                                             \
+        index = _mm512_mask_mov_epi32(index, greater, at);                                       \
+        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);                                           \
+        at = _mm512_add_epi32(at, _mm512_set1_epi32(LANES));                                    \
+    }                                                                                            \
+    if (nan)                                                                                     \
+        for (int64_t i = 0; i < n; i++)                                                          \
+            if (isnan(load1_##SUFFIX(row + i))) return i;                                        \
+    const float top = _mm512_reduce_max_ps(best);                                                \
+    const __mmask16 tops = _mm512_cmp_ps_mask(best, SET(top), _CMP_EQ_OQ);                       \
+    return _mm512_mask_reduce_min_epi32(tops, index);                                            \
+}
+#else
+#define ARGMAX_ROW(SUFFIX)                                                                       \
+static int64_t argmax_row_##SUFFIX(const T_##SUFFIX *row, int64_t n) {                           \
+    int64_t index = 0;                                                                           \
+    float best = -INFINITY;                                                                      \
+    for (int64_t i = 0; i < n; i++) {                                                            \
+        const float v = load1_##SUFFIX(row + i);                                                 \
+        if (isnan(v)) return i;                                                                  \
+        if (v > best) { best = v; index = i; }                                                   \
+    }                                                                                            \
+    return index;                                                                                \
+}
+#endif
+typedef float T_f32;
+typedef bf16 T_bf16;
+ARGMAX_ROW(f32)
+ARGMAX_ROW(bf16)
+
 #define DEFINE_KERNELS(T, SUFFIX)                                                                \
                                                                                                  \
 /* hidden += delta (when delta is given); out = weight * normalize(hidden), RMSNorm. */          \
@@ -301,6 +344,14 @@ void decode_attention_##SUFFIX(T *restrict out, const T *restrict qkv,          
                                  group, head_dim, block_size, num_slots, qkv_width, scale);      \
         }                                                                                        \
     }                                                                                            \
+}                                                                                                \
+                                                                                                 \
+/* out[r] = the index of row r's first greatest logit (its first NaN if any): greedy      */  \
+/* sampling straight from the LM head's output, in its own type.                         */  \
+void argmax_##SUFFIX(int64_t *restrict out, const T *restrict logits, int64_t rows,             \
+                     int64_t vocab) {                                                            \
+    _Pragma("omp parallel for if (rows > 1)")                                                    \
+    for (int64_t r = 0; r < rows; r++) out[r] = argmax_row_##SUFFIX(logits + r * vocab, vocab);  \
 }                                                                                                \
                                                                                                  \
 /* out[r] = silu(gate[r]) * up[r], with gate_up[r] = [gate | up] (the fused projection);    */  \

@@ -98,6 +98,9 @@ class Gemma3Model(LlamaModel):
             hidden = hidden + rms_norm_f32(out, layer.post_ff_norm, eps)
         return rms_norm_f32(hidden, self.norm, eps)
 
+    def greedy_tokens(self, hidden: torch.Tensor) -> list[int] | None:
+        return None  # soft-capped logits: compute_logits
+
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = super().compute_logits(hidden)

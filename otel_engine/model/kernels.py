@@ -35,6 +35,7 @@ SIGNATURES: dict[str, list[type]] = {
     "rope_and_cache": [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I],
     "decode_attention": [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _F],
     "silu_mul": [_P, _P, _I, _I],
+    "argmax": [_P, _P, _I, _I],
 }
 SUFFIXES = ("f32", "bf16")
 # Built only where the CPU has what they need (AVX-512 BF16); absent from the library elsewhere.

@@ -70,6 +70,8 @@ class TorchOps:
     # the compiled 4-bit matmul (`LlamaModel.load_int4`), where there is one
     q4_linear: Callable[..., None] | None = None
     q4_panel_linear: Callable[..., int] | None = None  # the same for steps of more rows
+    # argmax(out, logits, rows, vocab): each row's greedy token (`LlamaModel.greedy_tokens`)
+    argmax: Callable[..., None] | None = None
 
     def build_metadata(
         self,
@@ -208,6 +210,7 @@ class KernelOps(TorchOps):
         self._rope_and_cache = getattr(library, f"rope_and_cache_{suffix}")
         self._decode_attention = getattr(library, f"decode_attention_{suffix}")
         self._silu_mul = getattr(library, f"silu_mul_{suffix}")
+        self.argmax = getattr(library, f"argmax_{suffix}")
         # absent where the CPU has no AVX-512 BF16; prefill attention: head size 64 only
         self._prefill_attention = None
         self.decoder_stack = None  # a whole 4-bit model's layers in one call (llama.py)

@@ -404,6 +404,20 @@ class LlamaModel:
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.linear(hidden, self.lm_head, None).float()
 
+    @torch.inference_mode()
+    def greedy_tokens(self, hidden: torch.Tensor) -> list[int] | None:
+        """Each row's greedy token straight from the LM head's output in its own dtype: the
+        argmax of `compute_logits` (converting to float32 is exact), without the conversion
+        or torch's reduction (32 rows of the default model: about 1 ms a step). None where
+        the ops have no compiled argmax (or logits are post-processed: Gemma 3)."""
+        argmax = self.ops.argmax
+        if argmax is None:
+            return None
+        logits = self.linear(hidden, self.lm_head, None)
+        tokens = torch.empty(logits.shape[0], dtype=torch.int64)
+        argmax(tokens.data_ptr(), logits.data_ptr(), logits.shape[0], logits.shape[1])
+        return tokens.tolist()
+
     def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size > 1:
             dist.all_reduce(x)

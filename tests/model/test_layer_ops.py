@@ -75,6 +75,29 @@ def test_silu_mul_matches(library: object, dtype: torch.dtype, rows: int, width:
     assert_close(torch_ops.silu_mul(gate_up), kernel_ops.silu_mul(gate_up), dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "vocab"), [(1, 49152), (32, 49152), (4, 33), (3, 1)])
+def test_argmax_is_torch_s_max_index(
+    library: object, dtype: torch.dtype, rows: int, vocab: int
+) -> None:
+    """Greedy tokens from the compiled argmax: torch's max(dim=-1) index exactly, with a tie
+    (the first wins), a row of -inf (0) and a row with a NaN (the NaN's index)."""
+    _, kernel_ops = both(library, dtype, 4, 2, 16)
+    logits = torch.randn(rows, vocab).to(dtype)
+    if vocab > 2:
+        logits[0, 3] = logits[0].max() + 1
+        logits[0, vocab - 1] = logits[0, 3]
+    if rows > 1:
+        logits[1] = float("-inf")
+    if rows > 2:
+        logits[2, vocab // 2] = float("nan")
+    out = torch.empty(rows, dtype=torch.int64)
+    assert kernel_ops.argmax is not None
+    kernel_ops.argmax(out.data_ptr(), logits.data_ptr(), rows, vocab)
+
+    assert torch.equal(out, logits.float().max(dim=-1).indices)
+
+
 BATCHES = {
     "decode": ([1, 1, 1], [17, 33, 5]),  # one token each, lengths across block boundaries
     "prefill": ([7], [7]),  # a fresh prompt
