@@ -42,11 +42,10 @@ SUFFIXES = ("f32", "bf16")
 OPTIONAL_SIGNATURES: dict[str, list[type]] = {
     "q4_linear_bf16": [_P, _P, _P, _P, _P, _I, _I, _I],
     "prefill_attention_bf16": [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _F],
-    "q4_panel_linear_bf16": [_P, _P, _P, _P, _I, _I, _I],
+    "q4_build_panels_bf16": [_P, _P, _P, _I, _I],
+    "panel_linear_bf16": [_P, _P, _P, _I, _I, _I],
     "decoder_stack_bf16": [_P] * 19 + [_F, _F],
 }
-# 0, or -1: a buffer could not be allocated
-RETURNS_STATUS = {"q4_panel_linear_bf16", "decoder_stack_bf16"}
 
 
 def _cache_dir() -> Path:
@@ -113,6 +112,6 @@ def load() -> ctypes.CDLL | None:
         function = getattr(library, name, None)
         if function is not None:
             function.argtypes = argtypes
-            function.restype = ctypes.c_int64 if name in RETURNS_STATUS else None
+            function.restype = None
     library.otel_kernels_max_block_size.restype = ctypes.c_int64
     return library

@@ -69,7 +69,9 @@ class TorchOps:
     prefill_masks = True
     # the compiled 4-bit matmul (`LlamaModel.load_int4`), where there is one
     q4_linear: Callable[..., None] | None = None
-    q4_panel_linear: Callable[..., int] | None = None  # the same for steps of more rows
+    # the same weights as bfloat16 panels (built once), for steps of more rows
+    q4_build_panels: Callable[..., None] | None = None
+    panel_linear: Callable[..., None] | None = None
     # argmax(out, logits, rows, vocab): each row's greedy token (`LlamaModel.greedy_tokens`)
     argmax: Callable[..., None] | None = None
 
@@ -216,7 +218,8 @@ class KernelOps(TorchOps):
         self.decoder_stack = None  # a whole 4-bit model's layers in one call (llama.py)
         if dtype == torch.bfloat16:
             self.q4_linear = getattr(library, "q4_linear_bf16", None)
-            self.q4_panel_linear = getattr(library, "q4_panel_linear_bf16", None)
+            self.q4_build_panels = getattr(library, "q4_build_panels_bf16", None)
+            self.panel_linear = getattr(library, "panel_linear_bf16", None)
             if head_dim == PREFILL_KERNEL_HEAD_DIM:
                 self._prefill_attention = getattr(library, "prefill_attention_bf16", None)
                 self.decoder_stack = getattr(library, "decoder_stack_bf16", None)

@@ -12,11 +12,12 @@ AVX-512 where the CPU has them) and the rest of each layer runs in the compiled 
 (`layer_ops.KernelOps`); `kernels="torch"` keeps plain `F.linear` and torch ops, the
 reference that the tests compare the fast path with. A checkpoint stored in 4 bits (a GGUF
 Q4_0/Q4_1, the default model) multiplies by its own 4-bit weights instead (`load_int4`, on
-CPUs with AVX-512 BF16), and its bfloat16 copies are dropped: steps of at most
-`INT4_MAX_ROWS` tokens in `q4_linear_bf16` (cpu_kernels.c; the exact 4-bit weights, 4x fewer
-bytes to read than bfloat16, and a decode step of a few sequences is bound by reading them),
-larger ones in `q4_panel_linear_bf16` (the weights dequantized to bfloat16 a panel at a time,
-as fast as oneDNN from 17 to 2,048 rows).
+CPUs with AVX-512 BF16), and its oneDNN copies are dropped: steps of at most `INT4_MAX_ROWS`
+tokens in `q4_linear_bf16` (cpu_kernels.c; the exact 4-bit weights, 4x fewer bytes to read
+than bfloat16, and a decode step of a few sequences is bound by reading them), larger ones in
+`panel_linear_bf16` (the same weights dequantized once at load into bfloat16 panels that it
+streams ahead of use: 24% faster than oneDNN at 32 rows). A model that is all 4-bit on one
+rank runs its whole decoder stack in one call (`decoder_stack_bf16`, `_DecoderStack`).
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ from otel_engine.model.moe import MoeWeights, moe_forward
 Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 # Up to this many rows the exact 4-bit kernel is the faster (the default model's 30 layers,
 # weights in cache: 0.74 ms at 1 row, 2.63 at 8, 5.0 at 16; oneDNN bfloat16 2.6 / 3.5 / 4.9),
-# beyond it the panel kernel (6.5 ms at 17 rows, 8.9 at 32, 417 at 2,048; oneDNN 5.4 / 8.8 /
-# 422).
+# beyond it the bfloat16 panels (6.8 ms at 32 rows, 405 at 2,048, weights read from memory;
+# oneDNN 8.8 / 422).
 INT4_MAX_ROWS = 16
 # what a layer keeps of its bfloat16 matrices once their 4-bit form is in use
 _DROPPED = torch.empty(0)
@@ -56,19 +57,28 @@ def _packed_linear(
 class Int4Weight:
     """A fused matrix [rows, cols] in 4 bits, in `q4_linear_bf16`'s layout (cpu_kernels.c):
     `packed` uint8 [rows / 16, groups, 256] (two weights a byte); `params` float32 [rows /
-    16, groups, 2, 16]: each group's scale d, then its offset m + 8d, for 16 rows."""
+    16, groups, 2, 16]: each group's scale d, then its offset m + 8d, for 16 rows. `panels`:
+    the same weights as bfloat16 (d * q + m rounded: the bfloat16 copy's values) in
+    `panel_linear_bf16`'s layout, for steps of more than INT4_MAX_ROWS rows."""
 
     packed: torch.Tensor
     params: torch.Tensor
     rows: int
     cols: int
+    panels: torch.Tensor
+
+
+PANEL_COLUMNS = 48  # output columns per bfloat16 panel (cpu_kernels.c PANEL_BLOCKS * 16)
 
 
 def _pack_int4(
-    parts: list[Int4Tensor], shard: Callable[[torch.Tensor], torch.Tensor]
+    parts: list[Int4Tensor],
+    shard: Callable[[torch.Tensor], torch.Tensor],
+    build_panels: Callable[..., None],
 ) -> Int4Weight | None:
-    """Fused rows of 4-bit matrices, this rank's shard, laid out for the kernel; None if it
-    does not fit (a shard's columns must hold whole groups, its rows a multiple of 16)."""
+    """Fused rows of 4-bit matrices, this rank's shard, laid out for the kernels (the panels
+    by `build_panels`, q4_build_panels_bf16); None if it does not fit (a shard's columns
+    must hold whole groups, its rows a multiple of 16)."""
     q = torch.cat([shard(p.q) for p in parts])
     scale = torch.cat([shard(p.scale) for p in parts]).float()
     offset = torch.cat([shard(p.offset) for p in parts]).float()
@@ -84,7 +94,10 @@ def _pack_int4(
         t.view(rows // 16, 16, groups).transpose(1, 2) for t in (scale, offset + 8 * scale)
     ]
     params = torch.stack(per_block, dim=2).contiguous()
-    return Int4Weight(packed.contiguous(), params, rows, cols)
+    packed = packed.contiguous()
+    panels = torch.empty(-(-rows // PANEL_COLUMNS) * PANEL_COLUMNS * cols, dtype=torch.bfloat16)
+    build_panels(panels.data_ptr(), packed.data_ptr(), params.data_ptr(), rows, cols)
+    return Int4Weight(packed, params, rows, cols, panels)
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:
@@ -288,7 +301,8 @@ class LlamaModel:
         """Multiply by the checkpoint's 4-bit tensors (this rank's shard of every layer's
         matrices) and drop their bfloat16 copies. Returns why not (and changes nothing) when
         the kernels are not there, some matrix has no 4-bit form or its shard does not fit."""
-        if self.ops.q4_linear is None or self.ops.q4_panel_linear is None:
+        build_panels = self.ops.q4_build_panels
+        if self.ops.q4_linear is None or build_panels is None or self.ops.panel_linear is None:
             return "the 4-bit kernels need the compiled kernels, bfloat16 and AVX-512 BF16"
         fused = {
             "qkv4": (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), self._rows),
@@ -304,7 +318,7 @@ class LlamaModel:
                 parts = [weights.get(prefix + name) for name in names]
                 if any(part is None for part in parts):
                     return f"{prefix}{names[0]} is not stored in 4 bits"
-                weight = _pack_int4([p for p in parts if p is not None], shard)
+                weight = _pack_int4([p for p in parts if p is not None], shard, build_panels)
                 if weight is None:
                     return f"{prefix}{names[0]}: this shard does not fit the 4-bit kernel"
                 layer[attribute] = weight
@@ -389,9 +403,8 @@ class LlamaModel:
         out = torch.empty((rows, int4.rows), dtype=x.dtype)
         pointers = (out.data_ptr(), x.data_ptr(), int4.packed.data_ptr(), int4.params.data_ptr())
         if rows > INT4_MAX_ROWS:
-            assert ops.q4_panel_linear is not None
-            if ops.q4_panel_linear(*pointers, rows, int4.rows, int4.cols) != 0:
-                raise MemoryError("the 4-bit kernel could not allocate its panel buffer")
+            assert ops.panel_linear is not None
+            ops.panel_linear(*pointers[:2], int4.panels.data_ptr(), rows, int4.rows, int4.cols)
         else:
             need = rows * (int4.cols // INT4_GROUP)
             if self._int4_scratch.numel() < need:
@@ -447,6 +460,7 @@ class _DecoderStack:
             for weight in (layer.qkv4, layer.o_proj4, layer.gate_up4, layer.down4):
                 assert weight is not None
                 fields += [weight.packed.data_ptr(), weight.params.data_ptr()]
+                fields.append(weight.panels.data_ptr())
             fields += [k_cache.data_ptr(), v_cache.data_ptr()]
         self._layers = torch.tensor(fields, dtype=torch.int64)  # STACK_FIELDS per layer
         k_cache = kv_caches[0][0]
@@ -488,7 +502,7 @@ class _DecoderStack:
         qkv = torch.empty((tokens, (heads + 2 * kv_heads) * model.head_dim), dtype=dtype)
         gate_up = torch.empty((tokens, 2 * inter), dtype=dtype)
         act = torch.empty((tokens, inter), dtype=dtype)
-        status = self._call(
+        self._call(
             hidden.data_ptr(),
             out.data_ptr(),
             self._layers.data_ptr(),
@@ -511,8 +525,6 @@ class _DecoderStack:
             model.arch.rms_norm_eps,
             ops.scale,
         )
-        if status != 0:
-            raise MemoryError("the 4-bit kernel could not allocate its panel buffer")
         return out
 
 

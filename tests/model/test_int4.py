@@ -14,7 +14,6 @@ from otel_engine import LLM, SamplingParams
 from otel_engine.engine.core_client import InprocClient
 from otel_engine.model import kernels
 from otel_engine.model.llama import (
-    _DROPPED,
     INT4_MAX_ROWS,
     Int4Weight,
     LlamaModel,
@@ -84,6 +83,12 @@ def _library() -> ctypes.CDLL:
     return library
 
 
+def _pack(parts: list[Int4Tensor]) -> Int4Weight:
+    packed = _pack_int4(parts, lambda t: t, _library().q4_build_panels_bf16)
+    assert packed is not None
+    return packed
+
+
 def _q4_linear(x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
     library = _library()
     out = torch.empty((x.shape[0], weight.rows), dtype=torch.bfloat16)
@@ -113,8 +118,7 @@ def test_int4_kernel_computes_scale_times_q_plus_offset(model_dir: str) -> None:
     weight (computed in float64) within the output's bfloat16 rounding, for every row count
     the 4-bit path takes."""
     int4 = iter_int4(model_dir)["model.layers.0.mlp.gate_proj"]
-    packed = _pack_int4([int4], lambda t: t)
-    assert packed is not None
+    packed = _pack([int4])
     for rows in range(1, INT4_MAX_ROWS + 1):
         x = torch.randn(rows, packed.cols).to(torch.bfloat16)
         _assert_close(_q4_linear(x, packed), x.double() @ _dequantized(int4).T)
@@ -131,8 +135,7 @@ def test_int4_kernel_shapes_rows_and_non_finite_input() -> None:
         scale = torch.rand(rows, 3, generator=generator) * 0.05
         offset = -8 * scale + torch.randn(rows, 3, generator=generator) * 0.01
         parts.append(Int4Tensor(q, scale.to(torch.float16), offset.to(torch.float16)))
-    packed = _pack_int4(parts, lambda t: t)
-    assert packed is not None
+    packed = _pack(parts)
     weight = torch.cat([_dequantized(p) for p in parts])
     x = (torch.randn(9, 96, generator=generator) * 4).to(torch.bfloat16)
     full = _q4_linear(x, packed)
@@ -146,46 +149,54 @@ def test_int4_kernel_shapes_rows_and_non_finite_input() -> None:
     assert torch.equal(out[[0, 1, 3, 5, 6, 7, 8]], full[[0, 1, 3, 5, 6, 7, 8]].float())
 
 
-def _q4_panel_linear(x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
+def _panel_linear(x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
     out = torch.empty((x.shape[0], weight.rows), dtype=torch.bfloat16)
-    pointers = (out.data_ptr(), x.data_ptr(), weight.packed.data_ptr(), weight.params.data_ptr())
-    assert _library().q4_panel_linear_bf16(*pointers, x.shape[0], weight.rows, weight.cols) == 0
+    _library().panel_linear_bf16(
+        out.data_ptr(), x.data_ptr(), weight.panels.data_ptr(), x.shape[0], weight.rows, weight.cols
+    )
     return out
+
+
+def _random_int4(rows: int, generator: torch.Generator) -> Int4Tensor:
+    q = torch.randint(0, 16, (rows, 96), dtype=torch.uint8, generator=generator)
+    scale = (torch.rand(rows, 3, generator=generator) * 0.05).to(torch.float16)
+    offset = (-8 * scale.float() + torch.randn(rows, 3, generator=generator) * 0.01).to(
+        torch.float16
+    )
+    return Int4Tensor(q, scale, offset)
+
+
+def _bfloat16_weights(int4: Int4Tensor) -> torch.Tensor:
+    """d * q + m rounded once to float32 (as a fused multiply-add), then to bfloat16."""
+    return _dequantized(int4).float().to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("blocks", [1, 2, 3, 5])
+def test_panels_hold_the_bfloat16_weights(blocks: int) -> None:
+    """The panels built at load are the bfloat16 copy's values exactly, in the pair layout
+    ([panel][k / 2][3 blocks][16 columns][2]), a last panel of fewer blocks included."""
+    int4 = _random_int4(16 * blocks, torch.Generator().manual_seed(blocks))
+    packed = _pack([int4])
+    count = -(-blocks // 3)
+    panels = packed.panels.view(count, 48, 3, 16, 2).permute(0, 2, 3, 1, 4).reshape(count * 48, 96)
+    assert torch.equal(panels[: 16 * blocks], _bfloat16_weights(int4))
 
 
 @pytest.mark.parametrize("blocks", [1, 2, 3, 5])
 def test_panel_kernel_multiplies_by_the_bfloat16_weights(blocks: int) -> None:
-    """Steps of more than INT4_MAX_ROWS rows: the weights dequantized to bfloat16 (the values
-    of the bfloat16 copy) times x, within the output's rounding, for panels of 1 to 3 blocks
-    of 16 columns and row counts that leave every tail of its 8-row tiles; and the same rows
-    give the same results bit for bit whatever else is in the step."""
+    """Steps of more than INT4_MAX_ROWS rows: the bfloat16 weights times x, within the
+    output's rounding, for panels of 1 to 3 blocks of 16 columns and row counts that leave
+    every tail of its 8-row tiles; and the same rows give the same results bit for bit
+    whatever else is in the step."""
     generator = torch.Generator().manual_seed(blocks)
-    q = torch.randint(0, 16, (16 * blocks, 96), dtype=torch.uint8, generator=generator)
-    scale = (torch.rand(16 * blocks, 3, generator=generator) * 0.05).to(torch.float16)
-    offset = (-8 * scale.float() + torch.randn(16 * blocks, 3, generator=generator) * 0.01).to(
-        torch.float16
-    )
-    int4 = Int4Tensor(q, scale, offset)
-    packed = _pack_int4([int4], lambda t: t)
-    assert packed is not None
-    weight = _dequantized(int4).float().to(torch.bfloat16).double()
+    int4 = _random_int4(16 * blocks, generator)
+    packed = _pack([int4])
+    weight = _bfloat16_weights(int4).double()
     x = torch.randn(31, 96, generator=generator).to(torch.bfloat16)
-    full = _q4_panel_linear(x, packed)
+    full = _panel_linear(x, packed)
     _assert_close(full, x.double() @ weight.T)
     for rows in (INT4_MAX_ROWS + 1, 20, 29):
-        assert torch.equal(_q4_panel_linear(x[:rows].contiguous(), packed), full[:rows])
-
-
-def test_panel_kernel_reports_a_failed_allocation() -> None:
-    """A panel buffer that cannot be allocated (k * 96 bytes: here 2^61) is reported, not
-    ignored (the model turns it into MemoryError: the shards test below)."""
-    library = _library()
-    tiny = torch.zeros(256, dtype=torch.uint8)
-    out = torch.empty((INT4_MAX_ROWS + 1, 16), dtype=torch.bfloat16)
-    status = library.q4_panel_linear_bf16(
-        out.data_ptr(), tiny.data_ptr(), tiny.data_ptr(), tiny.data_ptr(), 17, 16, 1 << 55
-    )
-    assert status == -1
+        assert torch.equal(_panel_linear(x[:rows].contiguous(), packed), full[:rows])
 
 
 @pytest.mark.parametrize("tp_rank", [0, 2])
@@ -194,7 +205,7 @@ def test_int4_shards_of_the_ranks_match_their_bfloat16_shards(model_dir: str, tp
     2), the first and last rank's 4-bit shard of every fused matrix (q/k/v and
     gate/up by rows, o_proj and down by columns) gives that rank's bfloat16 shard's product,
     for a decode row, a 16-row step and two larger ones (the panel kernel), with their
-    bfloat16 copies dropped; a panel buffer it cannot allocate raises MemoryError."""
+    bfloat16 copies dropped."""
     arch = load_model_arch(model_dir)
     model = LlamaModel(
         arch, dtype=torch.bfloat16, device=torch.device("cpu"), tp_rank=tp_rank, tp_size=3
@@ -214,9 +225,6 @@ def test_int4_shards_of_the_ranks_match_their_bfloat16_shards(model_dir: str, tp
             relative = (out - reference).norm() / reference.norm()
             assert relative < 0.01, (name, rows, float(relative))
         assert getattr(layer, name).numel() == 0  # the bfloat16 copy is dropped
-    huge = Int4Weight(layer.qkv4.packed, layer.qkv4.params, 16, 1 << 55)  # type: ignore[union-attr]
-    with pytest.raises(MemoryError):
-        model._linear(torch.zeros(INT4_MAX_ROWS + 1, 32, dtype=torch.bfloat16), _DROPPED, huge)
 
 
 def _greedy(int4: str) -> list[CompletionOutput]:
