@@ -173,14 +173,11 @@ def _kv_caches(
             )
             for _ in range(num_layers)
         ]
-    size = math.prod(shape) * dtype.itemsize
-    size += -size % _HUGE_PAGE  # every cache starts on a page boundary of its own
-    region = mmap.mmap(
-        -1, 2 * num_layers * size + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-    )
+    size = math.prod(shape) * dtype.itemsize  # back to back: padding each to a page of its
+    length = 2 * num_layers * size  # own left up to 56 MB of the default 1 GiB unused
+    region = mmap.mmap(-1, length + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     whole = torch.frombuffer(region, dtype=torch.uint8)  # keeps the mapping alive
     start = -whole.data_ptr() % _HUGE_PAGE
-    length = 2 * num_layers * size
     advice = getattr(mmap, "MADV_HUGEPAGE", None)  # Linux only
     if advice is not None:
         with contextlib.suppress(OSError):  # a kernel without THP: 4 KiB pages
@@ -191,12 +188,11 @@ def _kv_caches(
     try:
         region.madvise(_MADV_POPULATE_WRITE, start, length)
     except (OSError, ValueError):
-        whole[start:].zero_()
-    nbytes = math.prod(shape) * dtype.itemsize
+        whole[start : start + length].zero_()
 
     def cache(index: int) -> torch.Tensor:
         offset = start + index * size
-        return whole[offset : offset + nbytes].view(dtype).view(shape)
+        return whole[offset : offset + size].view(dtype).view(shape)
 
     return [(cache(2 * layer), cache(2 * layer + 1)) for layer in range(num_layers)]
 
