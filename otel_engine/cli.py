@@ -80,9 +80,10 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
         "--int4",
         choices=INT4,
         help="auto: when the checkpoint stores weights in 4 bits (GGUF Q4_0/Q4_1), --kernels "
-        "is auto and the CPU has AVX-512 BF16, every step multiplies by them and their "
-        "bfloat16 copies are dropped (faster for one or a few streams, as fast for many; "
-        "a quarter of the bytes); off: the bfloat16 weights only (default: auto)",
+        "is auto and the CPU has AVX-512 BF16, steps of up to 16 tokens multiply by them "
+        "(a quarter of the bytes to read) and larger ones by bfloat16 panels built from them "
+        "at load, in place of oneDNN's copies (faster at every batch size); off: oneDNN and "
+        "the bfloat16 weights only (default: auto)",
     )
     model.add_argument(
         "--generation-config",
