@@ -13,6 +13,7 @@ import torch
 
 from otel_engine.model.llama import INT4_MAX_ROWS, LlamaModel
 from otel_engine.model.loader import iter_int4, iter_weights, load_model_arch, prepare_model_dir
+from tests.helpers.paged import step_metadata
 
 pytestmark = pytest.mark.slow  # loads the default model
 
@@ -42,25 +43,9 @@ def model() -> LlamaModel:
 
 def _step(model: LlamaModel, batch: str) -> tuple[torch.Tensor, dict[str, object]]:
     query_lens, seq_lens = BATCHES[batch]
+    metadata = step_metadata(query_lens, seq_lens, BLOCK_SIZE, NUM_BLOCKS, batch)
     rng = random.Random(batch)
-    free = list(range(NUM_BLOCKS))
-    rng.shuffle(free)
-    tables = [[free.pop() for _ in range(-(-n // BLOCK_SIZE))] for n in seq_lens]
-    positions, slots = [], []
-    for query_len, seq_len, table in zip(query_lens, seq_lens, tables, strict=True):
-        for p in range(seq_len - query_len, seq_len):
-            positions.append(p)
-            slots.append(table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE)
-    metadata = {
-        "positions": positions,
-        "slot_mapping": slots,
-        "num_decodes": sum(1 for n in query_lens if n == 1),
-        "query_lens": query_lens,
-        "seq_lens": seq_lens,
-        "block_tables": tables,
-        "block_size": BLOCK_SIZE,
-    }
-    ids = torch.tensor([rng.randrange(model.arch.vocab_size) for _ in positions])
+    ids = torch.tensor([rng.randrange(model.arch.vocab_size) for _ in metadata["positions"]])
     return ids, metadata
 
 

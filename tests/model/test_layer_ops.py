@@ -4,8 +4,6 @@ batches, block boundaries, odd sizes (masked vector tails) and every group size.
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
@@ -18,6 +16,7 @@ from otel_engine.model.layers import RotaryEmbedding
 from otel_engine.sampling_params import SamplingParams
 from otel_engine.sched.request import Request
 from otel_engine.sched.scheduler import ScheduledChunk
+from tests.helpers.paged import step_metadata
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 CPU = torch.device("cpu")
@@ -129,26 +128,10 @@ def test_attend_matches(
     the same cache contents."""
     query_lens, seq_lens = BATCHES[batch]
     torch_ops, kernel_ops = both(library, dtype, heads, kv_heads, head_dim)
-    rng = random.Random(len(query_lens) * head_dim + block_size)
     num_blocks = max(96, 2 * sum(-(-n // block_size) for n in seq_lens))
-    free = list(range(num_blocks))
-    rng.shuffle(free)
-    tables = [[free.pop() for _ in range(-(-n // block_size))] for n in seq_lens]
-    positions, slots = [], []
-    for query_len, seq_len, table in zip(query_lens, seq_lens, tables, strict=True):
-        for p in range(seq_len - query_len, seq_len):
-            positions.append(p)
-            slots.append(table[p // block_size] * block_size + p % block_size)
-    num_decodes = sum(1 for n in query_lens if n == 1)
-    metadata = {
-        "positions": positions,
-        "slot_mapping": slots,
-        "num_decodes": num_decodes,
-        "query_lens": query_lens,
-        "seq_lens": seq_lens,
-        "block_tables": tables,
-        "block_size": block_size,
-    }
+    seed = len(query_lens) * head_dim + block_size
+    metadata = step_metadata(query_lens, seq_lens, block_size, num_blocks, seed)
+    positions = metadata["positions"]
     cache_shape = (kv_heads, num_blocks, block_size, head_dim)
     k_cache = torch.randn(cache_shape).to(dtype)
     v_cache = torch.randn(cache_shape).to(dtype)
