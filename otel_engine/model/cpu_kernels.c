@@ -976,10 +976,10 @@ void prefill_attention_bf16(bf16 *restrict out, const bf16 *restrict qkv,
  * 4-bit bytes, parameters and panels). dims: see STACK_DIMS. prefills[i * 4 + ...]:
  * query_start, num_query, num_keys, block table address (int32) of the step's i-th prefill
  * chunk. hidden [tokens, hidden_size] is the residual stream (updated); out receives the final
- * norm's output. The buffers x, attn, delta [tokens, hidden_size], qkv [tokens, qkv width],
- * gate_up [tokens, 2 * intermediate], act [tokens, intermediate], sums (the 4-bit kernel's,
- * int4_max_rows * k / 32 floats for the widest k) and prefill_scratch (prefill_attention_bf16's,
- * for the longest chunk) are the caller's. */
+ * norm's output. The buffers x, delta [tokens, hidden_size], attn [tokens, heads * 64], qkv
+ * [tokens, qkv width], gate_up [tokens, 2 * intermediate], act [tokens, intermediate], sums
+ * (the 4-bit kernel's, int4_max_rows * k / 32 floats for the widest k) and prefill_scratch
+ * (prefill_attention_bf16's, for the longest chunk) are the caller's. */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 enum {
     STACK_INPUT_NORM, STACK_POST_NORM, STACK_QKV, STACK_O = STACK_QKV + 3,

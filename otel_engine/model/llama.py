@@ -465,7 +465,8 @@ class _DecoderStack:
         self._layers = torch.tensor(fields, dtype=torch.int64)  # STACK_FIELDS per layer
         k_cache = kv_caches[0][0]
         self._cache_dims = (k_cache.shape[2], k_cache.shape[1] * k_cache.shape[2])
-        widest = max(model.arch.hidden_size, model.intermediate)
+        # the widest k of the four matrices: hidden (q/k/v, gate/up), heads (o), intermediate
+        widest = max(model.arch.hidden_size, model.num_heads * model.head_dim, model.intermediate)
         self._sums = torch.empty(INT4_MAX_ROWS * widest // INT4_GROUP, dtype=torch.float32)
 
     def forward(self, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -498,7 +499,8 @@ class _DecoderStack:
         )
         dtype = hidden.dtype
         out = torch.empty_like(hidden)
-        x, attn, delta = (torch.empty_like(hidden) for _ in range(3))
+        x, delta = torch.empty_like(hidden), torch.empty_like(hidden)
+        attn = torch.empty((tokens, heads * model.head_dim), dtype=dtype)
         qkv = torch.empty((tokens, (heads + 2 * kv_heads) * model.head_dim), dtype=dtype)
         gate_up = torch.empty((tokens, 2 * inter), dtype=dtype)
         act = torch.empty((tokens, inter), dtype=dtype)

@@ -118,8 +118,10 @@ def write_tiny_llama(
     tie: bool = False,
     seed: int = 0,
     context: int = 512,
+    head_dim: int | None = None,
 ) -> str:
-    """Write a random LlamaForCausalLM checkpoint with a trained BPE tokenizer; return its dir."""
+    """Write a random LlamaForCausalLM checkpoint with a trained BPE tokenizer; return its dir.
+    Heads are hidden / heads wide unless `head_dim` says otherwise."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -135,7 +137,7 @@ def write_tiny_llama(
         "num_hidden_layers": num_layers,
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
-        "head_dim": hidden // heads,
+        "head_dim": head_dim or hidden // heads,
         "max_position_embeddings": context,
         "rope_theta": 10000.0,
         "rms_norm_eps": 1e-5,

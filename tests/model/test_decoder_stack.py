@@ -12,8 +12,16 @@ import pytest
 import torch
 
 from otel_engine.model.llama import INT4_MAX_ROWS, LlamaModel
-from otel_engine.model.loader import iter_int4, iter_weights, load_model_arch, prepare_model_dir
+from otel_engine.model.loader import (
+    INT4_GROUP,
+    Int4Tensor,
+    iter_int4,
+    iter_weights,
+    load_model_arch,
+    prepare_model_dir,
+)
 from tests.helpers.paged import step_metadata
+from tests.helpers.tiny_model import write_tiny_llama
 
 pytestmark = pytest.mark.slow  # loads the default model
 
@@ -30,15 +38,43 @@ BATCHES = {
 }
 
 
-@pytest.fixture(scope="module")
-def model() -> LlamaModel:
-    model_dir = prepare_model_dir(None)
+def _quantized(weight: torch.Tensor) -> Int4Tensor:
+    """A matrix in 4 bits per group of 32 along its rows (min-max, as Q4_1 stores it)."""
+    groups = weight.float().view(weight.shape[0], -1, INT4_GROUP)
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+    scale = ((high - low) / 15).clamp(min=1e-4).to(torch.float16)
+    offset = low.to(torch.float16)
+    q = ((groups - offset.float()[..., None]) / scale.float()[..., None]).round().clamp(0, 15)
+    return Int4Tensor(q.to(torch.uint8).view(weight.shape), scale, offset)
+
+
+def _load(model_dir: str, int4: dict[str, Int4Tensor]) -> LlamaModel:
     arch = load_model_arch(model_dir)
     model = LlamaModel(arch, dtype=torch.bfloat16, device=torch.device("cpu"), max_positions=1024)
     model.load_weights(iter_weights(model_dir))
-    if model.load_int4(iter_int4(model_dir)) is not None:
+    if model.load_int4(int4) is not None:
         pytest.skip("no 4-bit kernels on this CPU")
     return model
+
+
+@pytest.fixture(scope="module", params=["default", "wide heads"])
+def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> LlamaModel:
+    """The default model with its own 4-bit weights; and a tiny Llama, its weights put in 4
+    bits here, whose 4 heads of 64 are wider than its hidden size of 128 (o_proj's input is
+    wider than the residual stream)."""
+    if request.param == "default":
+        model_dir = prepare_model_dir(None)
+        return _load(model_dir, iter_int4(model_dir))
+    path = tmp_path_factory.mktemp("tiny-llama-wide-heads")
+    model_dir = write_tiny_llama(
+        path, hidden=128, heads=4, kv_heads=2, head_dim=64, intermediate=160, context=1024
+    )
+    matrices = {
+        name.removesuffix(".weight"): _quantized(tensor)
+        for name, tensor in iter_weights(model_dir)
+        if name.startswith("model.layers.") and "_proj." in name
+    }
+    return _load(model_dir, matrices)
 
 
 def _step(model: LlamaModel, batch: str) -> tuple[torch.Tensor, dict[str, object]]:
@@ -94,13 +130,13 @@ def test_the_stack_applies_only_to_a_4bit_model_on_one_rank(model: LlamaModel) -
     assert model._decoder_stack(other) is not None
     assert model._stack is not None
     assert model._stack.kv_caches is other  # rebuilt for them
-    qkv4 = model.layers[3].qkv4
+    qkv4 = model.layers[-1].qkv4
     model._stack = None
-    model.layers[3].qkv4 = None  # one matrix without a 4-bit form: the loop
+    model.layers[-1].qkv4 = None  # one matrix without a 4-bit form: the loop
     try:
         assert model._decoder_stack(caches) is None
     finally:
-        model.layers[3].qkv4 = qkv4
+        model.layers[-1].qkv4 = qkv4
     model._stack = None
     model.tp_size = 2
     try:
