@@ -4,7 +4,7 @@ The C file is compiled once per machine with the system's C compiler (`cc`, `-O3
 -march=native -fopenmp`) into `$OTEL_ENGINE_CACHE_DIR/kernels/` (else
 ~/.cache/otel-engine/kernels/), named by a hash of the source, the flags and the compiler,
 and renamed into place atomically, so concurrent engines share one build; a build takes
-about a second. `load()` returns None, with the reason logged once, when there is no
+about 3 s. `load()` returns None, with the reason logged once, when there is no
 compiler or the build fails: the model then runs on torch ops alone (the same results
 within rounding, slower).
 """
