@@ -9,7 +9,7 @@ import torch
 
 from otel_engine.config import EngineConfig
 from otel_engine.engine.batch import prepare_model_input
-from otel_engine.executor.model_runner import ModelRunner
+from otel_engine.executor.model_runner import ModelRunner, _kv_caches
 from otel_engine.ipc.messages import ModelInput
 from otel_engine.model.limits import check_tensor_parallel
 from otel_engine.model.loader import load_model_arch
@@ -177,3 +177,53 @@ def test_scattered_block_table_gives_same_logits(
 
     got = torch.cat([first, second, third])
     torch.testing.assert_close(got, hf_logits(hf_model, tokens), atol=ATOL, rtol=0)
+
+
+def test_kv_caches_share_one_zeroed_mapping_without_overlap() -> None:
+    """On the CPU every layer's key and value cache is a view of one mapping (on 2 MiB pages
+    where Linux grants them): each zeroed, contiguous, of the shape and dtype asked, back to
+    back, and a write to one leaves every other as it was."""
+    shape = (3, 7, 16, 64)
+    caches = _kv_caches(shape, torch.bfloat16, torch.device("cpu"), num_layers=3)
+    tensors = [t for pair in caches for t in pair]
+    assert len(tensors) == 6
+    nbytes = tensors[0].numel() * tensors[0].element_size()
+    for index, tensor in enumerate(tensors):
+        assert tensor.shape == shape
+        assert tensor.dtype == torch.bfloat16
+        assert tensor.is_contiguous()
+        assert tensor.data_ptr() == tensors[0].data_ptr() + index * nbytes
+        assert not tensor.any()
+    tensors[2].fill_(1.0)
+    assert [bool(t.any()) for t in tensors] == [False, False, True, False, False, False]
+
+
+def test_greedy_steps_take_the_tokens_the_sampler_would(
+    runner: ModelRunner, tiny_prompts: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A greedy step that asks for no logprobs takes each row's argmax of the LM head's
+    output (`greedy_tokens`); asking for logprobs takes the sampler's path: the same tokens,
+    row by row."""
+    calls: list[int] = []
+    greedy_tokens = runner.model.greedy_tokens
+
+    def counted(hidden: torch.Tensor) -> list[int] | None:
+        calls.append(hidden.shape[0])
+        return greedy_tokens(hidden)
+
+    monkeypatch.setattr(runner.model, "greedy_tokens", counted)
+
+    def sampled(logprobs: int | None) -> list[int]:
+        chunks, free = [], iter(range(NUM_BLOCKS))
+        for index, prompt in enumerate(tiny_prompts[:4]):
+            params = SamplingParams(temperature=0.0, logprobs=logprobs)
+            request = Request(f"g{index}", list(prompt), params)
+            request.block_ids = [next(free) for _ in range(-(-len(prompt) // BLOCK_SIZE))]
+            chunks.append(ScheduledChunk(request, 0, len(prompt)))
+        return runner.execute(prepare_model_input(1, chunks, BLOCK_SIZE)).sampled_token_ids
+
+    assert runner.model.ops.argmax is not None
+    fast = sampled(None)
+    assert calls == [4]
+    assert sampled(0) == fast
+    assert calls == [4]  # logprobs asked: the sampler's path
