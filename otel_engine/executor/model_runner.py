@@ -174,7 +174,13 @@ def _kv_caches(
         ]
     size = math.prod(shape) * dtype.itemsize  # back to back: padding each to a page of its
     length = 2 * num_layers * size  # own left up to 56 MB of the default 1 GiB unused
-    region = mmap.mmap(-1, length + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        region = mmap.mmap(-1, length + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError as error:
+        raise MemoryError(
+            f"the KV cache ({length / 2**30:.2f} GiB for {num_layers} layers) could not be "
+            f"mapped ({error.strerror}): lower --kv-cache-memory-gib or --num-kv-blocks"
+        ) from error
     whole = torch.frombuffer(region, dtype=torch.uint8)  # keeps the mapping alive
     start = -whole.data_ptr() % _HUGE_PAGE
     advice = getattr(mmap, "MADV_HUGEPAGE", None)  # Linux only
@@ -183,7 +189,7 @@ def _kv_caches(
             region.madvise(advice, start, length)
     # Written now, as torch.zeros does: a page first written inside a step costs a fault there
     # (32 prompts of 128 tokens: 0.28-0.43 s more prefill on a fresh cache). Writing it with
-    # torch's threads took 0.03-0.26 s for 1 GiB here, MADV_POPULATE_WRITE 0.47-2.3 s.
+    # torch's threads took 0.03-0.64 s for 1 GiB here, MADV_POPULATE_WRITE 0.47-2.3 s.
     whole[start : start + length].zero_()
 
     def cache(index: int) -> torch.Tensor:

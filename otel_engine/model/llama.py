@@ -415,7 +415,11 @@ class LlamaModel:
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.linear(hidden, self.lm_head, None).float()
+        return self._lm_head(hidden).float()
+
+    def _lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head's output in the model's dtype."""
+        return self.linear(hidden, self.lm_head, None)
 
     @torch.inference_mode()
     def greedy_tokens(self, hidden: torch.Tensor) -> list[int] | None:
@@ -426,7 +430,7 @@ class LlamaModel:
         argmax = self.ops.argmax
         if argmax is None:
             return None
-        logits = self.linear(hidden, self.lm_head, None)
+        logits = self._lm_head(hidden)
         tokens = torch.empty(logits.shape[0], dtype=torch.int64)
         argmax(tokens.data_ptr(), logits.data_ptr(), logits.shape[0], logits.shape[1])
         return tokens.tolist()

@@ -227,3 +227,10 @@ def test_greedy_steps_take_the_tokens_the_sampler_would(
     assert calls == [4]
     assert sampled(0) == fast
     assert calls == [4]  # logprobs asked: the sampler's path
+
+
+def test_kv_cache_that_cannot_be_mapped_names_the_flags() -> None:
+    """A KV cache beyond what the machine can map (here 2^50 bytes) is a MemoryError that says
+    how large it was and which flags make it smaller, before any model runs."""
+    with pytest.raises(MemoryError, match=r"--kv-cache-memory-gib or --num-kv-blocks"):
+        _kv_caches((1, 1 << 40, 16, 64), torch.bfloat16, torch.device("cpu"), num_layers=1)
