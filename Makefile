@@ -23,7 +23,7 @@ export TRANSFORMERS_OFFLINE := 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 export PIP_PROGRESS_BAR := off
 
-.PHONY: help install run test lint bench fuzz clean distclean
+.PHONY: help install run test lint bench fuzz gpu-wheels gpu-check clean distclean
 
 help:
 	@echo "make run     serve the default model on $(HOST):$(PORT) (ARGS='--model PATH ...')"
@@ -31,6 +31,7 @@ help:
 	@echo "make lint    ruff check and mypy"
 	@echo "make bench   run $(BENCH_SCRIPT) (ARGS=...)"
 	@echo "make fuzz    schemathesis against a real server's OpenAPI document (< 2 min)"
+	@echo "make gpu-check  the CUDA tests (-m gpu) on a GPU machine (wheels: make gpu-wheels)"
 	@echo "make clean   remove caches and build output (keeps .venv and .cache)"
 
 install: $(STAMP)
@@ -64,6 +65,22 @@ bench: $(STAMP)
 
 fuzz: $(STAMP)
 	$(BIN)/python -m tests.fuzz_api $(ARGS)
+
+# The CUDA tests on a machine with a GPU whose image already holds CUDA torch and nothing can
+# be fetched: `make gpu-wheels` here (PyPI reachable) puts the wheels it lacks in .whl/, and
+# `make gpu-check` there installs them next to the image's torch and runs `pytest -m gpu`.
+GPU_PYTHON ?= python3
+GPU_SITE ?= /tmp/otel-engine-gpu-site
+WHEEL_PLATFORMS := $(foreach n,17 24 27 28 31 34,--platform manylinux_2_$(n)_x86_64)
+
+gpu-wheels:
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp $(WHEEL_PLATFORMS) -d .whl -r .ci/gpu-wheels.txt
+
+gpu-check:
+	$(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --upgrade \
+		--target $(GPU_SITE) .whl/*.whl
+	PYTHONPATH=$(GPU_SITE):. $(GPU_PYTHON) -m pytest -m gpu tests/gpu $(PYTEST_ARGS)
 
 clean:
 	rm -rf build dist .pytest_cache .ruff_cache .mypy_cache .hypothesis *.egg-info

@@ -40,17 +40,42 @@ same for both and map one to one onto `EngineConfig` fields (`LLM(**options)` an
 """
 EVERY = "every process"
 ENVIRONMENT: list[tuple[str, str, str]] = [
-    ("`OTEL_ENGINE_API_KEY`", "`serve`", "default of `--api-key`"),
+    (
+        "`OTEL_ENGINE_API_KEY`",
+        "`serve`",
+        "the API key when neither `--api-key` nor `--api-key-file` is given",
+    ),
     (
         "`OTEL_ENGINE_CACHE_DIR`",
         EVERY,
-        "where converted GGUF checkpoints are cached (default `~/.cache/otel-engine`)",
+        "where converted GGUF checkpoints and the compiled CPU kernels (`kernels/`, one "
+        "build per instruction-set level) are cached (default `~/.cache/otel-engine`)",
+    ),
+    (
+        "`OTEL_ENGINE_KERNEL_ISA`",
+        EVERY,
+        "build the CPU kernels for a lower level than the CPU's: `baseline`, `avx2`, "
+        "`avx512` or `avx512bf16` (a level above the CPU's is refused at start; for tests "
+        "and to rule a kernel out on a suspect host)",
+    ),
+    (
+        "`CC`",
+        EVERY,
+        "the C compiler that builds the CPU kernels (default `cc`, else `gcc`; with none, "
+        "torch ops)",
+    ),
+    (
+        "`ATEN_CPU_CAPABILITY`, `ONEDNN_MAX_CPU_ISA`",
+        EVERY,
+        "torch's and oneDNN's own caps on the instruction set; the engine's fast paths "
+        "follow them (`kernels.selected` says what was chosen)",
     ),
     (
         "`OTEL_ENGINE_FAULT`",
         EVERY,
         "fault injection for drills and tests: `<worker\\|engine_core>:"
-        "<raise\\|oom\\|exit\\|hang>[:rank=R][:step=S][:when=KEY>=N][:phase=run\\|load]` "
+        "<raise\\|oom\\|exit\\|hang\\|segfault>[:rank=R][:step=S][:when=KEY>=N]"
+        "[:phase=run\\|load]` "
         "(see operations.md)",
     ),
     (

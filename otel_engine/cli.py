@@ -72,9 +72,10 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     model.add_argument(
         "--kernels",
         choices=KERNELS,
-        help="auto: on CPU, prepacked oneDNN weights and the compiled kernels (built with the "
-        "system C compiler on first use, else torch ops); torch: plain torch ops everywhere "
-        "(default: auto)",
+        help="auto: on CPU, the fast paths this CPU and torch can run: the compiled kernels "
+        "(built with the system C compiler for the CPU's instruction set on first use) and "
+        "oneDNN's prepacked weights, each where it applies, else torch ops (the start log's "
+        "kernels.selected says which and why); torch: plain torch ops everywhere (default: auto)",
     )
     model.add_argument(
         "--int4",
@@ -82,8 +83,8 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
         help="auto: when the checkpoint stores weights in 4 bits (GGUF Q4_0/Q4_1), --kernels "
         "is auto and the CPU has AVX-512 BF16, steps of up to 16 tokens multiply by them "
         "(a quarter of the bytes to read) and larger ones by bfloat16 panels built from them "
-        "at load, in place of oneDNN's copies (faster at every batch size); off: oneDNN and "
-        "the bfloat16 weights only (default: auto)",
+        "at load, in place of their bfloat16 copies (faster at every batch size); off: the "
+        "bfloat16 weights only (default: auto)",
     )
     model.add_argument(
         "--generation-config",
@@ -249,8 +250,21 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--port", type=int, default=8000, help="port to bind")
     server.add_argument(
         "--api-key",
-        default=os.environ.get("OTEL_ENGINE_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on /v1 (default: $OTEL_ENGINE_API_KEY)",
+        help="require 'Authorization: Bearer KEY' on /v1; every local user can read it in the "
+        "process list (a warning says so): prefer --api-key-file or $OTEL_ENGINE_API_KEY "
+        "(default: $OTEL_ENGINE_API_KEY)",
+    )
+    server.add_argument(
+        "--api-key-file",
+        metavar="PATH",
+        help="read the API key from this file (its first line; a mounted secret)",
+    )
+    server.add_argument(
+        "--allow-special-tokens-in-content",
+        action="store_true",
+        help="parse special tokens written in chat message content (and names) as control "
+        "tokens, as before: a client can then forge turns of other roles (default: only the "
+        "chat template's own markup yields control tokens)",
     )
     server.add_argument(
         "--final-scrape-wait",
@@ -317,6 +331,25 @@ def _is_terminal(stream: Any) -> bool:
         return False
 
 
+def unsupported_platform(command: str, config: EngineConfig) -> str | None:
+    """Why `command` cannot run on this system, before anything is started (None: it can).
+    Child processes are supervised through Linux's pidfd_open: `serve` (whose engine core is
+    a child) and tensor parallelism (its workers) need Linux; the in-process engine at one
+    rank (`generate`, `LLM`) does not."""
+    if hasattr(os, "pidfd_open"):
+        return None
+    needs = "serve" if command == "serve" else None
+    if config.parallel.tensor_parallel_size > 1:
+        needs = "--tensor-parallel-size > 1"
+    if needs is None:
+        return None
+    return (
+        f"{needs} needs Linux (its processes are supervised with pidfd_open, which "
+        f"{sys.platform} lacks); the in-process engine (otel-engine generate, LLM) runs here "
+        "with --tensor-parallel-size 1"
+    )
+
+
 def _fail(message: str) -> int:
     print(f"otel-engine: error: {message}", file=sys.stderr, flush=True)
     return 1
@@ -329,7 +362,12 @@ def _interrupt(signum: int, frame: object) -> None:
 def serve(args: argparse.Namespace, config: EngineConfig) -> int:
     from otel_engine import AsyncLLM
     from otel_engine.entrypoints.api_server import bind_socket, run_server
+    from otel_engine.entrypoints.guard import ApiKeyError, resolve_api_key
 
+    try:
+        api_key = resolve_api_key(args.api_key, args.api_key_file, os.environ)
+    except ApiKeyError as error:
+        return _fail(str(error))
     try:
         sock = bind_socket(args.host, args.port)
     except OSError as error:
@@ -368,9 +406,10 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
         exit_code = run_server(
             engine,
             sock,
-            api_key=args.api_key,
+            api_key=api_key,
             final_scrape_wait=args.final_scrape_wait,
             limits=server_limits(args),
+            allow_special_tokens_in_content=args.allow_special_tokens_in_content,
         )
     except KeyboardInterrupt:
         logger.info("shutdown.begin", extra={"phase": "before_serving"})
@@ -421,6 +460,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = EngineConfig.from_kwargs(**options)
     except (TypeError, ValueError) as error:
         parser.error(str(error))
+    problem = unsupported_platform(args.command, config)
+    if problem is not None:
+        return _fail(problem)
     setup_main_process(config)
     if args.command == "serve":
         return serve(args, config)

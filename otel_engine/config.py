@@ -32,8 +32,8 @@ class ModelConfig:
     device: str = "cpu"
     max_model_len: int | None = None
     seed: int = 0
-    kernels: str = "auto"  # auto: compiled CPU kernels and prepacked weights where they apply
-    int4: str = "auto"  # auto: small steps use the checkpoint's own 4-bit weights (with kernels)
+    kernels: str = "auto"  # auto: the fast paths this CPU can run (model/fast_paths.py)
+    int4: str = "auto"  # auto: a 4-bit checkpoint multiplies by its own weights (fast paths)
     # Sampling defaults for fields a request omits (engine/generation_defaults.py).
     generation_config: str = "auto"
     override_generation_config: str | None = None  # JSON object, wins field by field

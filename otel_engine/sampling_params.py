@@ -29,6 +29,8 @@ MAX_LOGIT_BIAS = 1024
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI bounds them
 STRUCTURED_OUTPUT_TYPES = ("json_object", "json_schema")
 MAX_SCHEMA_BYTES = 64 * 1024  # a JSON schema's text; its grammar's size is bounded by it
+# An error message quotes a client's integer only up to this many digits (1e300 is 301).
+MAX_SHOWN_DIGITS = 20
 
 
 class StructuredOutput(msgspec.Struct, frozen=True, array_like=True):
@@ -120,13 +122,15 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
         """Raise `RequestError` (naming the field) when a value is out of range; with
         `vocab_size`, also when `top_k` or a stop token id exceeds the vocabulary."""
         if self.max_tokens < 1:
-            _invalid("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}")
+            _invalid("max_tokens", f"max_tokens must be at least 1, got {shown(self.max_tokens)}")
         if not 0.0 <= self.temperature <= MAX_TEMPERATURE:  # NaN fails too
             _invalid("temperature", f"temperature must be in [0, 2], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             _invalid("top_p", f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:
-            _invalid("top_k", f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}")
+            _invalid(
+                "top_k", f"top_k must be -1, 0 (disabled) or positive, got {shown(self.top_k)}"
+            )
         if vocab_size is not None and self.top_k > vocab_size:
             _invalid("top_k", f"top_k must be at most the vocabulary size {vocab_size}")
         if self.seed is not None and not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]:
@@ -195,6 +199,13 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
+
+
+def shown(value: int) -> str:
+    """`value` as an error message may quote it: its digits, unless there are too many."""
+    if abs(value) < 10**MAX_SHOWN_DIGITS:
+        return str(value)
+    return f"a number of more than {MAX_SHOWN_DIGITS} digits"
 
 
 def _invalid(param: str, message: str) -> None:

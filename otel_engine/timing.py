@@ -23,6 +23,14 @@ RANK_REPORT_WAIT_S = (
 FAILED_REPORT_WAIT_S = 1.5  # a rank that exited with code 1 reported first: wait for it
 CRASH_FLUSH_S = 1.0  # the crash dump's telemetry flush before EngineDead is sent
 STALL_GRACE_S = 5.0  # a frozen core (no watchdog report) is given up this much after the timeout
+# The engine core's step-watchdog thread sends a heartbeat this often, also while a step runs
+# (its main thread computes; the watchdog thread keeps running). The front end reports the
+# engine stalled (/health 503) when nothing came from the core for HEARTBEAT_TIMEOUT_S: the
+# process is frozen (SIGSTOP, a debugger, a lock held across the whole interpreter). Ten
+# missed heartbeats, so a core starved of CPU for a few seconds is no false alarm.
+HEARTBEAT_INTERVAL_S = 0.5
+HEARTBEAT_TIMEOUT_S = 5.0
+PUBLISH_POLL_S = 0.05  # a worker waiting for rank 0's rendezvous port looks this often
 TERM_GRACE_S = 3.0  # SIGTERM to SIGKILL for a child that does not stop
 DRAIN_CANCEL_GRACE_S = 5.0  # requests cancelled at the drain deadline send their 503s
 # The most each process's clean exit waits for its spans, logs and metrics to leave. A

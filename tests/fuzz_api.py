@@ -2,8 +2,10 @@
 
 Starts `otel-engine serve` on the tiny test model (written to a temporary directory) with an
 API key, runs every schemathesis phase against the server's own OpenAPI document, prints the
-report and exits with schemathesis' code (0: no 5xx, every answer as documented). The test
-suite runs a shorter version (tests/entrypoints/test_openapi.py).
+report, then searches with hypothesis for 5xx over hostile `logit_bias`, `response_format`
+schemas and numbers (`search_server_errors`), and exits 0 only when both found nothing (no
+5xx, every answer as documented). The test suite runs shorter versions
+(tests/entrypoints/test_openapi.py, tests/entrypoints/test_fuzz_requests.py).
 
     .venv/bin/python -m tests.fuzz_api [--seed N] [--max-examples N] [--max-time S]
 """
@@ -15,7 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tests.helpers.fuzz import run_schemathesis
+from tests.helpers.fuzz import run_schemathesis, search_server_errors
 from tests.helpers.procs import ServerProcess
 from tests.helpers.tiny_model import write_tiny_llama
 
@@ -41,10 +43,27 @@ def main() -> int:
             )
             print(result.stdout)
             print(result.stderr, file=sys.stderr)
+            searched = _search(server.base_url, args.seed, args.max_examples * 5)
             if server.returncode is not None:
                 print(f"the server exited with {server.returncode}:\n{server.tail()}")
                 return 1
-    return result.returncode
+    return result.returncode or searched
+
+
+def _search(base_url: str, seed: int, max_examples: int) -> int:
+    """The hypothesis phase; 1 (with the smallest failing request printed) on a 5xx."""
+    try:
+        search_server_errors(
+            base_url,
+            max_examples=max_examples,
+            seed=seed,
+            headers={"Authorization": f"Bearer {API_KEY}"},
+        )
+    except AssertionError as error:
+        print(f"hypothesis found a server error: {error}")
+        return 1
+    print(f"hypothesis: {max_examples} hostile requests, no server error")
+    return 0
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 The engine core runs in its own process. A thread (`core-output-io`) receives its outputs
 and hands them to the event loop that submitted the requests; an `EngineDead` frame, or the
 core's process dying, fails every in-flight request with `EngineDeadError`. Nothing here
-depends on signal handlers, so it works the same outside the main thread.
+depends on signal handlers, so it works the same outside the main thread (faulthandler,
+enabled on stderr as by `LLM`, is set up from any thread too).
 
 Backpressure: a request whose consumer has not taken `MAX_UNDELIVERED_OUTPUTS` outputs (a
 stream whose client stopped reading) is paused in the engine, giving its slot and KV blocks
@@ -28,9 +29,10 @@ from otel_engine.engine.core_client import MPClient
 from otel_engine.engine.frontend import Frontend, dead_error
 from otel_engine.errors import EngineDeadError, FailureCause
 from otel_engine.ipc.messages import EngineDead, ErrorInfo, StepOutputs
+from otel_engine.ipc.native_fault import enable_on_stderr
 from otel_engine.outputs import RequestOutput
 from otel_engine.sampling_params import SamplingParams
-from otel_engine.timing import STALL_GRACE_S, THREAD_JOIN_S
+from otel_engine.timing import HEARTBEAT_TIMEOUT_S, STALL_GRACE_S, THREAD_JOIN_S
 
 logger = logging.getLogger(__name__)
 
@@ -66,11 +68,13 @@ class AsyncLLM:
     def _setup(self, config: EngineConfig) -> None:
         if not config.parallel.multiprocess:
             raise ValueError("AsyncLLM runs the engine core in its own process (multiprocess=True)")
+        enable_on_stderr()  # a native fault in this process leaves its stack on stderr
         self.config = config
         self._frontend = Frontend(config)
         self.tokenizer = self._frontend.tokenizer
         self.model_name = self._frontend.model_name
         self.max_model_len = self._frontend.max_model_len
+        self.fast_paths = self._frontend.fast_paths  # which fast paths the model runs
         self.generation_defaults = self._frontend.generation_defaults
         self.dead_error: EngineDeadError | None = None
         self._streams: dict[str, _Stream] = {}
@@ -111,8 +115,19 @@ class AsyncLLM:
 
     @property
     def is_stalled(self) -> bool:
-        """Work is pending but no step finished within the step watchdog's window."""
-        return self.stalled_for > self.config.timeouts.step_timeout
+        """Work is pending but no step finished within the step watchdog's window, or the
+        engine core sent nothing, not even its heartbeat, for `HEARTBEAT_TIMEOUT_S` (the
+        process is frozen, busy or idle; a long step goes on sending heartbeats)."""
+        return (
+            self.stalled_for > self.config.timeouts.step_timeout
+            or self.silent_for > HEARTBEAT_TIMEOUT_S
+        )
+
+    @property
+    def silent_for(self) -> float:
+        """Seconds since the engine core's last frame of any kind (0 once it is dead: then
+        the engine is dead, not stalled)."""
+        return 0.0 if self.dead_error is not None else self._client.silent_for
 
     @property
     def stalled_for(self) -> float:
@@ -280,7 +295,7 @@ def _pump_outputs(ref: weakref.ref[AsyncLLM], client: MPClient, stopped: threadi
         if output is None and llm.stalled_for > llm.config.timeouts.step_timeout + STALL_GRACE_S:
             # The core's own watchdog did not fire (the process is frozen): give up on it.
             output = EngineDead(error=_stalled(llm.config.timeouts.step_timeout))
-            client.kill()
+            client.kill(output.error)
         if output is not None and llm._loop is not None:
             llm._hand_over(output)
             if isinstance(output, EngineDead):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent import futures
 from contextlib import contextmanager
 from typing import Any
@@ -18,7 +18,11 @@ from opentelemetry import trace
 
 from otel_engine.config import EngineConfig
 from otel_engine.engine.batch import prepare_model_input
-from otel_engine.engine.structured_output import GrammarCompiler, RequestGrammar
+from otel_engine.engine.structured_output import (
+    LIMIT_EXCEEDED,
+    GrammarCompiler,
+    RequestGrammar,
+)
 from otel_engine.engine.validation import check_request
 from otel_engine.errors import RequestError
 from otel_engine.executor.executor import Executor, failure_info, how_it_failed
@@ -77,14 +81,18 @@ class EngineCore:
             max_model_len=self.limits.max_model_len,
         )
         self.executor = executor
+        self.fast_paths = executor.fast_paths  # what the model runs (rank 0's choice)
         # Structured-output requests wait here, outside the scheduler, for their grammar.
         self.grammars = GrammarCompiler(model_dir, arch.vocab_size, arch.eos_token_ids)
+        if model_dir:
+            self._build_token_trie()
         self.compiling: dict[str, tuple[Request, futures.Future[RequestGrammar]]] = {}
         self.started_at = time.monotonic()
         self.last_step_at = self.started_at
         self.step_started_at: float | None = None  # read by the step watchdog thread
         self.last_step_started_at = self.started_at
         self.current_step_id = 0
+        self.step_mask_s = 0.0  # the current step's grammar masks (engine/structured_output.py)
         self._tracer = get_tracer()
         self.is_tracing = is_tracing()
         self.failed_step_context: dict[str, str] = {}
@@ -96,8 +104,23 @@ class EngineCore:
         self.rank_reports: list[RankReport | None] = []  # asked after a step timeout
         logger.info(
             "engine.config",
-            extra={"engine_config": crash_dump.engine_config_part(config, self.arch, self.limits)},
+            extra={
+                "engine_config": crash_dump.engine_config_part(
+                    config, self.arch, self.limits, self.fast_paths
+                )
+            },
         )
+
+    def _build_token_trie(self) -> None:
+        """Build llguidance's view of the tokenizer before the engine is ready, so that no
+        request pays for it; one that fails is logged, and structured requests then fail
+        alone (500) as they try again."""
+        trie = self.grammars.start()
+        error = trie.exception()
+        if error is not None:
+            logger.warning(
+                "structured_output.tokenizer_failed", extra={"error_type": type(error).__name__}
+            )
 
     @property
     def has_work(self) -> bool:
@@ -192,9 +215,11 @@ class EngineCore:
         if isinstance(message, AddRequest):
             return self.add_request(message)
         if isinstance(message, AbortRequests):
-            scheduler.abort(message.request_ids)
+            self._release_grammars(scheduler.abort(message.request_ids))
             for request_id in message.request_ids:
-                self.compiling.pop(request_id, None)
+                _, future = self.compiling.pop(request_id, (None, None))
+                if future is not None:
+                    future.add_done_callback(self._release_compiled)
         elif isinstance(message, PauseRequests):
             scheduler.pause(message.request_ids)
         elif isinstance(message, ResumeRequests):
@@ -242,6 +267,7 @@ class EngineCore:
                 self._collect_prompt_logprobs(output, result)
             logprobs = _logprobs_by_request(output, result)
             updated = self.scheduler.update(output, result.sampled_token_ids)
+        self._release_grammars(r for r in updated if r.status.is_finished)
         self._record_step(output)
         return self._outputs(
             output.step_id,
@@ -250,7 +276,19 @@ class EngineCore:
             num_scheduled_seqs=len(output.chunks),
             num_scheduled_tokens=output.num_batched_tokens,
             step_duration_s=self.last_step_at - self.last_step_started_at,
+            grammar_mask_s=self.step_mask_s,
         )
+
+    def _release_grammars(self, requests: Iterable[Request]) -> None:
+        """Ended requests give their grammars back (the compiler returns the memory)."""
+        for request in requests:
+            if request.grammar is not None:
+                self.grammars.release(request.grammar)
+
+    def _release_compiled(self, future: futures.Future[RequestGrammar]) -> None:
+        """A grammar built for a request aborted before it ran."""
+        if not future.cancelled() and future.exception() is None:
+            self.grammars.release(future.result())
 
     def _record_step(self, output: SchedulerOutput) -> None:
         """The step in the crash history: plain numbers only (step_history.FIELDS)."""
@@ -275,16 +313,32 @@ class EngineCore:
                 len(scheduler.running),
                 len(scheduler.waiting),
                 len(scheduler.paused),
+                self.step_mask_s,
             )
         )
 
     def _execute(self, output: SchedulerOutput, trace_context: dict[str, str]) -> ModelOutput:
+        self.step_mask_s = 0.0
         if output.is_empty:
             return ModelOutput(output.step_id, [])
         model_input = self.current_model_input = prepare_model_input(
             output.step_id, output.chunks, self.config.cache.block_size, trace_context
         )
+        if model_input.grammar_rows:
+            self._account_masks(output)
         return self.executor.execute(model_input)
+
+    def _account_masks(self, output: SchedulerOutput) -> None:
+        """What this step's grammar masks cost, on the step span (and, through
+        `step_mask_s`, in the step's metrics and history), so that a slow step says why."""
+        grammars = [c.request.grammar for c in output.chunks if c.needs_sample]
+        self.step_mask_s = sum(g.last_mask_s for g in grammars if g is not None)
+        span = self.current_step_span
+        if span is not None:
+            span.set_attribute("otel_engine.step.grammar_mask_s", self.step_mask_s)
+            span.set_attribute(
+                "otel_engine.step.num_grammar_rows", sum(g is not None for g in grammars)
+            )
 
     def _collect_prompt_logprobs(self, output: SchedulerOutput, result: ModelOutput) -> None:
         """Keep each asking request's prompt logprobs in order; a chunk computed again after
@@ -361,14 +415,19 @@ class EngineCore:
             if span is None and self.is_tracing:
                 span = self._tracer.start_span("engine_core.crash")
             failure = crash_dump.failure_summary(
-                info.process, info.type, info.message, how_it_failed(info)
+                info.process,
+                info.type,
+                info.message,
+                how_it_failed(info),
+                signal=info.signal,
+                frames=info.frames,
             )
             parts: dict[str, Callable[[], Any]] = {
                 "scheduler_output": lambda: crash_dump.scheduler_output_part(
                     self.current_output, self.current_model_input, self.config.model.device
                 ),
                 "engine_config": lambda: crash_dump.engine_config_part(
-                    self.config, self.arch, self.limits
+                    self.config, self.arch, self.limits, self.fast_paths
                 ),
                 "history": self.history.part,
                 "system_stats": lambda: crash_dump.system_stats_part(
@@ -382,11 +441,7 @@ class EngineCore:
             if self.rank_reports:
                 parts["ranks"] = lambda: ranks_part(self.rank_reports)
             dump = crash_dump.build_dump(parts)
-            directory = self.config.observability.crash_dump_dir
-            path = None
-            if directory:
-                path = crash_dump.write_dump_file(directory, dump, failure, self.config, logger)
-            crash_dump.report_crash(dump, span, failure, logger, path)
+            crash_dump.deliver(dump, span, failure, self.config, logger)
             if span is not None:
                 self.failed_step_context = inject_context(trace.set_span_in_context(span))
                 span.end()
@@ -430,11 +485,23 @@ def _update(request: Request, logprobs: TokenLogprobs | None = None) -> RequestU
 
 
 def _grammar_failed(request: Request) -> RequestUpdate:
-    """A request whose output can no longer follow its grammar fails on its own (500)."""
+    """A request whose output can no longer follow its grammar fails on its own: 400 when
+    its schema went past a budget (`grammar.limit`), else 500 (an engine bug)."""
+    grammar = request.grammar
+    assert grammar is not None
     logger.warning(
         "structured_output.failed",
-        extra={"request_id": request.request_id, "num_output_tokens": request.num_output_tokens},
+        extra={
+            "request_id": request.request_id,
+            "num_output_tokens": request.num_output_tokens,
+            "limit": grammar.limit,
+            "mask_seconds": round(grammar.mask_seconds, 3),
+            "matcher_memory_bytes": grammar.memory_bytes,
+        },
     )
+    if grammar.limit is not None and grammar.error is not None:
+        rejected = RequestRejected(LIMIT_EXCEEDED, grammar.error, "response_format")
+        return RequestUpdate(request.request_id, [], "abort", rejected=rejected)
     rejected = RequestRejected(
         "structured_output_failed",
         "the output could not follow the response_format grammar",

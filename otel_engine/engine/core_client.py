@@ -1,9 +1,13 @@
 """How the front end talks to the engine core: directly, or to its process over ZMQ.
 
-`InprocClient` holds an `EngineCore` and steps it in the caller's thread. `MPClient` spawns
+`InprocClient` holds an `EngineCore` and steps it in the caller's thread (with faulthandler
+on stderr, so that a native fault leaves its stack there). `MPClient` spawns
 `otel-engine-core`, waits for its handshake, and watches its process sentinel: a core that
-dies without a word (SIGKILL, OOM killer) becomes an `EngineDead` output within a poll
-interval. Chosen once, at construction.
+dies without a word (a native fault, SIGKILL, the OOM killer) becomes an `EngineDead`
+output within a poll interval, and, since that core recorded no crash dump, this side
+records one (`record_core_death`). It also times the core's silence (`silent_for`): a core
+process that sends nothing, not even its step watchdog's heartbeat, is frozen. Chosen once,
+at construction.
 """
 
 from __future__ import annotations
@@ -17,12 +21,13 @@ from collections.abc import Callable
 from typing import Any
 
 import zmq
+from opentelemetry import trace
 
 from otel_engine.config import EngineConfig
 from otel_engine.engine.core import EngineCore
-from otel_engine.engine.core_proc import build_engine_core
+from otel_engine.engine.core_proc import FAILED_EXIT_CODE, PROCESS_NAME, build_engine_core
 from otel_engine.errors import EngineDeadError, EngineStartupError, FailureCause
-from otel_engine.executor.executor import failure_info
+from otel_engine.executor.executor import failure_info, how_it_failed
 from otel_engine.ipc.codec import Codec
 from otel_engine.ipc.messages import (
     AbortRequests,
@@ -30,15 +35,20 @@ from otel_engine.ipc.messages import (
     CoreOutput,
     CoreRequest,
     EngineDead,
+    EngineLimits,
     ErrorInfo,
+    Heartbeat,
     PauseRequests,
     ResumeRequests,
     Shutdown,
     StepOutputs,
 )
+from otel_engine.ipc.native_fault import enable_on_stderr
 from otel_engine.ipc.paths import IpcDir
 from otel_engine.ipc.process import spawn, wait_for_death
+from otel_engine.observability import crash_dump
 from otel_engine.observability.setup import spawn_env
+from otel_engine.observability.tracing import get_tracer, inject_context, is_tracing
 from otel_engine.sched.scheduler import SchedulerOutput
 from otel_engine.timing import CORE_OUTPUT_POLL_S, CORE_SEND_RETRY_S
 
@@ -84,6 +94,7 @@ class InprocClient:
     thread, watched by the caller for `--step-timeout` like the core process's watchdog)."""
 
     def __init__(self, config: EngineConfig, model_dir: str) -> None:
+        enable_on_stderr()
         self.ipc_dir = IpcDir(config.instance_id)
         self._steps = _StepThread()
         try:
@@ -106,6 +117,7 @@ class InprocClient:
                 cause_message=str(exc),
             ) from exc
         self.max_model_len = self.core.limits.max_model_len
+        self.fast_paths = self.core.fast_paths
         self._pending: list[StepOutputs] = []
         self._death: EngineDead | None = None
 
@@ -187,6 +199,9 @@ class MPClient:
         self._outputs = self._context.socket(zmq.PULL)
         self._outputs.bind(self.ipc_dir.address("core-out"))
         self._death: ErrorInfo | None = None
+        self._crash_context: dict[str, str] = {}  # the crash span of a dump recorded here
+        self._kill_reason: ErrorInfo | None = None  # why this side gave the core up
+        self._started_at = time.monotonic()
         self._stopping = False
         self._monitor: threading.Thread | None = None
         self.core = spawn(
@@ -198,6 +213,7 @@ class MPClient:
             self.ipc_dir.address("core-out"),
             role="engine_core",
             env=spawn_env(config),
+            fault_dir=self.ipc_dir.path,
         )
         try:
             ready = self.core.wait_ready(time.monotonic() + config.timeouts.engine_ready_timeout)
@@ -205,7 +221,10 @@ class MPClient:
             self.shutdown(graceful=False)  # a core still starting never reads Shutdown
             raise
         assert ready.limits is not None, "the engine core's Ready carries its limits"
+        self.limits = ready.limits
         self.max_model_len = ready.limits.max_model_len
+        self.fast_paths = ready.fast_paths  # the paths the model runs (`kernels.selected`)
+        self._heard_at = time.monotonic()
         self._monitor = threading.Thread(target=self._watch_core, name="core-monitor", daemon=True)
         self._monitor.start()
 
@@ -213,13 +232,23 @@ class MPClient:
         wait_for_death([self.core])
         if self._stopping:
             return
-        how = self.core.describe_exit()
-        logger.error("engine_core.died", extra={"exitcode": self.core.exitcode})
-        self._death = ErrorInfo(
-            type=FailureCause.ENGINE_CORE_DIED,
-            message=f"the engine core {how}",
-            process="engine_core",
+        info = self._kill_reason or self.core.death_error(
+            FailureCause.ENGINE_CORE_DIED, "the engine core", PROCESS_NAME
         )
+        code = self.core.exitcode
+        logger.error(
+            "engine_core.died",
+            extra={
+                "exitcode": code,
+                "signal": info.signal or None,
+                "location": info.location or None,
+            },
+        )
+        if code != FAILED_EXIT_CODE:  # it died before recording its own crash dump
+            self._crash_context = record_core_death(
+                self.config, self.limits, info, self._started_at, self.fast_paths
+            )
+        self._death = info
 
     def add_request(self, message: AddRequest) -> None:
         if self._death is not None or self._stopping or not self._push(message):
@@ -256,24 +285,35 @@ class MPClient:
         if self._death is None and not self._stopping:
             self._push(message)  # a core that is gone has nothing to abort, pause or resume
 
-    def get_output(self, timeout_s: float = CORE_OUTPUT_POLL_S) -> CoreOutput | None:
-        """The next output, an `EngineDead` if the core process is gone, or None on timeout.
+    def get_output(self, timeout_s: float = CORE_OUTPUT_POLL_S) -> StepOutputs | EngineDead | None:
+        """The next output, an `EngineDead` if the core process is gone, or None on timeout
+        (or when the frame was the core's heartbeat).
 
         A frame already sent wins over the death notice, so the engine's own reason
         (e.g. a worker's exception) is reported rather than just "the core exited".
         """
         if self._outputs.poll(int(timeout_s * 1000)):
-            return self._decoder.decode(self._outputs.recv(copy=False).buffer)
+            output = self._decoder.decode(self._outputs.recv(copy=False).buffer)
+            self._heard_at = time.monotonic()
+            return None if isinstance(output, Heartbeat) else output
         if self._death is not None:
-            return EngineDead(error=self._death)
+            return EngineDead(error=self._death, trace_context=self._crash_context)
         return None
+
+    @property
+    def silent_for(self) -> float:
+        """Seconds since the last frame from the core (its heartbeat comes every
+        `HEARTBEAT_INTERVAL_S`, also during a step), as the reader of `get_output` saw it."""
+        return time.monotonic() - self._heard_at
 
     @property
     def is_alive(self) -> bool:
         return self._death is None
 
-    def kill(self) -> None:
-        """SIGKILL the engine core (its workers follow through their death pipes)."""
+    def kill(self, reason: ErrorInfo | None = None) -> None:
+        """SIGKILL the engine core (its workers follow through their death pipes); `reason`
+        (why it was given up) is the failure its crash dump records instead of the kill."""
+        self._kill_reason = reason
         self.core.kill()
 
     def shutdown(self, *, graceful: bool = True) -> None:
@@ -301,6 +341,52 @@ class MPClient:
         self._outputs.close(linger=0)
         self._context.term()
         self.ipc_dir.cleanup()
+
+
+def record_core_death(
+    config: EngineConfig,
+    limits: EngineLimits,
+    info: ErrorInfo,
+    started_at: float,
+    fast_paths: dict[str, Any] | None = None,
+) -> dict[str, str]:
+    """The crash dump of an engine core that died without recording one, built here from
+    what the front end knows (the failure, the engine config; the batch, the history and
+    the scheduler marked `not_available`) and delivered like the core's own: a stand-alone
+    `engine_core.crash` span, the `engine_crash_dump` log line, the --crash-dump-dir file.
+    Returns the span's context for the `EngineDead` the clients get. Never raises."""
+    try:
+        failure = crash_dump.failure_summary(
+            info.process,
+            info.type,
+            info.message,
+            how_it_failed(info),
+            signal=info.signal,
+            frames=info.frames,
+        )
+        lost = "the engine core died before it could record it"
+        dump = crash_dump.build_dump(
+            {
+                "scheduler_output": lambda: crash_dump.not_available(lost),
+                "engine_config": lambda: crash_dump.engine_config_part(
+                    config, limits=limits, fast_paths=fast_paths
+                ),
+                "history": lambda: crash_dump.not_available(lost),
+                "system_stats": lambda: crash_dump.front_end_stats_part(
+                    failure=failure, started_at=started_at
+                ),
+            }
+        )
+        span = get_tracer().start_span("engine_core.crash") if is_tracing() else None
+        crash_dump.deliver(dump, span, failure, config, logger)
+        if span is None:
+            return {}
+        context = inject_context(trace.set_span_in_context(span))
+        span.end()
+        return context
+    except Exception:
+        logger.exception("engine_crash_dump.failed")
+        return {}
 
 
 CoreClient = InprocClient | MPClient

@@ -2,13 +2,15 @@
 
 Inputs (AddRequest, AbortRequests, PauseRequests, ResumeRequests, Shutdown) arrive on a PULL
 socket; each step's `StepOutputs` leave on a PUSH socket, one frame per step, plus a frame
-with no step when inputs changed the scheduler's state and no step follows. Any exception in
+with no step when inputs changed the scheduler's state and no step follows. The step
+watchdog's `Heartbeat`s come on a socket of their own. Any exception in
 the loop, including a worker's failure surfaced by the executor, becomes one `EngineDead`
 frame to the front end before the process shuts its workers down and exits 1.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -27,6 +29,7 @@ from otel_engine.ipc.messages import (
     CoreOutput,
     CoreRequest,
     EngineDead,
+    Heartbeat,
     Shutdown,
 )
 from otel_engine.ipc.paths import IpcDir
@@ -39,6 +42,7 @@ from otel_engine.timing import (
     CORE_IDLE_POLL_S,
     CRASH_FLUSH_S,
     GRAMMAR_POLL_S,
+    HEARTBEAT_INTERVAL_S,
     TELEMETRY_FLUSH_S,
     THREAD_JOIN_S,
     watchdog_poll_s,
@@ -47,6 +51,9 @@ from otel_engine.timing import (
 logger = logging.getLogger(__name__)
 
 PROCESS_NAME = "engine_core"
+# The exit of an engine core that failed after recording its crash dump and sending
+# EngineDead; any other unasked-for exit left no dump (the front end records one).
+FAILED_EXIT_CODE = 1
 
 
 def build_engine_core(config: EngineConfig, model_dir: str, ipc_dir: IpcDir) -> EngineCore:
@@ -79,14 +86,14 @@ def run_engine_core(
     outputs = context.socket(zmq.PUSH)
     outputs.connect(output_address)
     watchdog = StepWatchdog(core, output_address)
-    channel.ready(core.limits)
+    channel.ready(core.limits, core.fast_paths)
     logger.info("engine.ready", extra={"role": "engine_core"})
     exit_code = 0
     encoder: Codec[CoreOutput] = Codec(CoreOutput)
     try:
         _busy_loop(core, inputs, outputs, encoder)
     except Exception as exc:
-        exit_code = 1
+        exit_code = FAILED_EXIT_CODE
         logger.exception("engine.failed")
         info = failure_info(exc, PROCESS_NAME)
         core.record_crash(info)
@@ -109,7 +116,9 @@ class StepWatchdog:
 
     It works whatever hangs (a worker's collective, the model at TP=1, the scheduler):
     the watchdog reports `EngineDead` on its own socket, kills the workers and exits,
-    without waiting for the stuck main thread.
+    without waiting for the stuck main thread. Each time it looks it also sends a
+    `Heartbeat`, so the front end tells a long step (heartbeats go on) from a frozen process
+    (nothing comes).
     """
 
     def __init__(self, core: EngineCore, output_address: str) -> None:
@@ -124,7 +133,12 @@ class StepWatchdog:
 
     def _watch(self) -> None:
         core = self.core
-        while not self._stop.wait(watchdog_poll_s(self.core.config.timeouts)):
+        heartbeat = Codec(CoreOutput).encode(Heartbeat())
+        poll_s = min(watchdog_poll_s(core.config.timeouts), HEARTBEAT_INTERVAL_S)
+        while not self._stop.wait(poll_s):
+            # Never blocks: a front end that stopped reading must not stop the watchdog.
+            with contextlib.suppress(zmq.Again):
+                self._socket.send(heartbeat, flags=zmq.NOBLOCK)
             started = core.step_started_at
             if started is None or time.monotonic() - started < self.timeout:
                 continue
@@ -140,7 +154,7 @@ class StepWatchdog:
             core.executor.kill()
             self._socket.close(linger=2000)
             self._context.term()  # waits until the frame is delivered
-            os._exit(1)
+            os._exit(FAILED_EXIT_CODE)
         self._socket.close(linger=0)
         self._context.term()
 

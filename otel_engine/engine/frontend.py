@@ -61,6 +61,7 @@ class Frontend:
             else InprocClient(config, self.model_dir)
         )
         self.max_model_len: int = self.client.max_model_len
+        self.fast_paths: dict[str, Any] | None = self.client.fast_paths
         self.inputs = InputProcessor(self.tokenizer, self.max_model_len, arch.vocab_size)
         self.outputs = OutputProcessor(self.tokenizer)
 

@@ -1,4 +1,9 @@
-"""`LLM`: synchronous offline generation over a batch of prompts."""
+"""`LLM`: synchronous offline generation over a batch of prompts.
+
+It enables `faulthandler` on stderr (unless the caller already set it up): a native fault
+in the engine, which runs in this process, writes its signal and stack there before the
+interpreter dies.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ from otel_engine.config import EngineConfig
 from otel_engine.engine.frontend import Frontend, dead_error
 from otel_engine.errors import EngineDeadError, FailureCause
 from otel_engine.ipc.messages import EngineDead, StepOutputs
+from otel_engine.ipc.native_fault import enable_on_stderr
 from otel_engine.outputs import RequestOutput
 from otel_engine.sampling_params import SamplingParams
 
@@ -26,6 +32,7 @@ class LLM:
     def __init__(
         self, model: str | None = None, *, multiprocess: bool = False, **options: Any
     ) -> None:
+        enable_on_stderr()
         self.config = EngineConfig.from_kwargs(model=model, multiprocess=multiprocess, **options)
         self._frontend = Frontend(self.config)
         self.tokenizer = self._frontend.tokenizer

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from otel_engine.errors import RequestError
-from otel_engine.sampling_params import SamplingParams
+from otel_engine.sampling_params import SamplingParams, shown
 
 
 def check_request(
@@ -28,7 +28,7 @@ def check_request(
     if num_prompt + params.max_tokens > max_model_len:
         raise RequestError(
             f"this model's maximum context length is {max_model_len} tokens; the "
-            f"prompt has {num_prompt} tokens and max_tokens is {params.max_tokens}",
+            f"prompt has {num_prompt} tokens and max_tokens is {shown(params.max_tokens)}",
             code="context_length_exceeded",
             param="max_tokens" if num_prompt < max_model_len else "prompt",
         )

@@ -27,6 +27,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from starlette.responses import PlainTextResponse, Response
 
+from otel_engine.entrypoints.access_log import AccessLogMiddleware
+from otel_engine.entrypoints.bodies import body_route_class
 from otel_engine.entrypoints.connections import (
     ConnectionTable,
     protocol_class,
@@ -99,7 +101,9 @@ def build_app(state: ServerState) -> FastAPI:
         state.metrics,
         state.drain_expired,
         max_prompt_chars=state.limits.prompt_chars(state.engine.max_model_len),
+        allow_special_tokens_in_content=state.allow_special_tokens_in_content,
     )
+    app.router.route_class = body_route_class(serving.bodies)  # bodies off the event loop
 
     @app.get(
         "/health",
@@ -108,7 +112,7 @@ def build_app(state: ServerState) -> FastAPI:
     async def health() -> Response:
         error = state.unavailable()
         if error is None and state.engine.is_stalled:
-            error = engine_stalled(state.engine.stalled_for)
+            error = engine_stalled(max(state.engine.stalled_for, state.engine.silent_for))
         if error is not None:
             return error_response(error)
         return Response(b'{"status":"ok"}', media_type="application/json")
@@ -147,6 +151,7 @@ def build_app(state: ServerState) -> FastAPI:
             "owned_by": "otel-engine",
             "max_model_len": state.engine.max_model_len,
             "sampling_defaults": state.engine.generation_defaults.values,
+            "fast_paths": state.engine.fast_paths,
         }
         return {"object": "list", "data": [card]}
 
@@ -181,6 +186,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     app.add_middleware(GuardMiddleware, state=state)
     app.add_middleware(InternalErrorMiddleware)
+    app.add_middleware(AccessLogMiddleware, budget=state.log_budget)
     app.add_middleware(HttpTracingMiddleware)
     install_openapi(app)
     return app
@@ -284,6 +290,7 @@ def make_server(
     exit_on_engine_death: bool = True,
     final_scrape_wait: float = 0.0,
     limits: ServerLimits | None = None,
+    allow_special_tokens_in_content: bool = False,
 ) -> ApiServer:
     """An `ApiServer` for `engine`, ready to `run(sockets=[bind_socket(...)])`.
 
@@ -291,13 +298,21 @@ def make_server(
     died (an embedding host program decides what to do); `exit_code` is 1 either way.
     """
     metrics = EngineMetrics(model_name=engine.model_name, process_metrics=True)
+    metrics.set_fast_paths(engine.fast_paths)
     on_export_failure(metrics.on_export_failure)
     limits = limits or ServerLimits()
-    state = ServerState(engine=engine, api_key=api_key, limits=limits, metrics=metrics)
+    state = ServerState(
+        engine=engine,
+        api_key=api_key,
+        limits=limits,
+        metrics=metrics,
+        allow_special_tokens_in_content=allow_special_tokens_in_content,
+    )
     timeout = engine.config.timeouts.shutdown_timeout if drain_timeout is None else drain_timeout
     config = uvicorn.Config(
         build_app(state),
         log_config=None,
+        access_log=False,  # access_log.py writes it, without query strings, rate-limited
         lifespan="off",
         timeout_graceful_shutdown=GRACEFUL_HTTP_SHUTDOWN_S,
         timeout_keep_alive=limits.keep_alive_timeout,
@@ -342,11 +357,16 @@ def run_server(
     api_key: str | None = None,
     final_scrape_wait: float = 0.0,
     limits: ServerLimits | None = None,
+    allow_special_tokens_in_content: bool = False,
 ) -> int:
     """Serve until SIGTERM/SIGINT (exit code 0) or until the engine dies (exit code 1)."""
     limits = fit_connection_limit(limits or ServerLimits())
     server = make_server(
-        engine, api_key=api_key, final_scrape_wait=final_scrape_wait, limits=limits
+        engine,
+        api_key=api_key,
+        final_scrape_wait=final_scrape_wait,
+        limits=limits,
+        allow_special_tokens_in_content=allow_special_tokens_in_content,
     )
     start_otlp_metrics(
         server.state.metrics.registry,

@@ -12,7 +12,13 @@
   sees a disconnect and is counted as `client_stalled`. Socket send buffers are kept small,
   so a client that stops reading is noticed after tens of kilobytes, not megabytes.
 
-Repeated log lines of each kind are limited to one a second (`RateLimitedLog`).
+- **Strict framing.** A request with both `Content-Length` and `Transfer-Encoding` (a
+  proxy that frames by length would see another request in its body: RFC 9112 section 6.3)
+  and a request head with a bare LF line ending are answered 400 `invalid_framing` and the
+  connection is closed, before the app sees them.
+
+Repeated log lines of each kind are limited to one a second (`RateLimitedLog`), uvicorn's
+warnings about malformed requests included.
 """
 
 from __future__ import annotations
@@ -24,8 +30,9 @@ import time
 from http import HTTPStatus
 from typing import Any, ClassVar
 
+import h11
 import msgspec
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.h11_impl import DEFAULT_MAX_INCOMPLETE_EVENT_SIZE, H11Protocol
 
 from otel_engine.entrypoints.errors import INVALID_REQUEST, UNAVAILABLE, APIError
 from otel_engine.entrypoints.limits import ServerLimits
@@ -36,6 +43,54 @@ logger = logging.getLogger("otel_engine.api_server")
 # Set in a request's ASGI scope when its connection was aborted for not reading.
 CLIENT_STALLED_KEY = "otel_engine.client_stalled"
 REFUSE_LINGER_S = 0.5
+_END_OF_HEAD = b"\r\n\r\n"
+
+
+class FramingError(Exception):
+    """A request whose framing an intermediary could read differently (see `StrictConnection`)."""
+
+
+class StrictConnection(h11.Connection):
+    """h11's server connection without the leniency that lets a request be framed two ways:
+    `next_event` raises `FramingError` for a request with both `Content-Length` and
+    `Transfer-Encoding`, and for a request head with a line that ends in a bare LF."""
+
+    def __init__(self, max_incomplete_event_size: int) -> None:
+        super().__init__(h11.SERVER, max_incomplete_event_size)
+        self._head = b""  # the current request head's bytes so far (until its blank line)
+        self._is_head_read = False
+        self._error: str | None = None
+
+    def receive_data(self, data: bytes) -> None:
+        if self.their_state is h11.IDLE and not self._is_head_read and data:
+            self._scan_head(data)
+        super().receive_data(data)
+
+    def next_event(self) -> Any:
+        if self._error is not None:
+            raise FramingError(self._error)
+        event = super().next_event()
+        if isinstance(event, h11.Request):
+            names = {name for name, _ in event.headers}
+            if b"content-length" in names and b"transfer-encoding" in names:
+                raise FramingError(
+                    "a request must not have both Content-Length and Transfer-Encoding"
+                )
+        return event
+
+    def start_next_cycle(self) -> None:
+        super().start_next_cycle()
+        self._head, self._is_head_read = b"", False
+
+    def _scan_head(self, data: bytes) -> None:
+        head = self._head + data[: self._max_incomplete_event_size]
+        end = head.find(_END_OF_HEAD)
+        if end >= 0:
+            head, self._is_head_read = head[: end + 2], True
+        # Every LF of the head must follow a CR; a lone CR at the end may still get its LF.
+        if head.count(b"\n") != head.count(b"\r\n"):
+            self._error = "request lines must end with CRLF, not a bare LF"
+        self._head = head[-self._max_incomplete_event_size :] if not self._is_head_read else b""
 
 
 class RateLimitedLog:
@@ -56,6 +111,23 @@ class RateLimitedLog:
         fields["num_suppressed"] = self._suppressed.pop(event, 0)
         logger.log(level, event, extra=fields)
         return True
+
+
+class _QuietWarnings:
+    """uvicorn's protocol logger with its warnings (a malformed request: "Invalid HTTP
+    request received.", one per connection a client opens) logged as
+    `http.protocol_warning` at most once a second; everything else as it was."""
+
+    def __init__(self, logger: logging.Logger, log: RateLimitedLog) -> None:
+        self._logger = logger
+        self._log = log
+
+    def warning(self, message: str, *args: Any, **kwargs: Any) -> None:
+        text = message % args if args else message
+        self._log.log(logging.WARNING, "http.protocol_warning", warning=text)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._logger, name)
 
 
 class ConnectionTable:
@@ -100,6 +172,9 @@ class GuardedH11Protocol(H11Protocol):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        max_size = self.config.h11_max_incomplete_event_size
+        self.conn = StrictConnection(max_size or DEFAULT_MAX_INCOMPLETE_EVENT_SIZE)
+        self.logger = _QuietWarnings(self.logger, self.table.log)  # type: ignore[assignment]
         self._read_timer: asyncio.TimerHandle | None = None
         self._read_cycle: object = None  # the cycle that was current when the timer was set
         self._has_data = False
@@ -140,6 +215,14 @@ class GuardedH11Protocol(H11Protocol):
         if self._read_timer is None and self.is_idle:
             self._arm_read_deadline()  # the first bytes of the next request on this connection
         super().data_received(data)
+
+    def handle_events(self) -> None:
+        try:
+            super().handle_events()
+        except FramingError as error:
+            self._write_raw(400, "invalid_framing", str(error))
+            self.table.log.log(logging.WARNING, "http.invalid_framing", client=_peer(self))
+            self.transport.close()
 
     def on_response_complete(self) -> None:
         if self._read_timer is not None:

@@ -121,10 +121,11 @@ def engine_unavailable(error: EngineDeadError | None) -> APIError:
 
 
 def engine_stalled(seconds: float) -> APIError:
-    """/health while work is pending and no step finished within --step-timeout."""
+    """/health while the engine core is stalled: work is pending and no step finished within
+    --step-timeout, or the core sent not even a heartbeat for `timing.HEARTBEAT_TIMEOUT_S`."""
     return APIError(
         503,
-        f"engine made no progress for {seconds:.0f} s with requests pending",
+        f"engine made no progress for {seconds:.0f} s (no step with work pending, or frozen)",
         type=UNAVAILABLE,
         code="engine_stalled",
     )

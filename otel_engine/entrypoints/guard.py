@@ -15,12 +15,13 @@ import asyncio
 import hmac
 import logging
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from otel_engine.entrypoints.access_log import ClientLogBudget, client_address
 from otel_engine.entrypoints.errors import APIError, draining, engine_unavailable, error_response
 from otel_engine.entrypoints.limits import ServerLimits
 from otel_engine.observability.metrics import EngineMetrics
@@ -42,11 +43,14 @@ class ServerState:
     engine: AsyncLLM
     api_key: str | None = None
     limits: ServerLimits = field(default_factory=ServerLimits)
+    allow_special_tokens_in_content: bool = False  # chat.py: control tokens from clients
     metrics: EngineMetrics = field(default_factory=EngineMetrics)
     num_in_flight: int = 0
     is_draining: bool = False
     is_dead_scraped: bool = False  # /metrics was served after the engine died, errors counted
     drain_expired: asyncio.Event = field(default_factory=asyncio.Event)
+    # Per-client budget of the lines a request can cause before it is authenticated.
+    log_budget: ClientLogBudget = field(default_factory=ClientLogBudget)
     serving: OpenAIServing | None = None  # set by build_app
     _idle: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -135,8 +139,12 @@ class GuardMiddleware:
                 body, error = await self._read_body(receive)
             if error is not None:
                 self.state.metrics.on_request_error(error.label)
-                logger.info(
-                    "request.failed", extra={"status": error.status, "error_type": error.label}
+                self.state.log_budget.log(
+                    logging.INFO,
+                    "request.failed",
+                    client_address(scope),
+                    status=error.status,
+                    error_type=error.label,
                 )
                 await error_response(error)(scope, receive, send)
                 return
@@ -186,6 +194,37 @@ def step_listener(metrics: EngineMetrics) -> Callable[[StepOutputs], None]:
             target.on_step(cast("StepStats", step))  # StepStats declares its fields writable
 
     return on_step
+
+
+API_KEY_ENV = "OTEL_ENGINE_API_KEY"
+
+
+class ApiKeyError(Exception):
+    """The API key's source cannot be used (two sources, an unreadable or empty file)."""
+
+
+def resolve_api_key(flag: str | None, path: str | None, environ: Mapping[str, str]) -> str | None:
+    """The server's API key: from `--api-key-file`, else `--api-key` (with a warning: every
+    local user can read a command line in /proc), else `$OTEL_ENGINE_API_KEY`; None (or an
+    empty value) means no key is required."""
+    if flag is not None and path is not None:
+        raise ApiKeyError("give --api-key or --api-key-file, not both")
+    if path is not None:
+        try:
+            with open(path, encoding="utf-8") as file:
+                key = file.readline().strip()
+        except (OSError, UnicodeDecodeError) as error:
+            raise ApiKeyError(f"cannot read --api-key-file: {type(error).__name__}") from None
+        if not key:
+            raise ApiKeyError("--api-key-file is empty")
+        return key
+    if flag is not None:
+        logger.warning(
+            "server.api_key_on_command_line",
+            extra={"use_instead": f"--api-key-file or ${API_KEY_ENV}"},
+        )
+        return flag or None
+    return environ.get(API_KEY_ENV) or None
 
 
 def _check_api_key(values: list[bytes], api_key: bytes) -> APIError | None:

@@ -1,10 +1,10 @@
 """What one client may cost the HTTP server: the limits of `otel-engine serve`, in one place.
 
 Each limit bounds a resource a single unauthenticated client could otherwise take from every
-other: memory (body size), event-loop time (prompt characters; stop strings are bounded in
-`SamplingParams`), file descriptors (connections) and engine slots (requests whose client
-stopped reading). docs/operations.md ("Hostile clients") gives the reasoning; the flags are in
-docs/configuration.md.
+other: memory (body size), event-loop time (prompt characters, chat messages and their
+template overhead; stop strings are bounded in `SamplingParams`), file descriptors
+(connections) and engine slots (requests whose client stopped reading). docs/operations.md
+("Hostile clients") gives the reasoning; the flags are in docs/configuration.md.
 """
 
 from __future__ import annotations
@@ -16,6 +16,13 @@ MAX_BODY_BYTES = 4 * 1024 * 1024
 # more characters than this many per token of context can never fit: it is refused before
 # it is tokenized.
 CHARS_PER_TOKEN_BOUND = 32
+# A chat message costs its template's markup besides its content: at least two tokens (a
+# role header and an end marker) in every template in use, so it counts this many
+# characters against the same budget.
+MESSAGE_OVERHEAD_CHARS = 2 * CHARS_PER_TOKEN_BOUND
+# Counted on the raw body before pydantic validates a message (bodies.py).
+MAX_MESSAGES = 2048
+MAX_CONTENT_PARTS = 2048  # in all the messages of a request
 
 
 @dataclass(frozen=True, slots=True)

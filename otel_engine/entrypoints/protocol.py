@@ -12,16 +12,19 @@ warning and a counter (`ignored_fields`), never silently.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Annotated, Literal, cast
+from typing import Annotated, Any, Literal, cast
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
 from otel_engine.engine.structured_output import from_response_format
 from otel_engine.entrypoints.errors import APIError, bad_request, from_request_error
+from otel_engine.entrypoints.limits import MAX_CONTENT_PARTS, MAX_MESSAGES
 from otel_engine.errors import RequestError
 from otel_engine.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutput
 
 MAX_CHOICES = 16  # n and best_of
+# A token id of any vocabulary has fewer digits; a longer key is refused before int().
+MAX_TOKEN_ID_DIGITS = 19
 
 
 def _integral(value: object) -> object:
@@ -107,6 +110,12 @@ class _SamplingFields(_Strict):
             if not key.isascii() or not key.isdigit():
                 raise bad_request(
                     f"logit_bias keys must be token ids, got {key[:20]!r}",
+                    param="logit_bias",
+                    code="invalid_value",
+                )
+            if len(key) > MAX_TOKEN_ID_DIGITS:  # int() would refuse past 4,300 digits (a 500)
+                raise bad_request(
+                    f"logit_bias keys must be token ids, got a number of {len(key)} digits",
                     param="logit_bias",
                     code="invalid_value",
                 )
@@ -223,7 +232,7 @@ class ChatMessage(_Strict):
     """One chat message, passed to the model's chat template as `{role, content}`."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Text | list[ContentPart] | None = None
+    content: Text | Annotated[list[ContentPart], Field(max_length=MAX_CONTENT_PARTS)] | None = None
     name: Text | None = None
 
     def to_template_dict(self) -> dict[str, str]:
@@ -241,7 +250,7 @@ class ChatMessage(_Strict):
 class ChatCompletionRequest(_SamplingFields):
     """`POST /v1/chat/completions`. `max_completion_tokens` wins over `max_tokens`."""
 
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: Int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: Int | None = None
@@ -282,7 +291,7 @@ class TokenizeRequest(_Strict):
 
     model: Text | None = None
     prompt: Text | None = None
-    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1, max_length=MAX_MESSAGES)
     add_special_tokens: bool = True  # for `prompt` (a chat template writes its own)
     add_generation_prompt: bool = True  # for `messages`
 
@@ -401,6 +410,11 @@ class ModelCard(BaseModel):
     max_model_len: int
     sampling_defaults: dict[str, float] = Field(
         description="what a request that omits these fields gets (--generation-config)"
+    )
+    fast_paths: dict[str, Any] | None = Field(
+        default=None,
+        description="the fast paths the model runs on this machine, each enabled or not and "
+        "why (cpu_isa, kernel_isa, paths); the start log's kernels.selected",
     )
 
 

@@ -19,13 +19,14 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import jinja2
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
 from otel_engine.engine import structured_output
 from otel_engine.engine.choices import generate_choices
+from otel_engine.entrypoints.bodies import BodyParser
+from otel_engine.entrypoints.chat import ChatRenderer
 from otel_engine.entrypoints.connections import CLIENT_STALLED_KEY
 from otel_engine.entrypoints.errors import (
     INTERNAL,
@@ -38,6 +39,7 @@ from otel_engine.entrypoints.errors import (
     internal_error,
     is_server_error,
 )
+from otel_engine.entrypoints.limits import MESSAGE_OVERHEAD_CHARS
 from otel_engine.entrypoints.logprobs import LogprobsFormatter
 from otel_engine.entrypoints.protocol import (
     ChatCompletionRequest,
@@ -55,7 +57,7 @@ from otel_engine.entrypoints.streaming import (
 )
 from otel_engine.errors import EngineDeadError, RequestError, RequestFailedError
 from otel_engine.ipc.messages import TokenLogprobs
-from otel_engine.sampling_params import SamplingParams
+from otel_engine.sampling_params import SamplingParams, shown
 
 if TYPE_CHECKING:
     from otel_engine import AsyncLLM, RequestOutput
@@ -139,12 +141,16 @@ class OpenAIServing:
         metrics: EngineMetrics,
         drain_expired: asyncio.Event,
         max_prompt_chars: int,
+        *,
+        allow_special_tokens_in_content: bool = False,
     ) -> None:
         self.engine = engine
         self.metrics = metrics
         self.drain_expired = drain_expired
         self.max_prompt_chars = max_prompt_chars
         self.log_prompts = engine.config.observability.log_prompts
+        self.allow_special_tokens_in_content = allow_special_tokens_in_content
+        self.bodies = BodyParser()
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
@@ -172,9 +178,8 @@ class OpenAIServing:
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         self._check_common(body)
         messages = body.template_messages()
-        self._check_chars(sum(len(m["content"]) for m in messages), "messages")
-        text = await self._off_loop(self._render_chat, messages)
-        prompt_ids = await self._off_loop(self.engine.encode, text, False)
+        self._check_chars(chat_chars(messages), "messages")
+        text, prompt_ids = await self._off_loop(self._chat.render, messages)
         job = self._admit(
             body, prompt_ids, prefix="chatcmpl", default_cap=None, prompt_param="messages"
         )
@@ -193,9 +198,8 @@ class OpenAIServing:
             ids = await self._off_loop(self.engine.encode, body.prompt, body.add_special_tokens)
         else:
             messages = [m.to_template_dict() for m in body.messages or ()]
-            self._check_chars(sum(len(m["content"]) for m in messages), "messages")
-            text = await self._off_loop(self._render_chat, messages, body.add_generation_prompt)
-            ids = await self._off_loop(self.engine.encode, text, False)
+            self._check_chars(chat_chars(messages), "messages")
+            _, ids = await self._off_loop(self._chat.render, messages, body.add_generation_prompt)
         return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids}
 
     async def detokenize(self, body: DetokenizeRequest) -> dict[str, str]:
@@ -239,9 +243,14 @@ class OpenAIServing:
     def _check_chars(self, num_chars: int, param: str) -> None:
         """Refuse text that cannot fit the context before spending any work on it."""
         if num_chars > self.max_prompt_chars:
+            what = (
+                f"the messages count {num_chars} characters ({MESSAGE_OVERHEAD_CHARS} a "
+                "message for the chat template)"
+                if param == "messages"
+                else f"the prompt has {num_chars} characters"
+            )
             raise bad_request(
-                f"the prompt has {num_chars} characters; at most {self.max_prompt_chars} are "
-                "accepted (--max-prompt-chars)",
+                f"{what}; at most {self.max_prompt_chars} are accepted (--max-prompt-chars)",
                 param=param,
                 code="context_length_exceeded",
             )
@@ -254,28 +263,7 @@ class OpenAIServing:
 
     def close(self) -> None:
         self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
-
-    def _render_chat(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
-    ) -> str:
-        tokenizer = self.engine.tokenizer
-        if not getattr(tokenizer, "chat_template", None):
-            raise bad_request(
-                "this model has no chat template; use /v1/completions",
-                param="messages",
-                code="unsupported_parameter",
-            )
-        try:
-            text = tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=False
-            )
-        except (jinja2.TemplateError, ValueError, TypeError) as error:
-            raise bad_request(
-                f"chat template rejected the messages: {type(error).__name__}",
-                param="messages",
-                code="invalid_value",
-            ) from None
-        return str(text)
+        self.bodies.close()
 
     def _admit(
         self,
@@ -300,7 +288,7 @@ class OpenAIServing:
             max_tokens = remaining if default_cap is None else min(remaining, default_cap)
         elif requested > remaining:
             raise bad_request(
-                f"prompt ({num_prompt} tokens) plus max_tokens ({requested}) exceeds the "
+                f"prompt ({num_prompt} tokens) plus max_tokens ({shown(requested)}) exceeds the "
                 f"model's context of {max_model_len} tokens",
                 param="max_tokens",
                 code="context_length_exceeded",
@@ -505,6 +493,12 @@ class OpenAIServing:
             _record_gone(telemetry, job, request)
 
     @cached_property
+    def _chat(self) -> ChatRenderer:
+        return ChatRenderer(
+            self.engine.tokenizer, allow_special_tokens=self.allow_special_tokens_in_content
+        )
+
+    @cached_property
     def _formatter(self) -> LogprobsFormatter:
         return LogprobsFormatter(self.engine.tokenizer)
 
@@ -565,6 +559,14 @@ class OpenAIServing:
         if job.include_usage:
             chunk["usage"] = None
         return sse_event(chunk)
+
+
+def chat_chars(messages: list[dict[str, str]]) -> int:
+    """What a chat costs against the prompt-character budget: its text, plus the template's
+    markup of each message (`MESSAGE_OVERHEAD_CHARS`)."""
+    return sum(
+        len(m["content"]) + len(m.get("name", "")) + MESSAGE_OVERHEAD_CHARS for m in messages
+    )
 
 
 def _record_gone(telemetry: RequestTelemetry, job: _Job, request: Request) -> None:

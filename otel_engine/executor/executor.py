@@ -14,6 +14,7 @@ import os
 import threading
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import zmq
 
@@ -32,7 +33,7 @@ from otel_engine.ipc.messages import (
     WorkerRequest,
     WorkerResponse,
 )
-from otel_engine.ipc.paths import IpcDir, free_tcp_port
+from otel_engine.ipc.paths import IpcDir, loopback_env
 from otel_engine.ipc.process import (
     ChildProcess,
     process_title,
@@ -95,12 +96,13 @@ def expects_report(
 
 
 def worker_death(workers: list[ChildProcess]) -> tuple[ErrorInfo, int | None]:
-    """Block until one of `workers` exits: `WorkerDied` naming it and how, and its exit code."""
+    """Block until one of `workers` exits: `WorkerDied` naming it and how (for a native
+    fault: the signal and where), and its exit code."""
     worker = wait_for_death(workers)
-    how = worker.describe_exit()
-    info = ErrorInfo(
-        type=FailureCause.WORKER_DIED, message=f"{worker.name} {how}", process=worker.name
-    )
+    # Peers of a worker that died of a signal exit 1 a moment later (their collective
+    # broke); when both deaths are seen at once, the one that did not exit 1 is the cause.
+    worker = next((w for w in workers if w.exitcode not in (None, 1)), worker)
+    info = worker.death_error(FailureCause.WORKER_DIED, worker.name, worker.name)
     return info, worker.exitcode
 
 
@@ -112,6 +114,7 @@ class UniprocExecutor:
 
         maybe_inject("worker", phase="load", rank=0)
         self.runner = ModelRunner(config, model_dir, rank=0)
+        self.fast_paths: dict[str, Any] | None = self.runner.model.fast_paths.summary()
 
     def execute(self, step: ModelInput) -> ModelOutput:
         maybe_inject(
@@ -153,6 +156,7 @@ class MultiprocExecutor:
         self._inputs = []
         self.workers: list[ChildProcess] = []
         self._failure: ErrorInfo | None = None
+        self.fast_paths: dict[str, Any] | None = None  # rank 0's, once the workers are ready
         self._died: ErrorInfo | None = None  # a worker that exited, as the monitor saw it
         self._died_code: int | None = None
         self._root: ErrorInfo | None = None  # the cause, once decided
@@ -161,13 +165,13 @@ class MultiprocExecutor:
         self._results = self._context.socket(zmq.PULL)
         self._results.bind(ipc_dir.address("worker-out"))
         self._probe_addresses = [ipc_dir.address(f"worker-probe-{r}") for r in range(self.tp_size)]
-        dist_init = f"tcp://127.0.0.1:{free_tcp_port()}"
+        store_path = ipc_dir.file("dist-store-port")  # rank 0 publishes its store's port
         for rank in range(self.tp_size):
             socket = self._context.socket(zmq.PUSH)
             address = ipc_dir.address(f"worker-in-{rank}")
             socket.bind(address)
             self._inputs.append(socket)
-        worker_env = {**spawn_env(config), **flight_recorder_env()}
+        worker_env = {**spawn_env(config), **flight_recorder_env(), **loopback_env()}
         try:
             for rank in range(self.tp_size):
                 self.workers.append(
@@ -176,18 +180,19 @@ class MultiprocExecutor:
                         config.encode(),
                         model_dir,
                         rank,
-                        dist_init,
+                        store_path,
                         ipc_dir.address(f"worker-in-{rank}"),
                         ipc_dir.address("worker-out"),
                         self._probe_addresses[rank],
                         role="worker",
                         rank=rank,
                         env=worker_env,
+                        fault_dir=ipc_dir.path,
                     )
                 )
             deadline = time.monotonic() + config.timeouts.engine_ready_timeout
-            for worker in self.workers:
-                worker.wait_ready(deadline)
+            ready = [worker.wait_ready(deadline) for worker in self.workers]
+            self.fast_paths = ready[0].fast_paths  # rank 0's: every rank chooses alike
         except BaseException:
             self.shutdown(graceful=False)
             raise
@@ -200,7 +205,15 @@ class MultiprocExecutor:
         died, exit_code = worker_death(self.workers)
         if self._stopping:
             return
-        logger.error("worker.died", extra={"worker": died.process, "exitcode": exit_code})
+        logger.error(
+            "worker.died",
+            extra={
+                "worker": died.process,
+                "exitcode": exit_code,
+                "signal": died.signal or None,
+                "location": died.location or None,
+            },
+        )
         self._died_code, self._died = exit_code, died
         if self._failure is None:
             self._failure = died

@@ -50,6 +50,7 @@ class ModelRunner:
             tp_size=config.parallel.tensor_parallel_size,
             max_positions=self.limits.max_model_len,
             kernels=config.model.kernels,
+            int4=config.model.int4,
             block_size=self.block_size,
         )
         self.model.load_weights(iter_weights(model_dir))
@@ -65,17 +66,11 @@ class ModelRunner:
         self.sampler = Sampler(self.device, config.model.seed) if rank == 0 else None
 
     def _load_int4(self, model_dir: str) -> None:
-        """The checkpoint's 4-bit weights for small steps, where they apply (--int4)."""
+        """The checkpoint's 4-bit weights where the fast paths take them (--int4); then the
+        paths this rank runs, logged once (`kernels.selected`)."""
         model = self.model
-        if self.config.model.int4 == "off" or not model.is_packed or self.dtype != torch.bfloat16:
-            return
-        weights = iter_int4(model_dir)
-        if not weights:
-            return
-        reason = model.load_int4(weights)
-        logger.info(
-            "model.int4", extra={"enabled": reason is None, "reason": reason, "rank": self.rank}
-        )
+        model.load_int4(iter_int4(model_dir) if model.fast_paths.is_on("int4_kernels") else {})
+        logger.info("kernels.selected", extra={**model.fast_paths.summary(), "rank": self.rank})
 
     def forward_inputs(self, step: ModelInput) -> tuple[torch.Tensor, AttentionMetadata]:
         """The step's token ids as a tensor and its attention metadata (for every layer)."""

@@ -1,9 +1,10 @@
 """A tensor-parallel worker process: its model shard and a busy loop over ZMQ.
 
 Every rank receives the same `ModelInput`, runs its shard (collectives over
-torch.distributed), and rank 0 returns the sampled tokens. An exception in the loop is
-reported as `WorkerFailure` before the process exits, so the engine core fails fast
-instead of waiting on a collective that will never complete.
+torch.distributed, whose store rank 0 serves on the loopback address), and rank 0 returns the
+sampled tokens. An exception in the loop is reported as `WorkerFailure` before the process
+exits, so the engine core fails fast instead of waiting on a collective that will never
+complete.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from otel_engine.ipc.messages import (
     WorkerRequest,
     WorkerResponse,
 )
+from otel_engine.ipc.paths import LOOPBACK, listening_socket, publish, wait_for
 from otel_engine.ipc.process import ReadyChannel, process_title
 from otel_engine.observability.faults import maybe_inject
 from otel_engine.observability.tracing import (
@@ -46,7 +48,7 @@ def run_worker(
     config_bytes: bytes,
     model_dir: str,
     rank: int,
-    dist_init: str,
+    store_path: str,
     input_address: str,
     output_address: str,
     probe_address: str,
@@ -58,13 +60,9 @@ def run_worker(
     backend = "nccl" if config.model.device == "cuda" else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    dist.init_process_group(
-        backend,
-        init_method=dist_init,
-        rank=rank,
-        world_size=tp_size,
-        timeout=timedelta(seconds=config.timeouts.engine_ready_timeout),
-    )
+    timeout = timedelta(seconds=config.timeouts.engine_ready_timeout)
+    store = _rendezvous_store(rank, tp_size, store_path, timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=tp_size, timeout=timeout)
     maybe_inject("worker", phase="load", rank=rank)
     runner = ModelRunner(config, model_dir, rank=rank)
     context = zmq.Context(io_threads=1)
@@ -73,7 +71,7 @@ def run_worker(
     outputs = context.socket(zmq.PUSH)
     outputs.connect(output_address)
     responder = Responder(rank, probe_address)
-    channel.ready()
+    channel.ready(fast_paths=runner.model.fast_paths.summary())
     logger.info("worker.ready", extra={"rank": rank})
     _busy_loop(runner, rank, inputs, outputs, responder)
     responder.stop()
@@ -82,6 +80,30 @@ def run_worker(
     context.term()
     dist.destroy_process_group()
     shutdown_telemetry(timeout_s=TELEMETRY_FLUSH_S)
+
+
+def _rendezvous_store(
+    rank: int, tp_size: int, store_path: str, timeout: timedelta
+) -> dist.TCPStore:
+    """torch.distributed's store, on `LOOPBACK` only. Rank 0 serves it on a socket it bound
+    and listens on before anyone learns the port (torch's own server would listen on every
+    interface), then publishes the port at `store_path` for the other ranks."""
+    if rank == 0:
+        listener = listening_socket(LOOPBACK)
+        port = int(listener.getsockname()[1])
+        store = dist.TCPStore(
+            LOOPBACK,
+            port,
+            tp_size,
+            is_master=True,
+            timeout=timeout,
+            wait_for_workers=False,
+            master_listen_fd=listener.detach(),  # the store's server owns the socket now
+        )
+        publish(store_path, str(port))
+        return store
+    port = int(wait_for(store_path, time.monotonic() + timeout.total_seconds()))
+    return dist.TCPStore(LOOPBACK, port, tp_size, is_master=False, timeout=timeout)
 
 
 def _busy_loop(

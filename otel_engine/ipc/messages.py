@@ -8,11 +8,21 @@ failure as `WorkerFailure`.
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from otel_engine.sampling_params import SamplingParams
 
 # ---- Handshake: every child to its parent, once -------------------------------------------
+
+
+class StackFrame(msgspec.Struct, frozen=True, array_like=True):
+    """One frame of a thread's Python stack: where, never what (no locals, no source)."""
+
+    file: str
+    line: int
+    function: str
 
 
 class ErrorInfo(msgspec.Struct, frozen=True):
@@ -25,6 +35,10 @@ class ErrorInfo(msgspec.Struct, frozen=True):
     # Where it is known to have failed, built from stack frames only (no message text), so
     # safe to show clients: "rank 1 hung in maybe_inject at otel_engine/...py:118".
     location: str = ""
+    # A process that died of a signal faulthandler catches: its name ("SIGSEGV") and the
+    # faulting thread's innermost frames, innermost first (`ipc/native_fault.py`).
+    signal: str = ""
+    frames: list[StackFrame] = []
 
 
 class EngineLimits(msgspec.Struct, frozen=True, array_like=True):
@@ -36,11 +50,13 @@ class EngineLimits(msgspec.Struct, frozen=True, array_like=True):
 
 
 class Ready(msgspec.Struct, frozen=True, tag="ready", array_like=True):
-    """The child finished starting. The engine core says what its limits are."""
+    """The child finished starting. The engine core says what its limits are; a process that
+    runs the model, which fast paths it chose (`FastPaths.summary()`, plain data)."""
 
     process: str
     pid: int
     limits: EngineLimits | None = None
+    fast_paths: dict[str, Any] | None = None
 
 
 class Failed(msgspec.Struct, frozen=True, tag="failed", array_like=True):
@@ -139,6 +155,7 @@ class StepOutputs(msgspec.Struct, frozen=True, tag="outputs", array_like=True):
     num_scheduled_tokens: int = 0
     step_duration_s: float = 0.0
     grammar_compile_s: list[float] = []  # structured-output grammars built since the last frame
+    grammar_mask_s: float = 0.0  # this step's grammar masks: a slow step says why
 
 
 class EngineDead(msgspec.Struct, frozen=True, tag="dead", array_like=True):
@@ -151,7 +168,13 @@ class EngineDead(msgspec.Struct, frozen=True, tag="dead", array_like=True):
     trace_context: dict[str, str] = {}
 
 
-CoreOutput = StepOutputs | EngineDead
+class Heartbeat(msgspec.Struct, frozen=True, tag="heartbeat", array_like=True):
+    """The engine core process is running: sent by its step-watchdog thread every
+    `timing.HEARTBEAT_INTERVAL_S`, also while a step computes. A core that sends nothing
+    (not even this) for `timing.HEARTBEAT_TIMEOUT_S` is frozen; the front end reports it."""
+
+
+CoreOutput = StepOutputs | EngineDead | Heartbeat
 
 # ---- Engine core -> workers (tensor parallel) ---------------------------------------------
 
@@ -262,14 +285,6 @@ class WorkerFailure(msgspec.Struct, frozen=True, tag="worker_failure", array_lik
 WorkerResponse = ModelOutput | WorkerFailure
 
 # ---- Engine core <-> a worker's responder thread, after a step timeout ------------------
-
-
-class StackFrame(msgspec.Struct, frozen=True, array_like=True):
-    """One frame of a thread's Python stack: where, never what (no locals, no source)."""
-
-    file: str
-    line: int
-    function: str
 
 
 class RankReport(msgspec.Struct, frozen=True):

@@ -3,11 +3,13 @@
 `spawn()` starts a fresh interpreter at `child_main` (: no inherited
 threads, locks or tracer providers, no pickle, and callers need no `__main__` guard). The
 child reads its target and plain-data arguments as msgpack from stdin, sets its process
-title, configures logging for its role, starts a thread that exits the process when the
-parent dies (EOF on the death pipe), and runs its target. The target reports READY through
+title, enables `faulthandler` into the file its parent named (`native_fault`), configures
+logging for its role, starts a thread that exits the process when the parent dies (EOF on
+the death pipe), and runs its target. The target reports READY through
 `ReadyChannel` once it can serve; an exception before that becomes a FAILED message with
 the traceback. The parent waits on the handshake pipe and the child's pidfd together, so a
-child that dies during startup is noticed at once.
+child that dies during startup is noticed at once. A child that dies of a signal is
+described by what its faulthandler wrote: "died of SIGSEGV in <function> at <file>:<line>".
 """
 
 from __future__ import annotations
@@ -27,8 +29,10 @@ from typing import Any
 import msgspec
 
 from otel_engine.errors import EngineStartupError, FailureCause
+from otel_engine.ipc import native_fault
 from otel_engine.ipc.codec import Codec, error_info
 from otel_engine.ipc.messages import EngineLimits, ErrorInfo, Failed, HandshakeMessage, Ready
+from otel_engine.ipc.native_fault import FaultReport
 from otel_engine.timing import TERM_GRACE_S
 
 logger = logging.getLogger(__name__)
@@ -45,6 +49,7 @@ class Launch(msgspec.Struct, frozen=True):
     ready_fd: int
     death_fd: int
     args: list[Any]
+    fault_path: str = ""  # where its faulthandler writes ("": stderr)
 
 
 class ReadyChannel:
@@ -55,8 +60,12 @@ class ReadyChannel:
         self.process_name = process_name
         self.sent = False
 
-    def ready(self, limits: EngineLimits | None = None) -> None:
-        self._send(Ready(process=self.process_name, pid=os.getpid(), limits=limits))
+    def ready(
+        self, limits: EngineLimits | None = None, fast_paths: dict[str, Any] | None = None
+    ) -> None:
+        self._send(
+            Ready(process=self.process_name, pid=os.getpid(), limits=limits, fast_paths=fast_paths)
+        )
 
     def failed(self, exc: BaseException) -> None:
         """Report a startup failure; a grandchild's failure is passed on as it is."""
@@ -82,10 +91,16 @@ class ChildProcess:
     """A started child: its Popen, pidfd (the death sentinel) and handshake pipe."""
 
     def __init__(
-        self, name: str, popen: subprocess.Popen[bytes], ready_fd: int, death_fd: int
+        self,
+        name: str,
+        popen: subprocess.Popen[bytes],
+        ready_fd: int,
+        death_fd: int,
+        fault_path: str = "",
     ) -> None:
         self.name = name
         self.popen = popen
+        self.fault_path = fault_path
         self.pid = popen.pid
         self._ready_fd = ready_fd
         self._death_fd = death_fd  # held open while we live: EOF tells the child we died
@@ -107,11 +122,41 @@ class ChildProcess:
             self.popen.kill()
 
     def describe_exit(self) -> str:
+        """How it ended: "exited with code 3", "died of SIGSEGV in <function> at <file>:<line>"
+        (a signal faulthandler reports), "was killed by signal 9" (one it cannot)."""
         self.join(0.5)
         code = self.exitcode
         if code is None:
             return "is unresponsive"
+        fault = self.fault_report()
+        if fault is not None:
+            return fault.describe()
         return f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+
+    def fault_report(self) -> FaultReport | None:
+        """The signal and the faulting frames of a child that died of a signal faulthandler
+        reports (no frames when it wrote none); None for any other exit, or while alive."""
+        code = self.exitcode
+        if code is None or code >= 0 or -code not in native_fault.FAULT_SIGNALS:
+            return None
+        report = native_fault.read_report(self.fault_path) if self.fault_path else None
+        return FaultReport(native_fault.signal_name(-code), report.frames if report else ())
+
+    def death_error(self, cause: str, subject: str, process: str) -> ErrorInfo:
+        """The error of this child's unreported death: "<subject> <how>", and for a native
+        fault its signal, frames and a client-safe location ("died of SIGSEGV in ...")."""
+        how = self.describe_exit()
+        fault = self.fault_report()
+        if fault is None:
+            return ErrorInfo(type=cause, message=f"{subject} {how}", process=process)
+        return ErrorInfo(
+            type=cause,
+            message=f"{subject} {how}",
+            process=process,
+            location=how,
+            signal=fault.signal,
+            frames=list(fault.frames),
+        )
 
     def wait_ready(self, deadline: float) -> Ready:
         """Block until READY; raise EngineStartupError on FAILED, death or timeout."""
@@ -204,7 +249,7 @@ def wait_for_death(children: list[ChildProcess]) -> ChildProcess:
 
 
 def process_title(role: str, rank: int | None = None) -> str:
-    """A child's name and process title, from its role and rank (DESIGN.md):
+    """A child's name and process title, from its role and rank:
     `otel-engine-core`, `otel-worker-{rank}`. Failure reports name a worker by it (the engine
     core, which reports its own failures, by its role)."""
     if role == "worker":
@@ -218,13 +263,19 @@ def spawn(
     role: str,
     rank: int | None = None,
     env: Mapping[str, str] | None = None,
+    fault_dir: str | None = None,
 ) -> ChildProcess:
     """Start `target` ("module:function") as the process `process_title(role, rank)` with
-    environment `env` (this process's by default); arguments must be plain data."""
+    environment `env` (this process's by default); arguments must be plain data. Its
+    faulthandler writes to `fault_dir`/fault-<name> (the engine's private IPC directory),
+    or to its stderr without one."""
     name = process_title(role, rank)
+    if not hasattr(os, "pidfd_open"):  # refused before anything is started
+        raise OSError(f"{name} cannot be supervised here: process supervision needs Linux")
+    fault_path = os.path.join(fault_dir, f"fault-{name}") if fault_dir else ""
     ready_r, ready_w = os.pipe()
     death_r, death_w = os.pipe()
-    launch = Launch(name, target, role, rank, ready_w, death_r, list(args))
+    launch = Launch(name, target, role, rank, ready_w, death_r, list(args), fault_path)
     popen = subprocess.Popen(
         [sys.executable, "-c", "from otel_engine.ipc.process import child_main; child_main()"],
         stdin=subprocess.PIPE,
@@ -237,12 +288,16 @@ def spawn(
     assert popen.stdin is not None
     popen.stdin.write(msgspec.msgpack.encode(launch))
     popen.stdin.close()
-    return ChildProcess(name, popen, ready_r, death_w)
+    return ChildProcess(name, popen, ready_r, death_w, fault_path)
 
 
 def child_main() -> None:
     """Entry point of every child process (see `spawn`)."""
     launch = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=Launch)
+    if launch.fault_path:
+        native_fault.enable_to_file(launch.fault_path)
+    else:
+        native_fault.enable_on_stderr()
     channel = ReadyChannel(launch.ready_fd, launch.name)
     try:
         _set_title(launch.name)

@@ -1,12 +1,15 @@
-/* CPU kernels for the parts of a decoder layer that are not matmuls.
+/* CPU kernels of a decoder layer: RMSNorm with its residual add, rotary with the cache write,
+ * decode and prefill attention over the paged cache, SiLU-and-mul, the greedy argmax, and, on
+ * CPUs with AVX-512 BF16, the 4-bit matmuls and a whole 4-bit decoder stack in one call.
  *
- * Compiled on the machine that runs them (otel_engine/model/kernels.py: cc -O3
- * -march=native -fopenmp) and called through ctypes with raw pointers, one call per
- * operation: each replaces a chain of small torch ops whose dispatch cost dominates a
- * decode step on a small CPU. Every function exists for float32 (suffix _f32) and bfloat16
- * (_bf16, stored as uint16); arithmetic is float32 throughout, rounded once on store (round
- * to nearest even, as torch does). With AVX-512 the loops run 16 lanes at a time (masked
- * tails, any length); without it, the same loops run one element at a time.
+ * Compiled by kernels.py for the instruction set that the engine's own process detects
+ * (explicit -march flags, never -march=native; the target is in the library's build tag and
+ * its cache key) and called through ctypes with raw pointers. The element-wise ops, decode
+ * attention and argmax exist for float32 (suffix _f32) and bfloat16 (_bf16, stored as
+ * uint16); arithmetic is float32 throughout, rounded once on store (round to nearest even, as
+ * torch does). With AVX-512 the loops run 16 lanes at a time (masked tails, any length);
+ * without it, the same loops run one element at a time (what the compiler vectorizes of them).
+ * The functions marked AVX-512 BF16 exist only in a build for that target.
  *
  * Layouts (all row-major, contiguous):
  *   hidden, delta, out    [rows, width]
@@ -130,7 +133,12 @@ static inline vec keep(vec x, int64_t n) { (void)n; return x; }
 #define HSUM(a) (a)
 #endif
 
-#define MAX_BLOCK_SIZE 256
+/* Layout constants that kernels.py mirrors (checked at load: otel_kernels_contract). */
+#define MAX_BLOCK_SIZE 256 /* the largest block size decode_attention takes */
+#define Q4_GROUP 32        /* weights per scale and offset of the 4-bit formats */
+#define PANEL_BLOCKS 3     /* blocks of 16 columns per bfloat16 panel */
+#define PREFILL_KEYS 32    /* keys per packed tile of prefill attention */
+#define PREFILL_TILE 2048  /* bfloat16 per packed tile: 32 keys of head size 64 */
 /* decode attention specialised for head_dim 64 and a group size known at compile time */
 #define DECODE_CASE(SUFFIX, G)                                                                   \
     case G:                                                                                      \
@@ -602,7 +610,6 @@ DEFINE_KERNELS(bf16, bf16)
  * to 16 bits, each nibble is one half of vdpbf16ps's (k, k + 1) pairs. `params`: per block,
  * per group, 16 floats d then 16 floats m + 8d. N is a multiple of 16, K of 32. */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
-#define Q4_GROUP 32
 #define Q4_ROWS 4 /* rows of x per tile; a tile is up to 4 rows by 32 columns of out */
 
 /* The j-th 32 bytes of block b's group g widened to 16-bit words: word 2c + e holds column
@@ -716,7 +723,6 @@ void q4_linear_bf16(bf16 *restrict out, const bf16 *restrict x, const uint8_t *r
  * of k, spread over the tiles: the panels are read from memory once per step, at full speed
  * (32 rows of the default model's 30 layers: 6.8 ms; dequantizing the 4-bit weights per step
  * instead took 9.2 ms, the same panels without fetching ahead 8.5). */
-#define PANEL_BLOCKS 3 /* blocks of 16 columns per panel */
 #define PANEL_ROWS 8
 
 /* The panel's `count` blocks, dequantized: [k / 2][block][16 columns][2] bfloat16. Byte 2c + e
@@ -846,7 +852,6 @@ void panel_linear_bf16(bf16 *restrict out, const bf16 *restrict x, const bf16 *r
  *   values: [kv_head][tile][16 key pairs][64 d][2]  (a pair of keys per dimension)
  * scratch holds 2 * num_kv_heads * tiles * 2048 bfloat16. */
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-#define PREFILL_KEYS 32 /* keys per tile */
 #define PREFILL_ROWS 4  /* query rows per tile */
 
 static inline __attribute__((always_inline)) void prefill_rows(
@@ -863,8 +868,8 @@ static inline __attribute__((always_inline)) void prefill_rows(
     const int64_t last_key = first_pos + ROWS - 1; /* the last row's own position */
     const int64_t end = last_key + 1 < num_keys ? last_key + 1 : num_keys;
     for (int64_t start = 0; start < end; start += PREFILL_KEYS) {
-        const bf16 *kt = keys + (start / PREFILL_KEYS) * 2048;
-        const bf16 *vt = values + (start / PREFILL_KEYS) * 2048;
+        const bf16 *kt = keys + (start / PREFILL_KEYS) * PREFILL_TILE;
+        const bf16 *vt = values + (start / PREFILL_KEYS) * PREFILL_TILE;
         vec scores[PREFILL_ROWS][2];
         for (int r = 0; r < ROWS; r++) scores[r][0] = scores[r][1] = ZERO();
         for (int pair = 0; pair < 32; pair++) {
@@ -924,11 +929,11 @@ void prefill_attention_bf16(bf16 *restrict out, const bf16 *restrict qkv,
                             int64_t num_slots, int64_t qkv_width, float scale) {
     const int64_t tiles = (num_keys + PREFILL_KEYS - 1) / PREFILL_KEYS;
     const int64_t group = num_heads / num_kv_heads;
-    bf16 *packed_keys = scratch, *packed_values = scratch + num_kv_heads * tiles * 2048;
+    bf16 *packed_keys = scratch, *packed_values = scratch + num_kv_heads * tiles * PREFILL_TILE;
     _Pragma("omp parallel for schedule(static)")
     for (int64_t work = 0; work < num_kv_heads * tiles; work++) {
         const int64_t h = work / tiles, tile = work % tiles;
-        bf16 *kp = packed_keys + work * 2048, *vp = packed_values + work * 2048;
+        bf16 *kp = packed_keys + work * PREFILL_TILE, *vp = packed_values + work * PREFILL_TILE;
         const bf16 *keys = k_cache + h * num_slots * 64, *values = v_cache + h * num_slots * 64;
         for (int64_t j = 0; j < PREFILL_KEYS; j++) {
             const int64_t key = tile * PREFILL_KEYS + j;
@@ -953,7 +958,8 @@ void prefill_attention_bf16(bf16 *restrict out, const bf16 *restrict qkv,
         const int64_t h = head / group;
         bf16 *o = out + (query_start + row) * out_width + head * 64;
         const bf16 *q = qkv + (query_start + row) * qkv_width + head * 64;
-        const bf16 *kp = packed_keys + h * tiles * 2048, *vp = packed_values + h * tiles * 2048;
+        const bf16 *kp = packed_keys + h * tiles * PREFILL_TILE;
+        const bf16 *vp = packed_values + h * tiles * PREFILL_TILE;
         switch (rows) {
         case 4: prefill_rows(4, o, out_width, q, qkv_width, kp, vp, first + row, num_keys, scale); break;
         case 3: prefill_rows(3, o, out_width, q, qkv_width, kp, vp, first + row, num_keys, scale); break;
@@ -980,18 +986,28 @@ void prefill_attention_bf16(bf16 *restrict out, const bf16 *restrict qkv,
  * [tokens, qkv width], gate_up [tokens, 2 * intermediate], act [tokens, intermediate], sums
  * (the 4-bit kernel's, int4_max_rows * k / 32 floats for the widest k) and prefill_scratch
  * (prefill_attention_bf16's, for the longest chunk) are the caller's. */
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
-enum {
-    STACK_INPUT_NORM, STACK_POST_NORM, STACK_QKV, STACK_O = STACK_QKV + 3,
-    STACK_GATE_UP = STACK_O + 3, STACK_DOWN = STACK_GATE_UP + 3, STACK_K_CACHE = STACK_DOWN + 3,
-    STACK_V_CACHE, STACK_FIELDS
-};
-enum {
-    DIM_TOKENS, DIM_HIDDEN, DIM_INTERMEDIATE, DIM_HEADS, DIM_KV_HEADS, DIM_BLOCK_SIZE,
-    DIM_NUM_SLOTS, DIM_INT4_MAX_ROWS, DIM_DECODES, DIM_MAX_BLOCKS, DIM_PREFILLS, DIM_LAYERS,
-    STACK_DIMS
-};
+/* The fields of layers[] and dims[], in order: the one list that both this file and kernels.py
+ * (which reads the names from otel_kernels_contract) build them from. A matrix is three
+ * consecutive fields: its 4-bit bytes, its parameters, its panels (stack_linear reads field + 1
+ * and field + 2). */
+#define STACK_FIELD_LIST(X)                                                                      \
+    X(INPUT_NORM, input_norm) X(POST_NORM, post_norm)                                            \
+    X(QKV, qkv_packed) X(QKV_PARAMS, qkv_params) X(QKV_PANELS, qkv_panels)                       \
+    X(O, o_packed) X(O_PARAMS, o_params) X(O_PANELS, o_panels)                                   \
+    X(GATE_UP, gate_up_packed) X(GATE_UP_PARAMS, gate_up_params) X(GATE_UP_PANELS, gate_up_panels) \
+    X(DOWN, down_packed) X(DOWN_PARAMS, down_params) X(DOWN_PANELS, down_panels)                 \
+    X(K_CACHE, k_cache) X(V_CACHE, v_cache)
+#define STACK_DIM_LIST(X)                                                                        \
+    X(TOKENS, tokens) X(HIDDEN, hidden) X(INTERMEDIATE, intermediate) X(HEADS, heads)            \
+    X(KV_HEADS, kv_heads) X(BLOCK_SIZE, block_size) X(NUM_SLOTS, num_slots)                      \
+    X(INT4_MAX_ROWS, int4_max_rows) X(DECODES, decodes) X(MAX_BLOCKS, max_blocks)                \
+    X(PREFILLS, prefills) X(LAYERS, layers)
+#define STACK_ENUM(E, name) STACK_##E,
+#define DIM_ENUM(E, name) DIM_##E,
+enum { STACK_FIELD_LIST(STACK_ENUM) STACK_FIELDS };
+enum { STACK_DIM_LIST(DIM_ENUM) STACK_DIMS };
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 /* As LlamaModel._linear: the exact 4-bit kernel up to max_rows rows, the panels beyond. */
 static void stack_linear(bf16 *out, const bf16 *x, const int64_t *layer, int field, float *sums,
                          int64_t rows, int64_t max_rows, int64_t n, int64_t k) {
@@ -1044,5 +1060,38 @@ void decoder_stack_bf16(bf16 *hidden, bf16 *out, const int64_t *layers, const in
 }
 #endif
 
-/* The largest block size decode_attention takes (the Python side checks it). */
-int64_t otel_kernels_max_block_size(void) { return MAX_BLOCK_SIZE; }
+/* ---- the contract with kernels.py ------------------------------------------------------------
+ *
+ * OTEL_KERNELS_ABI changes whenever an exported function's arguments, the stack's fields or
+ * dims, or a layout constant below change meaning; kernels.py refuses a library whose number
+ * or target differs from what it expects. otel_kernels_build_tag is read from the file
+ * before it is loaded (a library built for another CPU is never run); otel_kernels_contract()
+ * says the rest as key=value pairs, the stack's field and dim names in their order. */
+#define OTEL_KERNELS_ABI 2
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) &&                  \
+    defined(__AVX512VL__) && defined(__AVX512BF16__)
+#define OTEL_KERNELS_ISA "avx512bf16"
+#elif defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) &&                \
+    defined(__AVX512VL__)
+#define OTEL_KERNELS_ISA "avx512"
+#elif defined(__AVX2__) && defined(__FMA__)
+#define OTEL_KERNELS_ISA "avx2"
+#elif defined(__x86_64__)
+#define OTEL_KERNELS_ISA "baseline"
+#else
+#define OTEL_KERNELS_ISA "generic"
+#endif
+#define STRINGIFY_(x) #x
+#define STRINGIFY(x) STRINGIFY_(x)
+#define NAME_ITEM(E, name) #name ","
+
+__attribute__((used)) const char otel_kernels_build_tag[] =
+    "otel-kernels-build:abi=" STRINGIFY(OTEL_KERNELS_ABI) ";isa=" OTEL_KERNELS_ISA ";";
+
+const char *otel_kernels_contract(void) {
+    return "abi=" STRINGIFY(OTEL_KERNELS_ABI) ";isa=" OTEL_KERNELS_ISA
+           ";max_block_size=" STRINGIFY(MAX_BLOCK_SIZE) ";int4_group=" STRINGIFY(Q4_GROUP)
+           ";panel_blocks=" STRINGIFY(PANEL_BLOCKS) ";prefill_tile_keys=" STRINGIFY(PREFILL_KEYS)
+           ";prefill_tile_elements=" STRINGIFY(PREFILL_TILE)
+           ";stack_fields=" STACK_FIELD_LIST(NAME_ITEM) ";stack_dims=" STACK_DIM_LIST(NAME_ITEM);
+}

@@ -35,8 +35,10 @@ class Gemma3Model(LlamaModel):
     layer_class = Gemma3Layer
     head_norm = staticmethod(rms_norm_f32)
 
-    def _make_ops(self, kernels: str, block_size: int, max_positions: int | None) -> LayerOps:
-        """Torch ops with the window (whatever `kernels` says), and the sliding layers' RoPE."""
+    kernels_blocker = "sliding-window attention runs on torch ops"
+
+    def _make_ops(self, max_positions: int | None) -> LayerOps:
+        """Torch ops with the window (whatever --kernels says), and the sliding layers' RoPE."""
         arch = self.arch
         self.sliding = frozenset(arch.sliding_layers)
         self.embed_scale = torch.tensor(arch.hidden_size**0.5).to(self.dtype)

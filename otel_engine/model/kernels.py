@@ -1,12 +1,22 @@
-"""The compiled CPU kernels (`cpu_kernels.c`): built on first use, loaded with ctypes.
+"""The compiled CPU kernels (`cpu_kernels.c`): built on first use for this CPU, loaded with ctypes.
 
-The C file is compiled once per machine with the system's C compiler (`cc`, `-O3
--march=native -fopenmp`) into `$OTEL_ENGINE_CACHE_DIR/kernels/` (else
-~/.cache/otel-engine/kernels/), named by a hash of the source, the flags and the compiler,
-and renamed into place atomically, so concurrent engines share one build; a build takes
-about 3 s. `load()` returns None, with the reason logged once, when there is no
-compiler or the build fails: the model then runs on torch ops alone (the same results
-within rounding, slower).
+The target is the instruction-set level that this process detects on the CPU it runs on
+(`cpu_isa()`: torch's cpuinfo, the same source torch uses to pick its own kernels), passed to
+the compiler as explicit flags (`TARGET_FLAGS`), never `-march=native`, which is the
+compiler process's guess and can disagree with the CPU the engine runs on (an image built
+elsewhere, an emulator, a shared cache). The C file is compiled once per target with the
+system's C compiler (`cc -O3 -fopenmp` and those flags) into `$OTEL_ENGINE_CACHE_DIR/kernels/`
+(else ~/.cache/otel-engine/kernels/), named by the target and a hash of the source, the
+flags and the compiler, and renamed into place atomically, so concurrent engines share one
+build; a build takes about 3 s.
+
+The library says what it was built for and which layout it has (`cpu_kernels.c`, "the
+contract with kernels.py"): its build tag is read from the file before the file is loaded,
+so a library built for another target or ABI (a cache directory copied from another
+machine) is rebuilt, never run; its contract string is compared with this module's layout
+constants and gives the decoder stack's field order. `load()` returns None, with the reason
+logged, when there is no compiler, the build fails or the contract does not match: the
+model then runs on torch ops alone (the same results within rounding, slower).
 """
 
 from __future__ import annotations
@@ -16,36 +26,190 @@ import functools
 import hashlib
 import logging
 import os
+import platform
+import re
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
+FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 _BUILD_TIMEOUT_S = 120
+ABI_VERSION = 2  # cpu_kernels.c OTEL_KERNELS_ABI
+
+# Instruction-set levels of x86-64, lowest first, and the flags that target each: the
+# x86-64 psABI levels (v3: AVX2 and FMA; v4: AVX-512 F/BW/CD/DQ/VL), plus AVX-512 BF16.
+# Elsewhere ("generic") the compiler's default target. The tuning is fixed per level, so a
+# build depends on its target alone (with -mtune=skylake-avx512, GCC 12 emits exactly what
+# -march=native did on this project's AVX-512 BF16 machine; generic tuning differed in a
+# tenth of the instructions).
+ISA_LEVELS = ("baseline", "avx2", "avx512", "avx512bf16")
+TARGET_FLAGS: dict[str, tuple[str, ...]] = {
+    "baseline": ("-march=x86-64",),
+    "avx2": ("-march=x86-64-v3", "-mtune=haswell"),
+    "avx512": ("-march=x86-64-v4", "-mtune=skylake-avx512"),
+    "avx512bf16": ("-march=x86-64-v4", "-mavx512bf16", "-mtune=skylake-avx512"),
+    "generic": (),
+}
+# Build for a lower level than the CPU's (tests, or to rule out a kernel on a suspect host);
+# a level above what the CPU runs is refused.
+ISA_ENV = "OTEL_ENGINE_KERNEL_ISA"
+
+# Layout constants that the Python side builds tensors with; the library states its own
+# (otel_kernels_contract) and must agree.
+PANEL_BLOCKS = 3  # blocks of 16 output columns per bfloat16 panel
+PANEL_COLUMNS = PANEL_BLOCKS * 16
+PREFILL_TILE_KEYS = 32  # keys per packed tile of prefill attention
+PREFILL_TILE_ELEMENTS = 2048  # bfloat16 per packed tile (32 keys of head size 64)
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
 _F = ctypes.c_float
-SIGNATURES: dict[str, list[type]] = {
-    "add_rms_norm": [_P, _P, _P, _P, _I, _I, _F],
-    "rope_and_cache": [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I],
-    "decode_attention": [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _F],
-    "silu_mul": [_P, _P, _I, _I],
-    "argmax": [_P, _P, _I, _I],
-}
+_ATTENTION = (
+    ("out", _P), ("qkv", _P), ("k_cache", _P), ("v_cache", _P), ("block_tables", _P),
+    ("seq_lens", _P), ("batch", _I), ("num_heads", _I), ("num_kv_heads", _I),
+    ("head_dim", _I), ("block_size", _I), ("max_blocks", _I), ("num_slots", _I),
+    ("qkv_width", _I), ("scale", _F),
+)  # fmt: skip
+# Every exported function's parameters, by name and in order, as cpu_kernels.c declares them
+# (tests/model/test_kernel_contract.py reads the C prototypes and compares).
+SIGNATURES: dict[str, tuple[tuple[str, type], ...]] = {
+    "add_rms_norm": (
+        ("hidden", _P), ("delta", _P), ("weight", _P), ("out", _P), ("rows", _I),
+        ("width", _I), ("eps", _F),
+    ),
+    "rope_and_cache": (
+        ("qkv", _P), ("cos_sin", _P), ("positions", _P), ("slots", _P), ("k_cache", _P),
+        ("v_cache", _P), ("tokens", _I), ("num_heads", _I), ("num_kv_heads", _I),
+        ("head_dim", _I), ("num_slots", _I),
+    ),
+    "decode_attention": _ATTENTION,
+    "silu_mul": (("out", _P), ("gate_up", _P), ("rows", _I), ("width", _I)),
+    "argmax": (("out", _P), ("logits", _P), ("rows", _I), ("vocab", _I)),
+}  # fmt: skip
 SUFFIXES = ("f32", "bf16")
-# Built only where the CPU has what they need (AVX-512 BF16); absent from the library elsewhere.
-OPTIONAL_SIGNATURES: dict[str, list[type]] = {
-    "q4_linear_bf16": [_P, _P, _P, _P, _P, _I, _I, _I],
-    "prefill_attention_bf16": [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _F],
-    "q4_build_panels_bf16": [_P, _P, _P, _I, _I],
-    "panel_linear_bf16": [_P, _P, _P, _I, _I, _I],
-    "decoder_stack_bf16": [_P] * 19 + [_F, _F],
-}
+# Built only for the AVX-512 BF16 target; absent from the library elsewhere.
+OPTIONAL_SIGNATURES: dict[str, tuple[tuple[str, type], ...]] = {
+    "q4_linear_bf16": (
+        ("out", _P), ("x", _P), ("w", _P), ("params", _P), ("sums", _P), ("rows", _I),
+        ("n", _I), ("k", _I),
+    ),
+    "prefill_attention_bf16": (
+        ("out", _P), ("qkv", _P), ("k_cache", _P), ("v_cache", _P), ("table", _P),
+        ("scratch", _P), ("query_start", _I), ("num_query", _I), ("num_keys", _I),
+        ("num_heads", _I), ("num_kv_heads", _I), ("block_size", _I), ("num_slots", _I),
+        ("qkv_width", _I), ("scale", _F),
+    ),
+    "q4_build_panels_bf16": (("panels", _P), ("w", _P), ("params", _P), ("n", _I), ("k", _I)),
+    "panel_linear_bf16": (
+        ("out", _P), ("x", _P), ("panels", _P), ("rows", _I), ("n", _I), ("k", _I),
+    ),
+    "decoder_stack_bf16": (
+        ("hidden", _P), ("out", _P), ("layers", _P), ("dims", _P), ("final_norm", _P),
+        ("cos_sin", _P), ("positions", _P), ("slots", _P), ("decode_tables", _P),
+        ("decode_lens", _P), ("prefills", _P), ("x", _P), ("qkv", _P), ("attn", _P),
+        ("delta", _P), ("gate_up", _P), ("act", _P), ("sums", _P), ("prefill_scratch", _P),
+        ("eps", _F), ("scale", _F),
+    ),
+}  # fmt: skip
+_TAG = re.compile(rb"otel-kernels-build:abi=(\d+);isa=([a-z0-9]+);")
+
+
+def cpu_isa() -> str:
+    """The highest level of `ISA_LEVELS` this CPU runs, as torch's cpuinfo reads it
+    (`ATEN_CPU_CAPABILITY` lowers it, as it lowers torch's own kernels); "generic" off x86."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return "generic"
+    import torch
+
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability == "AVX512":
+        return "avx512bf16" if torch.cpu._is_avx512_bf16_supported() else "avx512"
+    return "avx2" if capability == "AVX2" else "baseline"
+
+
+def target_isa() -> str:
+    """What the kernels are built for: the CPU's level, or `OTEL_ENGINE_KERNEL_ISA` below it."""
+    detected = cpu_isa()
+    wanted = os.environ.get(ISA_ENV, "").strip()
+    if not wanted:
+        return detected
+    check_runnable(wanted, detected, source=f"{ISA_ENV}={wanted}")
+    return wanted
+
+
+def check_runnable(isa: str, detected: str, *, source: str) -> None:
+    """ValueError unless a build for `isa` can run on a CPU of level `detected`."""
+    if isa not in TARGET_FLAGS:
+        raise ValueError(f"{source}: expected one of {sorted(TARGET_FLAGS)}")
+    if detected == "generic" or isa == "generic":
+        if isa != detected:
+            raise ValueError(f"{source}: this CPU's kernels target is {detected!r}")
+        return
+    if ISA_LEVELS.index(isa) > ISA_LEVELS.index(detected):
+        raise ValueError(f"{source} is above what this CPU runs ({detected})")
+
+
+@dataclass(frozen=True, slots=True)
+class Contract:
+    """What a built library says of itself (`otel_kernels_contract`)."""
+
+    abi: int
+    isa: str
+    values: dict[str, int]  # layout constants
+    stack_fields: tuple[str, ...]  # decoder_stack_bf16's per-layer addresses, in order
+    stack_dims: tuple[str, ...]  # and its dims
+
+    @classmethod
+    def parse(cls, text: str) -> Contract:
+        pairs = dict(item.split("=", 1) for item in text.split(";") if item)
+        names = {"stack_fields", "stack_dims", "isa", "abi"}
+        return cls(
+            abi=int(pairs["abi"]),
+            isa=pairs["isa"],
+            values={k: int(v) for k, v in pairs.items() if k not in names},
+            stack_fields=tuple(n for n in pairs["stack_fields"].split(",") if n),
+            stack_dims=tuple(n for n in pairs["stack_dims"].split(",") if n),
+        )
+
+    def mismatches(self) -> list[str]:
+        """Where the library disagrees with this module's constants (empty: none)."""
+        from otel_engine.model.loader import INT4_GROUP
+
+        expected = {
+            "int4_group": INT4_GROUP,
+            "panel_blocks": PANEL_BLOCKS,
+            "prefill_tile_keys": PREFILL_TILE_KEYS,
+            "prefill_tile_elements": PREFILL_TILE_ELEMENTS,
+        }
+        wrong = [f"abi {self.abi} (expected {ABI_VERSION})"] if self.abi != ABI_VERSION else []
+        for key, value in expected.items():
+            if self.values.get(key) != value:
+                wrong.append(f"{key} {self.values.get(key)} (expected {value})")
+        return wrong
+
+
+class KernelLibrary:
+    """A loaded kernels library: its typed functions (as attributes, optional ones absent
+    where the build has none), its target and its contract."""
+
+    def __init__(self, cdll: ctypes.CDLL, path: Path, contract: Contract) -> None:
+        self._cdll = cdll
+        self.path = path
+        self.contract = contract
+        self.isa = contract.isa
+        self.max_block_size = contract.values["max_block_size"]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._cdll, name)
+
+    def has(self, name: str) -> bool:
+        return hasattr(self._cdll, name)
 
 
 def _cache_dir() -> Path:
@@ -57,23 +221,37 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-def _library_path(compiler: str) -> Path:
+def build_flags(isa: str) -> tuple[str, ...]:
+    return (*FLAGS, *TARGET_FLAGS[isa])
+
+
+def library_path(compiler: str, isa: str) -> Path:
+    """Where the build of this source, for `isa`, by this compiler lives in the cache."""
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, check=False, timeout=30
     ).stdout
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode()):
+    for part in (SOURCE.read_bytes(), " ".join(build_flags(isa)).encode(), version.encode()):
         digest.update(part)
-    return _cache_dir() / f"cpu_kernels-{digest.hexdigest()[:16]}.so"
+    return _cache_dir() / f"cpu_kernels-{isa}-{digest.hexdigest()[:16]}.so"
 
 
-def _build(compiler: str, target: Path) -> None:
+def build_tag(path: Path) -> tuple[int, str] | None:
+    """The (abi, isa) a library file was built with, read from its bytes (never loaded)."""
+    try:
+        match = _TAG.search(path.read_bytes())
+    except OSError:
+        return None
+    return (int(match.group(1)), match.group(2).decode()) if match else None
+
+
+def _build(compiler: str, isa: str, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=target.parent)
     os.close(fd)
     try:
         result = subprocess.run(
-            [compiler, *FLAGS, "-o", tmp, str(SOURCE), "-lm"],
+            [compiler, *build_flags(isa), "-o", tmp, str(SOURCE), "-lm"],
             capture_output=True,
             text=True,
             check=False,
@@ -87,31 +265,55 @@ def _build(compiler: str, target: Path) -> None:
             os.unlink(tmp)
 
 
+def _built(compiler: str, isa: str) -> Path:
+    """The library for `isa`, built if the cache has none or has one whose build tag is not
+    this source's ABI and target (a copied or stale cache: rebuilt, never loaded)."""
+    path = library_path(compiler, isa)
+    if path.exists():
+        if build_tag(path) == (ABI_VERSION, isa):
+            return path
+        logger.warning("kernels.rebuilt", extra={"path": str(path), "found": build_tag(path)})
+        path.unlink(missing_ok=True)
+    _build(compiler, isa, path)
+    logger.info("kernels.built", extra={"path": str(path), "isa": isa})
+    tag = build_tag(path)
+    if tag != (ABI_VERSION, isa):
+        raise RuntimeError(f"the build for {isa} says it is {tag}: the compiler ignored the flags")
+    return path
+
+
 @functools.cache
-def load() -> ctypes.CDLL | None:
-    """The kernels library with typed entry points, or None (logged) when it cannot be built."""
+def load(isa: str | None = None) -> KernelLibrary | None:
+    """The kernels library built for `isa` (default: `target_isa()`) with typed entry points,
+    or None (logged) when it cannot be built or its contract does not match."""
     compiler = _compiler()
     if compiler is None:
         logger.warning("kernels.unavailable", extra={"reason": "no C compiler (cc) found"})
         return None
     try:
-        path = _library_path(compiler)
-        if not path.exists():
-            _build(compiler, path)
-            logger.info("kernels.built", extra={"path": str(path)})
-        library = ctypes.CDLL(str(path))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as error:
+        isa = isa or target_isa()
+        check_runnable(isa, cpu_isa(), source=f"kernels for {isa}")
+        path = _built(compiler, isa)
+        cdll = ctypes.CDLL(str(path))
+        cdll.otel_kernels_contract.restype = ctypes.c_char_p
+        contract = Contract.parse(cdll.otel_kernels_contract().decode())
+        wrong = contract.mismatches()
+        if contract.isa != isa:
+            wrong.append(f"isa {contract.isa} (expected {isa})")
+        if wrong:
+            raise RuntimeError(f"{path.name} does not match kernels.py: {', '.join(wrong)}")
+    except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as error:
         logger.warning("kernels.unavailable", extra={"reason": f"{type(error).__name__}: {error}"})
         return None
-    for name, argtypes in SIGNATURES.items():
+    for name, params in SIGNATURES.items():
         for suffix in SUFFIXES:
-            function = getattr(library, f"{name}_{suffix}")
-            function.argtypes = argtypes
-            function.restype = None
-    for name, argtypes in OPTIONAL_SIGNATURES.items():
-        function = getattr(library, name, None)
-        if function is not None:
-            function.argtypes = argtypes
-            function.restype = None
-    library.otel_kernels_max_block_size.restype = ctypes.c_int64
-    return library
+            _declare(getattr(cdll, f"{name}_{suffix}"), params)
+    for name, params in OPTIONAL_SIGNATURES.items():
+        if hasattr(cdll, name):
+            _declare(getattr(cdll, name), params)
+    return KernelLibrary(cdll, path, contract)
+
+
+def _declare(function: Any, params: tuple[tuple[str, type], ...]) -> None:
+    function.argtypes = [kind for _, kind in params]
+    function.restype = None

@@ -4,7 +4,9 @@
 kernels (`kernels.py`): one call replaces each chain of small torch ops (RMSNorm with its
 residual add, rotary with the cache write, decode attention, SiLU-and-mul), whose dispatch
 cost dominates a decode step on a small CPU, and decode attention reads each cached block
-once instead of copying it; prefill chunks go through torch's fused attention.
+once instead of copying it; prefill chunks run in the compiled prefill attention where the
+fast paths enabled it (bfloat16, head size 64), else in torch's fused attention. Which one a
+model gets is `fast_paths.choose`'s decision (`make_layer_ops`).
 
 Every op takes and returns [tokens, ...] tensors in the model dtype. `add_rms_norm` adds the
 residual `delta` into `hidden` in place (the residual stream is owned by the forward).
@@ -12,14 +14,11 @@ residual `delta` into `hidden` in place (the residual stream is owned by the for
 
 from __future__ import annotations
 
-import ctypes
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import torch
 import torch.nn.functional as F
 
-from otel_engine.config import KERNELS
-from otel_engine.model import kernels
 from otel_engine.model.attention import (
     AttentionMetadata,
     decode_attention,
@@ -31,6 +30,8 @@ from otel_engine.model.attention import (
     sdpa_prefill,
     write_cache,
 )
+from otel_engine.model.fast_paths import PREFILL_KERNEL_HEAD_DIM, FastPaths
+from otel_engine.model.kernels import PREFILL_TILE_ELEMENTS, PREFILL_TILE_KEYS, KernelLibrary
 from otel_engine.model.layers import RotaryEmbedding, rms_norm
 
 
@@ -185,9 +186,6 @@ class TorchOps:
 
 
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
-PREFILL_KERNEL_HEAD_DIM = 64  # the compiled prefill attention's one head size
-# its packed keys and values: tiles of 32 keys, 2,048 bfloat16 each (cpu_kernels.c)
-PREFILL_TILE_KEYS, PREFILL_TILE_ELEMENTS = 32, 2048
 
 
 def _ptr(tensor: torch.Tensor | None) -> int | None:
@@ -199,13 +197,17 @@ class KernelOps(TorchOps):
 
     def __init__(
         self,
-        library: ctypes.CDLL,
+        library: KernelLibrary,
         num_heads: int,
         num_kv_heads: int,
         head_dim: int,
         rotary: RotaryEmbedding,
         dtype: torch.dtype,
+        *,
+        paths: Collection[str] = ("int4_kernels", "prefill_kernel", "decoder_stack"),
     ) -> None:
+        """`paths`: which of the optional fast paths (`fast_paths.PATHS`) to offer, where the
+        library has them (a build for AVX-512 BF16) and they apply (bfloat16; head size 64)."""
         super().__init__(num_heads, num_kv_heads, head_dim, rotary, torch.device("cpu"))
         suffix = _SUFFIX[dtype]
         self._add_rms_norm = getattr(library, f"add_rms_norm_{suffix}")
@@ -213,15 +215,17 @@ class KernelOps(TorchOps):
         self._decode_attention = getattr(library, f"decode_attention_{suffix}")
         self._silu_mul = getattr(library, f"silu_mul_{suffix}")
         self.argmax = getattr(library, f"argmax_{suffix}")
-        # absent where the CPU has no AVX-512 BF16; prefill attention: head size 64 only
         self._prefill_attention = None
         self.decoder_stack = None  # a whole 4-bit model's layers in one call (llama.py)
+        self.stack_layout = library.contract  # the order of decoder_stack's fields and dims
         if dtype == torch.bfloat16:
-            self.q4_linear = getattr(library, "q4_linear_bf16", None)
-            self.q4_build_panels = getattr(library, "q4_build_panels_bf16", None)
-            self.panel_linear = getattr(library, "panel_linear_bf16", None)
-            if head_dim == PREFILL_KERNEL_HEAD_DIM:
+            if "int4_kernels" in paths:
+                self.q4_linear = getattr(library, "q4_linear_bf16", None)
+                self.q4_build_panels = getattr(library, "q4_build_panels_bf16", None)
+                self.panel_linear = getattr(library, "panel_linear_bf16", None)
+            if head_dim == PREFILL_KERNEL_HEAD_DIM and "prefill_kernel" in paths:
                 self._prefill_attention = getattr(library, "prefill_attention_bf16", None)
+            if head_dim == PREFILL_KERNEL_HEAD_DIM and "decoder_stack" in paths:
                 self.decoder_stack = getattr(library, "decoder_stack_bf16", None)
         self.prefill_masks = self._prefill_attention is None
         self._prefill_scratch = torch.empty(0, dtype=dtype)  # its packed keys and values
@@ -385,7 +389,7 @@ LayerOps = TorchOps  # the interface: KernelOps overrides what it does in compil
 
 
 def make_layer_ops(
-    choice: str,
+    plan: FastPaths,
     *,
     num_heads: int,
     num_kv_heads: int,
@@ -393,14 +397,9 @@ def make_layer_ops(
     rotary: RotaryEmbedding,
     dtype: torch.dtype,
     device: torch.device,
-    block_size: int,
 ) -> LayerOps:
-    """`auto`: the compiled kernels where they apply (CPU, float32/bfloat16, a C compiler),
-    else torch ops; `torch`: torch ops always."""
-    if choice not in KERNELS:
-        raise ValueError(f"kernels must be one of {KERNELS}, got {choice!r}")
-    if choice == "auto" and device.type == "cpu" and dtype in _SUFFIX:
-        library = kernels.load()
-        if library is not None and block_size <= library.otel_kernels_max_block_size():
-            return KernelOps(library, num_heads, num_kv_heads, head_dim, rotary, dtype)
-    return TorchOps(num_heads, num_kv_heads, head_dim, rotary, device)
+    """The compiled kernels where `plan` (fast_paths.choose) enabled them, else torch ops."""
+    if plan.library is None or not plan.is_on("compiled_kernels"):
+        return TorchOps(num_heads, num_kv_heads, head_dim, rotary, device)
+    paths = [name for name, choice in plan.choices.items() if choice.enabled]
+    return KernelOps(plan.library, num_heads, num_kv_heads, head_dim, rotary, dtype, paths=paths)

@@ -7,14 +7,15 @@ Each rank holds its share of the attention heads (fused q/k/v rows) and of the M
 all-reduce. Embeddings and the LM head are replicated; only the sampling rank computes
 logits.
 
-With `kernels="auto"` on CPU the weights are prepacked once for oneDNN (which uses AMX or
-AVX-512 where the CPU has them) and the rest of each layer runs in the compiled kernels
-(`layer_ops.KernelOps`); `kernels="torch"` keeps plain `F.linear` and torch ops, the
-reference that the tests compare the fast path with. A checkpoint stored in 4 bits (a GGUF
-Q4_0/Q4_1, the default model) multiplies by its own 4-bit weights instead (`load_int4`, on
-CPUs with AVX-512 BF16), and its oneDNN copies are dropped: steps of at most `INT4_MAX_ROWS`
-tokens in `q4_linear_bf16` (cpu_kernels.c; the exact 4-bit weights, 4x fewer bytes to read
-than bfloat16, and a decode step of a few sequences is bound by reading them), larger ones in
+With `kernels="auto"` on CPU the fast paths that this CPU and torch can run are chosen once
+(`fast_paths.choose`, logged as `kernels.selected`): weights prepacked for oneDNN where
+oneDNN runs them, and the rest of each layer in the compiled kernels (`layer_ops.KernelOps`);
+`kernels="torch"` keeps plain `F.linear` and torch ops, the reference that the tests compare
+the fast path with. A checkpoint stored in 4 bits (a GGUF Q4_0/Q4_1, the default model)
+multiplies by its own 4-bit weights instead where the kernels are built for AVX-512 BF16
+(`load_int4`), and its bfloat16 copies are dropped: steps of at most `INT4_MAX_ROWS` tokens
+in `q4_linear_bf16` (cpu_kernels.c; the exact 4-bit weights, 4x fewer bytes to read than
+bfloat16, and a decode step of a few sequences is bound by reading them), larger ones in
 `panel_linear_bf16` (the same weights dequantized once at load into bfloat16 panels that it
 streams ahead of use: 24% faster than oneDNN at 32 rows). A model that is all 4-bit on one
 rank runs its whole decoder stack in one call (`decoder_stack_bf16`, `_DecoderStack`).
@@ -30,7 +31,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from otel_engine.model import fast_paths
 from otel_engine.model.attention import AttentionMetadata
+from otel_engine.model.kernels import PANEL_COLUMNS
 from otel_engine.model.layer_ops import KernelOps, LayerOps, make_layer_ops
 from otel_engine.model.layers import RotaryEmbedding, rms_norm
 from otel_engine.model.limits import check_tensor_parallel
@@ -66,9 +69,6 @@ class Int4Weight:
     rows: int
     cols: int
     panels: torch.Tensor
-
-
-PANEL_COLUMNS = 48  # output columns per bfloat16 panel (cpu_kernels.c PANEL_BLOCKS * 16)
 
 
 def _pack_int4(
@@ -152,6 +152,7 @@ class LlamaModel:
         tp_size: int = 1,
         max_positions: int | None = None,
         kernels: str = "auto",
+        int4: str = "auto",
         block_size: int = 16,
     ) -> None:
         check_tensor_parallel(arch, tp_size)
@@ -179,25 +180,35 @@ class LlamaModel:
         self.embed: torch.Tensor
         self.norm: torch.Tensor
         self.lm_head: torch.Tensor
-        self.ops: LayerOps = self._make_ops(kernels, block_size, max_positions)
-        # oneDNN's prepacked weights go with the compiled kernels (CPU, float32/bfloat16)
-        self.is_packed = isinstance(self.ops, KernelOps) and torch.backends.mkldnn.is_available()
+        self.fast_paths = fast_paths.choose(
+            kernels_flag=kernels,
+            int4_flag=int4,
+            device=device,
+            dtype=dtype,
+            head_dim=self.head_dim,
+            rotary_dim=self.rotary.dim,
+            block_size=block_size,
+            tp_size=tp_size,
+            blocker=self.kernels_blocker,
+        )
+        self.ops: LayerOps = self._make_ops(max_positions)
+        self.is_packed = self.fast_paths.is_on("onednn_packing")
         self.linear: Linear = _packed_linear if self.is_packed else F.linear
         self._int4_scratch = torch.empty(0)  # the 4-bit kernel's sums of x per group
         self._stack: _DecoderStack | None = None  # built on the first forward that can use it
 
-    def _make_ops(self, kernels: str, block_size: int, max_positions: int | None) -> LayerOps:
-        if self.rotary.dim != self.head_dim:  # the kernels rotate whole heads
-            kernels = "torch"
+    # why this family never runs the compiled kernels or prepacked weights (None: it may)
+    kernels_blocker: str | None = None
+
+    def _make_ops(self, max_positions: int | None) -> LayerOps:
         return make_layer_ops(
-            kernels,
+            self.fast_paths,
             num_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim,
             rotary=self.rotary,
             dtype=self.dtype,
             device=self.device,
-            block_size=block_size,
         )
 
     # ---- loading -------------------------------------------------------------------------
@@ -297,13 +308,23 @@ class LlamaModel:
 
     # ---- forward -------------------------------------------------------------------------
 
-    def load_int4(self, weights: dict[str, Int4Tensor]) -> str | None:
+    def load_int4(self, weights: dict[str, Int4Tensor]) -> None:
         """Multiply by the checkpoint's 4-bit tensors (this rank's shard of every layer's
-        matrices) and drop their bfloat16 copies. Returns why not (and changes nothing) when
-        the kernels are not there, some matrix has no 4-bit form or its shard does not fit."""
+        matrices) and drop their bfloat16 copies, where the fast paths allow it; records
+        the outcome (`int4_kernels`, `decoder_stack`) in `fast_paths`. Changes nothing when
+        some matrix has no 4-bit form or its shard does not fit."""
+        plan = self.fast_paths
+        if plan.is_on("int4_kernels"):
+            reason = self._load_int4(weights) if weights else "the checkpoint has no 4-bit weights"
+            plan.decide("int4_kernels", reason is None, reason or "the checkpoint's 4-bit weights")
+        if plan.is_on("decoder_stack"):
+            reason = self._stack_blocker()
+            plan.decide("decoder_stack", reason is None, reason or "every layer in 4 bits")
+
+    def _load_int4(self, weights: dict[str, Int4Tensor]) -> str | None:
         build_panels = self.ops.q4_build_panels
         if self.ops.q4_linear is None or build_panels is None or self.ops.panel_linear is None:
-            return "the 4-bit kernels need the compiled kernels, bfloat16 and AVX-512 BF16"
+            return "the kernels library has no 4-bit matmuls"
         fused = {
             "qkv4": (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), self._rows),
             "o_proj4": (("self_attn.o_proj",), self._cols),
@@ -366,17 +387,25 @@ class LlamaModel:
         every layer's four matrices in 4 bits, no biases, q/k norms or experts."""
         if self._stack is not None and self._stack.kv_caches is kv_caches:
             return self._stack
+        if not self.fast_paths.is_on("decoder_stack"):
+            return None
+        assert isinstance(self.ops, KernelOps)
+        self._stack = _DecoderStack(self, self.ops, kv_caches)
+        return self._stack
+
+    def _stack_blocker(self) -> str | None:
+        """Why the compiled stack cannot run this model (None: it can): it runs one rank's
+        layers whose four matrices are all 4-bit, without biases, q/k norms or experts."""
         ops = self.ops
         if not isinstance(ops, KernelOps) or ops.decoder_stack is None or self.tp_size != 1:
-            return None
-        for layer in self.layers:
+            return "needs the kernels' decoder stack and one rank"
+        for i, layer in enumerate(self.layers):
             weights = (layer.qkv4, layer.o_proj4, layer.gate_up4, layer.down4)
-            if any(w is None for w in weights) or layer.qkv_bias is not None:
-                return None
-            if layer.q_norm is not None or layer.moe is not None:
-                return None
-        self._stack = _DecoderStack(self, ops, kv_caches)
-        return self._stack
+            if any(w is None for w in weights):
+                return f"layer {i} is not all 4-bit"
+            if layer.qkv_bias is not None or layer.q_norm is not None or layer.moe is not None:
+                return f"layer {i} has biases, q/k norms or experts"
+        return None
 
     def _norm_qk(self, qkv: torch.Tensor, layer: LlamaLayer) -> None:
         """RMSNorm each q and k head of `qkv` in place (Qwen3), before `attend` rotates them."""
@@ -457,16 +486,12 @@ class _DecoderStack:
         self._call = ops.decoder_stack
         self._ops = ops
         self._model = model
+        self._dim_names = ops.stack_layout.stack_dims  # the C side's order of fields and dims
         fields = []
-        for layer, (k_cache, v_cache) in zip(model.layers, kv_caches, strict=True):
-            for tensor in (layer.input_norm, layer.post_norm):
-                fields.append(tensor.data_ptr())
-            for weight in (layer.qkv4, layer.o_proj4, layer.gate_up4, layer.down4):
-                assert weight is not None
-                fields += [weight.packed.data_ptr(), weight.params.data_ptr()]
-                fields.append(weight.panels.data_ptr())
-            fields += [k_cache.data_ptr(), v_cache.data_ptr()]
-        self._layers = torch.tensor(fields, dtype=torch.int64)  # STACK_FIELDS per layer
+        for layer, caches in zip(model.layers, kv_caches, strict=True):
+            addresses = _layer_addresses(layer, caches)
+            fields += [addresses[name] for name in ops.stack_layout.stack_fields]
+        self._layers = torch.tensor(fields, dtype=torch.int64)
         k_cache = kv_caches[0][0]
         self._cache_dims = (k_cache.shape[2], k_cache.shape[1] * k_cache.shape[2])
         # the widest k of the four matrices: hidden (q/k/v, gate/up), heads (o), intermediate
@@ -484,23 +509,21 @@ class _DecoderStack:
             chunks, scratch = ops.prefill_chunks(meta)
         else:
             chunks, scratch = _NO_CHUNKS, _NO_CHUNKS
-        dims = torch.tensor(
-            [
-                tokens,
-                size,
-                inter,
-                heads,
-                kv_heads,
-                block_size,
-                num_slots,
-                INT4_MAX_ROWS,
-                decodes,
-                tables.shape[1] if decodes and tables is not None else 0,
-                chunks.shape[0],
-                len(model.layers),
-            ],
-            dtype=torch.int64,
-        )
+        dims = {
+            "tokens": tokens,
+            "hidden": size,
+            "intermediate": inter,
+            "heads": heads,
+            "kv_heads": kv_heads,
+            "block_size": block_size,
+            "num_slots": num_slots,
+            "int4_max_rows": INT4_MAX_ROWS,
+            "decodes": decodes,
+            "max_blocks": tables.shape[1] if decodes and tables is not None else 0,
+            "prefills": chunks.shape[0],
+            "layers": len(model.layers),
+        }
+        dims_tensor = torch.tensor([dims[name] for name in self._dim_names], dtype=torch.int64)
         dtype = hidden.dtype
         out = torch.empty_like(hidden)
         x, delta = torch.empty_like(hidden), torch.empty_like(hidden)
@@ -512,7 +535,7 @@ class _DecoderStack:
             hidden.data_ptr(),
             out.data_ptr(),
             self._layers.data_ptr(),
-            dims.data_ptr(),
+            dims_tensor.data_ptr(),
             model.norm.data_ptr(),
             ops.cos_sin.data_ptr(),
             meta.positions.data_ptr(),
@@ -532,6 +555,25 @@ class _DecoderStack:
             ops.scale,
         )
         return out
+
+
+def _layer_addresses(
+    layer: LlamaLayer, caches: tuple[torch.Tensor, torch.Tensor]
+) -> dict[str, int]:
+    """A layer's tensors by the names of `decoder_stack_bf16`'s fields (cpu_kernels.c)."""
+    addresses = {
+        "input_norm": layer.input_norm.data_ptr(),
+        "post_norm": layer.post_norm.data_ptr(),
+        "k_cache": caches[0].data_ptr(),
+        "v_cache": caches[1].data_ptr(),
+    }
+    matrices = {"qkv": layer.qkv4, "o": layer.o_proj4, "gate_up": layer.gate_up4}
+    for name, weight in {**matrices, "down": layer.down4}.items():
+        assert weight is not None
+        addresses[f"{name}_packed"] = weight.packed.data_ptr()
+        addresses[f"{name}_params"] = weight.params.data_ptr()
+        addresses[f"{name}_panels"] = weight.panels.data_ptr()
+    return addresses
 
 
 _NO_CHUNKS = torch.zeros((0, 4), dtype=torch.int64)

@@ -1,7 +1,9 @@
 """The crash dump: what the engine was doing when it died, without the prompts.
 
 Three parts, each built on its own so that one failing cannot stop the others:
-`scheduler_output` (the failing step's batch), `engine_config` and `system_stats`.
+`scheduler_output` (the failing step's batch), `engine_config` and `system_stats`. The
+engine core builds it; when the engine core itself dies of a signal, the front end builds
+one from what it knows (`front_end_stats_part`), the rest marked `not_available`.
 Redaction is by allowlist: an object is dumped only through the `__crash_dump__` policy
 declared next to its type (`sched/request.py`, `sampling_params.py`, ...); a field the
 policy does not name is left out and listed by name and type under `unlisted_fields`, so a
@@ -24,13 +26,14 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from otel_engine.timing import CRASH_FILE_WRITE_S
 
 MAX_DUMP_BYTES = 64 * 1024
 MAX_LIST_ITEMS = 256  # block ids and other lists of safe numbers are cut here
+MAX_FAULT_FRAMES = 10  # a native fault's innermost frames in the failure part
 
 # Policies a type declares in `__crash_dump__ = {field: rule}`:
 VALUE = "value"  # a number, bool, enum or identifier: dumped as is
@@ -198,8 +201,11 @@ def _tensor_shapes(model_input: Any, device: str) -> dict[str, Any]:
     }
 
 
-def engine_config_part(config: Any, arch: Any = None, limits: Any = None) -> dict[str, Any]:
-    """Model, dtype, device, parallelism, cache and scheduler limits, timeouts, versions."""
+def engine_config_part(
+    config: Any, arch: Any = None, limits: Any = None, fast_paths: Any = None
+) -> dict[str, Any]:
+    """Model, dtype, device, parallelism, cache and scheduler limits, timeouts, versions, and
+    the fast paths the model runs (`FastPaths.summary()`: levels, booleans and reasons)."""
     model = config.model
     part: dict[str, Any] = {
         "model": os.path.basename(os.path.normpath(model.model)) if model.model else "default",
@@ -218,6 +224,8 @@ def engine_config_part(config: Any, arch: Any = None, limits: Any = None) -> dic
         "shutdown_timeout_s": config.timeouts.shutdown_timeout,
         "versions": _safe(_versions),
     }
+    if fast_paths is not None:
+        part["fast_paths"] = fast_paths
     if limits is not None:  # what the engine actually runs with, not only what was asked
         part["num_kv_blocks"] = limits.num_kv_blocks
         part["max_model_len"] = limits.max_model_len
@@ -281,6 +289,24 @@ def system_stats_part(
         "accelerator_memory": _safe(_accelerator_memory),
     }
     return part
+
+
+def not_available(why: str) -> dict[str, Any]:
+    """A part the process building the dump cannot know (it died with another process)."""
+    return {"not_available": why}
+
+
+def front_end_stats_part(*, failure: dict[str, Any], started_at: float) -> dict[str, Any]:
+    """`system_stats` as the front end sees it after the engine core died: the failure,
+    its own uptime and process memory, and the machine's load."""
+    return {
+        "failure": failure,
+        "scheduler": not_available("the engine core died with its scheduler state"),
+        "uptime_s": round(time.monotonic() - started_at, 3),
+        "process_rss_mib": _safe(lambda: _rss({"front_end": os.getpid()})),
+        "cpu_count": os.cpu_count(),
+        "load_average": _safe(lambda: [round(x, 2) for x in os.getloadavg()]),
+    }
 
 
 def _rss(process_pids: dict[str, int | None]) -> dict[str, Any]:
@@ -399,8 +425,18 @@ def _default(value: Any) -> str:
 # ---- delivery ---------------------------------------------------------------------------
 
 
-def failure_summary(process: str, error_type: str, message: str, how: str) -> dict[str, Any]:
-    """Which process/rank failed and how (exception, died, timeout)."""
+def failure_summary(
+    process: str,
+    error_type: str,
+    message: str,
+    how: str,
+    *,
+    signal: str = "",
+    frames: Sequence[Any] = (),
+) -> dict[str, Any]:
+    """Which process/rank failed and how (exception, died, timeout); for a process that died
+    of a native fault, the signal and the faulting thread's innermost frames (objects with
+    `function`, `file` and `line`, innermost first: code locations, nothing else)."""
     rank = None
     tail = process.rsplit("-", 1)[-1]
     if process.startswith(("worker", "otel-worker")) and tail.isdigit():
@@ -411,6 +447,11 @@ def failure_summary(process: str, error_type: str, message: str, how: str) -> di
         "type": error_type,
         "message": message[:500],
         "how": how,
+        "signal": signal or None,
+        "frames": [
+            {"function": str(f.function)[:128], "file": str(f.file)[:256], "line": int(f.line)}
+            for f in list(frames)[:MAX_FAULT_FRAMES]
+        ],
     }
 
 
@@ -465,6 +506,16 @@ def _config(config: Any) -> Any:
     return data
 
 
+def deliver(
+    dump: dict[str, Any], span: Any, failure: dict[str, Any], config: Any, logger: Any
+) -> None:
+    """Write the dump to --crash-dump-dir when one is set, then `report_crash` it. Never
+    raises."""
+    directory = config.observability.crash_dump_dir
+    path = write_dump_file(directory, dump, failure, config, logger) if directory else None
+    report_crash(dump, span, failure, logger, path)
+
+
 def report_crash(
     dump: dict[str, Any],
     span: Any,
@@ -502,6 +553,9 @@ def _report(
     }
     if dump.get("ranks") is not None:
         attributes["otel_engine.crash.ranks"] = to_json(dump.get("ranks"))
+    if failure.get("signal"):
+        attributes["otel_engine.crash.signal"] = str(failure.get("signal"))
+        attributes["otel_engine.crash.frames"] = to_json(failure.get("frames"))
     if dump_path is not None:
         attributes["otel_engine.crash.dump_path"] = dump_path
     try:
@@ -526,6 +580,8 @@ def _report(
         "failed_process": failure.get("process"),
         "failed_rank": rank,
         "reason": reason,
+        "signal": failure.get("signal"),
+        "frames": failure.get("frames"),
         "exception.type": failure.get("type"),
         "exception.message": failure.get("message"),
         "dump_build_ms": dump.get("build_ms"),

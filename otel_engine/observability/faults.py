@@ -1,16 +1,20 @@
-"""Fault injection for tests and chaos drills: `OTEL_ENGINE_FAULT` (DESIGN.md section 5).
+"""Fault injection for tests and chaos drills: `OTEL_ENGINE_FAULT`.
 
 `OTEL_ENGINE_FAULT="<where>:<kind>[:rank=R][:step=S][:when=KEY>=N][:phase=P]"` with where
-in {worker, engine_core}, kind in {raise, oom, exit, hang}, phase in {run, load}, and KEY in
-{num_requests, num_tokens} (scheduled in the step): `when` fires at the first step whose
-batch is at least that large (with `step=` too: only at that step, if it is). Read from
+in {worker, engine_core}, kind in {raise, oom, exit, hang, segfault}, phase in {run, load},
+and KEY in {num_requests, num_tokens} (scheduled in the step): `when` fires at the first
+step whose batch is at least that large (with `step=` too: only at that step, if it is). Read from
 the environment by every process when it sets itself up (`configure()`: the spawn
 trampoline for children, the engine's set-up in the caller's process), never at import, so a
 bad value is a clear startup error; nothing else can set it.
+
+`segfault` is a real invalid memory access in native code (ctypes reads address 0), as a
+broken kernel would make: the process dies of SIGSEGV, its faulthandler writes the stack.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import time
@@ -20,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 ENV_VAR = "OTEL_ENGINE_FAULT"
 WHERE = ("worker", "engine_core")
-KINDS = ("raise", "oom", "exit", "hang")
+KINDS = ("raise", "oom", "exit", "hang", "segfault")
 PHASES = ("run", "load")
 WHEN_KEYS = ("num_requests", "num_tokens")
 
@@ -114,6 +118,8 @@ def maybe_inject(
         raise InjectedOutOfMemoryError(f"injected out-of-memory in {where} rank {rank}")
     if fault.kind == "exit":
         os._exit(137)
+    if fault.kind == "segfault":
+        ctypes.string_at(0)  # reads address 0: SIGSEGV
     while True:  # hang
         time.sleep(3600)
 

@@ -95,8 +95,6 @@ class PipelineFormatter(logging.Formatter):
             event_dict["_from_structlog"] = True
             return event_dict
         event_dict = {"event": record.getMessage(), "_record": record, "_from_structlog": False}
-        if record.args:
-            event_dict["positional_args"] = record.args
         if record.exc_info:
             event_dict["exc_info"] = record.exc_info
         if record.stack_info:

@@ -57,7 +57,6 @@ _RECORD_KEYS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | 
     "taskName",
 }
 _HANDLER_MARK = "_otel_engine_handler"
-_ACCESS_ARGS = 5  # uvicorn.access: client_addr, method, full_path, http_version, status_code
 _SHARED: list[Processor] = []
 _second_cache: tuple[int, str] = (-1, "")
 
@@ -87,15 +86,6 @@ def add_extra(logger: Any, method: str, event_dict: EventDict) -> EventDict:
         for key in fields.keys() - _RECORD_KEYS:
             if not key.startswith("_") and key != "color_message":  # uvicorn's ANSI copy
                 event_dict.setdefault(key, fields[key])
-        args = event_dict.pop("positional_args", None)
-        if (
-            record.name == "uvicorn.access"
-            and isinstance(args, tuple)
-            and len(args) == _ACCESS_ARGS
-        ):
-            event_dict.update(
-                client_addr=args[0], http_method=args[1], http_path=args[2], status_code=args[4]
-            )
     return event_dict
 
 

@@ -109,6 +109,8 @@ STEP_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 
 
 # a structured-output grammar built in the engine core (a cached one costs nothing)
 GRAMMAR_COMPILE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+# a step's structured-output masks, all its grammar rows together (steps without one: none)
+GRAMMAR_MASK_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
 FINISH_REASONS = ("stop", "length", "abort")
 # why a structured-output choice was returned without valid JSON (engine/structured_output.py)
@@ -126,7 +128,7 @@ class StepStats(Protocol):
     """What `on_step` reads (`StepOutputs` has these). Optional extras, read when present:
     `step_id` (0: no step ran), `num_paused`, `kv_cache_cached_blocks`,
     `prefix_cache_queries`, `prefix_cache_hits`, `step_duration_s`, `num_scheduled_seqs`,
-    `num_scheduled_tokens`, `grammar_compile_s`."""
+    `num_scheduled_tokens`, `grammar_compile_s`, `grammar_mask_s`."""
 
     num_running: int
     num_waiting: int
@@ -289,6 +291,13 @@ class EngineMetrics:
             buckets=GRAMMAR_COMPILE_BUCKETS,
             registry=r,
         )
+        self.step_grammar_mask = Histogram(
+            "otel_engine_step_grammar_mask_seconds",
+            "Time an engine step spent computing structured-output token masks (steps with "
+            "a grammar row only).",
+            buckets=GRAMMAR_MASK_BUCKETS,
+            registry=r,
+        )
         self.structured_output_invalid = Counter(
             "otel_engine_structured_output_invalid",
             "Structured-output choices returned without valid JSON, by reason: length "
@@ -315,6 +324,13 @@ class EngineMetrics:
             "otel_engine_http_connections_closed",
             "HTTP connections the server closed to stay within its limits, by reason.",
             ["reason"],
+            registry=r,
+        )
+        self.fast_path = Gauge(
+            "otel_engine_fast_path_info",
+            "1 per fast path the model could run (model/fast_paths.py), labelled with whether "
+            "it runs on this machine and the CPU's and the kernel build's instruction sets.",
+            ["path", "enabled", "cpu_isa", "kernel_isa"],
             registry=r,
         )
         self.health_state = Gauge(
@@ -375,6 +391,9 @@ class EngineMetrics:
         num_tokens = getattr(stats, "num_scheduled_tokens", None)
         if num_tokens:
             self.step_tokens.observe(num_tokens)
+        mask_s = getattr(stats, "grammar_mask_s", 0.0)
+        if mask_s:
+            self.step_grammar_mask.observe(mask_s)
 
     def on_request_finished(
         self,
@@ -421,6 +440,15 @@ class EngineMetrics:
     def on_connection_closed(self, reason: str) -> None:
         """The server closed a connection to keep within its limits (connections.py)."""
         self._closed[reason].inc()
+
+    def set_fast_paths(self, summary: dict[str, Any] | None) -> None:
+        """The engine's fast-path decisions (`FastPaths.summary()`), once at start."""
+        if not summary:
+            return
+        cpu, build = str(summary.get("cpu_isa")), str(summary.get("kernel_isa") or "none")
+        for path, choice in summary.get("paths", {}).items():
+            enabled = "true" if choice.get("enabled") else "false"
+            self.fast_path.labels(path, enabled, cpu, build).set(1)
 
     def set_health(self, state: str) -> None:
         """One of HEALTH_STATES: starting, healthy, draining, stalled, dead."""

@@ -2,8 +2,8 @@
 
 A fixed ring of tuples (no request ids, no token ids, nothing a client sent), one written per
 step; the crash dump's `history` part lists them oldest first. What the steps before a crash
-show: durations growing before a hang, KV usage and preemptions climbing before an OOM, the
-batch shape that preceded the failing one.
+show: durations growing before a hang (and how much of each went to grammar masks), KV usage
+and preemptions climbing before an OOM, the batch shape that preceded the failing one.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ FIELDS = (
     "num_running",
     "num_waiting",
     "num_paused",
+    "grammar_mask_s",  # the step's structured-output masks: why a step with grammars is slow
 )
 
 

@@ -58,6 +58,8 @@ EXTRA_FLAGS = {
     "--request-read-timeout",
     "--stream-write-timeout",
     "--max-prompt-chars",
+    "--api-key-file",
+    "--allow-special-tokens-in-content",
 }
 # DESIGN.md section 5b, the post-mortem contracts
 POST_MORTEM_FLAGS = {"--crash-dump-dir", "--crash-history-steps"}
@@ -235,3 +237,41 @@ def test_prefix_caching_flag_reaches_the_engine_config(flags: list[str], expecte
     options = engine_options(build_parser().parse_args(["serve", *flags]))
 
     assert expected == EngineConfig.from_kwargs(**options).cache.enable_prefix_caching
+
+
+@pytest.mark.parametrize(
+    ("argv", "refused"),
+    [
+        (["serve", "--port", "1"], "serve needs Linux"),
+        (["generate", "--tensor-parallel-size", "2", "hi"], "--tensor-parallel-size > 1"),
+    ],
+)
+def test_without_pidfd_the_supervised_commands_fail_before_starting(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    argv: list[str],
+    refused: str,
+) -> None:
+    """On a system without pidfd_open (not Linux) `serve` and tensor parallelism exit 1 with
+    one line before anything is bound, loaded or spawned."""
+    monkeypatch.delattr(os, "pidfd_open")
+    spawned: list[object] = []
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: spawned.append(a))
+
+    assert 1 == main(argv)
+
+    err = capsys.readouterr().err.strip().splitlines()
+    assert 1 == len(err)
+    assert refused in err[0]
+    assert [] == spawned
+
+
+def test_without_pidfd_the_in_process_engine_is_not_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The in-process engine at one rank supervises no process: it is allowed anywhere."""
+    from otel_engine.cli import unsupported_platform
+
+    monkeypatch.delattr(os, "pidfd_open")
+
+    assert unsupported_platform("generate", EngineConfig.from_kwargs()) is None

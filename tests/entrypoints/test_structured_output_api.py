@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -140,6 +141,72 @@ def test_output_cut_by_max_tokens_is_length_and_counted(served: Served) -> None:
 
     assert completion.choices[0].finish_reason == "length"
     assert cut() - before == 1
+
+
+# ---- Costly schemas (the grammar-abuse batch, small: bench/grammar_abuse.py has the 32) ---
+
+
+def _core_rss() -> int:
+    import psutil
+
+    cores = [p for p in psutil.Process().children(recursive=True) if p.name() == "otel-engine-core"]
+    return sum(p.memory_info().rss for p in cores)
+
+
+def test_a_batch_of_costly_patterns_is_refused_and_others_are_served(served: Served) -> None:
+    """Eight concurrent requests of a 42-byte schema whose masks cost tens of ms each and
+    tens of MB (`^a{100000}$`, and `^(ab){150000}$`, which once failed with a 500): every
+    one is a 400 naming the limit, a 4-token request beside them answers at once, and the
+    engine core's memory does not grow."""
+    costly = [{"type": "string", "pattern": "^a{100000}$"}] * 6
+    costly += [{"type": "string", "pattern": f"^(ab){{{150000 + i}}}$"} for i in range(2)]
+    client = served.async_openai()
+    before = _core_rss()
+
+    async def abuse(schema: dict[str, Any]) -> Any:
+        try:
+            await client.completions.create(
+                model=served.model,
+                prompt="Write the string:",
+                max_tokens=50,
+                extra_body={"response_format": schema_format(schema)},
+            )
+        except openai.BadRequestError as error:
+            return error.body
+        return None
+
+    async def probe() -> float:
+        await asyncio.sleep(0.2)
+        started = time.perf_counter()
+        await client.completions.create(model=served.model, prompt="hi", max_tokens=4)
+        return time.perf_counter() - started
+
+    async def run() -> tuple[list[Any], float]:
+        *errors, seconds = await asyncio.gather(*(abuse(s) for s in costly), probe())
+        return errors, seconds
+
+    errors, probe_seconds = asyncio.run(run())
+
+    for error in errors:
+        assert isinstance(error, dict), error
+        assert error["param"] == "response_format"
+        assert "max_pattern_repeat" in error["message"]
+    assert probe_seconds < 5.0
+    assert _core_rss() - before < 32 * 2**20
+
+
+def test_step_mask_time_is_a_metric(served: Served) -> None:
+    """Each step with a grammar row observes its mask time: a slow step says why."""
+    before = served.metric("otel_engine_step_grammar_mask_seconds_count")
+    served.openai().completions.create(
+        model=served.model,
+        prompt="hi",
+        max_tokens=8,
+        extra_body={"response_format": schema_format(_schema("mask_metric"))},
+    )
+
+    assert served.metric("otel_engine_step_grammar_mask_seconds_count") - before >= 4
+    assert served.metric("otel_engine_step_grammar_mask_seconds_sum") > 0
 
 
 # ---- The default model (SmolLM2-135M-Instruct): what a user sees --------------------------

@@ -9,6 +9,9 @@ process the engine started is gone within seconds, without calling `shutdown()`.
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -18,6 +21,7 @@ import pytest
 
 from otel_engine import LLM, AsyncLLM, EngineDeadError, EngineStartupError, SamplingParams
 from tests.failures.conftest import ProcessWatch
+from tests.helpers.paths import REPO_ROOT
 
 pytestmark = pytest.mark.slow  # starts servers or engine processes
 
@@ -174,3 +178,56 @@ def test_inprocess_hang_ends_with_step_timeout(
     assert "StepTimeout" == info.value.cause_type
     assert "engine_core" == info.value.failed_process
     assert 1.0 <= elapsed < 5.0
+
+
+# An in-process LLM whose own process dies of the fault: nothing can report it but stderr.
+SEGFAULT_DRIVER = """
+import sys
+from otel_engine import LLM, SamplingParams
+llm = LLM(sys.argv[1], num_kv_blocks=64)
+llm.generate([[5, 6, 7]], SamplingParams(max_tokens=20, ignore_eos=True))
+print("not reached")
+"""
+
+
+def test_inprocess_segfault_writes_the_signal_and_stack_to_stderr(tiny_model_dir: str) -> None:
+    """In-process LLM (TP=1, the model in the caller's process): a SIGSEGV in native code
+    kills the interpreter, but first faulthandler writes the fault and the faulting stack,
+    down to the frame that made it, to stderr."""
+    env = {**os.environ, "OTEL_ENGINE_FAULT": f"worker:segfault:step={FAULT_STEP}"}
+    done = subprocess.run(
+        [sys.executable, "-c", SEGFAULT_DRIVER, tiny_model_dir],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+    assert -11 == done.returncode, done.stderr[-3000:]
+    assert "Fatal Python error: Segmentation fault" in done.stderr
+    assert 'observability/faults.py", line ' in done.stderr
+    assert " in maybe_inject" in done.stderr
+    assert "not reached" not in done.stdout
+
+
+def test_inprocess_worker_segfault_is_engine_dead_naming_signal_and_frame(
+    tiny_model_dir: str, children: ProcessWatch, fault: Callable[[str], None]
+) -> None:
+    """In-process LLM at TP=2: rank 1 dying of SIGSEGV is EngineDeadError WorkerDied in
+    otel-worker-1, located at the faulting frame; every process is gone."""
+    fault(f"worker:segfault:rank=1:step={FAULT_STEP}")
+    engine = LLM(tiny_model_dir, tensor_parallel_size=2, num_kv_blocks=128)
+    try:
+        with pytest.raises(EngineDeadError) as info:
+            engine.generate(PROMPTS, PARAMS)
+        children.assert_all_gone()
+    finally:
+        engine.shutdown()
+
+    error = info.value
+    assert ("WorkerDied", "otel-worker-1") == (error.cause_type, error.failed_process)
+    assert error.location.startswith(
+        "died of SIGSEGV in maybe_inject at otel_engine/observability/faults.py:"
+    )

@@ -1,10 +1,13 @@
 """Schemathesis against a running server's own OpenAPI document: no 5xx, and every answer
-(status, content type, headers, body) as the document says."""
+(status, content type, headers, body) as the document says; and a hypothesis search for 5xx
+over the values the document cannot describe (`search_server_errors`)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+from typing import Any
 
 CHECKS = (
     "not_a_server_error",
@@ -50,3 +53,143 @@ def run_schemathesis(
     for name, value in (headers or {}).items():
         command += ["--header", f"{name}: {value}"]
     return subprocess.run(command, capture_output=True, text=True, check=False, timeout=900)
+
+
+# ---- A hypothesis search for 5xx over what the OpenAPI document cannot describe -----------
+# Schemathesis draws bodies from the document, where `logit_bias` is any map of strings to
+# numbers and `response_format` any object; the values that broke the server were deeper
+# (a 5,000-digit token id, a schema that is a `$ref` to itself), so they are drawn here.
+
+
+def _schemas() -> Any:
+    from hypothesis import strategies as st
+
+    leaves = st.one_of(
+        st.sampled_from(
+            [
+                {},
+                {"type": "string"},
+                {"type": "integer", "minimum": 3, "maximum": 1},
+                {"type": "number"},
+                {"type": "boolean"},
+                {"type": "null"},
+                {"type": "object"},
+                {"type": "array"},
+                {"enum": []},
+                {"enum": [1, "a", None]},
+                {"const": "x"},
+                {"$ref": "#"},
+                {"$ref": "#/$defs/missing"},
+                {"$ref": "http://example.com/s"},
+                {"type": "string", "pattern": "["},
+                {"type": "string", "pattern": "^(ab)*$"},
+                {"type": "string", "format": "date-time"},
+                {"type": "nonsense"},
+                {"not": {}},
+            ]
+        ),
+    )
+    keys = st.text(min_size=0, max_size=4)
+
+    def nested(children: Any) -> Any:
+        return st.one_of(
+            st.builds(
+                lambda props, required: {
+                    "type": "object",
+                    "properties": props,
+                    "required": required,
+                },
+                st.dictionaries(keys, children, max_size=3),
+                st.lists(keys, max_size=2),
+            ),
+            st.builds(lambda items: {"type": "array", "items": items}, children),
+            st.builds(lambda options: {"anyOf": options}, st.lists(children, max_size=3)),
+            st.builds(lambda options: {"allOf": options}, st.lists(children, max_size=2)),
+            st.builds(
+                lambda a, b, ref: {"$defs": {"a": a, "b": b}, "$ref": ref},
+                children,
+                st.one_of(children, st.just({"$ref": "#/$defs/a"})),
+                st.sampled_from(["#/$defs/a", "#/$defs/b", "#", "#/$defs"]),
+            ),
+        )
+
+    return st.recursive(leaves, nested, max_leaves=8)
+
+
+def request_cases() -> Any:
+    """(path, body) pairs of completions and chat completions with hostile `logit_bias`,
+    `response_format` and numbers; generation stays a few tokens long."""
+    from hypothesis import strategies as st
+
+    token_ids = st.one_of(
+        st.integers(-5, 10**30).map(str),
+        st.integers(1, 6000).map(lambda digits: "7" * digits),
+        st.text(max_size=6),
+    )
+    biases = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-(10**6), 10**6))
+    response_formats = st.one_of(
+        st.none(),
+        st.just({"type": "json_object"}),
+        st.builds(
+            lambda schema: {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+            _schemas(),
+        ),
+        st.dictionaries(
+            st.sampled_from(["type", "json_schema", "schema"]),
+            st.one_of(st.text(max_size=8), st.integers(), st.none()),
+            max_size=2,
+        ),
+    )
+    numbers = st.sampled_from([1, 2, 4, 0, -1, 2.0, 2.5, 10**30, 1e300, -1e300, "4"])
+    fields = st.fixed_dictionaries(
+        {},
+        optional={
+            "logit_bias": st.dictionaries(token_ids, biases, max_size=4),
+            "response_format": response_formats,
+            "max_tokens": numbers,
+            "top_k": numbers,
+            "seed": numbers,
+            "min_tokens": numbers,
+        },
+    )
+    chat = fields.map(
+        lambda f: (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **f},
+        )
+    )
+    completion = fields.map(lambda f: ("/v1/completions", {"prompt": "hi", "max_tokens": 4, **f}))
+    return st.one_of(chat, completion)
+
+
+def search_server_errors(
+    base_url: str, *, max_examples: int, seed: int, headers: dict[str, str] | None = None
+) -> None:
+    """Post `request_cases()` to the server; raise (with the smallest failing body that
+    hypothesis finds) when one is answered 5xx or with a body that is not an error object."""
+    import httpx
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import seed as with_seed
+
+    with httpx.Client(base_url=base_url, timeout=60, trust_env=False, headers=headers) as client:
+
+        @with_seed(seed)
+        @settings(
+            max_examples=max_examples,
+            deadline=None,
+            database=None,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+        )
+        @given(request_cases())
+        def probe(case: tuple[str, dict[str, Any]]) -> None:
+            path, body = case
+            content = json.dumps(body).encode()
+            response = client.post(
+                path, content=content, headers={"content-type": "application/json"}
+            )
+            shape = {key: str(value)[:80] for key, value in body.items()}
+            assert response.status_code < 500, (path, shape, response.text[:300])
+            if response.status_code != 200:
+                assert {"message", "type", "param", "code"} == set(response.json()["error"])
+
+        probe()

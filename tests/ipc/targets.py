@@ -36,3 +36,15 @@ def ready_then_exit(channel: Any, code: int) -> None:
     channel.ready()
     time.sleep(0.2)
     os._exit(code)
+
+
+def ready_then_segfault(channel: Any) -> None:
+    import ctypes
+
+    channel.ready()
+    ctypes.string_at(0)  # reads address 0: SIGSEGV
+
+
+def ready_then_abort(channel: Any) -> None:
+    channel.ready()
+    os.abort()

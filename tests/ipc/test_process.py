@@ -111,5 +111,21 @@ def test_wait_for_death_names_the_child_that_died(started: list[ChildProcess]) -
     ],
 )
 def test_process_title_comes_from_role_and_rank(role: str, rank: int | None, title: str) -> None:
-    """One vocabulary: DESIGN.md's titles, derived from the role and rank."""
+    """One vocabulary: the process titles, derived from the role and rank."""
     assert title == process_title(role, rank)
+
+
+def test_without_pidfd_nothing_is_spawned(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Off Linux (no pidfd_open) `spawn` refuses before it starts a process: a child it
+    could not supervise is never left behind."""
+    import subprocess
+
+    from otel_engine.ipc import process
+
+    started: list[object] = []
+    monkeypatch.delattr(process.os, "pidfd_open")
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: started.append(a))
+
+    with pytest.raises(OSError, match="needs Linux"):
+        process.spawn("tests.ipc.targets:ready_and_wait", role="worker", rank=0)
+    assert [] == started

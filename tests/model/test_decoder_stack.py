@@ -11,6 +11,7 @@ import random
 import pytest
 import torch
 
+from otel_engine.model.fast_paths import BF16_ISA
 from otel_engine.model.llama import INT4_MAX_ROWS, LlamaModel
 from otel_engine.model.loader import (
     INT4_GROUP,
@@ -20,6 +21,7 @@ from otel_engine.model.loader import (
     load_model_arch,
     prepare_model_dir,
 )
+from tests.helpers.isa import require_isa
 from tests.helpers.paged import step_metadata
 from tests.helpers.tiny_model import write_tiny_llama
 
@@ -49,11 +51,12 @@ def _quantized(weight: torch.Tensor) -> Int4Tensor:
 
 
 def _load(model_dir: str, int4: dict[str, Int4Tensor]) -> LlamaModel:
+    require_isa(BF16_ISA)
     arch = load_model_arch(model_dir)
     model = LlamaModel(arch, dtype=torch.bfloat16, device=torch.device("cpu"), max_positions=1024)
     model.load_weights(iter_weights(model_dir))
-    if model.load_int4(int4) is not None:
-        pytest.skip("no 4-bit kernels on this CPU")
+    model.load_int4(int4)
+    assert model.fast_paths.is_on("decoder_stack"), model.fast_paths.choices["decoder_stack"]
     return model
 
 
@@ -122,6 +125,10 @@ def test_stack_gives_the_layer_loop_s_bits(model: LlamaModel, batch: str) -> Non
 
 
 def test_the_stack_applies_only_to_a_4bit_model_on_one_rank(model: LlamaModel) -> None:
+    """Loading settles the `decoder_stack` fast path (every layer's four matrices in 4 bits,
+    one rank); the stack is then built once per set of caches."""
+    assert model.fast_paths.is_on("decoder_stack")
+    assert model._stack_blocker() is None
     caches = _caches(model)
     model._stack = None
     assert model._decoder_stack(caches) is not None
@@ -131,15 +138,13 @@ def test_the_stack_applies_only_to_a_4bit_model_on_one_rank(model: LlamaModel) -
     assert model._stack is not None
     assert model._stack.kv_caches is other  # rebuilt for them
     qkv4 = model.layers[-1].qkv4
-    model._stack = None
     model.layers[-1].qkv4 = None  # one matrix without a 4-bit form: the loop
     try:
-        assert model._decoder_stack(caches) is None
+        assert "is not all 4-bit" in (model._stack_blocker() or "")
     finally:
         model.layers[-1].qkv4 = qkv4
-    model._stack = None
     model.tp_size = 2
     try:
-        assert model._decoder_stack(caches) is None
+        assert model._stack_blocker() is not None
     finally:
         model.tp_size = 1

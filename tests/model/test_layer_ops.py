@@ -1,8 +1,13 @@
 """The compiled CPU kernels (`KernelOps`) against the torch ops they replace (`TorchOps`):
 the same results within rounding, in float32 and bfloat16, for decode, prefill and mixed
-batches, block boundaries, odd sizes (masked vector tails) and every group size."""
+batches, block boundaries, odd sizes (masked vector tails) and every group size; each for
+this CPU's build and for the builds of the levels below it that a user's CPU may select
+(AVX-512 without BF16, AVX2, baseline x86-64: the loops without AVX-512 BF16, or without
+AVX-512 at all)."""
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
@@ -11,31 +16,59 @@ from otel_engine.config import EngineConfig
 from otel_engine.engine.batch import prepare_model_input
 from otel_engine.executor.model_runner import ModelRunner
 from otel_engine.model import kernels
-from otel_engine.model.layer_ops import KernelOps, TorchOps, make_layer_ops
+from otel_engine.model.kernels import KernelLibrary
+from otel_engine.model.layer_ops import KernelOps, TorchOps
 from otel_engine.model.layers import RotaryEmbedding
 from otel_engine.sampling_params import SamplingParams
 from otel_engine.sched.request import Request
 from otel_engine.sched.scheduler import ScheduledChunk
+from tests.helpers.isa import require_isa
 from tests.helpers.paged import step_metadata
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 CPU = torch.device("cpu")
+# This CPU's build, then the levels a user's CPU may have below CI's AVX-512 BF16.
+BUILDS = ("native", "avx512", "avx2", "baseline")
 
 
-@pytest.fixture(scope="module")
-def library() -> object:
-    library = kernels.load()
+@pytest.fixture(scope="module", params=BUILDS)
+def library(request: pytest.FixtureRequest) -> KernelLibrary:
+    """The kernels build for this CPU ("native"), or for a lower level that it also runs."""
+    if request.param == "native":
+        library = kernels.load()
+        level = kernels.target_isa()
+    else:
+        level = request.param
+        require_isa(level)
+        library = kernels.load(level)
     assert library is not None, "the kernels did not build (is a C compiler installed?)"
+    assert library.isa == level
     return library
 
 
+def test_each_build_is_for_the_level_asked(library: KernelLibrary) -> None:
+    """The library's own tag and contract name the level it was asked for, and only the
+    AVX-512 BF16 build has the optional functions (elsewhere the callers fall back)."""
+    assert kernels.build_tag(library.path) == (kernels.ABI_VERSION, library.isa)
+    assert library.contract.isa == library.isa
+    is_bf16 = library.isa == "avx512bf16"
+    for name in kernels.OPTIONAL_SIGNATURES:
+        assert library.has(name) == is_bf16, name
+
+
+@functools.cache
+def _rotary(head_dim: int, dtype: torch.dtype) -> RotaryEmbedding:
+    """The cos/sin tables (read only), made once: every build's tests share them."""
+    return RotaryEmbedding(head_dim, 4096, 10000.0, None, dtype, CPU)
+
+
 def both(
-    library: object, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int
+    library: KernelLibrary, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int
 ) -> tuple[TorchOps, KernelOps]:
-    rotary = RotaryEmbedding(head_dim, 4096, 10000.0, None, dtype, CPU)
+    rotary = _rotary(head_dim, dtype)
     return (
         TorchOps(heads, kv_heads, head_dim, rotary, CPU),
-        KernelOps(library, heads, kv_heads, head_dim, rotary, dtype),  # type: ignore[arg-type]
+        KernelOps(library, heads, kv_heads, head_dim, rotary, dtype),
     )
 
 
@@ -48,7 +81,7 @@ def assert_close(expected: torch.Tensor, actual: torch.Tensor, dtype: torch.dtyp
 @pytest.mark.parametrize(("rows", "width"), [(1, 576), (5, 100), (33, 64)])
 @pytest.mark.parametrize("has_delta", [True, False])
 def test_add_rms_norm_matches(
-    library: object, dtype: torch.dtype, rows: int, width: int, has_delta: bool
+    library: KernelLibrary, dtype: torch.dtype, rows: int, width: int, has_delta: bool
 ) -> None:
     """Residual add (in place) and RMSNorm: the same stream and the same normed rows."""
     torch_ops, kernel_ops = both(library, dtype, 4, 2, 16)
@@ -66,7 +99,9 @@ def test_add_rms_norm_matches(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("rows", "width"), [(1, 1536), (7, 40), (20, 128)])
-def test_silu_mul_matches(library: object, dtype: torch.dtype, rows: int, width: int) -> None:
+def test_silu_mul_matches(
+    library: KernelLibrary, dtype: torch.dtype, rows: int, width: int
+) -> None:
     """SiLU of the gate half times the up half, large and negative gates included."""
     torch_ops, kernel_ops = both(library, dtype, 4, 2, 16)
     gate_up = (torch.randn(rows, 2 * width) * 8).to(dtype)
@@ -77,7 +112,7 @@ def test_silu_mul_matches(library: object, dtype: torch.dtype, rows: int, width:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("rows", "vocab"), [(1, 49152), (32, 49152), (4, 33), (3, 1)])
 def test_argmax_is_torch_s_max_index(
-    library: object, dtype: torch.dtype, rows: int, vocab: int
+    library: KernelLibrary, dtype: torch.dtype, rows: int, vocab: int
 ) -> None:
     """Greedy tokens from the compiled argmax: torch's max(dim=-1) index exactly, with a tie
     (the first wins), a row of -inf (0) and a row with a NaN (the NaN's index)."""
@@ -116,7 +151,7 @@ BATCHES = {
     [(4, 2, 16, 4), (9, 3, 64, 16), (4, 4, 32, 8), (8, 1, 64, 16), (6, 2, 40, 4), (4, 2, 64, 1)],
 )
 def test_attend_matches(
-    library: object,
+    library: KernelLibrary,
     dtype: torch.dtype,
     batch: str,
     heads: int,
@@ -150,7 +185,7 @@ def test_attend_matches(
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 2, 16)])
 @pytest.mark.parametrize("step", ["decode", "prefill"])
 def test_attention_never_reads_past_the_sequence(
-    library: object, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, step: str
+    library: KernelLibrary, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, step: str
 ) -> None:
     """Cache slots past a sequence's length (the rest of its last block) may hold anything, a
     NaN included: attention gives the same finite output as with zeros there, for odd and
@@ -192,7 +227,9 @@ def test_attention_never_reads_past_the_sequence(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_prefill_masks_only_where_attention_reads_them(library: object, dtype: torch.dtype) -> None:
+def test_prefill_masks_only_where_attention_reads_them(
+    library: KernelLibrary, dtype: torch.dtype
+) -> None:
     """A later prefill chunk (keys from the cache) needs a mask on torch's fused attention;
     the compiled prefill attention (bfloat16, head size 64) applies causality itself, so
     none is built for it (a [queries, keys] tensor per chunk, every step)."""
@@ -206,48 +243,9 @@ def test_prefill_masks_only_where_attention_reads_them(library: object, dtype: t
         block_tables=[[0, 1]],
         block_size=16,
     )
-    uses_kernel = dtype == torch.bfloat16 and hasattr(library, "prefill_attention_bf16")
+    uses_kernel = dtype == torch.bfloat16 and library.has("prefill_attention_bf16")
     assert (meta.prefills[0].mask is None) == uses_kernel
     assert (meta.prefill_tables is not None) == uses_kernel
-
-
-def test_no_compiler_falls_back_to_torch_ops(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Without a C compiler the kernels are unavailable and the model runs on torch ops."""
-    monkeypatch.setenv("CC", "/nonexistent/cc")
-    monkeypatch.setattr(kernels.shutil, "which", lambda _: None)
-    kernels.load.cache_clear()
-    try:
-        ops = make_layer_ops(
-            "auto",
-            num_heads=4,
-            num_kv_heads=2,
-            head_dim=16,
-            rotary=RotaryEmbedding(16, 64, 10000.0, None, torch.float32, CPU),
-            dtype=torch.float32,
-            device=CPU,
-            block_size=16,
-        )
-    finally:
-        kernels.load.cache_clear()
-
-    assert isinstance(ops, TorchOps)
-    assert not isinstance(ops, KernelOps)
-
-
-def test_torch_choice_never_uses_the_kernels(library: object) -> None:
-    """kernels="torch" is the reference path, whatever is available."""
-    ops = make_layer_ops(
-        "torch",
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        rotary=RotaryEmbedding(16, 64, 10000.0, None, torch.bfloat16, CPU),
-        dtype=torch.bfloat16,
-        device=CPU,
-        block_size=16,
-    )
-
-    assert not isinstance(ops, KernelOps)
 
 
 def _runner(model_dir: str, dtype: str, kernels_choice: str) -> ModelRunner:

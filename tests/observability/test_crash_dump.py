@@ -324,6 +324,20 @@ def test_engine_config_part_names_model_parallelism_limits_and_versions() -> Non
     assert "/secret" not in to_json(part)
 
 
+def test_engine_config_part_says_which_fast_paths_ran() -> None:
+    """The fast-path decisions the model ran with (which kernels a native fault was in)."""
+    summary = {
+        "cpu_isa": "avx512bf16",
+        "kernel_isa": "avx512bf16",
+        "paths": {"int4_kernels": {"enabled": True, "reason": "the checkpoint's 4-bit weights"}},
+    }
+
+    part = engine_config_part(EngineConfig(), fast_paths=summary)
+
+    assert summary == part["fast_paths"]
+    assert "fast_paths" not in engine_config_part(EngineConfig())
+
+
 def test_system_stats_part_survives_a_broken_scheduler() -> None:
     """Each stat that cannot be read says why; the failure and the rest are still there."""
     failure = failure_summary("worker-1", "RuntimeError", "boom", "exception")
@@ -480,6 +494,63 @@ def test_report_crash_logs_one_json_line_with_nested_parts(
     assert ("engine_crash_dump", "critical") == (line["event"], line["level"])
     assert {part: dump[part] for part in PARTS} == {part: line[part] for part in PARTS}
     assert format(span.get_span_context().span_id, "016x") == line["span_id"]
+
+
+FAULT_FRAMES = [
+    SimpleNamespace(function="string_at", file="ctypes/__init__.py", line=519),
+    SimpleNamespace(function="maybe_inject", file="otel_engine/observability/faults.py", line=9),
+]
+
+
+def test_failure_summary_of_a_native_fault_has_the_signal_and_frames() -> None:
+    """A process that died of a signal: its name and at most MAX_FAULT_FRAMES frames as
+    {function, file, line}, innermost first; any other failure: no signal, no frames."""
+    frames = FAULT_FRAMES * 20
+    failure = failure_summary(
+        "otel-worker-1", "WorkerDied", "m", "died", signal="SIGSEGV", frames=frames
+    )
+    plain = failure_summary("engine_core", "RuntimeError", "boom", "exception")
+
+    assert "SIGSEGV" == failure["signal"]
+    assert crash_dump.MAX_FAULT_FRAMES == len(failure["frames"])
+    assert {"function": "string_at", "file": "ctypes/__init__.py", "line": 519} == failure[
+        "frames"
+    ][0]
+    assert (None, []) == (plain["signal"], plain["frames"])
+
+
+def test_report_crash_of_a_native_fault_puts_signal_and_frames_on_span_and_line(
+    capture: Any, tracer_and_spans: Any
+) -> None:
+    """The crash event gets `otel_engine.crash.signal` and `.frames` (JSON), the log line
+    `signal` and `frames`, equal to the failure part's."""
+    tracer, exporter = tracer_and_spans
+    failure = failure_summary(
+        "engine_core", "EngineCoreDied", "m", "died", signal="SIGSEGV", frames=FAULT_FRAMES
+    )
+    span = tracer.start_span("engine_core.crash")
+    report_crash(a_dump(), span, failure, capture.logger)
+    span.end()
+
+    (finished,) = exporter.get_finished_spans()
+    attributes = finished.events[1].attributes
+    (line,) = [strict_json(text) for text in capture.handler.lines]
+    assert "SIGSEGV" == attributes["otel_engine.crash.signal"] == line["signal"]
+    assert failure["frames"] == strict_json(attributes["otel_engine.crash.frames"])
+    assert failure["frames"] == line["frames"]
+
+
+def test_front_end_stats_part_says_what_it_cannot_know() -> None:
+    """After the engine core died: the failure, uptime and the machine's load; the
+    scheduler's state marked not available."""
+    failure = failure_summary("engine_core", "EngineCoreDied", "m", "died", signal="SIGSEGV")
+
+    part = crash_dump.front_end_stats_part(failure=failure, started_at=0.0)
+
+    assert failure == part["failure"]
+    assert "not_available" in part["scheduler"]
+    assert {"uptime_s", "process_rss_mib", "cpu_count", "load_average"} <= set(part)
+    assert "not_available" in to_json(crash_dump.not_available("gone"))
 
 
 def test_report_crash_without_a_span_still_logs(capture: Any) -> None:

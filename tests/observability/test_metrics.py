@@ -42,6 +42,18 @@ FAMILIES = {
     "otel_engine_telemetry_export_failures": "counter",
     "otel_engine_structured_output_invalid": "counter",
     "otel_engine_engine_health_state": "gauge",
+    "otel_engine_fast_path_info": "gauge",
+    "otel_engine_step_grammar_mask_seconds": "histogram",
+}
+
+
+FAST_PATHS = {  # a FastPaths.summary(), as the engine reports it at start
+    "cpu_isa": "avx2",
+    "kernel_isa": None,
+    "paths": {
+        "compiled_kernels": {"enabled": False, "reason": "float32 on avx2"},
+        "onednn_packing": {"enabled": True, "reason": "oneDNN prepacked weights"},
+    },
 }
 
 
@@ -79,7 +91,7 @@ def finish_one(metrics: EngineMetrics) -> None:
 
 
 def test_render_has_every_family_with_its_type() -> None:
-    """GET /metrics text lists every family of DESIGN.md section 4 with the right type."""
+    """GET /metrics text lists every family of the telemetry contract with the right type."""
     body, content_type = EngineMetrics().render()
     assert content_type.startswith("text/plain")
     families = {f.name: f.type for f in text_string_to_metric_families(body.decode())}
@@ -187,6 +199,23 @@ def test_errors_are_counted_by_type() -> None:
     assert 7 == values[("otel_engine_prompt_tokens_total", ())]
 
 
+def test_fast_path_decisions_are_one_sample_each() -> None:
+    """Each path of the start-up decision is one sample of value 1 whose labels say whether
+    it runs and on which instruction sets."""
+    metrics = EngineMetrics()
+    metrics.set_fast_paths(FAST_PATHS)
+
+    found = {
+        dict(labels)["path"]: (dict(labels)["enabled"], dict(labels)["cpu_isa"], value)
+        for (name, labels), value in samples(metrics).items()
+        if name == "otel_engine_fast_path_info"
+    }
+    assert {
+        "compiled_kernels": ("false", "avx2", 1.0),
+        "onednn_packing": ("true", "avx2", 1.0),
+    } == found
+
+
 def test_health_state_is_one_hot() -> None:
     """Exactly the current health state is 1."""
     metrics = EngineMetrics()
@@ -237,6 +266,7 @@ def test_otlp_export_of_the_registry(protocol: str, monkeypatch: pytest.MonkeyPa
     metrics = EngineMetrics()
     finish_one(metrics)
     metrics.on_request_error("abort")
+    metrics.set_fast_paths(FAST_PATHS)
     with OtlpReceiver(protocol) as receiver:
         config = ObservabilityConfig(otlp_endpoint=receiver.endpoint, otlp_protocol=protocol)
         bridge = start_otlp_metrics(metrics.registry, config=config, instance_id="engine-m")

@@ -377,7 +377,7 @@ def test_lines_logged_while_serving_carry_the_trace_id(runs: dict[str, Run]) -> 
     records = _records(run)
     mine = [r for r in records if r.get("request_id") == request_id]
     [finished] = [r for r in mine if r["event"] == "request.finished"]
-    access = [r for r in records if r.get("logger") == "uvicorn.access" and "POST" in r["event"]]
+    access = [r for r in records if r["event"] == "http.access" and r.get("http_method") == "POST"]
 
     assert {run.trace_id} == {r.get("trace_id") for r in mine}
     assert ("length", 6) == (finished["finish_reason"], finished["num_generated_tokens"])

@@ -59,7 +59,7 @@ def test_history_is_cut_before_the_failing_batch() -> None:
 def test_recording_a_step_costs_microseconds() -> None:
     """The per-step cost the note quotes: the ring write of one step's numbers."""
     history = StepHistory(64)
-    row = (1, time.time(), 0.01, 8, 1, 40, 0, 0.5, 3, 8, 0, 0)
+    row = (1, time.time(), 0.01, 8, 1, 40, 0, 0.5, 3, 8, 0, 0, 0.0)
     started = time.perf_counter()
     for _ in range(100_000):
         history.record(row)
@@ -100,6 +100,39 @@ def test_a_crash_dump_shows_the_steps_before_the_crash(
         assert 0 <= values["kv_cache_usage"] <= 1
         assert all(isinstance(v, int | float) for v in row)
     assert "offline-" not in to_json(history)  # no request id
+
+
+@pytest.mark.slow
+def test_the_history_says_what_grammar_masks_cost_each_step(
+    tiny_model_dir: str,
+    tiny_prompts: list[list[int]],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """With a structured request in the batch, each step's `grammar_mask_s` is the time its
+    masks took (> 0), within the step's duration; the schema appears nowhere in the dump."""
+    from otel_engine.engine.structured_output import from_response_format
+
+    spec = "engine_core:raise:step=6"
+    monkeypatch.setenv(faults.ENV_VAR, spec)
+    monkeypatch.setattr(faults, "_FAULT", faults.Fault.parse(spec))
+    schema = {"type": "object", "properties": {"secret_field_name": {"type": "integer"}}}
+    structured = from_response_format({"type": "json_schema", "json_schema": {"schema": schema}})
+    params = SamplingParams(max_tokens=30, temperature=0.0, structured_output=structured)
+    with (
+        caplog.at_level(logging.CRITICAL),
+        LLM(tiny_model_dir) as llm,
+        pytest.raises(EngineDeadError),
+    ):
+        llm.generate(tiny_prompts[:1], params)
+
+    [record] = [r for r in caplog.records if r.getMessage() == "engine_crash_dump"]
+    history = record.history  # type: ignore[attr-defined]
+    rows = [dict(zip(history["fields"], row, strict=True)) for row in history["steps"]]
+    assert rows
+    for values in rows:
+        assert 0 < values["grammar_mask_s"] <= values["duration_s"]
+    assert "secret_field_name" not in to_json(record.__dict__)
 
 
 @pytest.mark.slow

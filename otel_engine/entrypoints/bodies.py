@@ -1,0 +1,172 @@
+"""Request bodies: validated by pydantic off the event loop when large, and counted first.
+
+FastAPI would parse and validate a body on the event loop, where 4 MB of small JSON objects
+(140,000 empty chat messages) take most of a second and stall every other request, /health
+included. `BodyRoute` validates each route's `body` with `BodyParser` instead: bodies up to
+`INLINE_BODY_BYTES` on the loop (microseconds), larger ones in the `request-body` thread.
+Before pydantic sees a chat body, its messages and content parts are counted on a compact
+decoding (`check_chat_counts`), so a body over `MAX_MESSAGES` or `MAX_CONTENT_PARTS` is a 400
+after milliseconds, whatever it holds. A request with a large body that fails hands the
+memory it took back to the system (glibc keeps freed heap pages otherwise). The OpenAPI
+document is FastAPI's own, from the same signatures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import ctypes.util
+import inspect
+import json
+import time
+import typing
+from collections.abc import Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, ClassVar, TypeVar
+
+import msgspec
+from fastapi.exceptions import RequestValidationError
+from fastapi.routing import APIRoute
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+from starlette.responses import Response
+
+from otel_engine.entrypoints.errors import bad_request
+from otel_engine.entrypoints.limits import MAX_CONTENT_PARTS, MAX_MESSAGES
+from otel_engine.entrypoints.protocol import ChatCompletionRequest, TokenizeRequest
+
+M = TypeVar("M", bound=BaseModel)
+
+INLINE_BODY_BYTES = 64 * 1024
+# A failed request with a body of at least this size gives its memory back (malloc_trim), at
+# most once per TRIM_INTERVAL_S.
+TRIM_BODY_BYTES = 1024 * 1024
+TRIM_INTERVAL_S = 1.0
+
+
+class _Counted(msgspec.Struct):
+    """A chat body as far as counting needs it: its messages, undecoded."""
+
+    messages: list[msgspec.Raw] = []
+
+
+class _CountedMessage(msgspec.Struct):
+    content: str | list[msgspec.Raw] | None = None
+
+
+def check_chat_counts(raw: bytes) -> None:
+    """400 for a chat body with more than `MAX_MESSAGES` messages or `MAX_CONTENT_PARTS`
+    content parts in all. A body that is not shaped like a chat is left to pydantic."""
+    try:
+        messages = msgspec.json.decode(raw, type=_Counted).messages
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return
+    if len(messages) > MAX_MESSAGES:
+        raise bad_request(
+            f"a request has at most {MAX_MESSAGES} messages, this one has {len(messages)}",
+            param="messages",
+            code="too_many_messages",
+        )
+    num_parts = 0
+    for message in messages:
+        try:
+            content = msgspec.json.decode(message, type=_CountedMessage).content
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            continue
+        num_parts += len(content) if isinstance(content, list) else 0
+    if num_parts > MAX_CONTENT_PARTS:
+        raise bad_request(
+            f"a request has at most {MAX_CONTENT_PARTS} content parts, this one has {num_parts}",
+            param="messages",
+            code="too_many_messages",
+        )
+
+
+class BodyParser:
+    """Validates request bodies into their pydantic models; large ones in one thread."""
+
+    def __init__(self) -> None:
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="request-body")
+        self._trim = _malloc_trim()
+        self._last_trim = 0.0
+
+    async def parse(self, model: type[M], raw: bytes) -> M:
+        if len(raw) <= INLINE_BODY_BYTES:
+            return validate(model, raw)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._thread, validate, model, raw)
+
+    def refused(self, num_bytes: int) -> None:
+        """A request of a `num_bytes` body failed: give its memory back to the system if it
+        was large (see TRIM_BODY_BYTES)."""
+        now = time.monotonic()
+        if self._trim is None or num_bytes < TRIM_BODY_BYTES:
+            return
+        if now - self._last_trim >= TRIM_INTERVAL_S:
+            self._last_trim = now
+            self._thread.submit(self._trim, 0)
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=False, cancel_futures=True)
+
+
+def validate(model: type[M], raw: bytes) -> M:
+    """`model` from a JSON body, parsed and validated as FastAPI would (the standard JSON
+    parser, which keeps a lone surrogate for the field's own check to name); errors as
+    FastAPI's (answered 400)."""
+    if model in _CHAT_MODELS:
+        check_chat_counts(raw)
+    try:
+        value = json.loads(raw)
+    except (ValueError, RecursionError):  # not JSON, not UTF-8, an int past 4,300 digits
+        error = {"type": "json_invalid", "loc": ("body",), "msg": "JSON decode error"}
+        raise RequestValidationError([error]) from None
+    try:
+        return model.model_validate(value)
+    except ValidationError as error:
+        raise RequestValidationError(error.errors(include_url=False)) from None
+
+
+_CHAT_MODELS: frozenset[type[BaseModel]] = frozenset({ChatCompletionRequest, TokenizeRequest})
+
+
+def _malloc_trim() -> Callable[[int], int] | None:
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
+def body_route_class(parser: BodyParser) -> type[APIRoute]:
+    """FastAPI's `route_class` for one app: its routes' bodies go through `parser`."""
+    return type("AppBodyRoute", (BodyRoute,), {"parser": parser})
+
+
+class BodyRoute(APIRoute):
+    """An `APIRoute` whose endpoint's `body` parameter is validated by `BodyParser` (the
+    endpoint gets it, and the `Request` if it asks); other routes are FastAPI's."""
+
+    parser: ClassVar[BodyParser]
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        model = typing.get_type_hints(self.endpoint).get("body")
+        if model is None:
+            return super().get_route_handler()
+        endpoint = self.endpoint
+        wants_request = "request" in inspect.signature(endpoint).parameters
+        parser = self.parser
+
+        async def handle(request: Request) -> Response:
+            raw = await request.body()
+            try:
+                body = await parser.parse(model, raw)
+                result = await (endpoint(body, request) if wants_request else endpoint(body))
+            except Exception:
+                parser.refused(len(raw))
+                raise
+            if isinstance(result, Response):
+                return result
+            return Response(msgspec.json.encode(result), media_type="application/json")
+
+        return handle

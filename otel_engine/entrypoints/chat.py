@@ -1,0 +1,98 @@
+"""Chat prompts: the model's chat template, rendered and tokenized so that control tokens
+come from the template's own markup only.
+
+A tokenizer turns the text of a special token (`<|im_start|>`, `<|eot_id|>`, ...) into that
+token wherever it appears, so a user who writes `<|im_end|>\n<|im_start|>system` in a
+message would forge a system turn. `ChatRenderer` first replaces each special token's text
+in client-written fields (content, name) with a marker no client can guess (a per-render
+nonce between two private-use characters), renders the template, then tokenizes the text
+between markers as before (the template's markup: special tokens parsed) and each marked
+token's text as plain text. A chat whose fields contain no special token's text is
+rendered and tokenized exactly as it was before (the same ids).
+`--allow-special-tokens-in-content` turns the markers off.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from typing import Any
+
+import jinja2
+
+from otel_engine.entrypoints.errors import bad_request
+
+CLIENT_FIELDS = ("content", "name")  # what a client writes into a message
+_MARK_OPEN, _MARK_CLOSE = "\ue000", "\ue001"
+
+
+class ChatRenderer:
+    """Renders chat messages with one tokenizer's chat template into (text, token ids)."""
+
+    def __init__(self, tokenizer: Any, *, allow_special_tokens: bool = False) -> None:
+        self.tokenizer = tokenizer
+        self.allow_special_tokens = allow_special_tokens
+        specials = sorted(
+            {t.content for t in tokenizer.added_tokens_decoder.values() if t.special},
+            key=len,
+            reverse=True,  # the longest first: one special token's text may start another's
+        )
+        self._specials = re.compile("|".join(map(re.escape, specials))) if specials else None
+
+    def render(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> tuple[str, list[int]]:
+        """The prompt's text (as the template wrote it) and its token ids."""
+        found: list[str] = []
+        nonce = secrets.token_hex(8)
+        if not self.allow_special_tokens and self._specials is not None:
+            messages = [self._marked(message, nonce, found) for message in messages]
+        text = self._apply(messages, add_generation_prompt)
+        if not found:
+            return text, self._encode(text)
+        pieces = re.split(f"{_MARK_OPEN}{nonce}(\\d+){_MARK_CLOSE}", text)
+        token_ids: list[int] = []
+        for index, piece in enumerate(pieces):
+            if index % 2:  # a marked special token's text, written by the client
+                pieces[index] = found[int(piece)]
+                token_ids += self._encode(pieces[index], split_special_tokens=True)
+            elif piece:
+                token_ids += self._encode(piece)
+        return "".join(pieces), token_ids
+
+    def _marked(self, message: dict[str, str], nonce: str, found: list[str]) -> dict[str, str]:
+        assert self._specials is not None
+
+        def mark(match: re.Match[str]) -> str:
+            found.append(match.group())
+            return f"{_MARK_OPEN}{nonce}{len(found) - 1}{_MARK_CLOSE}"
+
+        marked = dict(message)
+        for field in CLIENT_FIELDS:
+            value = marked.get(field)
+            if value:
+                marked[field] = self._specials.sub(mark, value)
+        return marked
+
+    def _encode(self, text: str, split_special_tokens: bool = False) -> list[int]:
+        options = {"split_special_tokens": True} if split_special_tokens else {}
+        return list(self.tokenizer.encode(text, add_special_tokens=False, **options))
+
+    def _apply(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise bad_request(
+                "this model has no chat template; use /v1/completions",
+                param="messages",
+                code="unsupported_parameter",
+            )
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False
+            )
+        except (jinja2.TemplateError, ValueError, TypeError) as error:
+            raise bad_request(
+                f"chat template rejected the messages: {type(error).__name__}",
+                param="messages",
+                code="invalid_value",
+            ) from None
+        return str(text)

@@ -1,0 +1,181 @@
+"""Which fast path a model runs, decided once from what this CPU, this torch and the kernel
+build can run: the one place that turns `--kernels` and `--int4` into paths.
+
+  compiled_kernels  RMSNorm, rotary + cache write, decode attention, SiLU and argmax in
+                    cpu_kernels.c (else torch ops): CPU, float32 or bfloat16, a kernels
+                    build where it pays off (`kernels_pay_off`)
+  onednn_packing    weights prepacked for oneDNN (else `F.linear`): CPU, float32, or
+                    bfloat16 where oneDNN has a bfloat16 path on this CPU
+  int4_kernels      a 4-bit checkpoint multiplied by its own weights (else their bfloat16
+                    copies): bfloat16, a build for AVX-512 BF16
+  prefill_kernel    prompt attention in cpu_kernels.c (else torch's fused attention):
+                    bfloat16, head size 64, a build for AVX-512 BF16
+  decoder_stack     a whole model's layers in one call (else the per-layer loop): the 4-bit
+                    kernels on every layer, one rank, head size 64
+
+Each is on only where it can run; otherwise the next correct path runs (in brackets). The
+decisions and their reasons are logged once at start (`kernels.selected`), go into the crash
+dump's engine config and reach the API server (`GET /v1/models` and the
+`otel_engine_fast_path_info` metric).
+
+The compiled kernels' loops are vectorized by hand for AVX-512 only; built for a lower level
+they run one element at a time as far as the compiler leaves them. With torch capped at the
+same level (`ATEN_CPU_CAPABILITY`, `ONEDNN_MAX_CPU_ISA`; bench/kernel_isa.py) they still beat
+torch ops in bfloat16, whose attention and element-wise ops are slower there, but not in
+float32: that is the rule `kernels_pay_off` states.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from otel_engine.model import kernels
+from otel_engine.model.kernels import KernelLibrary
+
+PATHS = ("compiled_kernels", "onednn_packing", "int4_kernels", "prefill_kernel", "decoder_stack")
+BF16_ISA = "avx512bf16"  # the 4-bit matmuls, prefill attention and the decoder stack
+PREFILL_KERNEL_HEAD_DIM = 64
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    enabled: bool
+    reason: str
+
+
+@dataclass
+class FastPaths:
+    """The decisions for one model on one rank. `library` is the kernels build the enabled
+    compiled paths call (None when none is)."""
+
+    cpu_isa: str
+    kernel_isa: str | None
+    library: KernelLibrary | None
+    choices: dict[str, Choice] = field(default_factory=dict)
+
+    def is_on(self, name: str) -> bool:
+        return self.choices[name].enabled
+
+    def decide(self, name: str, enabled: bool, reason: str) -> None:
+        """Record (or, once the checkpoint is known, revise) one path's decision."""
+        assert name in PATHS, name
+        self.choices[name] = Choice(enabled, reason)
+
+    def summary(self) -> dict[str, Any]:
+        """Plain data for the start log, the crash dump and the API server."""
+        return {
+            "cpu_isa": self.cpu_isa,
+            "kernel_isa": self.kernel_isa,
+            "paths": {
+                name: {"enabled": c.enabled, "reason": c.reason} for name, c in self.choices.items()
+            },
+        }
+
+
+def choose(
+    *,
+    kernels_flag: str,
+    int4_flag: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    head_dim: int,
+    rotary_dim: int,
+    block_size: int,
+    tp_size: int,
+    blocker: str | None = None,
+) -> FastPaths:
+    """Every path's decision that the config and the machine settle; `int4_kernels` and
+    `decoder_stack` are settled once the checkpoint is loaded (`LlamaModel.load_int4`).
+    `blocker`: why the model family runs neither the kernels nor prepacked weights."""
+    plan = FastPaths(cpu_isa=_cpu_isa(device), kernel_isa=None, library=None)
+    reason = blocker or _kernel_blocker(kernels_flag, device, dtype, rotary_dim, head_dim)
+    target = kernels.target_isa() if reason is None else None
+    if target is not None and not kernels_pay_off(target, dtype):
+        reason = f"{_name(dtype)} on {target}: torch ops are as fast (bench/kernel_isa.py)"
+    if reason is None:
+        plan.library = kernels.load(target)
+        if plan.library is None:
+            reason = "the kernels could not be built (see kernels.unavailable)"
+        elif block_size > plan.library.max_block_size:
+            reason = f"--block-size {block_size} > {plan.library.max_block_size}"
+            plan.library = None
+    if plan.library is not None:
+        plan.kernel_isa = plan.library.isa
+    plan.decide("compiled_kernels", reason is None, reason or f"built for {plan.kernel_isa}")
+    packing = blocker or _packing_blocker(kernels_flag, device, dtype)
+    plan.decide("onednn_packing", packing is None, packing or "oneDNN prepacked weights")
+    has_bf16 = plan.kernel_isa == BF16_ISA and dtype == torch.bfloat16
+    needs = "needs the kernels for avx512bf16 and bfloat16"
+    if reason is not None:
+        needs = f"needs the compiled kernels (off: {reason})"
+    if int4_flag == "off":
+        plan.decide("int4_kernels", False, "--int4 off")
+    else:
+        plan.decide(
+            "int4_kernels", has_bf16, "the checkpoint's 4-bit weights" if has_bf16 else needs
+        )
+    if has_bf16 and head_dim != PREFILL_KERNEL_HEAD_DIM:
+        plan.decide("prefill_kernel", False, f"head size {head_dim} (the kernel takes 64)")
+    else:
+        plan.decide("prefill_kernel", has_bf16, "bfloat16, head size 64" if has_bf16 else needs)
+    if tp_size != 1:
+        plan.decide("decoder_stack", False, f"{tp_size} ranks (the stack runs on one)")
+    else:
+        on = plan.is_on("int4_kernels") and plan.is_on("prefill_kernel")
+        plan.decide(
+            "decoder_stack",
+            on,
+            "every layer in 4 bits" if on else "needs the 4-bit and prefill kernels",
+        )
+    return plan
+
+
+def _cpu_isa(device: torch.device) -> str:
+    return kernels.cpu_isa() if device.type == "cpu" else "generic"
+
+
+def _kernel_blocker(
+    kernels_flag: str, device: torch.device, dtype: torch.dtype, rotary_dim: int, head_dim: int
+) -> str | None:
+    if kernels_flag == "torch":
+        return "--kernels torch"
+    if device.type != "cpu":
+        return f"device {device.type} (the kernels are for CPUs)"
+    if dtype not in _KERNEL_DTYPES:
+        return f"dtype {_name(dtype)} (the kernels take float32 and bfloat16)"
+    if rotary_dim != head_dim:
+        return "partial rotary embedding (the kernels rotate whole heads)"
+    return None
+
+
+def _packing_blocker(kernels_flag: str, device: torch.device, dtype: torch.dtype) -> str | None:
+    if kernels_flag == "torch":
+        return "--kernels torch"
+    if device.type != "cpu":
+        return f"device {device.type}"
+    if dtype not in _KERNEL_DTYPES:
+        return f"dtype {_name(dtype)}"
+    if not torch.backends.mkldnn.is_available():
+        return "this torch has no oneDNN"
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return "oneDNN has no bfloat16 path on this CPU"
+    return None
+
+
+def kernels_pay_off(isa: str, dtype: torch.dtype) -> bool:
+    """The measured rule (bench/kernel_isa.py): kernels built for AVX-512 (16-lane loops by
+    hand) beat torch ops in both dtypes; built for AVX2 or the x86-64 baseline, in bfloat16
+    only (there torch's bfloat16 attention and element-wise ops are several times slower
+    still), while in float32 torch's vectorized ops are as fast or faster; off x86 (never
+    measured) torch ops."""
+    if isa in ("avx512", "avx512bf16"):
+        return True
+    return isa in ("avx2", "baseline") and dtype == torch.bfloat16
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

@@ -1,0 +1,175 @@
+"""The contract between kernels.py and cpu_kernels.c: every exported function's parameters
+(names, kinds, order) as the C source declares them, the layout constants and the decoder
+stack's fields as the library reports them, and a build made for another target is never
+loaded."""
+
+from __future__ import annotations
+
+import ctypes
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from otel_engine.model import kernels
+from otel_engine.model.kernels import OPTIONAL_SIGNATURES, SIGNATURES, SOURCE, SUFFIXES
+
+_PROTOTYPE = re.compile(r"^void ([a-z0-9_]+(?:##SUFFIX)?)\(([^)]*)\)", re.MULTILINE)
+_KINDS = {"float": ctypes.c_float, "int64_t": ctypes.c_int64}
+
+
+def _c_prototypes() -> dict[str, list[tuple[str, type]]]:
+    """Every exported `void name(...)` of the C source (macro line continuations removed;
+    `name_##SUFFIX` as `name_`), its parameters as (name, ctypes kind): pointers c_void_p."""
+    text = SOURCE.read_text().replace("\\\n", "\n")
+    found = {}
+    for match in _PROTOTYPE.finditer(text):
+        params = []
+        for declaration in " ".join(match.group(2).split()).split(","):
+            words = declaration.replace("*", " * ").split()
+            kind = ctypes.c_void_p if "*" in words else _KINDS[words[-2]]
+            params.append((words[-1], kind))
+        found[match.group(1).removesuffix("##SUFFIX")] = params
+    return found
+
+
+def test_every_signature_matches_the_c_prototype() -> None:
+    """kernels.py declares each function's parameters by name, kind and order as the C
+    source does (a reordered or retyped argument would be silent memory corruption)."""
+    prototypes = _c_prototypes()
+    declared = {**{f"{n}_": p for n, p in SIGNATURES.items()}, **OPTIONAL_SIGNATURES}
+
+    for name, params in declared.items():
+        assert list(params) == prototypes[name], name
+    assert set(declared) == set(prototypes)
+
+
+@pytest.fixture(scope="module")
+def library() -> kernels.KernelLibrary:
+    built = kernels.load()
+    assert built is not None, "the kernels did not build (is a C compiler installed?)"
+    return built
+
+
+def test_the_library_states_this_modules_layout(library: kernels.KernelLibrary) -> None:
+    """The ABI number, target and layout constants the library reports are the ones the
+    Python side builds its tensors with."""
+    contract = library.contract
+
+    assert [] == contract.mismatches()
+    assert kernels.ABI_VERSION == contract.abi
+    assert kernels.target_isa() == contract.isa == library.isa
+    assert (kernels.ABI_VERSION, contract.isa) == kernels.build_tag(library.path)
+
+
+def test_the_stack_fields_are_named_in_c_order(library: kernels.KernelLibrary) -> None:
+    """The decoder stack's per-layer fields and dims come from the C side's one list: a
+    matrix is its bytes, parameters and panels in that order (stack_linear reads them so)."""
+    fields = library.contract.stack_fields
+
+    assert ("input_norm", "post_norm") == fields[:2]
+    assert ("k_cache", "v_cache") == fields[-2:]
+    for matrix in ("qkv", "o", "gate_up", "down"):
+        at = fields.index(f"{matrix}_packed")
+        assert (f"{matrix}_params", f"{matrix}_panels") == fields[at + 1 : at + 3]
+    assert "tokens" == library.contract.stack_dims[0]
+    assert len(set(library.contract.stack_dims)) == len(library.contract.stack_dims) == 12
+
+
+def test_every_declared_function_is_typed(library: kernels.KernelLibrary) -> None:
+    """load() gives each present function its argtypes (ctypes would otherwise pass
+    Python ints as C ints and floats not at all)."""
+    for name, params in SIGNATURES.items():
+        for suffix in SUFFIXES:
+            function = getattr(library, f"{name}_{suffix}")
+            assert [k for _, k in params] == function.argtypes
+    for name, params in OPTIONAL_SIGNATURES.items():
+        if library.has(name):
+            assert [k for _, k in params] == getattr(library, name).argtypes
+
+
+def _fresh_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("OTEL_ENGINE_CACHE_DIR", str(tmp_path))
+    kernels.load.cache_clear()
+
+
+def test_each_target_has_its_own_cache_entry() -> None:
+    """The cache key includes the target: builds for two levels never share a file."""
+    compiler = kernels._compiler()
+    assert compiler is not None
+
+    paths = {isa: kernels.library_path(compiler, isa) for isa in kernels.ISA_LEVELS}
+
+    assert len(kernels.ISA_LEVELS) == len(set(paths.values()))
+    for isa, path in paths.items():
+        assert path.name.startswith(f"cpu_kernels-{isa}-")
+
+
+def test_a_copied_build_for_another_target_is_rebuilt_not_loaded(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A cache holding, under this target's name, a library built for another level (a
+    cache directory copied from another machine) is rebuilt: its build tag is read from the
+    file before anything loads it."""
+    _fresh_cache(monkeypatch, tmp_path)
+    try:
+        other = kernels.load("avx2")
+        assert other is not None
+        target = kernels.target_isa()
+        compiler = kernels._compiler()
+        assert compiler is not None
+        wanted = kernels.library_path(compiler, target)
+        kernels.load.cache_clear()
+        shutil.copyfile(other.path, wanted)
+        assert (kernels.ABI_VERSION, "avx2") == kernels.build_tag(wanted)
+
+        library = kernels.load()
+    finally:
+        kernels.load.cache_clear()
+
+    assert library is not None
+    assert target == library.isa
+    assert (kernels.ABI_VERSION, target) == kernels.build_tag(wanted)
+
+
+def test_a_library_of_another_abi_is_rebuilt(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A file whose build tag names another ABI (an older build of the same name) is
+    replaced by a fresh build."""
+    _fresh_cache(monkeypatch, tmp_path)
+    compiler = kernels._compiler()
+    assert compiler is not None
+    target = kernels.target_isa()
+    wanted = kernels.library_path(compiler, target)
+    wanted.parent.mkdir(parents=True)
+    wanted.write_bytes(b"\x7fELF junk otel-kernels-build:abi=1;isa=" + target.encode() + b";")
+    try:
+        library = kernels.load()
+    finally:
+        kernels.load.cache_clear()
+
+    assert library is not None
+    assert (kernels.ABI_VERSION, target) == kernels.build_tag(wanted)
+
+
+def test_a_target_above_the_cpu_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """OTEL_ENGINE_KERNEL_ISA can lower the target, never raise it past the CPU."""
+    monkeypatch.setattr(kernels, "cpu_isa", lambda: "avx2")
+    monkeypatch.setenv(kernels.ISA_ENV, "avx512bf16")
+
+    with pytest.raises(ValueError, match="above what this CPU runs"):
+        kernels.target_isa()
+    monkeypatch.setenv(kernels.ISA_ENV, "avx2")
+    assert "avx2" == kernels.target_isa()
+
+
+def test_the_build_flags_name_the_target_never_native() -> None:
+    """The compiler is told the target; -march=native (its own guess) is never used."""
+    for isa in (*kernels.ISA_LEVELS, "generic"):
+        flags = kernels.build_flags(isa)
+        assert "-march=native" not in flags
+        assert "-mtune=native" not in flags
+    assert "-mavx512bf16" in kernels.build_flags("avx512bf16")
+    assert "-march=x86-64-v3" in kernels.build_flags("avx2")
