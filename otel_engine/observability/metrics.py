@@ -153,7 +153,8 @@ class _ConstantLabels(Collector):
 
 
 class EngineMetrics:
-    """Every `otel_engine_*` family of DESIGN.md section 4, with per-step and per-request hooks."""
+    """Every `otel_engine_*` family (docs/observability.md, "Metrics"), with per-step and
+    per-request hooks."""
 
     def __init__(
         self,

@@ -20,7 +20,7 @@ from tests.helpers.procs import ServerProcess, free_port
 
 pytestmark = pytest.mark.slow  # starts servers or engine processes
 
-DESIGN_SERVE_FLAGS = {
+CORE_SERVE_FLAGS = {
     "--model",
     "--host",
     "--port",
@@ -40,7 +40,7 @@ DESIGN_SERVE_FLAGS = {
     "--engine-ready-timeout",
     "--step-timeout",
     "--shutdown-timeout",
-    "--enable-prefix-caching",  # DESIGN.md 5c
+    "--enable-prefix-caching",  # prefix caching, on by default
     "--no-enable-prefix-caching",
 }
 EXTRA_FLAGS = {
@@ -61,7 +61,7 @@ EXTRA_FLAGS = {
     "--api-key-file",
     "--allow-special-tokens-in-content",
 }
-# DESIGN.md section 5b, the post-mortem contracts
+# the post-mortem flags (docs/operations.md, "Reading a crash")
 POST_MORTEM_FLAGS = {"--crash-dump-dir", "--crash-history-steps"}
 PROMPTS = ["The engine schedules", "Once upon a time"]
 
@@ -90,10 +90,10 @@ def _run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[st
 
 
 def test_serve_has_exactly_the_documented_flags() -> None:
-    """`serve` takes DESIGN.md's flags plus the extras (model name, KV memory, seed, OTLP logs,
-    prompt logging, the final scrape after an engine failure, the limits per client, the CPU
-    kernel and 4-bit weight choices) and the post-mortem ones of section 5b."""
-    expected = DESIGN_SERVE_FLAGS | EXTRA_FLAGS | POST_MORTEM_FLAGS | {"-h", "--help"}
+    """`serve` takes the documented core flags plus the extras (model name, KV memory, seed,
+    OTLP logs, prompt logging, the final scrape after an engine failure, the limits per
+    client, the CPU kernel and 4-bit weight choices) and the post-mortem ones."""
+    expected = CORE_SERVE_FLAGS | EXTRA_FLAGS | POST_MORTEM_FLAGS | {"-h", "--help"}
     assert expected == _flags("serve")
 
 

@@ -53,7 +53,7 @@ def run_export(run_python: RunPython, receiver: OtlpReceiver, **env: str) -> dic
 
 @pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
 def test_spans_reach_the_receiver_with_the_resource(run_python: RunPython, protocol: str) -> None:
-    """OTEL_EXPORTER_OTLP_* -> the span arrives with every resource attribute of DESIGN.md."""
+    """OTEL_EXPORTER_OTLP_* -> the span arrives with every documented resource attribute."""
     with OtlpReceiver(protocol) as receiver:
         info = run_export(run_python, receiver, **receiver.env())
         spans = receiver.wait_for(lambda r: r.spans())
