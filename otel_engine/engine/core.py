@@ -25,7 +25,7 @@ from otel_engine.engine.structured_output import (
 )
 from otel_engine.engine.validation import check_request
 from otel_engine.errors import RequestError
-from otel_engine.executor.executor import Executor, failure_info, how_it_failed
+from otel_engine.executor.executor import Executor, failure_info
 from otel_engine.executor.hang import hang_error, ranks_part
 from otel_engine.ipc.messages import (
     AbortRequests,
@@ -414,14 +414,7 @@ class EngineCore:
             span = self.current_step_span
             if span is None and self.is_tracing:
                 span = self._tracer.start_span("engine_core.crash")
-            failure = crash_dump.failure_summary(
-                info.process,
-                info.type,
-                info.message,
-                how_it_failed(info),
-                signal=info.signal,
-                frames=info.frames,
-            )
+            failure = crash_dump.failure_of(info)
             parts: dict[str, Callable[[], Any]] = {
                 "scheduler_output": lambda: crash_dump.scheduler_output_part(
                     self.current_output, self.current_model_input, self.config.model.device

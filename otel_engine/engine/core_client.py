@@ -27,7 +27,7 @@ from otel_engine.config import EngineConfig
 from otel_engine.engine.core import EngineCore
 from otel_engine.engine.core_proc import FAILED_EXIT_CODE, PROCESS_NAME, build_engine_core
 from otel_engine.errors import EngineDeadError, EngineStartupError, FailureCause
-from otel_engine.executor.executor import failure_info, how_it_failed
+from otel_engine.executor.executor import failure_info
 from otel_engine.ipc.codec import Codec
 from otel_engine.ipc.messages import (
     AbortRequests,
@@ -356,14 +356,7 @@ def record_core_death(
     `engine_core.crash` span, the `engine_crash_dump` log line, the --crash-dump-dir file.
     Returns the span's context for the `EngineDead` the clients get. Never raises."""
     try:
-        failure = crash_dump.failure_summary(
-            info.process,
-            info.type,
-            info.message,
-            how_it_failed(info),
-            signal=info.signal,
-            frames=info.frames,
-        )
+        failure = crash_dump.failure_of(info)
         lost = "the engine core died before it could record it"
         dump = crash_dump.build_dump(
             {

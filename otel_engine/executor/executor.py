@@ -63,14 +63,6 @@ def failure_info(exc: BaseException, process: str) -> ErrorInfo:
     return error_info(exc, process)
 
 
-def how_it_failed(info: ErrorInfo) -> str:
-    """For the crash dump: "died" (no exception), "timeout" (a hang), or "exception"."""
-    try:
-        return FailureCause(info.type).how
-    except ValueError:  # an exception's own class name
-        return "exception"
-
-
 def choose_root_cause(
     died: ErrorInfo | None, failures: Sequence[WorkerFailure], first_seen: ErrorInfo
 ) -> ErrorInfo:

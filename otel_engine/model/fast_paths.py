@@ -140,28 +140,31 @@ def _cpu_isa(device: torch.device) -> str:
 def _kernel_blocker(
     kernels_flag: str, device: torch.device, dtype: torch.dtype, rotary_dim: int, head_dim: int
 ) -> str | None:
-    if kernels_flag == "torch":
-        return "--kernels torch"
-    if device.type != "cpu":
-        return f"device {device.type} (the kernels are for CPUs)"
-    if dtype not in _KERNEL_DTYPES:
-        return f"dtype {_name(dtype)} (the kernels take float32 and bfloat16)"
-    if rotary_dim != head_dim:
-        return "partial rotary embedding (the kernels rotate whole heads)"
-    return None
+    reason = _cpu_blocker(kernels_flag, device, dtype)
+    if reason is None and rotary_dim != head_dim:
+        reason = "partial rotary embedding (the kernels rotate whole heads)"
+    return reason
 
 
 def _packing_blocker(kernels_flag: str, device: torch.device, dtype: torch.dtype) -> str | None:
-    if kernels_flag == "torch":
-        return "--kernels torch"
-    if device.type != "cpu":
-        return f"device {device.type}"
-    if dtype not in _KERNEL_DTYPES:
-        return f"dtype {_name(dtype)}"
+    reason = _cpu_blocker(kernels_flag, device, dtype)
+    if reason is not None:
+        return reason
     if not torch.backends.mkldnn.is_available():
         return "this torch has no oneDNN"
     if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return "oneDNN has no bfloat16 path on this CPU"
+    return None
+
+
+def _cpu_blocker(kernels_flag: str, device: torch.device, dtype: torch.dtype) -> str | None:
+    """What rules out every CPU fast path: --kernels torch, another device, another dtype."""
+    if kernels_flag == "torch":
+        return "--kernels torch"
+    if device.type != "cpu":
+        return f"device {device.type} (the fast paths are for CPUs)"
+    if dtype not in _KERNEL_DTYPES:
+        return f"dtype {_name(dtype)} (the fast paths take float32 and bfloat16)"
     return None
 
 

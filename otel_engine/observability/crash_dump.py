@@ -425,6 +425,20 @@ def _default(value: Any) -> str:
 # ---- delivery ---------------------------------------------------------------------------
 
 
+def failure_of(info: Any) -> dict[str, Any]:
+    """`failure_summary` of an `ErrorInfo`: how it failed read from its type ("died" or
+    "timeout" for the causes without an exception, else "exception")."""
+    from otel_engine.errors import FailureCause
+
+    try:
+        how = FailureCause(info.type).how
+    except ValueError:  # an exception's own class name
+        how = "exception"
+    return failure_summary(
+        info.process, info.type, info.message, how, signal=info.signal, frames=info.frames
+    )
+
+
 def failure_summary(
     process: str,
     error_type: str,

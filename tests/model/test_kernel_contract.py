@@ -14,6 +14,7 @@ import pytest
 
 from otel_engine.model import kernels
 from otel_engine.model.kernels import OPTIONAL_SIGNATURES, SIGNATURES, SOURCE, SUFFIXES
+from tests.helpers.isa import require_isa
 
 _PROTOTYPE = re.compile(r"^void ([a-z0-9_]+(?:##SUFFIX)?)\(([^)]*)\)", re.MULTILINE)
 _KINDS = {"float": ctypes.c_float, "int64_t": ctypes.c_int64}
@@ -173,3 +174,40 @@ def test_the_build_flags_name_the_target_never_native() -> None:
         assert "-mtune=native" not in flags
     assert "-mavx512bf16" in kernels.build_flags("avx512bf16")
     assert "-march=x86-64-v3" in kernels.build_flags("avx2")
+
+
+def test_a_contract_that_disagrees_is_reported() -> None:
+    """A library whose ABI or layout constants differ from kernels.py's is named as such
+    (load() then refuses it: torch ops run, never a mismatched kernel)."""
+    text = (
+        "abi=1;isa=avx2;max_block_size=256;int4_group=32;panel_blocks=4;"
+        "prefill_tile_keys=32;prefill_tile_elements=2048;stack_fields=a,b,;stack_dims=c,;"
+    )
+
+    contract = kernels.Contract.parse(text)
+
+    assert ("a", "b") == contract.stack_fields
+    assert [f"abi 1 (expected {kernels.ABI_VERSION})", "panel_blocks 4 (expected 3)"] == (
+        contract.mismatches()
+    )
+
+
+def test_a_build_that_is_not_its_target_is_never_loaded(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A compiler that ignores the target flags (the fresh build's tag names another level):
+    load() refuses the library and the model runs on torch ops."""
+    require_isa("avx512")  # else load("avx512") is refused before any build
+    _fresh_cache(monkeypatch, tmp_path)
+    other = kernels.load("avx2")
+    assert other is not None
+    kernels.load.cache_clear()
+    monkeypatch.setattr(
+        kernels, "_build", lambda c, isa, target: shutil.copyfile(other.path, target)
+    )
+    try:
+        library = kernels.load("avx512")
+    finally:
+        kernels.load.cache_clear()
+
+    assert library is None
