@@ -159,11 +159,13 @@ def replay(path: str, model: str | None, overrides: dict[str, Any]) -> tuple[int
         print(f"replay: {omitted} requests were left out of the dump", file=sys.stderr)
     expected = (dump["failure"].get("type"), dump["failure"].get("process"))
     llm = LLM(**options)
-    client = llm._frontend.client
-    if not isinstance(client, InprocClient):
-        raise ReplayError("replay runs the engine core in this process")
-    result = client.run_batch(rebuild_batch(client.core, batch))
-    llm.shutdown()
+    try:  # shut down on every way out: a batch that cannot be rebuilt included
+        client = llm._frontend.client
+        if not isinstance(client, InprocClient):
+            raise ReplayError("replay runs the engine core in this process")
+        result = client.run_batch(rebuild_batch(client.core, batch))
+    finally:
+        llm.shutdown()
     if not isinstance(result, EngineDead):
         return NO_FAILURE, "replay: no failure"
     got = (result.error.type, result.error.process)
