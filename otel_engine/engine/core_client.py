@@ -50,7 +50,7 @@ from otel_engine.observability import crash_dump
 from otel_engine.observability.setup import spawn_env
 from otel_engine.observability.tracing import get_tracer, inject_context, is_tracing
 from otel_engine.sched.scheduler import SchedulerOutput
-from otel_engine.timing import CORE_OUTPUT_POLL_S, CORE_SEND_RETRY_S
+from otel_engine.timing import CORE_OUTPUT_POLL_S, CORE_SEND_RETRY_S, THREAD_JOIN_S
 
 logger = logging.getLogger(__name__)
 
@@ -85,8 +85,13 @@ class _StepThread:
             raise value
         return value
 
-    def stop(self) -> None:
+    def stop(self, *, wait: bool) -> None:
+        """End the thread; with `wait`, join it, so that it has let go of torch's per-thread
+        state before the interpreter exits (a thread still tearing down while the process's
+        static destructors run aborts it: "terminate called without an active exception")."""
         self._calls.put(None)
+        if wait:
+            self._thread.join(timeout=THREAD_JOIN_S)
 
 
 class InprocClient:
@@ -103,11 +108,11 @@ class InprocClient:
                 config.timeouts.engine_ready_timeout,
             )
         except EngineStartupError:
-            self._steps.stop()
+            self._steps.stop(wait=True)
             self.ipc_dir.cleanup()
             raise
         except Exception as exc:
-            self._steps.stop()
+            self._steps.stop(wait=True)
             self.ipc_dir.cleanup()
             raise EngineStartupError(
                 f"engine_core failed to start: {type(exc).__name__}: {exc}",
@@ -120,6 +125,7 @@ class InprocClient:
         self.fast_paths = self.core.fast_paths
         self._pending: list[StepOutputs] = []
         self._death: EngineDead | None = None
+        self._hung = False  # a step outlived --step-timeout: its thread is left behind
 
     def add_request(self, message: AddRequest) -> None:
         rejected = self.core.add_request(message)
@@ -164,6 +170,7 @@ class InprocClient:
             output: StepOutputs = self._steps.call(step, timeout)
             return output
         except TimeoutError:
+            self._hung = True
             info = core.hang_error("engine_core")
             logger.error(
                 "engine.step_timeout", extra={"step": core.current_step_id, "timeout_s": timeout}
@@ -180,7 +187,7 @@ class InprocClient:
             return self._death
 
     def shutdown(self) -> None:
-        self._steps.stop()
+        self._steps.stop(wait=not self._hung)
         self.core.shutdown(graceful=self._death is None)
         self.ipc_dir.cleanup()
 
