@@ -1,17 +1,20 @@
-"""Generate docs/configuration.md from `otel_engine.cli.build_parser()`.
+"""Generate docs/configuration.md from `otel_engine.cli.build_parser()`, and the blocks of
+the other docs that state a formula of the code.
 
-    .venv/bin/python docs/gen_configuration.py          # rewrite docs/configuration.md
-    .venv/bin/python docs/gen_configuration.py --check  # exit 1 if it is out of date
+    .venv/bin/python docs/gen_configuration.py          # rewrite the generated text
+    .venv/bin/python docs/gen_configuration.py --check  # exit 1 if any is out of date
 
 Flags, groups, choices and help come from the parser; defaults of engine flags (None in the
 parser) from the `EngineConfig` dataclasses. The environment variables are listed below.
-`tests/entrypoints/test_configuration_doc.py` fails when the file and this output differ.
+The hang-to-exit bound in docs/operations.md comes from `otel_engine.timing`.
+`tests/entrypoints/test_configuration_doc.py` fails when a file and this output differ.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import sys
 from pathlib import Path
 
@@ -20,12 +23,16 @@ sys.path.insert(0, str(ROOT))
 
 from otel_engine import config as engine_config  # noqa: E402
 from otel_engine.cli import ENGINE_FLAGS, build_parser  # noqa: E402
+from otel_engine.config import TimeoutConfig  # noqa: E402
 from otel_engine.entrypoints.protocol import (  # noqa: E402
     ChatCompletionRequest,
     CompletionRequest,
 )
 
 DOC = ROOT / "docs" / "configuration.md"
+OPERATIONS = ROOT / "docs" / "operations.md"
+HANG_BLOCK = re.compile(r"(<!-- hang-to-exit: [^\n]*-->\n)(.*?)(\n<!-- end hang-to-exit -->)", re.S)
+HANG_EXAMPLE = TimeoutConfig(step_timeout=3.0)
 HEADER = """\
 # Configuration: every flag and environment variable
 
@@ -292,18 +299,35 @@ def render() -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
+def render_operations(text: str) -> str:
+    """docs/operations.md (`text`) with its hang-to-exit block stated from the code."""
+    from otel_engine.timing import hang_to_exit_text
+
+    if not HANG_BLOCK.search(text):
+        raise ValueError(f"{OPERATIONS} has no hang-to-exit block")
+    sentence = hang_to_exit_text(HANG_EXAMPLE)
+    return HANG_BLOCK.sub(lambda m: m.group(1) + sentence + m.group(3), text, count=1)
+
+
+def rendered() -> dict[Path, str]:
+    """Every generated file's text, by path."""
+    return {DOC: render(), OPERATIONS: render_operations(OPERATIONS.read_text(encoding="utf-8"))}
+
+
 def main(argv: list[str] | None = None) -> int:
     cli = argparse.ArgumentParser(description="Generate docs/configuration.md")
     cli.add_argument("--check", action="store_true", help="only check that it is up to date")
     args = cli.parse_args(argv)
-    text = render()
-    if args.check:
-        if DOC.read_text(encoding="utf-8") != text:
-            print(f"{DOC} is out of date: run docs/gen_configuration.py", file=sys.stderr)
-            return 1
-        return 0
-    DOC.write_text(text, encoding="utf-8")
-    return 0
+    stale = 0
+    for path, text in rendered().items():
+        if path.read_text(encoding="utf-8") == text:
+            continue
+        if args.check:
+            print(f"{path} is out of date: run docs/gen_configuration.py", file=sys.stderr)
+            stale = 1
+        else:
+            path.write_text(text, encoding="utf-8")
+    return stale
 
 
 if __name__ == "__main__":

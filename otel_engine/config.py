@@ -135,17 +135,28 @@ class EngineConfig:
             raise ValueError(f"int4 must be one of {INT4}, got {self.model.int4!r}")
         if self.model.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.model.device!r}")
-        if self.parallel.tensor_parallel_size < 1:
-            raise ValueError("tensor_parallel_size must be at least 1")
-        if self.cache.block_size < 1 or self.cache.block_size & (self.cache.block_size - 1):
-            raise ValueError("block_size must be a power of two")
-        if self.scheduler.max_num_seqs < 1 or self.scheduler.max_num_batched_tokens < 1:
-            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        self._validate_sizes()
         for name in ("engine_ready_timeout", "step_timeout", "shutdown_timeout"):
             if getattr(self.timeouts, name) <= 0:
                 raise ValueError(f"{name} must be positive")
         if not 0 <= self.observability.crash_history_steps <= MAX_CRASH_HISTORY_STEPS:
             raise ValueError(f"crash_history_steps must be in [0, {MAX_CRASH_HISTORY_STEPS}]")
+
+    def _validate_sizes(self) -> None:
+        if self.parallel.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size must be at least 1")
+        if self.cache.block_size < 1 or self.cache.block_size & (self.cache.block_size - 1):
+            raise ValueError("block_size must be a power of two")
+        if not self.cache.kv_cache_memory_gib > 0:  # NaN fails too
+            raise ValueError(
+                f"kv_cache_memory_gib must be positive, got {self.cache.kv_cache_memory_gib}"
+            )
+        if self.cache.num_kv_blocks is not None and self.cache.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be positive, got {self.cache.num_kv_blocks}")
+        if self.model.max_model_len is not None and self.model.max_model_len < 1:
+            raise ValueError(f"max_model_len must be positive, got {self.model.max_model_len}")
+        if self.scheduler.max_num_seqs < 1 or self.scheduler.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
 
     def encode(self) -> bytes:
         return msgspec.msgpack.encode(self)

@@ -9,6 +9,8 @@ tests/failures against real servers.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from otel_engine.config import TimeoutConfig
 
 CORE_OUTPUT_POLL_S = 0.1  # the front end waits this long for a frame before checking liveness
@@ -43,24 +45,78 @@ CORE_SEND_RETRY_S = 0.05  # a full input queue to a live engine core: look again
 SERVER_TICK_S = 0.1  # uvicorn's main loop checks for an exit this often
 GRACEFUL_HTTP_SHUTDOWN_S = 5  # uvicorn's wait for open connections after the drain
 THREAD_JOIN_S = 2.0  # a helper thread (output pump, watchdog) joined at shutdown
+MONITOR_JOIN_S = 1.0  # a monitor or responder thread (it looks at its stop flag often)
+RESPONDER_POLL_S = 0.2  # a worker's responder thread looks at its stop flag this often
+# A process that sends its last frame (EngineDead, a worker's failure, the core's final
+# outputs) closes the socket with this linger, so that the frame leaves before the exit; a
+# peer that is gone costs at most this long, within the parent's TERM_GRACE_S.
+LAST_FRAME_LINGER_S = 2.0
+WORKER_EXIT_LINGER_S = 1.0  # a worker's outputs at a clean exit (nothing important pending)
+STOP_SEND_TIMEOUT_S = 1.0  # sending StopWorker to a worker's full input queue gives up
+GRACEFUL_WORKER_STOP_MAX_S = 10.0  # a clean shutdown waits at most this long for workers
+REFUSE_LINGER_S = 0.5  # a refused connection's request is read and dropped this long
+# A stream paused for a client that does not read looks at its socket again after the first,
+# then twice as long each time up to the second: a client that catches up resumes within
+# READER_POLL_MAX_S, and hundreds of paused streams cost the event loop little.
+READER_POLL_MIN_S = 0.01
+READER_POLL_MAX_S = 0.2
 
 
 def watchdog_poll_s(timeouts: TimeoutConfig) -> float:
     return min(WATCHDOG_POLL_MAX_S, timeouts.step_timeout / 4)
 
 
+class Term(NamedTuple):
+    """One wait of a worst case: what it is, its formula, its seconds for given timeouts."""
+
+    what: str
+    formula: str
+    seconds: float
+
+
+def hang_to_exit_terms(timeouts: TimeoutConfig) -> list[Term]:
+    """The waits from the start of a step that hangs to the server's exit, at most (with
+    --final-scrape-wait 0), in the order they happen."""
+    return [
+        Term("the step timeout", "step_timeout", timeouts.step_timeout),
+        Term(
+            "the watchdog's look",
+            f"min({WATCHDOG_POLL_MAX_S:g}, step_timeout / 4)",
+            watchdog_poll_s(timeouts),
+        ),
+        Term(
+            "asking the workers where they are, at TP > 1",
+            f"{RANK_REPORT_WAIT_S:g}",
+            RANK_REPORT_WAIT_S,
+        ),
+        Term("the crash dump's telemetry flush", f"{CRASH_FLUSH_S:g}", CRASH_FLUSH_S),
+        Term("the front end's poll", f"{CORE_OUTPUT_POLL_S:g}", CORE_OUTPUT_POLL_S),
+        Term("one server tick", f"{SERVER_TICK_S:g}", SERVER_TICK_S),
+        Term(
+            "SIGTERM to SIGKILL for a child that does not stop, its sockets' lingers included",
+            f"{TERM_GRACE_S:g}",
+            TERM_GRACE_S,
+        ),
+        Term(
+            "the last telemetry flush",
+            f"min({TELEMETRY_FLUSH_S:g}, shutdown_timeout)",
+            min(TELEMETRY_FLUSH_S, timeouts.shutdown_timeout),
+        ),
+    ]
+
+
 def hang_to_exit_s(timeouts: TimeoutConfig) -> float:
     """From the start of a step that hangs to the server's exit, at most (with
-    --final-scrape-wait 0): the timeout, the watchdog's look, asking the workers where they
-    are, the crash flush, the front end's poll, one server tick, stopping a child that
-    ignores SIGTERM, and the last telemetry flush."""
+    --final-scrape-wait 0): the sum of `hang_to_exit_terms`."""
+    return sum(term.seconds for term in hang_to_exit_terms(timeouts))
+
+
+def hang_to_exit_text(example: TimeoutConfig) -> str:
+    """The formula in words, as docs/operations.md states it, with its value for `example`."""
+    terms = hang_to_exit_terms(example)
+    parts = [f"`{terms[0].formula}`"] + [f"`+ {t.formula}` ({t.what})" for t in terms[1:]]
     return (
-        timeouts.step_timeout
-        + watchdog_poll_s(timeouts)
-        + RANK_REPORT_WAIT_S
-        + CRASH_FLUSH_S
-        + CORE_OUTPUT_POLL_S
-        + SERVER_TICK_S
-        + TERM_GRACE_S
-        + min(TELEMETRY_FLUSH_S, timeouts.shutdown_timeout)
+        " ".join(parts)
+        + f": {hang_to_exit_s(example):g} s for `--step-timeout {example.step_timeout:g}`"
+        f" and `--shutdown-timeout {example.shutdown_timeout:g}`."
     )

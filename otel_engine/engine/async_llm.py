@@ -6,9 +6,9 @@ core's process dying, fails every in-flight request with `EngineDeadError`. Noth
 depends on signal handlers, so it works the same outside the main thread (faulthandler,
 enabled on stderr as by `LLM`, is set up from any thread too).
 
-Backpressure: a request whose consumer has not taken `MAX_UNDELIVERED_OUTPUTS` outputs (a
-stream whose client stopped reading) is paused in the engine, giving its slot and KV blocks
-to others, and resumed once the consumer caught up.
+Backpressure: a request is paused in the engine, giving its slot and KV blocks to others,
+while its consumer holds it (`hold`: the HTTP server's stream saw its client stop reading)
+or has not taken `MAX_UNDELIVERED_OUTPUTS` outputs, and resumed once neither is the case.
 """
 
 from __future__ import annotations
@@ -50,6 +50,11 @@ class _Stream:
 
     queue: asyncio.Queue[RequestOutput | BaseException] = field(default_factory=asyncio.Queue)
     is_paused: bool = False
+    is_held: bool = False  # paused by its consumer (`AsyncLLM.hold`)
+
+    @property
+    def may_resume(self) -> bool:
+        return not self.is_held and self.queue.qsize() < RESUME_BELOW_OUTPUTS
 
 
 class AsyncLLM:
@@ -74,6 +79,7 @@ class AsyncLLM:
         self.tokenizer = self._frontend.tokenizer
         self.model_name = self._frontend.model_name
         self.max_model_len = self._frontend.max_model_len
+        self.context_limited_by = self._frontend.context_limited_by  # what sets max_model_len
         self.fast_paths = self._frontend.fast_paths  # which fast paths the model runs
         self.generation_defaults = self._frontend.generation_defaults
         self.dead_error: EngineDeadError | None = None
@@ -176,13 +182,28 @@ class AsyncLLM:
                     finished = True
                     raise item
                 finished = item.finished
-                if stream.is_paused and queue.qsize() < RESUME_BELOW_OUTPUTS:
+                if stream.is_paused and stream.may_resume:
                     self._set_paused(request_id, stream, False)
                 yield item
         finally:
             self._forget(request_id)
             if not finished and self.dead_error is None and not self._stopped.is_set():
                 self._frontend.abort([request_id])
+
+    def hold(self, request_ids: list[str], held: bool) -> None:
+        """Pause the requests in the engine until released (`held` False), whatever their
+        consumers take meanwhile: their slots and KV blocks go to other requests, and they
+        are recomputed from the prefix cache when they run again. For a stream whose client
+        stopped reading; unknown or finished ids are ignored."""
+        for request_id in request_ids:
+            stream = self._streams.get(request_id)
+            if stream is None or stream.is_held == held:
+                continue
+            stream.is_held = held
+            if held and not stream.is_paused:
+                self._set_paused(request_id, stream, True)
+            elif not held and stream.is_paused and stream.may_resume:
+                self._set_paused(request_id, stream, False)
 
     async def abort(self, request_id: str) -> None:
         stream = self._forget(request_id)

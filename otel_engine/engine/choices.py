@@ -40,6 +40,13 @@ def sample_params(params: SamplingParams, index: int) -> SamplingParams:
     return msgspec.structs.replace(params, seed=sample_seed(params.seed, index))
 
 
+def sample_ids(request_id: str, num_samples: int) -> list[str]:
+    """The engine's request ids of a request's samples (one sample: the request's own)."""
+    if num_samples == 1:
+        return [request_id]
+    return [f"{request_id}-{i}" for i in range(num_samples)]
+
+
 async def generate_choices(
     generate: Generate,
     prompt_ids: list[int],
@@ -50,8 +57,8 @@ async def generate_choices(
     """`num_samples` (> 1) samples of `prompt_ids`, merged (see the module docstring); a
     single sample needs no merging: read the engine's stream itself."""
     streams = [
-        generate(prompt_ids, sample_params(params, i), f"{request_id}-{i}")
-        for i in range(num_samples)
+        generate(prompt_ids, sample_params(params, i), sample_id)
+        for i, sample_id in enumerate(sample_ids(request_id, num_samples))
     ]
     latest: dict[int, CompletionOutput] = {}
     metrics: dict[int, dict[str, float]] = {}

@@ -31,6 +31,7 @@ from otel_engine.ipc.messages import (
     AbortRequests,
     AddRequest,
     CoreRequest,
+    EngineDead,
     EngineLimits,
     ErrorInfo,
     ModelInput,
@@ -47,10 +48,17 @@ from otel_engine.model.loader import ModelArch
 from otel_engine.observability import crash_dump
 from otel_engine.observability.faults import maybe_inject
 from otel_engine.observability.step_history import StepHistory
-from otel_engine.observability.tracing import get_tracer, inject_context, is_tracing, link_from
+from otel_engine.observability.tracing import (
+    get_tracer,
+    inject_context,
+    is_tracing,
+    link_from,
+    shutdown_telemetry,
+)
 from otel_engine.sched.kv_cache import BlockAllocator
 from otel_engine.sched.request import Request
 from otel_engine.sched.scheduler import Scheduler, SchedulerOutput
+from otel_engine.timing import CRASH_FLUSH_S
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +148,7 @@ class EngineCore:
                 message.sampling_params,
                 vocab_size=self.arch.vocab_size,
                 max_model_len=self.limits.max_model_len,
+                limited_by=self.limits.limited_by,
             )
         except RequestError as error:
             logger.warning(
@@ -398,6 +407,21 @@ class EngineCore:
         dump's `ranks` part. Called from the thread that gave up on the step."""
         self.rank_reports = self.executor.ask_ranks()
         return hang_error(self.current_step_id, self.config, process, self.rank_reports)
+
+    def give_up_on_step(self, process: str) -> EngineDead:
+        """The fatal end of a step that outlived --step-timeout, for both shells (the core
+        process's watchdog and the in-process client): the timeout error naming the hung
+        rank, its log line, the crash dump, the telemetry flush that gets the dump out
+        first, the workers killed. Returns the `EngineDead` to hand to the front end."""
+        info = self.hang_error(process)
+        logger.error(
+            "engine.step_timeout",
+            extra={"step": self.current_step_id, "timeout_s": self.config.timeouts.step_timeout},
+        )
+        self.record_crash(info)
+        shutdown_telemetry(timeout_s=CRASH_FLUSH_S)
+        self.executor.kill()
+        return EngineDead(error=info, trace_context=self.failed_step_context)
 
     def record_crash(self, info: ErrorInfo) -> None:
         """Build the crash dump of the current step and deliver it (span event and log, and

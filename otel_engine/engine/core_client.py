@@ -50,7 +50,12 @@ from otel_engine.observability import crash_dump
 from otel_engine.observability.setup import spawn_env
 from otel_engine.observability.tracing import get_tracer, inject_context, is_tracing
 from otel_engine.sched.scheduler import SchedulerOutput
-from otel_engine.timing import CORE_OUTPUT_POLL_S, CORE_SEND_RETRY_S, THREAD_JOIN_S
+from otel_engine.timing import (
+    CORE_OUTPUT_POLL_S,
+    CORE_SEND_RETRY_S,
+    MONITOR_JOIN_S,
+    THREAD_JOIN_S,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +126,8 @@ class InprocClient:
                 cause_type=type(exc).__name__,
                 cause_message=str(exc),
             ) from exc
-        self.max_model_len = self.core.limits.max_model_len
+        self.limits = self.core.limits
+        self.max_model_len = self.limits.max_model_len
         self.fast_paths = self.core.fast_paths
         self._pending: list[StepOutputs] = []
         self._death: EngineDead | None = None
@@ -171,13 +177,7 @@ class InprocClient:
             return output
         except TimeoutError:
             self._hung = True
-            info = core.hang_error("engine_core")
-            logger.error(
-                "engine.step_timeout", extra={"step": core.current_step_id, "timeout_s": timeout}
-            )
-            core.record_crash(info)
-            core.executor.kill()
-            self._death = EngineDead(error=info, trace_context=core.failed_step_context)
+            self._death = core.give_up_on_step("engine_core")
             return self._death
         except Exception as exc:
             logger.exception("engine.failed")
@@ -342,7 +342,7 @@ class MPClient:
                 graceful_s = 0.0
         self.core.stop(timeout=graceful_s)
         if self._monitor is not None:
-            self._monitor.join(timeout=1.0)
+            self._monitor.join(timeout=MONITOR_JOIN_S)
         self.core.close()
         self._inputs.close(linger=0)
         self._outputs.close(linger=0)

@@ -43,6 +43,7 @@ from otel_engine.timing import (
     CRASH_FLUSH_S,
     GRAMMAR_POLL_S,
     HEARTBEAT_INTERVAL_S,
+    LAST_FRAME_LINGER_S,
     TELEMETRY_FLUSH_S,
     THREAD_JOIN_S,
     watchdog_poll_s,
@@ -103,7 +104,7 @@ def run_engine_core(
         watchdog.stop()
         core.shutdown(graceful=exit_code == 0)
         inputs.close(linger=0)
-        outputs.close(linger=2000)
+        outputs.close(linger=int(1000 * LAST_FRAME_LINGER_S))
         context.term()
     logger.info("engine.stopped", extra={"exit_code": exit_code})
     shutdown_telemetry(timeout_s=min(TELEMETRY_FLUSH_S, config.timeouts.shutdown_timeout))
@@ -142,17 +143,9 @@ class StepWatchdog:
             started = core.step_started_at
             if started is None or time.monotonic() - started < self.timeout:
                 continue
-            info = core.hang_error(PROCESS_NAME)
-            logger.error(
-                "engine.step_timeout",
-                extra={"step": core.current_step_id, "timeout_s": self.timeout},
-            )
-            core.record_crash(info)
-            shutdown_telemetry(timeout_s=CRASH_FLUSH_S)
-            dead = EngineDead(error=info, trace_context=core.failed_step_context)
+            dead = core.give_up_on_step(PROCESS_NAME)
             self._socket.send(Codec(CoreOutput).encode(dead))
-            core.executor.kill()
-            self._socket.close(linger=2000)
+            self._socket.close(linger=int(1000 * LAST_FRAME_LINGER_S))
             self._context.term()  # waits until the frame is delivered
             os._exit(FAILED_EXIT_CODE)
         self._socket.close(linger=0)

@@ -12,6 +12,7 @@ from otel_engine.engine import generation_defaults
 from otel_engine.engine.core_client import CoreClient, InprocClient, MPClient
 from otel_engine.engine.input import InputProcessor
 from otel_engine.engine.output import OutputProcessor
+from otel_engine.engine.validation import describe_context
 from otel_engine.errors import EngineDeadError
 from otel_engine.ipc.messages import AddRequest, EngineDead
 from otel_engine.model.loader import load_model_arch, load_tokenizer, prepare_model_dir
@@ -61,8 +62,20 @@ class Frontend:
             else InprocClient(config, self.model_dir)
         )
         self.max_model_len: int = self.client.max_model_len
+        self.context_limited_by = self.client.limits.limited_by
+        if self.context_limited_by == "kv_cache":
+            logger.warning(
+                "model.context_capped",
+                extra={
+                    "max_model_len": self.max_model_len,
+                    "model_max_len": config.model.max_model_len or arch.max_position_embeddings,
+                    "reason": describe_context(self.max_model_len, "kv_cache"),
+                },
+            )
         self.fast_paths: dict[str, Any] | None = self.client.fast_paths
-        self.inputs = InputProcessor(self.tokenizer, self.max_model_len, arch.vocab_size)
+        self.inputs = InputProcessor(
+            self.tokenizer, self.max_model_len, arch.vocab_size, self.context_limited_by
+        )
         self.outputs = OutputProcessor(self.tokenizer)
 
     def add_request(

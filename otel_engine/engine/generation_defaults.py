@@ -13,7 +13,10 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from otel_engine.sampling_params import SamplingParams
 
 # Request fields a generation config may set, with their names there (HF's) and here.
 FIELDS = {
@@ -50,6 +53,7 @@ def resolve(
             if hf_name in found and found[hf_name] is not None:
                 values[name] = found[hf_name]
                 sources[name] = "generation_config.json"
+        check_values(values, os.path.join(model_dir, "generation_config.json"))
         if is_default_model and not values:
             values.update(DEFAULT_MODEL_CARD)
             sources.update(dict.fromkeys(DEFAULT_MODEL_CARD, "default model card"))
@@ -78,7 +82,33 @@ def parse_override(text: str | None) -> dict[str, Any] | None:
     for name, value in parsed.items():
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ValueError(f"--override-generation-config: {name} must be a number")
+    check_values(parsed, "--override-generation-config")
     return parsed
+
+
+def check_values(values: dict[str, Any], source: str) -> None:
+    """Raise ValueError naming `source` when a default is out of the range a request's own
+    value must be in (the same rules, `SamplingParams.validate`): a default no request
+    could send would turn into a 400 for a field the client never sent."""
+    from otel_engine.errors import RequestError
+
+    for name, value in values.items():
+        if name == "top_k" and value != int(value):
+            raise ValueError(f"{source}: top_k must be an integer, got {value}")
+        try:
+            sampling_params({name: value}).validate()
+        except RequestError as error:
+            raise ValueError(f"{source}: {error.message}") from None
+
+
+def sampling_params(values: dict[str, Any]) -> SamplingParams:
+    """`SamplingParams()` with `values` (defaults' fields; `top_k` as an integer)."""
+    from otel_engine.sampling_params import SamplingParams
+
+    fields: dict[str, Any] = {
+        name: int(value) if name == "top_k" else float(value) for name, value in values.items()
+    }
+    return SamplingParams(**fields)
 
 
 def _generation_config(model_dir: str) -> dict[str, Any]:

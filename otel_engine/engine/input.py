@@ -13,10 +13,13 @@ from otel_engine.sampling_params import SamplingParams
 class InputProcessor:
     """Checks a request against the model's limits; raises `RequestError` with a code."""
 
-    def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int) -> None:
+    def __init__(
+        self, tokenizer: Any, max_model_len: int, vocab_size: int, limited_by: str = "model"
+    ) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        self.limited_by = limited_by  # what set max_model_len (EngineLimits.limited_by)
 
     def encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
@@ -39,7 +42,11 @@ class InputProcessor:
     def process(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
         token_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         check_request(
-            token_ids, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len
+            token_ids,
+            params,
+            vocab_size=self.vocab_size,
+            max_model_len=self.max_model_len,
+            limited_by=self.limited_by,
         )
         if params.structured_output is not None:  # cached: the HTTP server checked it already
             structured_output.check(params.structured_output)

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from otel_engine.config import EngineConfig
+from otel_engine.engine import generation_defaults
 from otel_engine.engine.frontend import Frontend, dead_error
 from otel_engine.errors import EngineDeadError, FailureCause
 from otel_engine.ipc.messages import EngineDead, StepOutputs
@@ -37,8 +38,15 @@ class LLM:
         self._frontend = Frontend(self.config)
         self.tokenizer = self._frontend.tokenizer
         self.max_model_len = self._frontend.max_model_len
+        self.generation_defaults = self._frontend.generation_defaults
         self._counter = itertools.count()
         self._finalizer = weakref.finalize(self, self._frontend.shutdown)
+
+    def default_sampling_params(self) -> SamplingParams:
+        """`SamplingParams()` with the model's generation defaults (its
+        `generation_config.json`, or the default model's card, then
+        --override-generation-config), the values the server gives requests that omit them."""
+        return generation_defaults.sampling_params(self.generation_defaults.values)
 
     def generate(
         self,
@@ -47,14 +55,16 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate a completion for every prompt; outputs are in prompt order.
 
-        Raises RequestError for an invalid prompt (nothing is run then), the error of a
+        Without `sampling_params`, each prompt gets `default_sampling_params()`: the
+        model's generation config, as the server applies it to requests that omit those
+        fields. Raises RequestError for an invalid prompt (nothing is run then), the error of a
         request that failed on its own (the rest of the batch is aborted; the engine keeps
         serving), and EngineDeadError if the engine fails (the engine is shut down).
         """
         if isinstance(prompts, str):
             prompts = [prompts]
         prompt_list: list[str | list[int]] = list(prompts)
-        params = sampling_params or SamplingParams()
+        params = sampling_params if sampling_params is not None else self.default_sampling_params()
         params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError("need one SamplingParams per prompt, or a single one")

@@ -12,9 +12,49 @@ from collections.abc import Sequence
 from otel_engine.errors import RequestError
 from otel_engine.sampling_params import SamplingParams, shown
 
+# Why the context is as long as it is, as a 400 and the start-up warning say it.
+_LIMITED_BY = {
+    "model": "this model's maximum context length is {n} tokens",
+    "max_model_len": "this server's maximum context length is {n} tokens (--max-model-len)",
+    "sliding_window": "this model's maximum context length is {n} tokens (its sliding window)",
+    "kv_cache": (
+        "this server's maximum context length is {n} tokens, all that its KV cache holds "
+        "(--kv-cache-memory-gib or --num-kv-blocks raise it)"
+    ),
+}
+
+
+def describe_context(max_model_len: int, limited_by: str = "model") -> str:
+    """The context length and what sets it, in words."""
+    return _LIMITED_BY.get(limited_by, _LIMITED_BY["model"]).format(n=max_model_len)
+
+
+def check_context(
+    num_prompt: int,
+    max_tokens: int,
+    max_model_len: int,
+    limited_by: str = "model",
+    *,
+    prompt_param: str = "prompt",
+) -> None:
+    """Raise `RequestError` (`context_length_exceeded`) unless the prompt and `max_tokens`
+    fit the context; `param` is the prompt's field when the prompt alone fills it."""
+    if num_prompt + max_tokens > max_model_len:
+        raise RequestError(
+            f"{describe_context(max_model_len, limited_by)}; the prompt has {num_prompt} "
+            f"tokens and max_tokens is {shown(max_tokens)}",
+            code="context_length_exceeded",
+            param="max_tokens" if num_prompt < max_model_len else prompt_param,
+        )
+
 
 def check_request(
-    token_ids: Sequence[int], params: SamplingParams, *, vocab_size: int, max_model_len: int
+    token_ids: Sequence[int],
+    params: SamplingParams,
+    *,
+    vocab_size: int,
+    max_model_len: int,
+    limited_by: str = "model",
 ) -> None:
     """Raise `RequestError` (with `code` and `param`) unless the request can run.
 
@@ -25,13 +65,7 @@ def check_request(
     num_prompt = len(token_ids)
     if not num_prompt:
         raise RequestError("the prompt is empty", code="invalid_prompt", param="prompt")
-    if num_prompt + params.max_tokens > max_model_len:
-        raise RequestError(
-            f"this model's maximum context length is {max_model_len} tokens; the "
-            f"prompt has {num_prompt} tokens and max_tokens is {shown(params.max_tokens)}",
-            code="context_length_exceeded",
-            param="max_tokens" if num_prompt < max_model_len else "prompt",
-        )
+    check_context(num_prompt, params.max_tokens, max_model_len, limited_by)
     if any(not 0 <= t < vocab_size for t in token_ids):
         raise RequestError(
             f"prompt token ids must be in [0, {vocab_size})", code="invalid_prompt", param="prompt"

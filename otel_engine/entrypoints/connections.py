@@ -7,10 +7,16 @@
 - **Request read deadline.** A connection must deliver a complete request (headers and body)
   within `request_read_timeout` of its first byte (or of opening): slow or silent clients are
   closed (408 when part of a request arrived).
+- **Slow readers.** `ClientReader` (in each request's ASGI scope under `CLIENT_READER_KEY`)
+  tells a stream how many of its bytes wait unsent because the client does not take them
+  (the kernel's unsent send queue, `SIOCOUTQNSD`, plus the transport's buffer): a stream
+  pauses its request once that passes `slow_reader_bytes`, a few chunks after the client's
+  receive buffer filled, and resumes when the client caught up.
 - **Write stall deadline.** A response that cannot be written for `stream_write_timeout`
-  (the client stopped reading and the buffers are full) is aborted; the request behind it
-  sees a disconnect and is counted as `client_stalled`. Socket send buffers are kept small,
-  so a client that stops reading is noticed after tens of kilobytes, not megabytes.
+  (the client stopped reading and the buffers are full, or a paused stream's client did not
+  catch up) is aborted; the request behind it sees a disconnect and is counted as
+  `client_stalled`. Socket send buffers are kept small, so a response whose client stops
+  reading holds tens of kilobytes, not megabytes.
 
 - **Strict framing.** A request with both `Content-Length` and `Transfer-Encoding` (a
   proxy that frames by length would see another request in its body: RFC 9112 section 6.3)
@@ -24,8 +30,10 @@ warnings about malformed requests included.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
 import socket
+import struct
 import time
 from http import HTTPStatus
 from typing import Any, ClassVar
@@ -37,12 +45,14 @@ from uvicorn.protocols.http.h11_impl import DEFAULT_MAX_INCOMPLETE_EVENT_SIZE, H
 from otel_engine.entrypoints.errors import INVALID_REQUEST, UNAVAILABLE, APIError
 from otel_engine.entrypoints.limits import ServerLimits
 from otel_engine.observability.metrics import EngineMetrics
+from otel_engine.timing import READER_POLL_MAX_S, READER_POLL_MIN_S, REFUSE_LINGER_S
 
 logger = logging.getLogger("otel_engine.api_server")
 
 # Set in a request's ASGI scope when its connection was aborted for not reading.
 CLIENT_STALLED_KEY = "otel_engine.client_stalled"
-REFUSE_LINGER_S = 0.5
+CLIENT_READER_KEY = "otel_engine.client_reader"  # the request's `ClientReader`
+SIOCOUTQNSD = 0x894B  # linux/sockios.h: bytes in the send queue not yet sent
 _END_OF_HEAD = b"\r\n\r\n"
 
 
@@ -128,6 +138,46 @@ class _QuietWarnings:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._logger, name)
+
+
+class ClientReader:
+    """How far one connection's client is behind in reading what the server wrote."""
+
+    def __init__(self, protocol: GuardedH11Protocol) -> None:
+        self._protocol = protocol
+        sock = protocol.transport.get_extra_info("socket")
+        self._fd = sock.fileno() if sock is not None else -1
+
+    def unsent_bytes(self) -> int:
+        """Bytes written for this client that wait because it does not take them: the
+        transport's buffer and the kernel's unsent send queue (0 once the socket closed)."""
+        transport = self._protocol.transport
+        if transport.is_closing() or self._fd < 0:
+            return 0
+        try:
+            queued = fcntl.ioctl(self._fd, SIOCOUTQNSD, b"\0\0\0\0")
+        except OSError:
+            return 0
+        return transport.get_write_buffer_size() + int(struct.unpack("i", queued)[0])
+
+    @property
+    def is_behind(self) -> bool:
+        return self.unsent_bytes() > self._protocol.table.limits.slow_reader_bytes
+
+    async def caught_up(self) -> bool:
+        """Wait until the client has taken every unsent byte: True; False when it did not
+        within `stream_write_timeout` (the connection is then aborted as `write_stalled`)
+        or the connection closed."""
+        protocol = self._protocol
+        deadline = time.monotonic() + protocol.table.limits.stream_write_timeout
+        delay = READER_POLL_MIN_S
+        while self.unsent_bytes() > 0:
+            if time.monotonic() > deadline:
+                protocol.write_stalled()
+                return False
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, READER_POLL_MAX_S)
+        return not protocol.transport.is_closing()
 
 
 class ConnectionTable:
@@ -219,9 +269,12 @@ class GuardedH11Protocol(H11Protocol):
     def handle_events(self) -> None:
         try:
             super().handle_events()
+            cycle = self.cycle  # a request's app task runs from the next loop iteration on
+            if cycle is not None and CLIENT_READER_KEY not in cycle.scope:
+                cycle.scope[CLIENT_READER_KEY] = ClientReader(self)  # type: ignore[literal-required]
         except FramingError as error:
             self._write_raw(400, "invalid_framing", str(error))
-            self.table.log.log(logging.WARNING, "http.invalid_framing", client=_peer(self))
+            self.table.closed("invalid_framing", self)
             self.transport.close()
 
     def on_response_complete(self) -> None:
@@ -235,7 +288,7 @@ class GuardedH11Protocol(H11Protocol):
         super().pause_writing()
         if self._stall_timer is None:
             timeout = self.table.limits.stream_write_timeout
-            self._stall_timer = self.loop.call_later(timeout, self._write_stalled)
+            self._stall_timer = self.loop.call_later(timeout, self.write_stalled)
 
     def resume_writing(self) -> None:
         super().resume_writing()
@@ -266,7 +319,8 @@ class GuardedH11Protocol(H11Protocol):
         self.table.closed("request_timeout", self)
         self.transport.close()
 
-    def _write_stalled(self) -> None:
+    def write_stalled(self) -> None:
+        """Abort the connection of a client that did not read for `stream_write_timeout`."""
         self._stall_timer = None
         if self.transport.is_closing():
             return

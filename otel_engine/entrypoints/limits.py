@@ -38,6 +38,11 @@ class ServerLimits:
     keep_alive_timeout: int = 30  # idle keep-alive connections are closed after this
     send_buffer_bytes: int = 32 * 1024  # kernel send buffer per connection
     write_buffer_bytes: int = 16 * 1024  # queued in the server before writes pause
+    # A stream is paused in the engine (its slot and KV blocks go to others) once this many
+    # of its bytes wait unsent because the client is not reading: bytes the client's receive
+    # window does not take yet, in the kernel's send queue or the server's buffer. Bytes in
+    # flight on a slow network do not count.
+    slow_reader_bytes: int = 2 * 1024
 
     def prompt_chars(self, max_model_len: int) -> int:
         if self.max_prompt_chars is not None:

@@ -24,7 +24,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from otel_engine.engine import structured_output
-from otel_engine.engine.choices import generate_choices
+from otel_engine.engine.choices import generate_choices, sample_ids
+from otel_engine.engine.validation import check_context
 from otel_engine.entrypoints.bodies import BodyParser
 from otel_engine.entrypoints.chat import ChatRenderer
 from otel_engine.entrypoints.connections import CLIENT_STALLED_KEY
@@ -57,7 +58,7 @@ from otel_engine.entrypoints.streaming import (
 )
 from otel_engine.errors import EngineDeadError, RequestError, RequestFailedError
 from otel_engine.ipc.messages import TokenLogprobs
-from otel_engine.sampling_params import SamplingParams, shown
+from otel_engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from otel_engine import AsyncLLM, RequestOutput
@@ -278,21 +279,18 @@ class OpenAIServing:
         num_prompt = len(prompt_ids)
         remaining = max_model_len - num_prompt
         requested = body.requested_max_tokens()
-        if remaining < 1:
-            raise bad_request(
-                f"prompt has {num_prompt} tokens, the model's context is {max_model_len}",
-                param=prompt_param,
-                code="context_length_exceeded",
+        try:  # the one context rule and message (validation.py), with the prompt's field
+            check_context(
+                num_prompt,
+                1 if requested is None else requested,
+                max_model_len,
+                self.engine.context_limited_by,
+                prompt_param=prompt_param,
             )
+        except RequestError as error:
+            raise from_request_error(error) from None
         if requested is None:
             max_tokens = remaining if default_cap is None else min(remaining, default_cap)
-        elif requested > remaining:
-            raise bad_request(
-                f"prompt ({num_prompt} tokens) plus max_tokens ({shown(requested)}) exceeds the "
-                f"model's context of {max_model_len} tokens",
-                param="max_tokens",
-                code="context_length_exceeded",
-            )
         else:
             max_tokens = requested
         return _Job(
@@ -344,7 +342,8 @@ class OpenAIServing:
             if stream:
                 is_streaming = True
                 events = self._events(job, telemetry, outputs, first, request)
-                return EventStreamResponse(events, watch)
+                ids = sample_ids(job.request_id, job.num_samples)
+                return EventStreamResponse(events, watch, lambda held: self.engine.hold(ids, held))
             final = await watch.run(_last(outputs, first, telemetry, job))
             return self._full_response(job, telemetry, final)
         except ClientDisconnected:

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, TypeVar
 
 import msgspec
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from otel_engine.entrypoints.connections import CLIENT_READER_KEY, ClientReader
 from otel_engine.entrypoints.errors import APIError, draining
 
 T = TypeVar("T")
@@ -78,18 +79,28 @@ class EventStreamResponse(Response):
     """Server-sent events from `events`, raced against the request's `RequestWatch`.
 
     `events` yields complete SSE frames and handles engine errors itself (as error events);
-    this class only handles the transport: disconnects and the drain deadline.
+    this class only handles the transport: disconnects, the drain deadline, and a client that
+    does not read: once the connection's `ClientReader` says the client is behind, the
+    request is held in the engine (`hold(True)`, its slot goes to others) until the client
+    has taken what was written, then released (`hold(False)`).
     """
 
-    def __init__(self, events: AsyncIterator[bytes], watch: RequestWatch) -> None:
+    def __init__(
+        self,
+        events: AsyncIterator[bytes],
+        watch: RequestWatch,
+        hold: Callable[[bool], None] | None = None,
+    ) -> None:
         super().__init__(status_code=200)
         self._events = events
         self._watch = watch
+        self._hold = hold
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+        reader = scope.get(CLIENT_READER_KEY)
         try:
-            await self._watch.run(self._pump(send))
+            await self._watch.run(self._pump(send, reader))
         except ClientDisconnected:
             pass
         except APIError as error:
@@ -101,6 +112,12 @@ class EventStreamResponse(Response):
             self._watch.close()
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
-    async def _pump(self, send: Send) -> None:
+    async def _pump(self, send: Send, reader: ClientReader | None) -> None:
+        hold = self._hold if reader is not None else None
         async for frame in self._events:
             await send({"type": "http.response.body", "body": frame, "more_body": True})
+            if hold is not None and reader.is_behind:  # type: ignore[union-attr]
+                hold(True)
+                if not await reader.caught_up():  # type: ignore[union-attr]
+                    return  # aborted as write_stalled, or gone: the request ends
+                hold(False)

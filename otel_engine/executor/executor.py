@@ -43,7 +43,14 @@ from otel_engine.ipc.process import (
 )
 from otel_engine.observability.faults import maybe_inject
 from otel_engine.observability.setup import spawn_env
-from otel_engine.timing import FAILED_REPORT_WAIT_S, FAILURE_GRACE_S, WORKER_RESULT_POLL_S
+from otel_engine.timing import (
+    FAILED_REPORT_WAIT_S,
+    FAILURE_GRACE_S,
+    GRACEFUL_WORKER_STOP_MAX_S,
+    MONITOR_JOIN_S,
+    STOP_SEND_TIMEOUT_S,
+    WORKER_RESULT_POLL_S,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -280,7 +287,7 @@ class MultiprocExecutor:
                 self._died, self._died_code, failures, waited
             ):
                 break
-            if self._results.poll(50):
+            if self._results.poll(int(1000 * WORKER_RESULT_POLL_S)):
                 message = self._responses.decode(self._results.recv(copy=False).buffer)
                 if isinstance(message, WorkerFailure):
                     failures.append(message)
@@ -297,17 +304,17 @@ class MultiprocExecutor:
         self._stopping = True
         graceful_s = 0.0
         if graceful and self._failure is None:
-            graceful_s = min(self.config.timeouts.shutdown_timeout, 10.0)
+            graceful_s = min(self.config.timeouts.shutdown_timeout, GRACEFUL_WORKER_STOP_MAX_S)
             stop = self._requests.encode(StopWorker())
             for socket in self._inputs:
-                socket.setsockopt(zmq.SNDTIMEO, 1000)
+                socket.setsockopt(zmq.SNDTIMEO, int(1000 * STOP_SEND_TIMEOUT_S))
                 try:
                     socket.send(stop)
                 except zmq.ZMQError:
                     graceful_s = 0.0
         stop_all(self.workers, graceful_s=graceful_s)
         if self._monitor is not None:
-            self._monitor.join(timeout=1.0)
+            self._monitor.join(timeout=MONITOR_JOIN_S)
         for worker in self.workers:
             worker.close()
         for socket in [*self._inputs, self._results]:

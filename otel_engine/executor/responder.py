@@ -22,6 +22,7 @@ import zmq
 
 from otel_engine.ipc.codec import Codec
 from otel_engine.ipc.messages import RankReport, StackFrame
+from otel_engine.timing import MONITOR_JOIN_S, RESPONDER_POLL_S
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +30,6 @@ logger = logging.getLogger(__name__)
 # matters here, and a few steps' worth shows what led to it.
 FLIGHT_RECORDER_ENTRIES = 64
 MAX_FRAMES = 24  # innermost frames of the main thread's stack
-POLL_MS = 200  # how often the thread looks at its stop flag
 _SITE_PACKAGES = f"{os.sep}site-packages{os.sep}"
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -63,7 +63,7 @@ class Responder:
         codec: Codec[RankReport] = Codec(RankReport)
         try:
             while not self._stop.is_set():
-                if not self._socket.poll(POLL_MS):
+                if not self._socket.poll(int(1000 * RESPONDER_POLL_S)):
                     continue
                 self._socket.recv()
                 self._socket.send(codec.encode(self.report()))
@@ -86,7 +86,7 @@ class Responder:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=1.0)
+        self._thread.join(timeout=MONITOR_JOIN_S)
         self._socket.close(linger=0)
         self._context.term()
 

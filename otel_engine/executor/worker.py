@@ -38,7 +38,7 @@ from otel_engine.observability.tracing import (
     is_tracing,
     shutdown_telemetry,
 )
-from otel_engine.timing import TELEMETRY_FLUSH_S
+from otel_engine.timing import LAST_FRAME_LINGER_S, TELEMETRY_FLUSH_S, WORKER_EXIT_LINGER_S
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ def run_worker(
     _busy_loop(runner, rank, inputs, outputs, responder)
     responder.stop()
     inputs.close(linger=0)
-    outputs.close(linger=1000)
+    outputs.close(linger=int(1000 * WORKER_EXIT_LINGER_S))
     context.term()
     dist.destroy_process_group()
     shutdown_telemetry(timeout_s=TELEMETRY_FLUSH_S)
@@ -148,7 +148,7 @@ def _busy_loop(
             outputs.send(responses.encode(WorkerFailure(rank, info, time.time())))
             # close() alone does not flush: terminating the context waits for delivery.
             inputs.close(linger=0)
-            outputs.close(linger=2000)
+            outputs.close(linger=int(1000 * LAST_FRAME_LINGER_S))
             outputs.context.term()
             shutdown_telemetry(timeout_s=TELEMETRY_FLUSH_S)
             os._exit(1)

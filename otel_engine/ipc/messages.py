@@ -47,6 +47,9 @@ class EngineLimits(msgspec.Struct, frozen=True, array_like=True):
 
     num_kv_blocks: int
     max_model_len: int
+    # What set max_model_len: "model" (max_position_embeddings), "max_model_len" (the
+    # flag), "sliding_window", or "kv_cache" (the KV budget holds fewer tokens).
+    limited_by: str = "model"
 
 
 class Ready(msgspec.Struct, frozen=True, tag="ready", array_like=True):

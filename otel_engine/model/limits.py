@@ -56,6 +56,7 @@ def resolve_limits(config: EngineConfig, arch: ModelArch) -> EngineLimits:
         )
         num_blocks = max(1, int(config.cache.kv_cache_memory_gib * 2**30) // per_block)
     max_len = config.model.max_model_len or arch.max_position_embeddings
+    limited_by = "max_model_len" if config.model.max_model_len else "model"
     if max_len > arch.max_position_embeddings:
         raise ValueError(
             f"--max-model-len {max_len} exceeds the model's "
@@ -64,6 +65,7 @@ def resolve_limits(config: EngineConfig, arch: ModelArch) -> EngineLimits:
     if arch.sliding_window and max_len > arch.sliding_window and not arch.sliding_layers:
         # Attention here sees the whole context; within the window that is what the model
         # computes, beyond it it is not: the context stops at the window.
-        max_len = arch.sliding_window
-    max_len = min(max_len, num_blocks * block_size)
-    return EngineLimits(num_kv_blocks=num_blocks, max_model_len=max_len)
+        max_len, limited_by = arch.sliding_window, "sliding_window"
+    if num_blocks * block_size < max_len:
+        max_len, limited_by = num_blocks * block_size, "kv_cache"
+    return EngineLimits(num_kv_blocks=num_blocks, max_model_len=max_len, limited_by=limited_by)

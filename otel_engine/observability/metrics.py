@@ -118,7 +118,13 @@ INVALID_JSON_REASONS = ("length", "stop_string", "invalid")
 # stalled: work is pending and no step finished within --step-timeout (/health answers 503)
 HEALTH_STATES = ("starting", "healthy", "draining", "stalled", "dead")
 # why the server closed an HTTP connection (entrypoints/connections.py)
-CONNECTION_CLOSE_REASONS = ("refused", "evicted", "request_timeout", "write_stalled")
+CONNECTION_CLOSE_REASONS = (
+    "refused",
+    "evicted",
+    "request_timeout",
+    "write_stalled",
+    "invalid_framing",
+)
 # error_type values that exist at 0 from the start, so that `increase()` sees the first one:
 # engine failures and clients dropped for not reading (the others appear when they happen)
 PRESET_ERROR_TYPES = ("engine_dead", "client_stalled")

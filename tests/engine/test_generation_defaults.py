@@ -48,7 +48,18 @@ def test_override_wins_field_by_field(model_dir: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "text", ["not json", "[1]", '{"temprature": 0.5}', '{"temperature": "hot"}', '{"top_p": true}']
+    "text",
+    [
+        "not json",
+        "[1]",
+        '{"temprature": 0.5}',
+        '{"temperature": "hot"}',
+        '{"top_p": true}',
+        '{"temperature": 5}',
+        '{"top_p": 0}',
+        '{"top_k": -2}',
+        '{"top_k": 2.5}',
+    ],
 )
 def test_bad_overrides_fail_at_startup_naming_the_problem(text: str) -> None:
     with pytest.raises(ValueError, match="--override-generation-config"):
@@ -65,3 +76,52 @@ def test_omitted_fields_take_the_defaults_and_sent_ones_stay() -> None:
 
     assert (0.2, 0.9, 40) == (omitted.temperature, omitted.top_p, omitted.top_k)
     assert (1.0, 0.9, 0) == (sent.temperature, sent.top_p, sent.top_k)
+
+
+@pytest.mark.slow  # starts an engine
+def test_offline_generate_without_params_takes_the_model_defaults(
+    tiny_model_dir: str, tmp_path: Path
+) -> None:
+    """Issue 24: `LLM.generate(prompts)` samples with the model's generation config, as the
+    server does for requests that omit the fields (it used to sample at temperature 1.0):
+    with a generation config that says temperature 0, the output is the greedy one."""
+    import shutil
+
+    from otel_engine import LLM, SamplingParams
+
+    copy = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, copy)
+    path = copy / "generation_config.json"
+    generation = json.loads(path.read_text()) if path.exists() else {}
+    path.write_text(json.dumps({**generation, "temperature": 0.0, "top_k": 5}))
+    with LLM(str(copy)) as llm:
+        defaults = llm.default_sampling_params()
+        sampled = [llm.generate(["Once upon a time"])[0].outputs[0].token_ids for _ in range(2)]
+        greedy = llm.generate(["Once upon a time"], SamplingParams(temperature=0.0))
+
+    assert (0.0, 5) == (defaults.temperature, defaults.top_k)
+    assert sampled[0] == sampled[1] == greedy[0].outputs[0].token_ids
+
+
+def test_a_generation_config_out_of_range_fails_at_start_naming_the_file(tmp_path: Path) -> None:
+    """Issue 24: a model's default no request could send (temperature 5) is refused when
+    the engine starts, not answered as a 400 for a field the client never sent."""
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 5.0}))
+
+    with pytest.raises(ValueError, match=r"generation_config\.json: temperature must be in"):
+        resolve("auto", str(tmp_path), is_default_model=False, override=None)
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("kv_cache_memory_gib", 0),
+        ("kv_cache_memory_gib", -1.0),
+        ("kv_cache_memory_gib", float("nan")),
+        ("num_kv_blocks", 0),
+        ("max_model_len", 0),
+    ],
+)
+def test_engine_sizes_that_cannot_work_fail_at_start(option: str, value: float) -> None:
+    with pytest.raises(ValueError, match=f"{option} must be positive"):
+        EngineConfig.from_kwargs(**{option: value})

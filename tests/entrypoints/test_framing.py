@@ -44,12 +44,15 @@ def test_content_length_with_transfer_encoding_is_refused_and_closed(
         b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
         b"Content-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n" + chunked + smuggled
     )
+    closed = ("otel_engine_http_connections_closed_total", {"reason": "invalid_framing"})
+    before = served.metric(closed[0], **closed[1])
     answer, _ = _exchange(served, request)
 
     assert answer.startswith(b"HTTP/1.1 400 ")
     assert b'"invalid_framing"' in answer
     assert 1 == answer.count(b"HTTP/1.1 ")
     assert not answer.endswith(b"<still open>")
+    assert before + 1 == served.metric(closed[0], **closed[1])
 
 
 @pytest.mark.parametrize(

@@ -106,3 +106,45 @@ def test_a_stream_not_read_for_the_write_timeout_is_aborted(
     assert before[0] + 1 == served.metric(counted[0], **counted[1])
     assert before[1] + 1 == served.metric(closed[0], **closed[1])
     server_loop.stop(served.server)
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def default_engine(
+    request: pytest.FixtureRequest, long_context_model_dir: str
+) -> Iterator[AsyncLLM]:
+    """The tiny model with the default --max-num-seqs, at tensor parallel 1 and 2."""
+    llm = AsyncLLM(model=long_context_model_dir, tensor_parallel_size=request.param)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("num_stalled", [64, 200])
+def test_a_normal_request_is_served_within_2s_of_never_reading_streams(
+    server_loop: ServerLoop, default_engine: AsyncLLM, num_stalled: int
+) -> None:
+    """Issue 23 item 2: with the default limits and slots, each stream whose client never
+    reads (a 4 KiB receive buffer) is paused a few chunks after that buffer filled, so a
+    normal request sent right after all of them is served within 2 s; they all end up
+    paused, holding no slot, and closing them leaves nothing in the engine."""
+    served = _serve(server_loop, default_engine)
+    stalled = [_stalled_reader(served) for _ in range(num_stalled)]
+    try:
+        started = time.monotonic()
+        completion = served.openai(timeout=300).completions.create(
+            model=served.model, prompt="Hello", max_tokens=4, extra_body={"ignore_eos": True}
+        )
+        elapsed = time.monotonic() - started
+        print(f"{num_stalled} never-reading streams: a normal request took {elapsed:.2f} s")
+        assert _wait_for(
+            lambda: served.metric("otel_engine_requests_paused") == num_stalled, timeout=60
+        )
+        assert served.metric("otel_engine_requests_running") == 0
+    finally:
+        for sock in stalled:
+            sock.close()
+
+    assert 4 == completion.usage.completion_tokens
+    assert elapsed < 2.0
+    assert _wait_for(lambda: default_engine.num_tracked == 0, timeout=30)
+    assert _wait_for(lambda: served.metric("otel_engine_requests_paused") == 0, timeout=10)
+    server_loop.stop(served.server)

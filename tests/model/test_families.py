@@ -88,7 +88,42 @@ def test_a_sliding_window_caps_the_context(tmp_path: Path) -> None:
     limits = resolve_limits(EngineConfig.from_kwargs(model=model_dir, num_kv_blocks=64), arch)
 
     assert arch.sliding_window == 100
-    assert limits.max_model_len == 100
+    assert (100, "sliding_window") == (limits.max_model_len, limits.limited_by)
+
+
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        ({"num_kv_blocks": 4096}, (512, "model")),
+        ({"num_kv_blocks": 4096, "max_model_len": 300}, (300, "max_model_len")),
+        ({"num_kv_blocks": 8}, (8 * 16, "kv_cache")),
+        ({"kv_cache_memory_gib": 2**-16}, None),
+    ],
+)
+def test_the_context_says_what_sets_it(
+    tiny_model_dir: str, options: dict[str, float], expected: tuple[int, str] | None
+) -> None:
+    """Issue 24: the smallest of the model's context, the flag and the KV cache; when the
+    KV cache sets it, the 400's words say so and name the flags that raise it."""
+    from otel_engine.engine.validation import check_context
+    from otel_engine.errors import RequestError
+    from otel_engine.model.limits import resolve_limits
+
+    arch = load_model_arch(tiny_model_dir)
+    limits = resolve_limits(EngineConfig.from_kwargs(model=tiny_model_dir, **options), arch)
+    if expected is None:  # a budget of 16 KiB: the block count, not the model, decides
+        assert "kv_cache" == limits.limited_by
+        assert limits.max_model_len == limits.num_kv_blocks * 16 < arch.max_position_embeddings
+        return
+    assert expected == (limits.max_model_len, limits.limited_by)
+    with pytest.raises(RequestError) as raised:
+        check_context(10, limits.max_model_len, limits.max_model_len, limits.limited_by)
+    assert "context_length_exceeded" == raised.value.code
+    if limits.limited_by == "kv_cache":
+        assert "this server's maximum context length is 128 tokens" in raised.value.message
+        assert "--kv-cache-memory-gib or --num-kv-blocks" in raised.value.message
+    else:
+        assert f"maximum context length is {expected[0]} tokens" in raised.value.message
 
 
 @pytest.mark.slow
