@@ -67,7 +67,13 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     model.add_argument(
         "--served-model-name", help="model name in the API (default: the model directory's name)"
     )
-    model.add_argument("--dtype", choices=DTYPES, help="weight and activation dtype")
+    model.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        help="weight and activation dtype (auto: the checkpoint's); a .gguf file's weights "
+        "are converted to bfloat16 once, so float32 computes in float32 on those rounded "
+        "weights, not on the file's exact values (a warning says so at start)",
+    )
     model.add_argument("--device", choices=DEVICES, help="cpu or cuda")
     model.add_argument(
         "--kernels",

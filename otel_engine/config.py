@@ -14,6 +14,8 @@ from typing import Any
 
 import msgspec
 
+from otel_engine.sampling_params import parse_override
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("cpu", "cuda")
 KERNELS = ("auto", "torch")
@@ -128,8 +130,6 @@ class EngineConfig:
                 f"generation_config must be one of {GENERATION_CONFIGS}, "
                 f"got {self.model.generation_config!r}"
             )
-        from otel_engine.engine.generation_defaults import parse_override
-
         parse_override(self.model.override_generation_config)
         if self.model.int4 not in INT4:
             raise ValueError(f"int4 must be one of {INT4}, got {self.model.int4!r}")

@@ -34,6 +34,43 @@ class FailureCause(enum.StrEnum):
         return "exception"
 
 
+class ErrorCode(enum.StrEnum):
+    """Every machine-readable reason a request can end with: the OpenAI error `code` of
+    an HTTP answer, `RequestError.code`, and the `error_type` label of
+    `otel_engine_request_errors_total` (docs/observability.md lists them). A closed set:
+    a code that is not here is a bug."""
+
+    # The client's request cannot be served (4xx; the engine serves on).
+    INVALID_VALUE = "invalid_value"
+    INVALID_JSON = "invalid_json"
+    MISSING_REQUIRED_PARAMETER = "missing_required_parameter"
+    UNSUPPORTED_PARAMETER = "unsupported_parameter"
+    MODEL_NOT_FOUND = "model_not_found"
+    CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+    INVALID_PROMPT = "invalid_prompt"
+    INVALID_API_KEY = "invalid_api_key"
+    REQUEST_TOO_LARGE = "request_too_large"
+    TOO_MANY_MESSAGES = "too_many_messages"
+    CLIENT_DISCONNECTED = "client_disconnected"  # while it was sending the body
+    DUPLICATE_REQUEST = "duplicate_request"
+    GRAMMAR_LIMIT_EXCEEDED = "grammar_limit_exceeded"  # a structured request's own budget
+    # The request ended early without a server fault.
+    ABORTED = "aborted"  # the client went away
+    CLIENT_STALLED = "client_stalled"  # the client did not read for --stream-write-timeout
+    ABORTED_BY_ENGINE = "aborted_by_engine"
+    # The server side.
+    ENGINE_DEAD = "engine_dead"
+    ENGINE_STALLED = "engine_stalled"
+    SHUTTING_DOWN = "shutting_down"
+    REQUEST_FAILED = "request_failed"  # one request's output could not be processed
+    STRUCTURED_OUTPUT_FAILED = "structured_output_failed"  # its grammar failed in the engine
+    # Answers written below the app, to a connection rather than a request (connections.py);
+    # they close the connection and reach no request metric.
+    INVALID_FRAMING = "invalid_framing"
+    REQUEST_TIMEOUT = "request_timeout"
+    TOO_MANY_CONNECTIONS = "too_many_connections"
+
+
 class OtelEngineError(Exception):
     """Base class of every error otel-engine raises on purpose."""
 
@@ -109,7 +146,7 @@ class RequestFailedError(OtelEngineError):
     """One request failed inside the engine for a reason that is not the client's (its
     output could not be processed); the engine keeps serving every other request."""
 
-    def __init__(self, message: str, *, code: str = "request_failed") -> None:
+    def __init__(self, message: str, *, code: str = ErrorCode.REQUEST_FAILED) -> None:
         super().__init__(message)
         self.message = message
         self.code = code

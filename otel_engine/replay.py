@@ -24,27 +24,15 @@ import sys
 from typing import Any
 
 from otel_engine.config import EngineConfig
+from otel_engine.observability.crash_dump import CHUNK_START, CHUNK_TOKENS
 from otel_engine.sampling_params import SamplingParams
-from otel_engine.sched.request import Request, RequestStatus
-from otel_engine.sched.scheduler import ScheduledChunk, SchedulerOutput
+from otel_engine.sched.request import Request
+from otel_engine.sched.scheduler import CacheTooSmall, SchedulerOutput
 
 REPRODUCED, NO_FAILURE, DIFFERENT, UNUSABLE = 0, 1, 2, 3
-# SamplingParams fields a dump shows by value (the others it shows as counts or flags)
-_VALUES = (
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "ignore_eos",
-    "skip_special_tokens",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "min_p",
-    "min_tokens",
-    "logprobs",
-    "prompt_logprobs",
-)
+# SamplingParams fields a dump shows by value (the others it shows as counts or flags),
+# read from the redaction policy that wrote them
+_VALUES = tuple(n for n, how in SamplingParams.__crash_dump__.items() if how == "value")
 # Settings of the run that wrote the dump that a replay must not reuse
 _NOT_REPLAYED = ("otlp_endpoint", "otlp_protocol", "otlp_logs", "crash_dump_dir", "multiprocess")
 
@@ -84,7 +72,9 @@ def engine_options(
     return options
 
 
-_BATCH_KEYS = ("prompt_token_ids", "output_token_ids", "scheduled_start", "num_scheduled_tokens")
+# The numbers of a dumped request a replay needs: its token counts (`Request`'s policy
+# dumps both as counts) and its chunk of the failing step
+_BATCH_KEYS = ("prompt_token_ids", "output_token_ids", CHUNK_START, CHUNK_TOKENS)
 
 
 def check_batch(batch: dict[str, Any]) -> None:
@@ -105,12 +95,11 @@ def check_batch(batch: dict[str, Any]) -> None:
 def rebuild_batch(core: Any, batch: dict[str, Any]) -> SchedulerOutput:
     """The dump's failing step as a scheduled batch of synthetic requests in `core`'s
     scheduler, each holding the KV blocks its chunk needs."""
-    scheduler = core.scheduler
     vocab = core.arch.vocab_size
-    chunks = []
+    restored = []
     for index, entry in enumerate(batch.get("requests") or []):
         num_prompt, num_output = int(entry["prompt_token_ids"]), int(entry["output_token_ids"])
-        start, count = int(entry["scheduled_start"]), int(entry["num_scheduled_tokens"])
+        start, count = int(entry[CHUNK_START]), int(entry[CHUNK_TOKENS])
         ids = [
             (index * 7919 + position) % (vocab - 1) + 1
             for position in range(num_prompt + num_output)
@@ -122,20 +111,14 @@ def rebuild_batch(core: Any, batch: dict[str, Any]) -> SchedulerOutput:
             eos_token_ids=core.eos_token_ids,
         )
         request.output_token_ids = ids[num_prompt:]
-        if not scheduler.allocator.can_allocate(request, start + count):
-            raise ReplayError(
-                f"the KV cache here cannot hold the batch (request {index} needs "
-                f"{start + count} tokens): pass --num-kv-blocks"
-            )
-        scheduler.allocator.allocate(request, start + count)
-        request.num_computed_tokens = start
-        request.status = RequestStatus.RUNNING
-        scheduler.requests[request.request_id] = request
-        scheduler.running.append(request)
-        chunks.append(ScheduledChunk(request, start, count))
-    step_id = int(batch.get("step_id") or 1)
-    scheduler.num_steps = step_id
-    return SchedulerOutput(step_id=step_id, chunks=chunks)
+        restored.append((request, start, count))
+    try:
+        return core.scheduler.restore(restored, int(batch.get("step_id") or 1))
+    except CacheTooSmall as error:
+        raise ReplayError(
+            f"the KV cache here cannot hold the batch (request {error.index} needs "
+            f"{error.num_tokens} tokens): pass --num-kv-blocks"
+        ) from None
 
 
 def _params(dumped: dict[str, Any]) -> SamplingParams:

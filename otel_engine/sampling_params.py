@@ -7,11 +7,12 @@ that no value can reach the sampler that it cannot represent.
 
 from __future__ import annotations
 
-from typing import ClassVar
+import json
+from typing import Any, ClassVar
 
 import msgspec
 
-from otel_engine.errors import RequestError
+from otel_engine.errors import ErrorCode, RequestError
 
 MAX_TEMPERATURE = 2.0  # the OpenAI API's upper bound
 # Below this a temperature is greedy: dividing float32 logits by less overflows them.
@@ -209,4 +210,55 @@ def shown(value: int) -> str:
 
 
 def _invalid(param: str, message: str) -> None:
-    raise RequestError(message, code="invalid_value", param=param)
+    raise RequestError(message, code=ErrorCode.INVALID_VALUE, param=param)
+
+
+# The fields a model's generation config or --override-generation-config may default
+# (engine/generation_defaults.py), and the checks that such a default is one a request
+# could send itself; here, beside the rules, so that the config layer validates the flag
+# at start without reaching into the engine.
+DEFAULTABLE_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def parse_override(text: str | None) -> dict[str, Any] | None:
+    """`--override-generation-config` JSON: an object of known fields with numbers."""
+    if text is None:
+        return None
+    try:
+        parsed = json.loads(text)
+    except ValueError as error:
+        raise ValueError(f"--override-generation-config is not JSON: {error}") from None
+    if not isinstance(parsed, dict):
+        raise ValueError("--override-generation-config must be a JSON object")
+    unknown = sorted(set(parsed) - set(DEFAULTABLE_FIELDS))
+    if unknown:
+        raise ValueError(
+            f"--override-generation-config: unknown field(s) {', '.join(unknown)}; "
+            f"known: {', '.join(DEFAULTABLE_FIELDS)}"
+        )
+    for name, value in parsed.items():
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"--override-generation-config: {name} must be a number")
+    check_default_values(parsed, "--override-generation-config")
+    return parsed
+
+
+def check_default_values(values: dict[str, Any], source: str) -> None:
+    """Raise ValueError naming `source` when a default is out of the range a request's own
+    value must be in (the same rules, `SamplingParams.validate`): a default no request
+    could send would turn into a 400 for a field the client never sent."""
+    for name, value in values.items():
+        if name == "top_k" and value != int(value):
+            raise ValueError(f"{source}: top_k must be an integer, got {value}")
+        try:
+            with_defaults({name: value}).validate()
+        except RequestError as error:
+            raise ValueError(f"{source}: {error.message}") from None
+
+
+def with_defaults(values: dict[str, Any]) -> SamplingParams:
+    """`SamplingParams()` with `values` (defaults' fields; `top_k` as an integer)."""
+    fields: dict[str, Any] = {
+        name: int(value) if name == "top_k" else float(value) for name, value in values.items()
+    }
+    return SamplingParams(**fields)

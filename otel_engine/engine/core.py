@@ -24,7 +24,7 @@ from otel_engine.engine.structured_output import (
     RequestGrammar,
 )
 from otel_engine.engine.validation import check_request
-from otel_engine.errors import RequestError
+from otel_engine.errors import ErrorCode, RequestError
 from otel_engine.executor.executor import Executor, failure_info
 from otel_engine.executor.hang import hang_error, ranks_part
 from otel_engine.ipc.messages import (
@@ -142,7 +142,9 @@ class EngineCore:
                 message.request_id in self.scheduler.requests
                 or message.request_id in self.compiling
             ):
-                raise RequestError("request id is already in flight", code="duplicate_request")
+                raise RequestError(
+                    "request id is already in flight", code=ErrorCode.DUPLICATE_REQUEST
+                )
             check_request(
                 message.prompt_token_ids,
                 message.sampling_params,
@@ -208,7 +210,7 @@ class EngineCore:
                     extra={"request_id": request_id, "error_type": type(exc).__name__},
                 )
                 rejected = RequestRejected(
-                    "request_failed",
+                    ErrorCode.REQUEST_FAILED,
                     f"structured output could not be set up: {type(exc).__name__}",
                     is_server_error=True,
                 )
@@ -520,7 +522,7 @@ def _grammar_failed(request: Request) -> RequestUpdate:
         rejected = RequestRejected(LIMIT_EXCEEDED, grammar.error, "response_format")
         return RequestUpdate(request.request_id, [], "abort", rejected=rejected)
     rejected = RequestRejected(
-        "structured_output_failed",
+        ErrorCode.STRUCTURED_OUTPUT_FAILED,
         "the output could not follow the response_format grammar",
         "response_format",
         is_server_error=True,

@@ -15,7 +15,12 @@ from otel_engine.engine.output import OutputProcessor
 from otel_engine.engine.validation import describe_context
 from otel_engine.errors import EngineDeadError
 from otel_engine.ipc.messages import AddRequest, EngineDead
-from otel_engine.model.loader import load_model_arch, load_tokenizer, prepare_model_dir
+from otel_engine.model.loader import (
+    is_gguf,
+    load_model_arch,
+    load_tokenizer,
+    prepare_model_dir,
+)
 from otel_engine.observability import faults
 from otel_engine.observability.tracing import inject_context
 from otel_engine.sampling_params import SamplingParams
@@ -56,6 +61,15 @@ class Frontend:
         )
         logger.info("model.generation_defaults", extra=self.generation_defaults.as_dict())
         arch = load_model_arch(self.model_dir)
+        if is_gguf(config.model.model) and config.model.dtype == "float32":
+            logger.warning(
+                "model.gguf_rounded",
+                extra={
+                    "dtype": "float32",
+                    "reason": "a GGUF file's weights are converted to bfloat16 once: float32 "
+                    "computes on those rounded weights, not on the file's exact values",
+                },
+            )
         self.client: CoreClient = (
             MPClient(config, self.model_dir)
             if config.parallel.multiprocess

@@ -10,22 +10,22 @@ with where it came from, and listed in `GET /v1/models`.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from otel_engine.sampling_params import SamplingParams
+from otel_engine.model.loader import read_generation_config
+from otel_engine.sampling_params import (
+    DEFAULTABLE_FIELDS,
+    check_default_values,
+    parse_override,
+    with_defaults,
+)
+
+__all__ = ["GenerationDefaults", "parse_override", "resolve", "with_defaults"]
 
 # Request fields a generation config may set, with their names there (HF's) and here.
-FIELDS = {
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "repetition_penalty": "repetition_penalty",
-}
+FIELDS = {name: name for name in DEFAULTABLE_FIELDS}
 DEFAULT_MODEL_CARD = {"temperature": 0.2, "top_p": 0.9}  # SmolLM2-135M-Instruct's card
 
 
@@ -48,12 +48,12 @@ def resolve(
     values: dict[str, float] = {}
     sources: dict[str, str] = {}
     if mode == "auto":
-        found = _generation_config(model_dir)
+        found = read_generation_config(model_dir)
         for hf_name, name in FIELDS.items():
             if hf_name in found and found[hf_name] is not None:
                 values[name] = found[hf_name]
                 sources[name] = "generation_config.json"
-        check_values(values, os.path.join(model_dir, "generation_config.json"))
+        check_default_values(values, os.path.join(model_dir, "generation_config.json"))
         if is_default_model and not values:
             values.update(DEFAULT_MODEL_CARD)
             sources.update(dict.fromkeys(DEFAULT_MODEL_CARD, "default model card"))
@@ -61,60 +61,3 @@ def resolve(
         values[name] = value
         sources[name] = "--override-generation-config"
     return GenerationDefaults(values, sources)
-
-
-def parse_override(text: str | None) -> dict[str, Any] | None:
-    """`--override-generation-config` JSON: an object of known fields with numbers."""
-    if text is None:
-        return None
-    try:
-        parsed = json.loads(text)
-    except ValueError as error:
-        raise ValueError(f"--override-generation-config is not JSON: {error}") from None
-    if not isinstance(parsed, dict):
-        raise ValueError("--override-generation-config must be a JSON object")
-    unknown = sorted(set(parsed) - set(FIELDS.values()))
-    if unknown:
-        raise ValueError(
-            f"--override-generation-config: unknown field(s) {', '.join(unknown)}; "
-            f"known: {', '.join(FIELDS.values())}"
-        )
-    for name, value in parsed.items():
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ValueError(f"--override-generation-config: {name} must be a number")
-    check_values(parsed, "--override-generation-config")
-    return parsed
-
-
-def check_values(values: dict[str, Any], source: str) -> None:
-    """Raise ValueError naming `source` when a default is out of the range a request's own
-    value must be in (the same rules, `SamplingParams.validate`): a default no request
-    could send would turn into a 400 for a field the client never sent."""
-    from otel_engine.errors import RequestError
-
-    for name, value in values.items():
-        if name == "top_k" and value != int(value):
-            raise ValueError(f"{source}: top_k must be an integer, got {value}")
-        try:
-            sampling_params({name: value}).validate()
-        except RequestError as error:
-            raise ValueError(f"{source}: {error.message}") from None
-
-
-def sampling_params(values: dict[str, Any]) -> SamplingParams:
-    """`SamplingParams()` with `values` (defaults' fields; `top_k` as an integer)."""
-    from otel_engine.sampling_params import SamplingParams
-
-    fields: dict[str, Any] = {
-        name: int(value) if name == "top_k" else float(value) for name, value in values.items()
-    }
-    return SamplingParams(**fields)
-
-
-def _generation_config(model_dir: str) -> dict[str, Any]:
-    path = os.path.join(model_dir, "generation_config.json")
-    if not os.path.isfile(path):
-        return {}
-    with open(path, encoding="utf-8") as file:
-        loaded = json.load(file)
-    return loaded if isinstance(loaded, dict) else {}

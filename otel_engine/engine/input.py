@@ -6,7 +6,7 @@ from typing import Any
 
 from otel_engine.engine import structured_output
 from otel_engine.engine.validation import check_request
-from otel_engine.errors import RequestError
+from otel_engine.errors import ErrorCode, RequestError
 from otel_engine.sampling_params import SamplingParams
 
 
@@ -30,12 +30,14 @@ class InputProcessor:
         if len(token_ids) > self.max_model_len:
             raise RequestError(
                 f"at most {self.max_model_len} tokens (the context length) can be detokenized",
-                code="invalid_value",
+                code=ErrorCode.INVALID_VALUE,
                 param="tokens",
             )
         if any(not 0 <= t < self.vocab_size for t in token_ids):
             raise RequestError(
-                f"token ids must be in [0, {self.vocab_size})", code="invalid_value", param="tokens"
+                f"token ids must be in [0, {self.vocab_size})",
+                code=ErrorCode.INVALID_VALUE,
+                param="tokens",
             )
         return str(self.tokenizer.decode(token_ids, skip_special_tokens=False))
 

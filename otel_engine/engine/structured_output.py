@@ -39,7 +39,7 @@ import llguidance
 import llguidance.numpy
 import numpy as np
 
-from otel_engine.errors import RequestError
+from otel_engine.errors import ErrorCode, RequestError
 from otel_engine.sampling_params import StructuredOutput
 
 if TYPE_CHECKING:
@@ -68,7 +68,7 @@ MAX_PATTERN_REPEAT = 2_000
 # response_format); masks of well-behaved schemas take 13 µs to 1 ms each.
 MASK_TIME_BUDGET_S = 1.0  # seconds of mask computation over the request's life
 MATCHER_MEMORY_BUDGET = 64 * 2**20  # bytes its masks may add to the process's RSS
-LIMIT_EXCEEDED = "grammar_limit_exceeded"  # the code of a request failed by a limit above
+LIMIT_EXCEEDED = ErrorCode.GRAMMAR_LIMIT_EXCEEDED  # the code of a request failed by a limit
 
 
 def from_response_format(response_format: dict[str, Any] | None) -> StructuredOutput | None:
@@ -84,21 +84,21 @@ def from_response_format(response_format: dict[str, Any] | None) -> StructuredOu
     if kind != "json_schema":
         raise RequestError(
             "response_format type must be text, json_object or json_schema",
-            code="invalid_value",
+            code=ErrorCode.INVALID_VALUE,
             param=PARAM,
         )
     spec = response_format.get("json_schema")
     if not isinstance(spec, dict):
         raise RequestError(
             "response_format.json_schema must be an object with a schema",
-            code="invalid_value",
+            code=ErrorCode.INVALID_VALUE,
             param=PARAM,
         )
     schema = spec.get("schema", {})
     if not isinstance(schema, dict):
         raise RequestError(
             "response_format.json_schema.schema must be a JSON object",
-            code="invalid_value",
+            code=ErrorCode.INVALID_VALUE,
             param=PARAM,
         )
     text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False, sort_keys=True)
@@ -120,7 +120,9 @@ def check(spec: StructuredOutput) -> None:
     error = _grammar_error(spec)
     if error:
         raise RequestError(
-            f"invalid JSON schema: {error[:MAX_ERROR_CHARS]}", code="invalid_value", param=PARAM
+            f"invalid JSON schema: {error[:MAX_ERROR_CHARS]}",
+            code=ErrorCode.INVALID_VALUE,
+            param=PARAM,
         )
 
 
@@ -450,7 +452,7 @@ class GrammarCompiler:
                 error = matcher.get_error()
                 raise RequestError(
                     f"invalid JSON schema: {error[:MAX_ERROR_CHARS]}",
-                    code="invalid_value",
+                    code=ErrorCode.INVALID_VALUE,
                     param=PARAM,
                 )
             self.compile_times.append(time.perf_counter() - started)

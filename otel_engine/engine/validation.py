@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from otel_engine.errors import RequestError
+from otel_engine.errors import ErrorCode, RequestError
 from otel_engine.sampling_params import SamplingParams, shown
 
 # Why the context is as long as it is, as a 400 and the start-up warning say it.
@@ -43,7 +43,7 @@ def check_context(
         raise RequestError(
             f"{describe_context(max_model_len, limited_by)}; the prompt has {num_prompt} "
             f"tokens and max_tokens is {shown(max_tokens)}",
-            code="context_length_exceeded",
+            code=ErrorCode.CONTEXT_LENGTH_EXCEEDED,
             param="max_tokens" if num_prompt < max_model_len else prompt_param,
         )
 
@@ -64,9 +64,11 @@ def check_request(
     params.validate(vocab_size)
     num_prompt = len(token_ids)
     if not num_prompt:
-        raise RequestError("the prompt is empty", code="invalid_prompt", param="prompt")
+        raise RequestError("the prompt is empty", code=ErrorCode.INVALID_PROMPT, param="prompt")
     check_context(num_prompt, params.max_tokens, max_model_len, limited_by)
     if any(not 0 <= t < vocab_size for t in token_ids):
         raise RequestError(
-            f"prompt token ids must be in [0, {vocab_size})", code="invalid_prompt", param="prompt"
+            f"prompt token ids must be in [0, {vocab_size})",
+            code=ErrorCode.INVALID_PROMPT,
+            param="prompt",
         )

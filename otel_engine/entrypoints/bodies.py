@@ -34,6 +34,7 @@ from starlette.responses import Response
 from otel_engine.entrypoints.errors import bad_request
 from otel_engine.entrypoints.limits import MAX_CONTENT_PARTS, MAX_MESSAGES
 from otel_engine.entrypoints.protocol import ChatCompletionRequest, TokenizeRequest
+from otel_engine.errors import ErrorCode
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -65,7 +66,7 @@ def check_chat_counts(raw: bytes) -> None:
         raise bad_request(
             f"a request has at most {MAX_MESSAGES} messages, this one has {len(messages)}",
             param="messages",
-            code="too_many_messages",
+            code=ErrorCode.TOO_MANY_MESSAGES,
         )
     num_parts = 0
     for message in messages:
@@ -78,7 +79,7 @@ def check_chat_counts(raw: bytes) -> None:
         raise bad_request(
             f"a request has at most {MAX_CONTENT_PARTS} content parts, this one has {num_parts}",
             param="messages",
-            code="too_many_messages",
+            code=ErrorCode.TOO_MANY_MESSAGES,
         )
 
 

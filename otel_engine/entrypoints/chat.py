@@ -21,6 +21,7 @@ from typing import Any
 import jinja2
 
 from otel_engine.entrypoints.errors import bad_request
+from otel_engine.errors import ErrorCode
 
 CLIENT_FIELDS = ("content", "name")  # what a client writes into a message
 _MARK_OPEN, _MARK_CLOSE = "\ue000", "\ue001"
@@ -83,7 +84,7 @@ class ChatRenderer:
             raise bad_request(
                 "this model has no chat template; use /v1/completions",
                 param="messages",
-                code="unsupported_parameter",
+                code=ErrorCode.UNSUPPORTED_PARAMETER,
             )
         try:
             text = self.tokenizer.apply_chat_template(
@@ -93,6 +94,6 @@ class ChatRenderer:
             raise bad_request(
                 f"chat template rejected the messages: {type(error).__name__}",
                 param="messages",
-                code="invalid_value",
+                code=ErrorCode.INVALID_VALUE,
             ) from None
         return str(text)

@@ -44,6 +44,7 @@ from uvicorn.protocols.http.h11_impl import DEFAULT_MAX_INCOMPLETE_EVENT_SIZE, H
 
 from otel_engine.entrypoints.errors import INVALID_REQUEST, UNAVAILABLE, APIError
 from otel_engine.entrypoints.limits import ServerLimits
+from otel_engine.errors import ErrorCode
 from otel_engine.observability.metrics import EngineMetrics
 from otel_engine.timing import READER_POLL_MAX_S, READER_POLL_MIN_S, REFUSE_LINGER_S
 
@@ -273,7 +274,7 @@ class GuardedH11Protocol(H11Protocol):
             if cycle is not None and CLIENT_READER_KEY not in cycle.scope:
                 cycle.scope[CLIENT_READER_KEY] = ClientReader(self)  # type: ignore[literal-required]
         except FramingError as error:
-            self._write_raw(400, "invalid_framing", str(error))
+            self._write_raw(400, ErrorCode.INVALID_FRAMING, str(error))
             self.table.closed("invalid_framing", self)
             self.transport.close()
 
@@ -315,7 +316,7 @@ class GuardedH11Protocol(H11Protocol):
         if self.transport.is_closing():
             return
         if self._has_data and (cycle is None or not cycle.response_started):
-            self._write_raw(408, "request_timeout", "the request was not received in time")
+            self._write_raw(408, ErrorCode.REQUEST_TIMEOUT, "the request was not received in time")
         self.table.closed("request_timeout", self)
         self.transport.close()
 
@@ -339,7 +340,10 @@ class GuardedH11Protocol(H11Protocol):
         self._is_refused = True
         table.num_refusing += 1
         self._write_raw(
-            503, "too_many_connections", "the server has too many open connections", retry=True
+            503,
+            ErrorCode.TOO_MANY_CONNECTIONS,
+            "the server has too many open connections",
+            retry=True,
         )
         table.closed("refused", self)
         if table.num_refusing > table.limits.max_connections:

@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from otel_engine.errors import EngineDeadError, RequestError, RequestFailedError
+from otel_engine.errors import EngineDeadError, ErrorCode, RequestError, RequestFailedError
 
 logger = logging.getLogger("otel_engine.api_server")
 
@@ -88,7 +88,7 @@ def from_engine_dead(error: EngineDeadError) -> APIError:
         500,
         f"engine failed: {error.cause_type}{where}{location}",
         type=INTERNAL,
-        code="engine_dead",
+        code=ErrorCode.ENGINE_DEAD,
     )
 
 
@@ -111,13 +111,15 @@ def internal_error(exc: BaseException, **log_fields: Any) -> APIError:
 def aborted_by_engine() -> APIError:
     """The engine finished the request as aborted without being asked (a bug, or shutdown)."""
     return APIError(
-        503, "request was aborted by the engine", type=UNAVAILABLE, code="aborted_by_engine"
+        503, "request was aborted by the engine", type=UNAVAILABLE, code=ErrorCode.ABORTED_BY_ENGINE
     )
 
 
 def engine_unavailable(error: EngineDeadError | None) -> APIError:
     cause = f": {error.cause_type}" if error is not None else ""
-    return APIError(503, f"engine is not serving{cause}", type=UNAVAILABLE, code="engine_dead")
+    return APIError(
+        503, f"engine is not serving{cause}", type=UNAVAILABLE, code=ErrorCode.ENGINE_DEAD
+    )
 
 
 def engine_stalled(seconds: float) -> APIError:
@@ -127,12 +129,12 @@ def engine_stalled(seconds: float) -> APIError:
         503,
         f"engine made no progress for {seconds:.0f} s (no step with work pending, or frozen)",
         type=UNAVAILABLE,
-        code="engine_stalled",
+        code=ErrorCode.ENGINE_STALLED,
     )
 
 
 def draining() -> APIError:
-    return APIError(503, "server is shutting down", type=UNAVAILABLE, code="shutting_down")
+    return APIError(503, "server is shutting down", type=UNAVAILABLE, code=ErrorCode.SHUTTING_DOWN)
 
 
 def error_response(error: APIError) -> Response:
@@ -149,17 +151,21 @@ def from_validation_error(exc: RequestValidationError) -> APIError:
     first = errors[0]
     loc = [part for part in first.get("loc", ()) if part != "body"]
     if first.get("type") == "json_invalid":
-        return bad_request("request body is not valid JSON", code="invalid_json")
+        return bad_request("request body is not valid JSON", code=ErrorCode.INVALID_JSON)
     if not loc:
         return bad_request(f"invalid request body: {first.get('msg', 'invalid')}")
     param = str(loc[0])
     if first.get("type") == "missing":
         return bad_request(
-            f"missing required parameter '{param}'", param=param, code="missing_required_parameter"
+            f"missing required parameter '{param}'",
+            param=param,
+            code=ErrorCode.MISSING_REQUIRED_PARAMETER,
         )
     same_field = [e for e in errors if [p for p in e.get("loc", ()) if p != "body"][:1] == [param]]
     detail = "invalid type" if len(same_field) > 1 else first.get("msg", "invalid value")
-    return bad_request(f"invalid value for '{param}': {detail}", param=param, code="invalid_value")
+    return bad_request(
+        f"invalid value for '{param}': {detail}", param=param, code=ErrorCode.INVALID_VALUE
+    )
 
 
 async def _answer(request: Request, exc: Exception) -> Response:

@@ -24,6 +24,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from otel_engine.entrypoints.access_log import ClientLogBudget, client_address
 from otel_engine.entrypoints.errors import APIError, draining, engine_unavailable, error_response
 from otel_engine.entrypoints.limits import ServerLimits
+from otel_engine.errors import ErrorCode
 from otel_engine.observability.metrics import EngineMetrics
 from otel_engine.timing import DRAIN_CANCEL_GRACE_S
 
@@ -173,7 +174,7 @@ class GuardMiddleware:
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                return b"", APIError(400, "client disconnected", code="client_disconnected")
+                return b"", APIError(400, "client disconnected", code=ErrorCode.CLIENT_DISCONNECTED)
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.state.limits.max_body_bytes:
@@ -230,15 +231,17 @@ def resolve_api_key(flag: str | None, path: str | None, environ: Mapping[str, st
 def _check_api_key(values: list[bytes], api_key: bytes) -> APIError | None:
     """401 unless there is exactly one `Authorization: Bearer <api_key>` header."""
     if len(values) > 1:
-        return APIError(401, "more than one Authorization header was sent", code="invalid_api_key")
+        return APIError(
+            401, "more than one Authorization header was sent", code=ErrorCode.INVALID_API_KEY
+        )
     scheme, _, token = values[0].strip().partition(b" ") if values else (b"", b"", b"")
     if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), api_key):
-        return APIError(401, "invalid or missing API key", code="invalid_api_key")
+        return APIError(401, "invalid or missing API key", code=ErrorCode.INVALID_API_KEY)
     return None
 
 
 def _too_large(limit: int) -> APIError:
-    return APIError(413, f"request body exceeds {limit} bytes", code="request_too_large")
+    return APIError(413, f"request body exceeds {limit} bytes", code=ErrorCode.REQUEST_TOO_LARGE)
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

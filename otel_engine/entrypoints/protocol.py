@@ -19,7 +19,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 from otel_engine.engine.structured_output import from_response_format
 from otel_engine.entrypoints.errors import APIError, bad_request, from_request_error
 from otel_engine.entrypoints.limits import MAX_CONTENT_PARTS, MAX_MESSAGES
-from otel_engine.errors import RequestError
+from otel_engine.errors import ErrorCode, RequestError
 from otel_engine.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutput
 
 MAX_CHOICES = 16  # n and best_of
@@ -50,7 +50,7 @@ TokenIds = list[int]
 
 
 def unsupported(param: str, message: str) -> APIError:
-    return bad_request(message, param=param, code="unsupported_parameter")
+    return bad_request(message, param=param, code=ErrorCode.UNSUPPORTED_PARAMETER)
 
 
 class _Strict(BaseModel):
@@ -111,13 +111,13 @@ class _SamplingFields(_Strict):
                 raise bad_request(
                     f"logit_bias keys must be token ids, got {key[:20]!r}",
                     param="logit_bias",
-                    code="invalid_value",
+                    code=ErrorCode.INVALID_VALUE,
                 )
             if len(key) > MAX_TOKEN_ID_DIGITS:  # int() would refuse past 4,300 digits (a 500)
                 raise bad_request(
                     f"logit_bias keys must be token ids, got a number of {len(key)} digits",
                     param="logit_bias",
-                    code="invalid_value",
+                    code=ErrorCode.INVALID_VALUE,
                 )
             pairs.append((int(key), bias))
         return tuple(pairs)
@@ -192,12 +192,14 @@ class CompletionRequest(_SamplingFields):
         if self.suffix is not None:
             raise unsupported("suffix", "suffix is not supported")
         if self.best_of is not None and self.best_of < self.n:
-            raise bad_request("best_of must be at least n", param="best_of", code="invalid_value")
+            raise bad_request(
+                "best_of must be at least n", param="best_of", code=ErrorCode.INVALID_VALUE
+            )
         if self.stream and self.num_samples() > self.n:
             raise bad_request(
                 "best_of > n cannot be streamed (the best samples are known at the end)",
                 param="best_of",
-                code="invalid_value",
+                code=ErrorCode.INVALID_VALUE,
             )
 
     def num_samples(self) -> int:
@@ -217,7 +219,9 @@ class CompletionRequest(_SamplingFields):
                 raise unsupported("prompt", "exactly one prompt per request is supported")
             prompt = prompt[0]
         if not prompt:
-            raise bad_request("prompt must not be empty", param="prompt", code="invalid_value")
+            raise bad_request(
+                "prompt must not be empty", param="prompt", code=ErrorCode.INVALID_VALUE
+            )
         return cast("str | TokenIds", prompt)
 
 
@@ -260,13 +264,15 @@ class ChatCompletionRequest(_SamplingFields):
         super().check_supported()
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request(
-                "top_logprobs requires logprobs: true", param="top_logprobs", code="invalid_value"
+                "top_logprobs requires logprobs: true",
+                param="top_logprobs",
+                code=ErrorCode.INVALID_VALUE,
             )
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
             raise bad_request(
                 f"top_logprobs must be in [0, {MAX_LOGPROBS}]",
                 param="top_logprobs",
-                code="invalid_value",
+                code=ErrorCode.INVALID_VALUE,
             )
         if self.tools:
             raise unsupported("tools", "tools are not supported")

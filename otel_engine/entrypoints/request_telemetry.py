@@ -23,6 +23,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from structlog.contextvars import bound_contextvars
 
 from otel_engine.entrypoints.errors import is_server_error
+from otel_engine.errors import ErrorCode
 from otel_engine.observability.tracing import get_tracer, link_from
 
 if TYPE_CHECKING:
@@ -37,7 +38,7 @@ EVENT_SCHEDULED = "otel_engine.request.scheduled"
 EVENT_FIRST_TOKEN = "otel_engine.request.first_token"
 EVENT_PREEMPTED = "otel_engine.request.preempted"
 EVENT_FINISHED = "otel_engine.request.finished"
-ABORTED = "aborted"
+ABORTED = ErrorCode.ABORTED
 
 
 def _ns(seconds: float) -> int:

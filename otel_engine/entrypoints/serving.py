@@ -56,7 +56,7 @@ from otel_engine.entrypoints.streaming import (
     RequestWatch,
     sse_event,
 )
-from otel_engine.errors import EngineDeadError, RequestError, RequestFailedError
+from otel_engine.errors import EngineDeadError, ErrorCode, RequestError, RequestFailedError
 from otel_engine.ipc.messages import TokenLogprobs
 from otel_engine.sampling_params import SamplingParams
 
@@ -70,7 +70,7 @@ logger = logging.getLogger("otel_engine.api_server")
 T = TypeVar("T")
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
-CLIENT_STALLED = "client_stalled"
+CLIENT_STALLED = ErrorCode.CLIENT_STALLED
 JSON = "application/json"
 # An ignored field is logged by name: at most this many names, each cut to this length.
 MAX_LOGGED_FIELDS = 16
@@ -192,7 +192,9 @@ class OpenAIServing:
         self._check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise bad_request(
-                "give exactly one of prompt and messages", param="prompt", code="invalid_value"
+                "give exactly one of prompt and messages",
+                param="prompt",
+                code=ErrorCode.INVALID_VALUE,
             )
         if body.prompt is not None:
             self._check_chars(len(body.prompt), "prompt")
@@ -215,7 +217,10 @@ class OpenAIServing:
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.engine.model_name:
             raise APIError(
-                404, f"model '{model}' does not exist", param="model", code="model_not_found"
+                404,
+                f"model '{model}' does not exist",
+                param="model",
+                code=ErrorCode.MODEL_NOT_FOUND,
             )
 
     def _check_common(self, body: CompletionRequest | ChatCompletionRequest) -> None:
@@ -253,7 +258,7 @@ class OpenAIServing:
             raise bad_request(
                 f"{what}; at most {self.max_prompt_chars} are accepted (--max-prompt-chars)",
                 param=param,
-                code="context_length_exceeded",
+                code=ErrorCode.CONTEXT_LENGTH_EXCEEDED,
             )
 
     async def _off_loop(self, function: Callable[..., T], *args: Any) -> T:

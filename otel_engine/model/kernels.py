@@ -35,6 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from otel_engine.cache import cache_root
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
@@ -213,8 +215,7 @@ class KernelLibrary:
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("OTEL_ENGINE_CACHE_DIR") or os.path.expanduser("~/.cache/otel-engine")
-    return Path(root) / "kernels"
+    return Path(cache_root()) / "kernels"
 
 
 def _compiler() -> str | None:

@@ -29,6 +29,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from otel_engine.cache import cache_root
+
 if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedTokenizerBase
@@ -135,6 +137,11 @@ def default_model_path() -> str:
     raise FileNotFoundError(f"no .gguf file in the {DEFAULT_MODEL_PACKAGE} package at {locations}")
 
 
+def is_gguf(model: str | None) -> bool:
+    """Whether `model` names a GGUF file (None, the default model, is one)."""
+    return model is None or (not os.path.isdir(model) and model.endswith(".gguf"))
+
+
 def prepare_model_dir(model: str | None) -> str:
     """An absolute Hugging Face checkpoint directory for `model` (None: the default model)."""
     path = default_model_path() if model is None else os.path.abspath(os.path.expanduser(model))
@@ -158,8 +165,7 @@ def load_model_arch(model_dir: str) -> ModelArch:
             f"unsupported model architecture {architecture!r} in {model_dir}; "
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    generation_path = os.path.join(model_dir, "generation_config.json")
-    generation = _read_json(generation_path) if os.path.isfile(generation_path) else {}
+    generation = read_generation_config(model_dir)
     if ARCHITECTURE_FAMILIES[architecture] in ("gemma2", "gemma3"):
         config = _gemma_config(config, ARCHITECTURE_FAMILIES[architecture])
     rope = config.get("rope_parameters") or {}
@@ -277,6 +283,13 @@ def _dense_layers(config: dict[str, Any]) -> tuple[int, ...]:
     return tuple(
         i for i in range(config["num_hidden_layers"]) if i in listed or (i + 1) % step != 0
     )
+
+
+def read_generation_config(model_dir: str) -> dict[str, Any]:
+    """`model_dir`/generation_config.json ({} when there is none); ValueError, naming the
+    file, when it is not a JSON object."""
+    path = os.path.join(model_dir, "generation_config.json")
+    return _read_json(path) if os.path.isfile(path) else {}
 
 
 def _read_json(path: str) -> dict[str, Any]:
@@ -435,7 +448,7 @@ def _cached_conversion(gguf_path: str) -> str:
     stat = os.stat(gguf_path)
     stem = re.sub(r"[^A-Za-z0-9._-]", "_", os.path.basename(gguf_path).removesuffix(".gguf"))
     key = f"{stem}-{stat.st_size}-{stat.st_mtime_ns}-v{CONVERTER_VERSION}"
-    root = os.environ.get("OTEL_ENGINE_CACHE_DIR") or os.path.expanduser("~/.cache/otel-engine")
+    root = cache_root()
     final = os.path.join(root, key)
     if os.path.isfile(os.path.join(final, "config.json")):
         return final

@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from otel_engine.timing import CRASH_FILE_WRITE_S
+from otel_engine.version import __version__
 
 MAX_DUMP_BYTES = 64 * 1024
 MAX_LIST_ITEMS = 256  # block ids and other lists of safe numbers are cut here
@@ -178,10 +179,15 @@ def _scheduler_output(step: Any, model_input: Any, device: str) -> dict[str, Any
     return part
 
 
+# What a dumped request says of its chunk in the failing step, beside its own fields
+# (`otel-engine replay` reads them back).
+CHUNK_START, CHUNK_TOKENS = "scheduled_start", "num_scheduled_tokens"
+
+
 def _chunk(chunk: Any) -> dict[str, Any]:
     entry = dump_object(chunk.request)
-    entry["scheduled_start"] = chunk.start
-    entry["num_scheduled_tokens"] = chunk.num_tokens
+    entry[CHUNK_START] = chunk.start
+    entry[CHUNK_TOKENS] = chunk.num_tokens
     entry["num_blocks"] = len(chunk.request.block_ids)
     return entry
 
@@ -248,14 +254,12 @@ def _versions() -> dict[str, str]:
     engine core process, which at TP > 1 runs no model."""
     import importlib.metadata
 
-    import otel_engine
-
     try:
         torch_version = importlib.metadata.version("torch")
     except importlib.metadata.PackageNotFoundError:
         torch_version = "unknown"
     return {
-        "otel_engine": otel_engine.__version__,
+        "otel_engine": __version__,
         "torch": torch_version,
         "python": platform.python_version(),
     }

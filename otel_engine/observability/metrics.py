@@ -33,6 +33,8 @@ from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as OPEN
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 from prometheus_client.registry import Collector
 
+from otel_engine.errors import ErrorCode
+
 # gen_ai.server.time_to_first_token
 TTFT_BUCKETS = (
     0.001,
@@ -127,7 +129,7 @@ CONNECTION_CLOSE_REASONS = (
 )
 # error_type values that exist at 0 from the start, so that `increase()` sees the first one:
 # engine failures and clients dropped for not reading (the others appear when they happen)
-PRESET_ERROR_TYPES = ("engine_dead", "client_stalled")
+PRESET_ERROR_TYPES = (ErrorCode.ENGINE_DEAD, ErrorCode.CLIENT_STALLED)
 
 
 class StepStats(Protocol):

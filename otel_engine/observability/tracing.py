@@ -31,6 +31,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from otel_engine.config import ObservabilityConfig
 from otel_engine.observability.otlp_export import export_failures, is_enabled, make_exporter
 from otel_engine.timing import FLUSH_WHEN_FAILING_S
+from otel_engine.version import __version__
 
 logger = logging.getLogger(__name__)
 
@@ -46,11 +47,9 @@ _ATEXIT_REGISTERED = False
 
 def build_resource(role: str, rank: int | None, instance_id: str | None) -> Resource:
     """This process's resource; the OTEL_* variables win over the service.* defaults."""
-    import otel_engine
-
     defaults: dict[str, Any] = {
         "service.name": DEFAULT_SERVICE_NAME,
-        "service.version": getattr(otel_engine, "__version__", "unknown"),
+        "service.version": __version__,
     }
     if instance_id:
         defaults["service.instance.id"] = instance_id
@@ -137,9 +136,7 @@ def shutdown_telemetry(timeout_s: float = 5.0) -> bool:
 
 def get_tracer(name: str = TRACER_NAME) -> trace.Tracer:
     """A tracer from the current provider (the no-op one until a provider is installed)."""
-    import otel_engine
-
-    return trace.get_tracer(name, getattr(otel_engine, "__version__", None))
+    return trace.get_tracer(name, __version__)
 
 
 def inject_context(context: Context | None = None) -> dict[str, str]:

@@ -52,6 +52,15 @@ class SchedulerOutput:
         return not self.chunks
 
 
+class CacheTooSmall(Exception):
+    """`Scheduler.restore`: the KV cache cannot hold request `index` of the batch."""
+
+    def __init__(self, index: int, num_tokens: int) -> None:
+        super().__init__(f"request {index} needs {num_tokens} tokens of KV cache")
+        self.index = index
+        self.num_tokens = num_tokens
+
+
 class Scheduler:
     """Decides which tokens of which requests run in each step."""
 
@@ -121,6 +130,25 @@ class Scheduler:
             if request is not None:
                 request.status = RequestStatus.PREEMPTED
                 self.waiting.append(request)
+
+    def restore(self, batch: list[tuple[Request, int, int]], step_id: int) -> SchedulerOutput:
+        """A step's batch put back as it was (`otel-engine replay` rebuilding a crash dump's
+        batch): each `(request, start, num_tokens)` running with `start` tokens computed
+        and blocks for `start + num_tokens`, the step counter at `step_id`. Raises
+        `CacheTooSmall` (before changing anything for that request) when the cache cannot
+        hold one."""
+        chunks = []
+        for index, (request, start, num_tokens) in enumerate(batch):
+            if not self.allocator.can_allocate(request, start + num_tokens):
+                raise CacheTooSmall(index, start + num_tokens)
+            self.allocator.allocate(request, start + num_tokens)
+            request.num_computed_tokens = start
+            request.status = RequestStatus.RUNNING
+            self.requests[request.request_id] = request
+            self.running.append(request)
+            chunks.append(ScheduledChunk(request, start, num_tokens))
+        self.num_steps = step_id
+        return SchedulerOutput(step_id=step_id, chunks=chunks)
 
     def _unqueue(self, request: Request) -> None:
         if request.status == RequestStatus.RUNNING:
