@@ -52,7 +52,8 @@ def start_benchmark(model: str | None) -> int:
     server, nothing is downloaded; returns the model's vocabulary size."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from otel_engine.model.loader import load_model_arch, prepare_model_dir
+    from otel_engine.model.arch import load_model_arch
+    from otel_engine.model.loader import prepare_model_dir
 
     return load_model_arch(prepare_model_dir(model)).vocab_size
 

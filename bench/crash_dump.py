@@ -11,7 +11,7 @@ scheduler's state are what `EngineCore.record_crash` hands to the dumper. Measur
 - build: `crash_dump.build_dump` of the four parts (scheduler output with tensor shapes,
   engine config, system stats, a full 64-step history), the size cap included, as the engine
   core calls it;
-- report: `crash_dump.report_crash` on a real SDK span (in-memory exporter) and a logger
+- report: `crash_delivery.report_crash` on a real SDK span (in-memory exporter) and a logger
   rendering the JSON line through the real pipeline into memory;
 - the dump's JSON size next to `MAX_DUMP_BYTES`, and how many requests it lists / omits.
 
@@ -40,7 +40,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from otel_engine.config import EngineConfig
 from otel_engine.engine.batch import prepare_model_input
-from otel_engine.observability import crash_dump
+from otel_engine.observability import crash_delivery, crash_dump
 from otel_engine.observability.log_render import (
     PipelineFormatter,
     remove_meta,
@@ -119,7 +119,7 @@ def dump_parts(case: Case, scheduler: Scheduler, step: Any, model_input: Any) ->
         max_num_seqs=len(step.chunks),
     )
     arch = load_model_arch_like()
-    failure = crash_dump.failure_summary("worker-1", "RuntimeError", "bench", "exception")
+    failure = crash_delivery.failure_summary("worker-1", "RuntimeError", "bench", "exception")
     pids: dict[str, int | None] = {"engine_core": os.getpid(), "otel-worker-0": os.getpid()}
     started = time.monotonic() - 3600.0
     history = full_history()
@@ -178,7 +178,7 @@ def run_case(case: Case, num_requests: int, repeat: int) -> dict[str, Any]:
     for _ in range(repeat):
         span = tracer.start_span("engine_core.step")
         started = time.perf_counter()
-        crash_dump.report_crash(dump, span, failure, logger)
+        crash_delivery.report_crash(dump, span, failure, logger)
         report_ms.append((time.perf_counter() - started) * 1000)
         span.end()
     provider.shutdown()

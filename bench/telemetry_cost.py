@@ -248,7 +248,8 @@ def _prompts(num: int, length: int, model: str | None, seed: int) -> list[list[i
     """Random token-id prompts from the upper three quarters of the vocabulary (clear of
     special tokens, also for the tiny model's 768-token vocabulary)."""
     sys.path.insert(0, str(ROOT))
-    from otel_engine.model.loader import load_model_arch, prepare_model_dir
+    from otel_engine.model.arch import load_model_arch
+    from otel_engine.model.loader import prepare_model_dir
 
     vocab = load_model_arch(prepare_model_dir(model)).vocab_size
     rng = random.Random(seed)

@@ -354,7 +354,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     import torch
 
-    from otel_engine.model.loader import default_model_path, load_model_arch, prepare_model_dir
+    from otel_engine.model.arch import load_model_arch
+    from otel_engine.model.loader import default_model_path, prepare_model_dir
 
     model_dir = prepare_model_dir(args.model)
     vocab_size = load_model_arch(model_dir).vocab_size

@@ -1,5 +1,5 @@
 """Where otel-engine keeps what it builds once and reuses: `$OTEL_ENGINE_CACHE_DIR`, else
-`~/.cache/otel-engine` (converted GGUF checkpoints, `model/loader.py`; compiled CPU kernels,
+`~/.cache/otel-engine` (converted GGUF checkpoints, `model/gguf.py`; compiled CPU kernels,
 under `kernels/`, `model/kernels.py`)."""
 
 from __future__ import annotations

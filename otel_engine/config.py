@@ -91,7 +91,7 @@ class ObservabilityConfig:
     crash_dump_dir: str | None = None  # also write each crash dump to a file there
 
 
-MAX_CRASH_HISTORY_STEPS = 256  # a dump lists at most 256 items (crash_dump.MAX_LIST_ITEMS)
+MAX_CRASH_HISTORY_STEPS = 256  # a dump lists at most 256 items (redaction.MAX_LIST_ITEMS)
 
 
 @dataclass(frozen=True, slots=True)

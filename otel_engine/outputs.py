@@ -7,9 +7,18 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, overload
 
-from otel_engine.ipc.messages import TokenLogprobs
+import msgspec
 
 T = TypeVar("T")
+
+
+class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True):
+    """A sampled token's log-probability (float32 log-softmax of the raw logits, before
+    penalties, temperature and truncation), and the `k` most likely tokens of its position."""
+
+    logprob: float
+    top_token_ids: list[int] = []
+    top_logprobs: list[float] = []
 
 
 class GrowingPrefix(Sequence[T]):

@@ -30,6 +30,7 @@ from otel_engine.engine.frontend import Frontend, dead_error
 from otel_engine.errors import EngineDeadError, FailureCause
 from otel_engine.ipc.messages import EngineDead, ErrorInfo, StepOutputs
 from otel_engine.ipc.native_fault import enable_on_stderr
+from otel_engine.ipc.process import ENGINE_CORE
 from otel_engine.outputs import RequestOutput
 from otel_engine.sampling_params import SamplingParams
 from otel_engine.timing import HEARTBEAT_TIMEOUT_S, STALL_GRACE_S, THREAD_JOIN_S
@@ -329,7 +330,7 @@ def _stalled(step_timeout: float) -> ErrorInfo:
         type=FailureCause.ENGINE_STALLED,
         message=f"the engine core made no progress in {step_timeout:g} s with requests "
         "pending and did not report it (see --step-timeout)",
-        process="engine_core",
+        process=ENGINE_CORE,
     )
 
 

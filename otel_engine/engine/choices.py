@@ -18,8 +18,7 @@ from dataclasses import replace
 
 import msgspec
 
-from otel_engine.ipc.messages import TokenLogprobs
-from otel_engine.outputs import CompletionOutput, RequestOutput
+from otel_engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from otel_engine.sampling_params import SamplingParams
 
 _GOLDEN = 0x9E3779B97F4A7C15

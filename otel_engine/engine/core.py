@@ -44,8 +44,9 @@ from otel_engine.ipc.messages import (
     StepOutputs,
     TokenLogprobs,
 )
-from otel_engine.model.loader import ModelArch
-from otel_engine.observability import crash_dump
+from otel_engine.ipc.process import ENGINE_CORE
+from otel_engine.model.arch import ModelArch
+from otel_engine.observability import crash_delivery, crash_dump
 from otel_engine.observability.faults import maybe_inject
 from otel_engine.observability.step_history import StepHistory
 from otel_engine.observability.tracing import (
@@ -267,7 +268,7 @@ class EngineCore:
         hands it a batch rebuilt from a crash dump."""
         with self._stepping(output) as trace_context:
             maybe_inject(
-                "engine_core",
+                ENGINE_CORE,
                 phase="run",
                 step=output.step_id,
                 num_requests=len(output.chunks),
@@ -379,7 +380,7 @@ class EngineCore:
         try:
             yield inject_context(trace.set_span_in_context(span)) if span else {}
         except Exception as exc:
-            self.record_crash(failure_info(exc, "engine_core"))
+            self.record_crash(failure_info(exc, ENGINE_CORE))
             raise
         finally:
             self.step_started_at = None
@@ -440,10 +441,13 @@ class EngineCore:
             span = self.current_step_span
             if span is None and self.is_tracing:
                 span = self._tracer.start_span("engine_core.crash")
-            failure = crash_dump.failure_of(info)
+            failure = crash_delivery.failure_of(info)
             parts: dict[str, Callable[[], Any]] = {
                 "scheduler_output": lambda: crash_dump.scheduler_output_part(
-                    self.current_output, self.current_model_input, self.config.model.device
+                    self.current_output,
+                    self.current_model_input,
+                    self.config.model.device,
+                    kernels=_runs_kernels(self.fast_paths),
                 ),
                 "engine_config": lambda: crash_dump.engine_config_part(
                     self.config, self.arch, self.limits, self.fast_paths
@@ -460,7 +464,7 @@ class EngineCore:
             if self.rank_reports:
                 parts["ranks"] = lambda: ranks_part(self.rank_reports)
             dump = crash_dump.build_dump(parts)
-            crash_dump.deliver(dump, span, failure, self.config, logger)
+            crash_delivery.deliver(dump, span, failure, self.config, logger)
             if span is not None:
                 self.failed_step_context = inject_context(trace.set_span_in_context(span))
                 span.end()
@@ -471,6 +475,12 @@ class EngineCore:
     def shutdown(self, *, graceful: bool = True) -> None:
         self.grammars.shutdown()
         self.executor.shutdown(graceful=graceful)
+
+
+def _runs_kernels(fast_paths: dict[str, Any] | None) -> bool:
+    """Whether the fast-path summary says the compiled kernels run the model."""
+    paths = (fast_paths or {}).get("paths") or {}
+    return bool((paths.get("compiled_kernels") or {}).get("enabled"))
 
 
 def _logprobs_by_request(output: SchedulerOutput, result: ModelOutput) -> dict[str, Any]:

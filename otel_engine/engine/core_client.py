@@ -45,8 +45,8 @@ from otel_engine.ipc.messages import (
 )
 from otel_engine.ipc.native_fault import enable_on_stderr
 from otel_engine.ipc.paths import IpcDir
-from otel_engine.ipc.process import spawn, wait_for_death
-from otel_engine.observability import crash_dump
+from otel_engine.ipc.process import ENGINE_CORE, spawn, wait_for_death
+from otel_engine.observability import crash_delivery, crash_dump
 from otel_engine.observability.setup import spawn_env
 from otel_engine.observability.tracing import get_tracer, inject_context, is_tracing
 from otel_engine.sched.scheduler import SchedulerOutput
@@ -121,7 +121,7 @@ class InprocClient:
             self.ipc_dir.cleanup()
             raise EngineStartupError(
                 f"engine_core failed to start: {type(exc).__name__}: {exc}",
-                failed_process="engine_core",
+                failed_process=ENGINE_CORE,
                 traceback="".join(traceback.format_exception(exc)),
                 cause_type=type(exc).__name__,
                 cause_message=str(exc),
@@ -177,12 +177,12 @@ class InprocClient:
             return output
         except TimeoutError:
             self._hung = True
-            self._death = core.give_up_on_step("engine_core")
+            self._death = core.give_up_on_step(ENGINE_CORE)
             return self._death
         except Exception as exc:
             logger.exception("engine.failed")
             self._death = EngineDead(
-                error=failure_info(exc, "engine_core"), trace_context=core.failed_step_context
+                error=failure_info(exc, ENGINE_CORE), trace_context=core.failed_step_context
             )
             return self._death
 
@@ -218,7 +218,7 @@ class MPClient:
             self.ipc_dir.path,
             self.ipc_dir.address("core-in"),
             self.ipc_dir.address("core-out"),
-            role="engine_core",
+            role=ENGINE_CORE,
             env=spawn_env(config),
             fault_dir=self.ipc_dir.path,
         )
@@ -363,7 +363,7 @@ def record_core_death(
     `engine_core.crash` span, the `engine_crash_dump` log line, the --crash-dump-dir file.
     Returns the span's context for the `EngineDead` the clients get. Never raises."""
     try:
-        failure = crash_dump.failure_of(info)
+        failure = crash_delivery.failure_of(info)
         lost = "the engine core died before it could record it"
         dump = crash_dump.build_dump(
             {
@@ -378,7 +378,7 @@ def record_core_death(
             }
         )
         span = get_tracer().start_span("engine_core.crash") if is_tracing() else None
-        crash_dump.deliver(dump, span, failure, config, logger)
+        crash_delivery.deliver(dump, span, failure, config, logger)
         if span is None:
             return {}
         context = inject_context(trace.set_span_in_context(span))

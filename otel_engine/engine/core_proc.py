@@ -33,9 +33,9 @@ from otel_engine.ipc.messages import (
     Shutdown,
 )
 from otel_engine.ipc.paths import IpcDir
-from otel_engine.ipc.process import ReadyChannel, on_parent_death
+from otel_engine.ipc.process import ENGINE_CORE, ReadyChannel, on_parent_death
+from otel_engine.model.arch import load_model_arch
 from otel_engine.model.limits import resolve_limits
-from otel_engine.model.loader import load_model_arch
 from otel_engine.observability.faults import maybe_inject
 from otel_engine.observability.tracing import shutdown_telemetry
 from otel_engine.timing import (
@@ -51,7 +51,7 @@ from otel_engine.timing import (
 
 logger = logging.getLogger(__name__)
 
-PROCESS_NAME = "engine_core"
+PROCESS_NAME = ENGINE_CORE
 # The exit of an engine core that failed after recording its crash dump and sending
 # EngineDead; any other unasked-for exit left no dump (the front end records one).
 FAILED_EXIT_CODE = 1
@@ -61,7 +61,7 @@ def build_engine_core(config: EngineConfig, model_dir: str, ipc_dir: IpcDir) -> 
     """The model's limits, the executor (its workers started and ready), and the core."""
     arch = load_model_arch(model_dir)
     limits = resolve_limits(config, arch)
-    maybe_inject("engine_core", phase="load")
+    maybe_inject(ENGINE_CORE, phase="load")
     executor = make_executor(config, model_dir, ipc_dir)
     return EngineCore(config, arch, limits, executor, model_dir)
 
@@ -88,7 +88,7 @@ def run_engine_core(
     outputs.connect(output_address)
     watchdog = StepWatchdog(core, output_address)
     channel.ready(core.limits, core.fast_paths)
-    logger.info("engine.ready", extra={"role": "engine_core"})
+    logger.info("engine.ready", extra={"role": ENGINE_CORE})
     exit_code = 0
     encoder: Codec[CoreOutput] = Codec(CoreOutput)
     try:

@@ -15,12 +15,8 @@ from otel_engine.engine.output import OutputProcessor
 from otel_engine.engine.validation import describe_context
 from otel_engine.errors import EngineDeadError
 from otel_engine.ipc.messages import AddRequest, EngineDead
-from otel_engine.model.loader import (
-    is_gguf,
-    load_model_arch,
-    load_tokenizer,
-    prepare_model_dir,
-)
+from otel_engine.model.arch import load_model_arch
+from otel_engine.model.loader import is_gguf, load_tokenizer, prepare_model_dir
 from otel_engine.observability import faults
 from otel_engine.observability.tracing import inject_context
 from otel_engine.sampling_params import SamplingParams

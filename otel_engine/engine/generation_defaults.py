@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from otel_engine.model.loader import read_generation_config
+from otel_engine.model.arch import read_generation_config
 from otel_engine.sampling_params import (
     DEFAULTABLE_FIELDS,
     check_default_values,

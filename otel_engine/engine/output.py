@@ -21,8 +21,14 @@ from typing import Any, NamedTuple
 from tokenizers.decoders import DecodeStream
 
 from otel_engine.errors import OtelEngineError, RequestError, RequestFailedError
-from otel_engine.ipc.messages import RequestUpdate, StepOutputs, TokenLogprobs
-from otel_engine.outputs import CompletionOutput, GrowingPrefix, RequestOutput, TokenIds
+from otel_engine.ipc.messages import RequestUpdate, StepOutputs
+from otel_engine.outputs import (
+    CompletionOutput,
+    GrowingPrefix,
+    RequestOutput,
+    TokenIds,
+    TokenLogprobs,
+)
 from otel_engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

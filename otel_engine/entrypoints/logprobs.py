@@ -20,7 +20,7 @@ from typing import Any
 
 from tokenizers import decoders
 
-from otel_engine.ipc.messages import TokenLogprobs
+from otel_engine.outputs import TokenLogprobs
 
 NEG_INF_LOGPROB = -9999.0
 

@@ -20,7 +20,13 @@ from otel_engine.engine.structured_output import from_response_format
 from otel_engine.entrypoints.errors import APIError, bad_request, from_request_error
 from otel_engine.entrypoints.limits import MAX_CONTENT_PARTS, MAX_MESSAGES
 from otel_engine.errors import ErrorCode, RequestError
-from otel_engine.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutput
+from otel_engine.sampling_params import (
+    MAX_LOGPROBS,
+    MAX_TEMPERATURE,
+    SEED_RANGE,
+    SamplingParams,
+    StructuredOutput,
+)
 
 MAX_CHOICES = 16  # n and best_of
 # A token id of any vocabulary has fewer digits; a longer key is refused before int().
@@ -72,10 +78,12 @@ class _SamplingFields(_Strict):
 
     model: Text | None = None
     max_tokens: Int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    # The bounds below are SamplingParams' (read from there), stated in the OpenAPI document;
+    # SamplingParams.validate is the rule that holds for every caller.
+    temperature: float = Field(default=1.0, ge=0.0, le=MAX_TEMPERATURE)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: Int = Field(default=0, ge=-1)
-    seed: Int | None = Field(default=None, ge=-(2**63), lt=2**63)
+    seed: Int | None = Field(default=None, ge=SEED_RANGE[0], lt=SEED_RANGE[1])
     stop: Text | list[Text] | None = None
     stop_token_ids: TokenIds | None = None
     ignore_eos: bool = False

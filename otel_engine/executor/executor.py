@@ -35,6 +35,7 @@ from otel_engine.ipc.messages import (
 )
 from otel_engine.ipc.paths import IpcDir, loopback_env
 from otel_engine.ipc.process import (
+    ENGINE_CORE,
     ChildProcess,
     process_title,
     spawn,
@@ -140,7 +141,7 @@ class UniprocExecutor:
         """Nothing to stop: the model lives in this process."""
 
     def process_pids(self) -> dict[str, int | None]:
-        return {"engine_core": os.getpid()}
+        return {ENGINE_CORE: os.getpid()}
 
 
 class MultiprocExecutor:
@@ -256,6 +257,7 @@ class MultiprocExecutor:
                 message=f"{sender} sent the result of step {message.step_id} while the "
                 f"engine core was waiting for {waiting}",
                 process=sender,
+                rank=0,
             )
             raise WorkerError(self._failure)
         return message
@@ -265,7 +267,7 @@ class MultiprocExecutor:
         return ask_ranks(self._context, self._probe_addresses)
 
     def process_pids(self) -> dict[str, int | None]:
-        pids: dict[str, int | None] = {"engine_core": os.getpid()}
+        pids: dict[str, int | None] = {ENGINE_CORE: os.getpid()}
         pids.update((w.name, w.pid) for w in self.workers)
         return pids
 

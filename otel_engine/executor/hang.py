@@ -118,6 +118,7 @@ def hang_error(
         type=FailureCause.STEP_TIMEOUT,
         message=f"{where}; {stalled}",
         process=process_title("worker", culprit.rank),
+        rank=culprit.rank,
         location=where,
     )
 

@@ -16,12 +16,14 @@ import mmap
 import torch
 
 from otel_engine.config import EngineConfig
-from otel_engine.ipc.messages import ModelInput, ModelOutput, PromptLogprobsChunk, TokenLogprobs
+from otel_engine.ipc.messages import ModelInput, ModelOutput, PromptLogprobsChunk
+from otel_engine.model.arch import load_model_arch
 from otel_engine.model.attention import AttentionMetadata
 from otel_engine.model.limits import dtype_name, resolve_limits
-from otel_engine.model.loader import iter_int4, iter_weights, load_model_arch
 from otel_engine.model.registry import model_class
 from otel_engine.model.sampler import Sampler, logprobs_of
+from otel_engine.model.weights import iter_int4, iter_weights
+from otel_engine.outputs import TokenLogprobs
 
 logger = logging.getLogger(__name__)
 

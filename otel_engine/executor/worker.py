@@ -144,7 +144,7 @@ def _busy_loop(
                 span.record_exception(exc)
                 span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
                 span.end()
-            info = error_info(exc, process_title("worker", rank))
+            info = error_info(exc, process_title("worker", rank), rank=rank)
             outputs.send(responses.encode(WorkerFailure(rank, info, time.time())))
             # close() alone does not flush: terminating the context waits for delivery.
             inputs.close(linger=0)

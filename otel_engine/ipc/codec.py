@@ -26,7 +26,7 @@ class Codec(Generic[T]):
         return self._decoder.decode(data)
 
 
-def error_info(exc: BaseException, process: str) -> ErrorInfo:
+def error_info(exc: BaseException, process: str, rank: int | None = None) -> ErrorInfo:
     """Flatten an exception into strings (never the exception object itself)."""
     try:
         text = "".join(traceback.format_exception(exc))
@@ -36,4 +36,6 @@ def error_info(exc: BaseException, process: str) -> ErrorInfo:
         message = str(exc)
     except Exception:
         message = "<message unavailable>"
-    return ErrorInfo(type=type(exc).__name__, message=message, traceback=text, process=process)
+    return ErrorInfo(
+        type=type(exc).__name__, message=message, traceback=text, process=process, rank=rank
+    )

@@ -12,6 +12,7 @@ from typing import Any
 
 import msgspec
 
+from otel_engine.outputs import TokenLogprobs
 from otel_engine.sampling_params import SamplingParams
 
 # ---- Handshake: every child to its parent, once -------------------------------------------
@@ -31,7 +32,7 @@ class ErrorInfo(msgspec.Struct, frozen=True):
     type: str
     message: str
     traceback: str = ""
-    process: str = ""  # e.g. "engine_core", "worker-1"
+    process: str = ""  # its name: "engine_core", "otel-worker-1" (ipc/process.process_title)
     # Where it is known to have failed, built from stack frames only (no message text), so
     # safe to show clients: "rank 1 hung in maybe_inject at otel_engine/...py:118".
     location: str = ""
@@ -39,6 +40,7 @@ class ErrorInfo(msgspec.Struct, frozen=True):
     # faulting thread's innermost frames, innermost first (`ipc/native_fault.py`).
     signal: str = ""
     frames: list[StackFrame] = []
+    rank: int | None = None  # the worker's rank, when a worker failed
 
 
 class EngineLimits(msgspec.Struct, frozen=True, array_like=True):
@@ -252,15 +254,6 @@ class StopWorker(msgspec.Struct, frozen=True, tag="stop", array_like=True):
 WorkerRequest = ModelInput | StopWorker
 
 # ---- Workers -> engine core --------------------------------------------------------------
-
-
-class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True):
-    """A sampled token's log-probability (float32 log-softmax of the raw logits, before
-    penalties, temperature and truncation), and the `k` most likely tokens of its position."""
-
-    logprob: float
-    top_token_ids: list[int] = []
-    top_logprobs: list[float] = []
 
 
 class ModelOutput(msgspec.Struct, frozen=True, tag="sampled", array_like=True):

@@ -97,8 +97,10 @@ class ChildProcess:
         ready_fd: int,
         death_fd: int,
         fault_path: str = "",
+        rank: int | None = None,
     ) -> None:
         self.name = name
+        self.rank = rank  # a worker's rank (None for the engine core)
         self.popen = popen
         self.fault_path = fault_path
         self.pid = popen.pid
@@ -148,11 +150,14 @@ class ChildProcess:
         how = self.describe_exit()
         fault = self.fault_report()
         if fault is None:
-            return ErrorInfo(type=cause, message=f"{subject} {how}", process=process)
+            return ErrorInfo(
+                type=cause, message=f"{subject} {how}", process=process, rank=self.rank
+            )
         return ErrorInfo(
             type=cause,
             message=f"{subject} {how}",
             process=process,
+            rank=self.rank,
             location=how,
             signal=fault.signal,
             frames=list(fault.frames),
@@ -248,6 +253,9 @@ def wait_for_death(children: list[ChildProcess]) -> ChildProcess:
     return by_fd[readable[0]]
 
 
+ENGINE_CORE = "engine_core"  # the engine core's role, and its name in failure reports
+
+
 def process_title(role: str, rank: int | None = None) -> str:
     """A child's name and process title, from its role and rank:
     `otel-engine-core`, `otel-worker-{rank}`. Failure reports name a worker by it (the engine
@@ -288,7 +296,7 @@ def spawn(
     assert popen.stdin is not None
     popen.stdin.write(msgspec.msgpack.encode(launch))
     popen.stdin.close()
-    return ChildProcess(name, popen, ready_r, death_w, fault_path)
+    return ChildProcess(name, popen, ready_r, death_w, fault_path, rank)
 
 
 def child_main() -> None:

@@ -604,7 +604,7 @@ DEFINE_KERNELS(bf16, bf16)
  * few rows a step is bound by reading the weights, and these are a quarter of bfloat16's
  * bytes. Every row is computed the same way whatever the other rows are.
  *
- * Packed weights (llama.py `_pack_int4`): per block of 16 output rows of W, per group, 256
+ * Packed weights (int4.py `pack_int4`): per block of 16 output rows of W, per group, 256
  * bytes: byte (j, c, e) of the j-th 32 bytes holds, for row c, k = 32g + 4j + e in its low
  * nibble and k = 32g + 4j + 2 + e in its high nibble (j < 8, c < 16, e < 2), so that widened
  * to 16 bits, each nibble is one half of vdpbf16ps's (k, k + 1) pairs. `params`: per block,

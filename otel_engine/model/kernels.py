@@ -181,7 +181,7 @@ class Contract:
 
     def mismatches(self) -> list[str]:
         """Where the library disagrees with this module's constants (empty: none)."""
-        from otel_engine.model.loader import INT4_GROUP
+        from otel_engine.model.weights import INT4_GROUP
 
         expected = {
             "int4_group": INT4_GROUP,

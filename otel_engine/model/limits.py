@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from otel_engine.config import EngineConfig
 from otel_engine.ipc.messages import EngineLimits
-from otel_engine.model.loader import ModelArch
+from otel_engine.model.arch import ModelArch
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 

@@ -18,34 +18,32 @@ in `q4_linear_bf16` (cpu_kernels.c; the exact 4-bit weights, 4x fewer bytes to r
 bfloat16, and a decode step of a few sequences is bound by reading them), larger ones in
 `panel_linear_bf16` (the same weights dequantized once at load into bfloat16 panels that it
 streams ahead of use: 24% faster than oneDNN at 32 rows). A model that is all 4-bit on one
-rank runs its whole decoder stack in one call (`decoder_stack_bf16`, `_DecoderStack`).
+rank runs its whole decoder stack in one call (`decoder_stack_bf16`, `DecoderStack`).
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from otel_engine.model import fast_paths
+from otel_engine.model.arch import ModelArch
 from otel_engine.model.attention import AttentionMetadata
-from otel_engine.model.kernels import PANEL_COLUMNS
+from otel_engine.model.decoder_stack import DecoderStack
+from otel_engine.model.int4 import INT4_MAX_ROWS, Int4Weight, pack_int4
 from otel_engine.model.layer_ops import KernelOps, LayerOps, make_layer_ops
 from otel_engine.model.layers import RotaryEmbedding, rms_norm
 from otel_engine.model.limits import check_tensor_parallel
-from otel_engine.model.loader import INT4_GROUP, Int4Tensor, ModelArch
 from otel_engine.model.moe import MoeWeights, moe_forward
+from otel_engine.model.weights import INT4_GROUP, Int4Tensor
 
 Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
-# Up to this many rows the exact 4-bit kernel is the faster (the default model's 30 layers,
-# weights in cache: 0.74 ms at 1 row, 2.63 at 8, 5.0 at 16; oneDNN bfloat16 2.6 / 3.5 / 4.9),
-# beyond it the bfloat16 panels (6.8 ms at 32 rows, 405 at 2,048, weights read from memory;
-# oneDNN 8.8 / 422).
-INT4_MAX_ROWS = 16
+
+
 # what a layer keeps of its bfloat16 matrices once their 4-bit form is in use
 _DROPPED = torch.empty(0)
 
@@ -54,50 +52,6 @@ def _packed_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-
-
-@dataclass(frozen=True)
-class Int4Weight:
-    """A fused matrix [rows, cols] in 4 bits, in `q4_linear_bf16`'s layout (cpu_kernels.c):
-    `packed` uint8 [rows / 16, groups, 256] (two weights a byte); `params` float32 [rows /
-    16, groups, 2, 16]: each group's scale d, then its offset m + 8d, for 16 rows. `panels`:
-    the same weights as bfloat16 (d * q + m rounded: the bfloat16 copy's values) in
-    `panel_linear_bf16`'s layout, for steps of more than INT4_MAX_ROWS rows."""
-
-    packed: torch.Tensor
-    params: torch.Tensor
-    rows: int
-    cols: int
-    panels: torch.Tensor
-
-
-def _pack_int4(
-    parts: list[Int4Tensor],
-    shard: Callable[[torch.Tensor], torch.Tensor],
-    build_panels: Callable[..., None],
-) -> Int4Weight | None:
-    """Fused rows of 4-bit matrices, this rank's shard, laid out for the kernels (the panels
-    by `build_panels`, q4_build_panels_bf16); None if it does not fit (a shard's columns
-    must hold whole groups, its rows a multiple of 16)."""
-    q = torch.cat([shard(p.q) for p in parts])
-    scale = torch.cat([shard(p.scale) for p in parts]).float()
-    offset = torch.cat([shard(p.offset) for p in parts]).float()
-    rows, cols = q.shape
-    groups = scale.shape[1]
-    if cols != groups * INT4_GROUP or rows % 16:
-        return None
-    # k = 32 group + 4 j + 2 nibble + e:
-    # [blocks, 16 rows, groups, j, nibble, e] -> [blocks, groups, j, 16 rows, e, nibble]
-    nibbles = q.view(rows // 16, 16, groups, 8, 2, 2).permute(0, 2, 3, 1, 5, 4)
-    packed = (nibbles[..., 0] | (nibbles[..., 1] << 4)).reshape(rows // 16, groups, 256)
-    per_block = [
-        t.view(rows // 16, 16, groups).transpose(1, 2) for t in (scale, offset + 8 * scale)
-    ]
-    params = torch.stack(per_block, dim=2).contiguous()
-    packed = packed.contiguous()
-    panels = torch.empty(-(-rows // PANEL_COLUMNS) * PANEL_COLUMNS * cols, dtype=torch.bfloat16)
-    build_panels(panels.data_ptr(), packed.data_ptr(), params.data_ptr(), rows, cols)
-    return Int4Weight(packed, params, rows, cols, panels)
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:
@@ -195,7 +149,7 @@ class LlamaModel:
         self.is_packed = self.fast_paths.is_on("onednn_packing")
         self.linear: Linear = _packed_linear if self.is_packed else F.linear
         self._int4_scratch = torch.empty(0)  # the 4-bit kernel's sums of x per group
-        self._stack: _DecoderStack | None = None  # built on the first forward that can use it
+        self._stack: DecoderStack | None = None  # built on the first forward that can use it
 
     # why this family never runs the compiled kernels or prepacked weights (None: it may)
     kernels_blocker: str | None = None
@@ -339,7 +293,7 @@ class LlamaModel:
                 parts = [weights.get(prefix + name) for name in names]
                 if any(part is None for part in parts):
                     return f"{prefix}{names[0]} is not stored in 4 bits"
-                weight = _pack_int4([p for p in parts if p is not None], shard, build_panels)
+                weight = pack_int4([p for p in parts if p is not None], shard, build_panels)
                 if weight is None:
                     return f"{prefix}{names[0]}: this shard does not fit the 4-bit kernel"
                 layer[attribute] = weight
@@ -382,7 +336,7 @@ class LlamaModel:
 
     def _decoder_stack(
         self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
-    ) -> _DecoderStack | None:
+    ) -> DecoderStack | None:
         """The compiled stack for these caches, where this model is what it runs: one rank,
         every layer's four matrices in 4 bits, no biases, q/k norms or experts."""
         if self._stack is not None and self._stack.kv_caches is kv_caches:
@@ -390,7 +344,7 @@ class LlamaModel:
         if not self.fast_paths.is_on("decoder_stack"):
             return None
         assert isinstance(self.ops, KernelOps)
-        self._stack = _DecoderStack(self, self.ops, kv_caches)
+        self._stack = DecoderStack(self, self.ops, kv_caches)
         return self._stack
 
     def _stack_blocker(self) -> str | None:
@@ -468,112 +422,3 @@ class LlamaModel:
         if self.tp_size > 1:
             dist.all_reduce(x)
         return x
-
-
-class _DecoderStack:
-    """A 4-bit model's decoder layers as one call into `decoder_stack_bf16` (cpu_kernels.c):
-    the same kernels, in the same order, as `LlamaModel.forward`'s loop with KernelOps (the
-    same results to the bit), without the Python and ctypes around each of them."""
-
-    def __init__(
-        self,
-        model: LlamaModel,
-        ops: KernelOps,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-    ) -> None:
-        assert ops.decoder_stack is not None
-        self.kv_caches = kv_caches
-        self._call = ops.decoder_stack
-        self._ops = ops
-        self._model = model
-        self._dim_names = ops.stack_layout.stack_dims  # the C side's order of fields and dims
-        fields = []
-        for layer, caches in zip(model.layers, kv_caches, strict=True):
-            addresses = _layer_addresses(layer, caches)
-            fields += [addresses[name] for name in ops.stack_layout.stack_fields]
-        self._layers = torch.tensor(fields, dtype=torch.int64)
-        k_cache = kv_caches[0][0]
-        self._cache_dims = (k_cache.shape[2], k_cache.shape[1] * k_cache.shape[2])
-        # the widest k of the four matrices: hidden (q/k/v, gate/up), heads (o), intermediate
-        widest = max(model.arch.hidden_size, model.num_heads * model.head_dim, model.intermediate)
-        self._sums = torch.empty(INT4_MAX_ROWS * widest // INT4_GROUP, dtype=torch.float32)
-
-    def forward(self, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        model, ops = self._model, self._ops
-        tokens, size = hidden.shape
-        heads, kv_heads, inter = model.num_heads, model.num_kv_heads, model.intermediate
-        block_size, num_slots = self._cache_dims
-        decodes = meta.num_decodes
-        tables, lens = meta.decode_tables, meta.decode_lens
-        if meta.prefills:
-            chunks, scratch = ops.prefill_chunks(meta)
-        else:
-            chunks, scratch = _NO_CHUNKS, _NO_CHUNKS
-        dims = {
-            "tokens": tokens,
-            "hidden": size,
-            "intermediate": inter,
-            "heads": heads,
-            "kv_heads": kv_heads,
-            "block_size": block_size,
-            "num_slots": num_slots,
-            "int4_max_rows": INT4_MAX_ROWS,
-            "decodes": decodes,
-            "max_blocks": tables.shape[1] if decodes and tables is not None else 0,
-            "prefills": chunks.shape[0],
-            "layers": len(model.layers),
-        }
-        dims_tensor = torch.tensor([dims[name] for name in self._dim_names], dtype=torch.int64)
-        dtype = hidden.dtype
-        out = torch.empty_like(hidden)
-        x, delta = torch.empty_like(hidden), torch.empty_like(hidden)
-        attn = torch.empty((tokens, heads * model.head_dim), dtype=dtype)
-        qkv = torch.empty((tokens, (heads + 2 * kv_heads) * model.head_dim), dtype=dtype)
-        gate_up = torch.empty((tokens, 2 * inter), dtype=dtype)
-        act = torch.empty((tokens, inter), dtype=dtype)
-        self._call(
-            hidden.data_ptr(),
-            out.data_ptr(),
-            self._layers.data_ptr(),
-            dims_tensor.data_ptr(),
-            model.norm.data_ptr(),
-            ops.cos_sin.data_ptr(),
-            meta.positions.data_ptr(),
-            meta.slot_mapping.data_ptr(),
-            tables.data_ptr() if decodes and tables is not None else None,
-            lens.data_ptr() if decodes and lens is not None else None,
-            chunks.data_ptr(),
-            x.data_ptr(),
-            qkv.data_ptr(),
-            attn.data_ptr(),
-            delta.data_ptr(),
-            gate_up.data_ptr(),
-            act.data_ptr(),
-            self._sums.data_ptr(),
-            scratch.data_ptr(),
-            model.arch.rms_norm_eps,
-            ops.scale,
-        )
-        return out
-
-
-def _layer_addresses(
-    layer: LlamaLayer, caches: tuple[torch.Tensor, torch.Tensor]
-) -> dict[str, int]:
-    """A layer's tensors by the names of `decoder_stack_bf16`'s fields (cpu_kernels.c)."""
-    addresses = {
-        "input_norm": layer.input_norm.data_ptr(),
-        "post_norm": layer.post_norm.data_ptr(),
-        "k_cache": caches[0].data_ptr(),
-        "v_cache": caches[1].data_ptr(),
-    }
-    matrices = {"qkv": layer.qkv4, "o": layer.o_proj4, "gate_up": layer.gate_up4}
-    for name, weight in {**matrices, "down": layer.down4}.items():
-        assert weight is not None
-        addresses[f"{name}_packed"] = weight.packed.data_ptr()
-        addresses[f"{name}_params"] = weight.params.data_ptr()
-        addresses[f"{name}_panels"] = weight.panels.data_ptr()
-    return addresses
-
-
-_NO_CHUNKS = torch.zeros((0, 4), dtype=torch.int64)

@@ -5,9 +5,9 @@ layers.py or moe.py), plus a line here and one in the loader's table."""
 
 from __future__ import annotations
 
+from otel_engine.model.arch import ModelArch
 from otel_engine.model.gemma3 import Gemma3Model
 from otel_engine.model.llama import LlamaModel
-from otel_engine.model.loader import ModelArch
 from otel_engine.model.mixtral import MixtralModel
 from otel_engine.model.phi3 import Phi3Model
 from otel_engine.model.qwen3_moe import Qwen3MoeModel

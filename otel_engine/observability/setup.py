@@ -29,20 +29,32 @@ ENV_INSTANCE_ID = "OTEL_ENGINE_INSTANCE_ID"
 _TRUE = ("1", "true", "yes", "on")
 
 
+# The observability settings a child reads from its environment, by `ObservabilityConfig`
+# field: it sets up logging and exporters first thing, before it decodes its `EngineConfig`
+# (so that a failure to decode it is logged as configured). Both directions (`child_env`,
+# `config_from_env`) are derived from this table; the rest of the config (crash dumps)
+# travels inside the `EngineConfig` only.
+CARRIED_FIELDS = {
+    "log_format": ENV_LOG_FORMAT,
+    "log_level": ENV_LOG_LEVEL,
+    "log_prompts": ENV_LOG_PROMPTS,
+    "otlp_endpoint": ENV_OTLP_ENDPOINT,
+    "otlp_protocol": ENV_OTLP_PROTOCOL,
+    "otlp_logs": ENV_OTLP_LOGS,
+}
+# Read by the engine core from its EngineConfig, never from the environment.
+CONFIG_ONLY_FIELDS = ("crash_history_steps", "crash_dump_dir")
+
+
 def child_env(config: EngineConfig) -> dict[str, str]:
     """The `OTEL_ENGINE_*` variables that tell children how to log and export."""
-    obs = config.observability
-    env = {
-        ENV_LOG_FORMAT: obs.log_format,
-        ENV_LOG_LEVEL: obs.log_level.upper(),
-        ENV_LOG_PROMPTS: "1" if obs.log_prompts else "0",
-        ENV_OTLP_LOGS: "1" if obs.otlp_logs else "0",
-        ENV_INSTANCE_ID: config.instance_id,
-    }
-    if obs.otlp_endpoint:
-        env[ENV_OTLP_ENDPOINT] = obs.otlp_endpoint
-    if obs.otlp_protocol:
-        env[ENV_OTLP_PROTOCOL] = obs.otlp_protocol
+    env = {ENV_INSTANCE_ID: config.instance_id}
+    for name, variable in CARRIED_FIELDS.items():
+        value = getattr(config.observability, name)
+        if isinstance(value, bool):
+            env[variable] = "1" if value else "0"
+        elif value:
+            env[variable] = value.upper() if name == "log_level" else str(value)
     return env
 
 
@@ -60,14 +72,15 @@ def config_from_env(
     """The observability settings a parent passed down (defaults where it set none)."""
     env = os.environ if environ is None else environ
     defaults = ObservabilityConfig()
-    return ObservabilityConfig(
-        otlp_endpoint=env.get(ENV_OTLP_ENDPOINT) or None,
-        otlp_protocol=env.get(ENV_OTLP_PROTOCOL) or None,
-        otlp_logs=env.get(ENV_OTLP_LOGS, "0").strip().lower() in _TRUE,
-        log_format=env.get(ENV_LOG_FORMAT) or defaults.log_format,
-        log_level=(level or env.get(ENV_LOG_LEVEL) or defaults.log_level).upper(),
-        log_prompts=env.get(ENV_LOG_PROMPTS, "0").strip().lower() in _TRUE,
-    )
+    values: dict[str, object] = {}
+    for name, variable in CARRIED_FIELDS.items():
+        raw, default = env.get(variable), getattr(defaults, name)
+        if isinstance(default, bool):
+            values[name] = (raw or "0").strip().lower() in _TRUE
+        else:
+            values[name] = raw or default
+    values["log_level"] = str(level or values["log_level"]).upper()
+    return ObservabilityConfig(**values)  # type: ignore[arg-type]
 
 
 def configure(

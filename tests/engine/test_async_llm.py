@@ -14,6 +14,8 @@ from otel_engine import AsyncLLM, EngineDeadError, RequestError, RequestOutput, 
 from otel_engine.ipc.messages import StepOutputs
 from tests.helpers.tiny_model import hf_greedy
 
+pytestmark = pytest.mark.slow  # starts engine core processes
+
 
 @pytest.fixture(scope="module")
 def loop() -> Iterator[asyncio.AbstractEventLoop]:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from otel_engine import LLM, SamplingParams
-from otel_engine.ipc.messages import TokenLogprobs
+from otel_engine.outputs import TokenLogprobs
 
 pytestmark = pytest.mark.slow  # starts engines
 

@@ -22,7 +22,7 @@ from otel_engine.engine.structured_output import (
 )
 from otel_engine.errors import RequestError
 from otel_engine.ipc.messages import LogitsProcessing
-from otel_engine.model.loader import load_model_arch
+from otel_engine.model.arch import load_model_arch
 from otel_engine.model.sampler import GRAMMAR_BAN, Sampler, apply_grammar, process_logits
 from otel_engine.sampling_params import MAX_SCHEMA_BYTES, StructuredOutput
 from otel_engine.sched.request import Request, RequestStatus

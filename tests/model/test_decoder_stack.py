@@ -11,16 +11,12 @@ import random
 import pytest
 import torch
 
+from otel_engine.model.arch import load_model_arch
 from otel_engine.model.fast_paths import BF16_ISA
-from otel_engine.model.llama import INT4_MAX_ROWS, LlamaModel
-from otel_engine.model.loader import (
-    INT4_GROUP,
-    Int4Tensor,
-    iter_int4,
-    iter_weights,
-    load_model_arch,
-    prepare_model_dir,
-)
+from otel_engine.model.int4 import INT4_MAX_ROWS
+from otel_engine.model.llama import LlamaModel
+from otel_engine.model.loader import prepare_model_dir
+from otel_engine.model.weights import INT4_GROUP, Int4Tensor, iter_int4, iter_weights
 from tests.helpers.isa import require_isa
 from tests.helpers.paged import step_metadata
 from tests.helpers.tiny_model import write_tiny_llama

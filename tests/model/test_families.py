@@ -16,8 +16,8 @@ import torch
 from otel_engine import LLM, SamplingParams
 from otel_engine.config import EngineConfig
 from otel_engine.engine.core_client import InprocClient
+from otel_engine.model.arch import SUPPORTED_ARCHITECTURES, load_model_arch
 from otel_engine.model.layers import RotaryEmbedding
-from otel_engine.model.loader import SUPPORTED_ARCHITECTURES, load_model_arch
 from otel_engine.model.moe import MoeWeights, moe_forward, moe_forward_dense
 from otel_engine.observability.crash_dump import engine_config_part
 from tests.helpers.tiny_model import (
@@ -358,7 +358,7 @@ def test_gemma3_gguf_keys_llama_cpp_leaves_out_get_its_values(layers: int, scala
     """A Gemma 3 file without a sliding-window pattern has a full-attention layer every 6th
     (as llama.cpp assumes); the 27B model (62 layers) scales attention by hidden / heads, the
     others by head_dim; the sliding layers' RoPE base is 10,000."""
-    from otel_engine.model.loader import _gemma3_gguf_config
+    from otel_engine.model.gguf import _gemma3_gguf_config
 
     base = {"num_hidden_layers": layers, "hidden_size": 5376, "num_attention_heads": 32}
     base |= {"head_dim": 256, "sliding_window": 1024, "rope_theta": 1e6, "rope_scaling": None}
@@ -386,7 +386,7 @@ def test_a_gemma3_gguf_the_model_cannot_run_as_written_is_refused(
 ) -> None:
     """No sliding window, a per-layer pattern of the wrong length, or a RoPE scaling Gemma 3
     does not use: refused with what is wrong, not run as something else."""
-    from otel_engine.model.loader import _gemma3_gguf_config
+    from otel_engine.model.gguf import _gemma3_gguf_config
 
     pattern = change.pop("pattern", None)
     base = {"num_hidden_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "head_dim": 32}

@@ -11,22 +11,13 @@ import torch
 from otel_engine import LLM, SamplingParams
 from otel_engine.engine.core_client import InprocClient
 from otel_engine.model import kernels
+from otel_engine.model.arch import load_model_arch
 from otel_engine.model.fast_paths import BF16_ISA
+from otel_engine.model.int4 import INT4_MAX_ROWS, Int4Weight, pack_int4
 from otel_engine.model.kernels import KernelLibrary
-from otel_engine.model.llama import (
-    INT4_MAX_ROWS,
-    Int4Weight,
-    LlamaModel,
-    _pack_int4,
-)
-from otel_engine.model.loader import (
-    INT4_GROUP,
-    Int4Tensor,
-    iter_int4,
-    iter_weights,
-    load_model_arch,
-    prepare_model_dir,
-)
+from otel_engine.model.llama import LlamaModel
+from otel_engine.model.loader import prepare_model_dir
+from otel_engine.model.weights import INT4_GROUP, Int4Tensor, iter_int4, iter_weights
 from otel_engine.outputs import CompletionOutput
 from tests.helpers.isa import require_isa
 
@@ -85,7 +76,7 @@ def _library() -> KernelLibrary:
 
 
 def _pack(parts: list[Int4Tensor]) -> Int4Weight:
-    packed = _pack_int4(parts, lambda t: t, _library().q4_build_panels_bf16)
+    packed = pack_int4(parts, lambda t: t, _library().q4_build_panels_bf16)
     assert packed is not None
     return packed
 

@@ -107,6 +107,7 @@ def test_each_target_has_its_own_cache_entry() -> None:
         assert path.name.startswith(f"cpu_kernels-{isa}-")
 
 
+@pytest.mark.slow  # compiles the kernels
 def test_a_copied_build_for_another_target_is_rebuilt_not_loaded(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -134,6 +135,7 @@ def test_a_copied_build_for_another_target_is_rebuilt_not_loaded(
     assert (kernels.ABI_VERSION, target) == kernels.build_tag(wanted)
 
 
+@pytest.mark.slow  # compiles the kernels
 def test_a_library_of_another_abi_is_rebuilt(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -192,6 +194,7 @@ def test_a_contract_that_disagrees_is_reported() -> None:
     )
 
 
+@pytest.mark.slow  # compiles the kernels
 def test_a_build_that_is_not_its_target_is_never_loaded(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

@@ -11,8 +11,8 @@ from otel_engine.config import EngineConfig
 from otel_engine.engine.batch import prepare_model_input
 from otel_engine.executor.model_runner import ModelRunner, _kv_caches
 from otel_engine.ipc.messages import ModelInput
+from otel_engine.model.arch import load_model_arch
 from otel_engine.model.limits import check_tensor_parallel
-from otel_engine.model.loader import load_model_arch
 from otel_engine.sampling_params import SamplingParams
 from otel_engine.sched.request import Request
 from otel_engine.sched.scheduler import ScheduledChunk

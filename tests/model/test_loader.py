@@ -12,14 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from otel_engine.model.loader import (
-    _unpermute_rows,
-    default_model_path,
-    iter_weights,
-    load_model_arch,
-    load_tokenizer,
-    prepare_model_dir,
-)
+from otel_engine.model.arch import load_model_arch
+from otel_engine.model.gguf import _unpermute_rows
+from otel_engine.model.loader import default_model_path, load_tokenizer, prepare_model_dir
+from otel_engine.model.weights import iter_weights
 from tests.helpers.paths import REPO_ROOT
 
 pytestmark = pytest.mark.slow  # starts servers or engine processes

@@ -29,14 +29,13 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from otel_engine.config import EngineConfig
 from otel_engine.engine.batch import prepare_model_input
 from otel_engine.engine.structured_output import from_response_format
-from otel_engine.observability import crash_dump
+from otel_engine.ipc.messages import ErrorInfo
+from otel_engine.observability import crash_dump, redaction
+from otel_engine.observability.crash_delivery import failure_summary, report_crash
 from otel_engine.observability.crash_dump import (
     MAX_DUMP_BYTES,
     build_dump,
-    dump_object,
     engine_config_part,
-    failure_summary,
-    report_crash,
     scheduler_output_part,
     system_stats_part,
     to_json,
@@ -48,6 +47,7 @@ from otel_engine.observability.log_render import (
     structure_exception,
 )
 from otel_engine.observability.logging import shared_processors
+from otel_engine.observability.redaction import dump_object
 from otel_engine.sampling_params import SamplingParams
 from otel_engine.sched.kv_cache import BlockAllocator, update_block_hashes
 from otel_engine.sched.request import Request, RequestStatus
@@ -267,7 +267,7 @@ def test_long_lists_are_cut_with_their_total() -> None:
     """A list of safe numbers longer than MAX_LIST_ITEMS keeps its head and says its total."""
     dump = dump_object(make_request(block_ids=list(range(10_000))))
     assert 10_000 == dump["block_ids"]["total"]
-    assert crash_dump.MAX_LIST_ITEMS == len(dump["block_ids"]["first"])
+    assert redaction.MAX_LIST_ITEMS == len(dump["block_ids"]["first"])
 
 
 # ---- the three parts ---------------------------------------------------------------------
@@ -290,6 +290,10 @@ def test_scheduler_output_part_of_a_real_step() -> None:
     assert [20, 33, 40] == [r["num_scheduled_tokens"] for r in part["requests"]]
     assert [2, 3, 3] == [r["num_blocks"] for r in part["requests"]]
     assert {"shape": [93], "dtype": "int64", "device": "cpu"} == part["tensors"]["input_ids"]
+    # The block tables are int64 in torch's ops and int32 in the compiled kernels (issue 24).
+    assert "int64" == part["tensors"]["block_tables"]["dtype"]
+    with_kernels = scheduler_output_part(step, model_input, kernels=True)
+    assert "int32" == with_kernels["tensors"]["block_tables"]["dtype"]
     assert [3, 3] == part["tensors"]["block_tables"]["shape"]
     assert numbers_in(part).isdisjoint(CANARY_IDS)
 
@@ -340,7 +344,7 @@ def test_engine_config_part_says_which_fast_paths_ran() -> None:
 
 def test_system_stats_part_survives_a_broken_scheduler() -> None:
     """Each stat that cannot be read says why; the failure and the rest are still there."""
-    failure = failure_summary("worker-1", "RuntimeError", "boom", "exception")
+    failure = failure_summary("otel-worker-1", "RuntimeError", "boom", "exception", rank=1)
     part = system_stats_part(
         scheduler=SimpleNamespace(),
         started_at=0.0,
@@ -375,12 +379,20 @@ def test_system_stats_part_has_the_prefix_cache_state() -> None:
 
 
 @pytest.mark.parametrize(
-    ("process", "rank"),
-    [("worker-1", 1), ("otel-worker-3", 3), ("engine_core", None), ("worker", None)],
+    ("info", "rank"),
+    [
+        (ErrorInfo(type="T", message="m", process="otel-worker-3", rank=3), 3),
+        (ErrorInfo(type="T", message="m", process="engine_core"), None),
+        # the rank is a field of its own: a name is never parsed back into one
+        (ErrorInfo(type="T", message="m", process="otel-worker-3"), None),
+    ],
 )
-def test_failure_summary_parses_the_rank(process: str, rank: int | None) -> None:
-    """The failed rank comes from the worker's process name; other processes have none."""
-    assert rank == failure_summary(process, "T", "m", "died")["rank"]
+def test_the_failed_rank_is_the_error_s_own_field(info: ErrorInfo, rank: int | None) -> None:
+    """Issue 24: the dump's rank is `ErrorInfo.rank`, set where a worker's failure is
+    built (its report, its death, the hung rank), not parsed from the process name."""
+    from otel_engine.observability.crash_delivery import failure_of
+
+    assert rank == failure_of(info)["rank"]
 
 
 def test_failing_part_becomes_its_error_and_the_rest_is_written() -> None:
@@ -466,7 +478,7 @@ def test_report_crash_adds_the_crash_event_next_to_exception(
     as JSON strings, the failed rank and reason; status ERROR."""
     tracer, exporter = tracer_and_spans
     dump = a_dump()
-    failure = failure_summary("worker-1", "InjectedFault", "boom", "exception")
+    failure = failure_summary("otel-worker-1", "InjectedFault", "boom", "exception", rank=1)
     span = tracer.start_span("engine_core.step")
     report_crash(dump, span, failure, capture.logger)
     span.end()

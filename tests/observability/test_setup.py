@@ -108,6 +108,18 @@ def test_child_env_round_trips(child_env_restored: None) -> None:
     assert expected == config_from_env(environ=environ)
 
 
+def test_every_observability_setting_has_one_way_to_a_child() -> None:
+    """Issue 24: each ObservabilityConfig field either travels in the environment (both
+    directions derived from one table) or only inside the EngineConfig; a new field fails
+    here until it is given one."""
+    from otel_engine.config import ObservabilityConfig
+    from otel_engine.observability.setup import CARRIED_FIELDS, CONFIG_ONLY_FIELDS
+
+    names = [f.name for f in dataclasses.fields(ObservabilityConfig)]
+    assert sorted(names) == sorted([*CARRIED_FIELDS, *CONFIG_ONLY_FIELDS])
+    assert not set(CARRIED_FIELDS) & set(CONFIG_ONLY_FIELDS)
+
+
 def test_cleared_endpoint_is_not_inherited(
     child_env_restored: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:

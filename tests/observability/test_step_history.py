@@ -18,7 +18,8 @@ import pytest
 
 from otel_engine import LLM, EngineDeadError, SamplingParams
 from otel_engine.observability import faults
-from otel_engine.observability.crash_dump import MAX_DUMP_BYTES, cap, to_json, write_dump_file
+from otel_engine.observability.crash_delivery import write_dump_file
+from otel_engine.observability.crash_dump import MAX_DUMP_BYTES, cap, to_json
 from otel_engine.observability.step_history import FIELDS, StepHistory
 from otel_engine.timing import CRASH_FILE_WRITE_S
 
@@ -198,9 +199,9 @@ def test_a_dump_file_write_that_hangs_is_given_up(
 ) -> None:
     """A file system that hangs (simulated: the rename sleeps) holds the crash path for at
     most CRASH_FILE_WRITE_S: None and one error line."""
-    from otel_engine.observability import crash_dump
+    from otel_engine.observability import crash_delivery
 
-    monkeypatch.setattr(crash_dump.os, "replace", lambda *_: time.sleep(3))
+    monkeypatch.setattr(crash_delivery.os, "replace", lambda *_: time.sleep(3))
     logger = logging.getLogger("test.dump_file_hang")
     started = time.monotonic()
     with _capture(logger) as records:

@@ -1,0 +1,126 @@
+"""A 4-bit model's decoder layers as one call into `decoder_stack_bf16` (cpu_kernels.c): the
+binding of the C stack's fields (each layer's tensor addresses, by the names the contract
+string lists) and dims, apart from the model code (model/llama.py) that builds it."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from otel_engine.model.attention import AttentionMetadata
+from otel_engine.model.int4 import INT4_MAX_ROWS
+from otel_engine.model.layer_ops import KernelOps
+from otel_engine.model.weights import INT4_GROUP
+
+if TYPE_CHECKING:
+    from otel_engine.model.llama import LlamaLayer, LlamaModel
+
+
+class DecoderStack:
+    """A 4-bit model's decoder layers as one call into `decoder_stack_bf16` (cpu_kernels.c):
+    the same kernels, in the same order, as `LlamaModel.forward`'s loop with KernelOps (the
+    same results to the bit), without the Python and ctypes around each of them."""
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        ops: KernelOps,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> None:
+        assert ops.decoder_stack is not None
+        self.kv_caches = kv_caches
+        self._call = ops.decoder_stack
+        self._ops = ops
+        self._model = model
+        self._dim_names = ops.stack_layout.stack_dims  # the C side's order of fields and dims
+        fields = []
+        for layer, caches in zip(model.layers, kv_caches, strict=True):
+            addresses = _layer_addresses(layer, caches)
+            fields += [addresses[name] for name in ops.stack_layout.stack_fields]
+        self._layers = torch.tensor(fields, dtype=torch.int64)
+        k_cache = kv_caches[0][0]
+        self._cache_dims = (k_cache.shape[2], k_cache.shape[1] * k_cache.shape[2])
+        # the widest k of the four matrices: hidden (q/k/v, gate/up), heads (o), intermediate
+        widest = max(model.arch.hidden_size, model.num_heads * model.head_dim, model.intermediate)
+        self._sums = torch.empty(INT4_MAX_ROWS * widest // INT4_GROUP, dtype=torch.float32)
+
+    def forward(self, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        model, ops = self._model, self._ops
+        tokens, size = hidden.shape
+        heads, kv_heads, inter = model.num_heads, model.num_kv_heads, model.intermediate
+        block_size, num_slots = self._cache_dims
+        decodes = meta.num_decodes
+        tables, lens = meta.decode_tables, meta.decode_lens
+        if meta.prefills:
+            chunks, scratch = ops.prefill_chunks(meta)
+        else:
+            chunks, scratch = _NO_CHUNKS, _NO_CHUNKS
+        dims = {
+            "tokens": tokens,
+            "hidden": size,
+            "intermediate": inter,
+            "heads": heads,
+            "kv_heads": kv_heads,
+            "block_size": block_size,
+            "num_slots": num_slots,
+            "int4_max_rows": INT4_MAX_ROWS,
+            "decodes": decodes,
+            "max_blocks": tables.shape[1] if decodes and tables is not None else 0,
+            "prefills": chunks.shape[0],
+            "layers": len(model.layers),
+        }
+        dims_tensor = torch.tensor([dims[name] for name in self._dim_names], dtype=torch.int64)
+        dtype = hidden.dtype
+        out = torch.empty_like(hidden)
+        x, delta = torch.empty_like(hidden), torch.empty_like(hidden)
+        attn = torch.empty((tokens, heads * model.head_dim), dtype=dtype)
+        qkv = torch.empty((tokens, (heads + 2 * kv_heads) * model.head_dim), dtype=dtype)
+        gate_up = torch.empty((tokens, 2 * inter), dtype=dtype)
+        act = torch.empty((tokens, inter), dtype=dtype)
+        self._call(
+            hidden.data_ptr(),
+            out.data_ptr(),
+            self._layers.data_ptr(),
+            dims_tensor.data_ptr(),
+            model.norm.data_ptr(),
+            ops.cos_sin.data_ptr(),
+            meta.positions.data_ptr(),
+            meta.slot_mapping.data_ptr(),
+            tables.data_ptr() if decodes and tables is not None else None,
+            lens.data_ptr() if decodes and lens is not None else None,
+            chunks.data_ptr(),
+            x.data_ptr(),
+            qkv.data_ptr(),
+            attn.data_ptr(),
+            delta.data_ptr(),
+            gate_up.data_ptr(),
+            act.data_ptr(),
+            self._sums.data_ptr(),
+            scratch.data_ptr(),
+            model.arch.rms_norm_eps,
+            ops.scale,
+        )
+        return out
+
+
+def _layer_addresses(
+    layer: LlamaLayer, caches: tuple[torch.Tensor, torch.Tensor]
+) -> dict[str, int]:
+    """A layer's tensors by the names of `decoder_stack_bf16`'s fields (cpu_kernels.c)."""
+    addresses = {
+        "input_norm": layer.input_norm.data_ptr(),
+        "post_norm": layer.post_norm.data_ptr(),
+        "k_cache": caches[0].data_ptr(),
+        "v_cache": caches[1].data_ptr(),
+    }
+    matrices = {"qkv": layer.qkv4, "o": layer.o_proj4, "gate_up": layer.gate_up4}
+    for name, weight in {**matrices, "down": layer.down4}.items():
+        assert weight is not None
+        addresses[f"{name}_packed"] = weight.packed.data_ptr()
+        addresses[f"{name}_params"] = weight.params.data_ptr()
+        addresses[f"{name}_panels"] = weight.panels.data_ptr()
+    return addresses
+
+
+_NO_CHUNKS = torch.zeros((0, 4), dtype=torch.int64)
