@@ -4,6 +4,7 @@ after --stream-write-timeout; a normal client is served meanwhile."""
 from __future__ import annotations
 
 import json
+import re
 import socket
 import time
 from collections.abc import Iterator
@@ -35,14 +36,20 @@ def _serve(server_loop: ServerLoop, engine: AsyncLLM, **limits: float) -> Served
     return Served(server_loop.start(server), engine, server)
 
 
-def _stalled_reader(served: Served) -> socket.socket:
-    """A client that asks for a long stream and never reads it."""
+def _stalled_reader(served: Served, max_tokens: int = 4000, **fields: object) -> socket.socket:
+    """A client that asks for a long stream (and does not read it unless the test does)."""
     host, port = served.base_url.removeprefix("http://").split(":")
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.connect((host, int(port)))
     body = json.dumps(
-        {"prompt": "Once upon a time", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+        {
+            "prompt": "Once upon a time",
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "stream": True,
+            **fields,
+        }
     ).encode()
     sock.sendall(
         b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -147,4 +154,39 @@ def test_a_normal_request_is_served_within_2s_of_never_reading_streams(
     assert elapsed < 2.0
     assert _wait_for(lambda: default_engine.num_tracked == 0, timeout=30)
     assert _wait_for(lambda: served.metric("otel_engine_requests_paused") == 0, timeout=10)
+    server_loop.stop(served.server)
+
+
+def test_a_slow_reader_is_held_and_released_and_gets_its_whole_stream(
+    server_loop: ServerLoop, long_engine: AsyncLLM
+) -> None:
+    """A client that reads, but slower than the engine writes (2 KiB every 50 ms through a
+    4 KiB receive buffer), is held in the engine whenever its socket backs up and released
+    when it caught up: its stream still ends with every token and [DONE], no error."""
+    served = _serve(server_loop, long_engine)
+    paused_before = served.metric("otel_engine_requests_paused")
+    sock = _stalled_reader(served, max_tokens=600, stream_options={"include_usage": True})
+    data, saw_paused = b"", False
+    deadline = time.monotonic() + 120
+    try:
+        sock.settimeout(0.05)
+        while not data.endswith(b"\r\n0\r\n\r\n") and time.monotonic() < deadline:
+            try:
+                chunk = sock.recv(2048)
+            except TimeoutError:
+                chunk = b""
+            data += chunk
+            if not saw_paused and served.metric("otel_engine_requests_paused") > paused_before:
+                saw_paused = True
+            time.sleep(0.05)
+    finally:
+        sock.close()
+
+    events = [json.loads(e) for e in re.findall(rb"data: (\{.*?\})\n\n", data)]  # chunked
+    assert b"data: [DONE]\n\n" in data
+    assert saw_paused
+    assert not any("error" in event for event in events)
+    assert "length" == events[-2]["choices"][0]["finish_reason"]
+    assert 600 == events[-1]["usage"]["completion_tokens"]  # every token reached the client
+    assert _wait_for(lambda: long_engine.num_tracked == 0, timeout=10)
     server_loop.stop(served.server)
