@@ -30,8 +30,9 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: tests.helpers
 from tests.helpers.procs import ServerProcess as _TestServer
 from tests.helpers.procs import free_port, is_alive
+from tests.helpers.scrape import metric_value
 
-__all__ = ["free_port", "is_alive"]  # re-exported for the benchmarks
+__all__ = ["free_port", "is_alive", "metric_value"]  # re-exported for the benchmarks
 
 FIRST_ORDINARY_TOKEN_ID = 1000  # keeps random prompts clear of special and byte tokens
 

@@ -25,6 +25,7 @@ from common import (
     ServerProcess,
     fmt,
     free_port,
+    metric_value,
     print_table,
     served_model_name,
     server_parser,
@@ -65,14 +66,6 @@ def _never_reading(port: int, model: str, max_tokens: int) -> socket.socket:
     return sock
 
 
-def _gauge(base_url: str, name: str) -> float:
-    text = httpx.get(base_url + "/metrics", timeout=30, trust_env=False).text
-    for line in text.splitlines():
-        if line.startswith((name + " ", name + "{")):
-            return float(line.split()[-1])
-    return float("nan")
-
-
 def _one_count(server: ServerProcess, model: str, num: int, max_tokens: int) -> dict[str, Any]:
     streams = [_never_reading(server.port, model, max_tokens) for _ in range(num)]
     sent_at = time.monotonic()
@@ -80,18 +73,18 @@ def _one_count(server: ServerProcess, model: str, num: int, max_tokens: int) -> 
         status, latency = _normal_request(server, model)
         paused_s = after_paused = None
         while time.monotonic() - sent_at < PAUSED_WAIT_S:
-            if _gauge(server.base_url, "otel_engine_requests_paused") >= num:
+            if metric_value(server.base_url, "otel_engine_requests_paused") >= num:
                 paused_s = time.monotonic() - sent_at
                 break
             time.sleep(0.1)
-        running = _gauge(server.base_url, "otel_engine_requests_running")
+        running = metric_value(server.base_url, "otel_engine_requests_running")
         if paused_s is not None:
             after_paused = _normal_request(server, model)[1]
     finally:
         for sock in streams:
             sock.close()
     deadline = time.monotonic() + 60
-    while _gauge(server.base_url, "otel_engine_requests_paused") > 0:
+    while metric_value(server.base_url, "otel_engine_requests_paused") > 0:
         if time.monotonic() > deadline:
             break
         time.sleep(0.1)

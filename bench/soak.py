@@ -30,6 +30,7 @@ from common import (
     ServerProcess,
     fmt,
     free_port,
+    metric_value,
     print_table,
     served_model_name,
     server_parser,
@@ -161,14 +162,18 @@ def _trend_mb_per_min(points: list[tuple[float, float]]) -> float | None:
 
 
 def _server_counts(base_url: str) -> dict[str, float]:
-    text = httpx.get(base_url + "/metrics", timeout=30, trust_env=False).text
-    counts: Counter[str] = Counter()
-    for line in text.splitlines():
-        if line.startswith(
-            ("otel_engine_request_success_total", "otel_engine_request_errors_total")
-        ):
-            counts[line.split(" ")[0]] += float(line.split()[-1])
-    return dict(counts)
+    """The server's own count of finished and failed requests, by outcome."""
+    counts = {
+        f"success {reason}": metric_value(
+            base_url, "otel_engine_request_success_total", finish_reason=reason
+        )
+        for reason in ("stop", "length", "abort")
+    }
+    for error in ("invalid_value", "aborted", "client_stalled", "engine_dead"):
+        counts[f"error {error}"] = metric_value(
+            base_url, "otel_engine_request_errors_total", error_type=error
+        )
+    return counts
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

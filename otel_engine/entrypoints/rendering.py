@@ -37,7 +37,7 @@ from otel_engine.outputs import TokenLogprobs
 from otel_engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from otel_engine import RequestOutput
+    from otel_engine import AsyncLLM, RequestOutput
     from otel_engine.observability.metrics import EngineMetrics
     from otel_engine.outputs import CompletionOutput
 
@@ -106,7 +106,9 @@ class Job:
 class ResponseRenderer:
     """Turns one server's engine outputs into OpenAI bodies."""
 
-    def __init__(self, engine: Any, metrics: EngineMetrics, drain_expired: asyncio.Event) -> None:
+    def __init__(
+        self, engine: AsyncLLM, metrics: EngineMetrics, drain_expired: asyncio.Event
+    ) -> None:
         self._engine = engine  # its tokenizer is read on first use
         self.metrics = metrics
         self.drain_expired = drain_expired

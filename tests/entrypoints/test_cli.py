@@ -275,3 +275,42 @@ def test_without_pidfd_the_in_process_engine_is_not_refused(
     monkeypatch.delattr(os, "pidfd_open")
 
     assert unsupported_platform("generate", EngineConfig.from_kwargs()) is None
+
+
+def test_start_warns_of_a_rounded_gguf_and_a_context_capped_by_the_kv_cache(
+    tiny_model_dir: str, tmp_path: Path
+) -> None:
+    """Issue 24: `--dtype float32` with a GGUF file, and a KV budget that holds less than the
+    model's context, are each said at start (warnings naming why and the flags), and the
+    request that does not fit is refused with the server's limit, not the model's."""
+    from tests.helpers.tiny_model import write_tiny_gguf
+
+    gguf = write_tiny_gguf(tiny_model_dir, tmp_path / "tiny.gguf", "llama")
+    env = {**os.environ, "OTEL_ENGINE_CACHE_DIR": str(tmp_path / "cache")}
+    base = [sys.executable, "-m", "otel_engine.cli", "generate", "--model", gguf]
+    flags = ["--dtype", "float32", "--num-kv-blocks", "4", "--log-format", "json"]
+
+    fits = subprocess.run(
+        [*base, *flags, "--max-tokens", "4", "Hello"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+        env=env,
+    )
+    too_long = subprocess.run(
+        [*base, *flags, "--max-tokens", "100", "Hello"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+        env=env,
+    )
+
+    assert 0 == fits.returncode, fits.stderr[-2000:]
+    assert '"model.gguf_rounded"' in fits.stderr
+    assert '"model.context_capped"' in fits.stderr
+    assert '"max_model_len": 64' in fits.stderr
+    assert 0 != too_long.returncode
+    assert "this server's maximum context length is 64 tokens" in too_long.stderr
+    assert "--kv-cache-memory-gib or --num-kv-blocks" in too_long.stderr
