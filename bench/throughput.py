@@ -111,11 +111,19 @@ def run_offline(args: argparse.Namespace, vocab_size: int) -> list[dict[str, Any
 def run_hf(args: argparse.Namespace, model_dir: str, vocab_size: int) -> list[dict[str, Any]]:
     import torch
     import transformers
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from otel_engine.model.weights import iter_weights
 
     transformers.logging.set_verbosity_error()
-    dtype = "auto" if args.dtype == "auto" else getattr(torch, args.dtype)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    config = AutoConfig.from_pretrained(model_dir)
+    dtype = getattr(torch, args.dtype) if args.dtype != "auto" else config.dtype
+    # a GGUF conversion keeps its layer matrices in their blocks: dequantized here
+    weights = dict(iter_weights(model_dir))
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.load_state_dict(weights, strict=False)
+    model.tie_weights()
+    model.eval()
     pad_id = model.config.eos_token_id
     pad_id = pad_id[0] if isinstance(pad_id, list) else pad_id
 

@@ -55,7 +55,8 @@ class ModelRunner:
             int4=config.model.int4,
             block_size=self.block_size,
         )
-        self.model.load_weights(iter_weights(model_dir))
+        keep = self.model.fast_paths.is_on("quant_kernels")
+        self.model.load_weights(iter_weights(model_dir, keep_quantized=keep))
         self._load_int4(model_dir)
         _return_freed_memory()  # the staged checkpoint, and bfloat16 copies the 4-bit replaced
         shape = (

@@ -837,6 +837,306 @@ void panel_linear_bf16(bf16 *restrict out, const bf16 *restrict x, const bf16 *r
 }
 #endif
 
+/* ---- GGUF block formats, read as they are stored ---------------------------------------------
+ *
+ * A matrix [n, k] stored as a GGUF file stores it: each row k / weights-per-block blocks of the
+ * format's bytes (ggml's layouts; gguf-py's quants.py reads them the same way). Per block:
+ *   Q4_0 (32 weights, 18 bytes): d f16, 16 bytes of nibbles: w = d * (q - 8)
+ *   Q4_1 (32, 20): d, m f16, 16 bytes of nibbles: w = d * q + m
+ *   Q8_0 (32, 34): d f16, 32 int8: w = d * q
+ *   Q4_K (256, 144): d, dmin f16, 12 bytes of 6-bit scales and mins (8 of each), 128 bytes of
+ *       nibbles: w = (d * sc_s) * q - (dmin * m_s) per sub-block s of 32
+ *   Q5_K (256, 176): as Q4_K, and 32 bytes holding each weight's fifth bit
+ *   Q6_K (256, 210): 128 bytes of low nibbles, 64 bytes of high 2-bit pairs, 16 int8 scales, d
+ *       f16: w = (d * sc_s) * (q - 32) per sub-block s of 16
+ * `gguf_dequantize_f32` computes each weight in float32 as gguf-py's dequantize does, bit for
+ * bit: every product of a scale and q is exact in float32 (at most 24 significant bits), so a
+ * fused multiply-add rounds exactly where numpy's multiply then add does. */
+enum { GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q8_0 = 8, GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14 };
+
+static inline float half_to_float(const uint8_t *p) {
+    const uint32_t h = (uint32_t)p[0] | ((uint32_t)p[1] << 8);
+    const uint32_t sign = (h & 0x8000u) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
+    uint32_t bits;
+    if (exponent == 0x1f) {
+        bits = sign | 0x7f800000u | (mantissa << 13); /* inf, nan */
+    } else if (exponent) {
+        bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+    } else { /* zero or subnormal: mantissa * 2^-24, exact in float32 */
+        float value = (float)mantissa * 5.9604644775390625e-8f;
+        memcpy(&bits, &value, sizeof bits);
+        bits |= sign;
+    }
+    float value;
+    memcpy(&value, &bits, sizeof value);
+    return value;
+}
+
+/* weights and bytes per block of a format (0: not one of these) */
+static int64_t quant_block_weights(int64_t type) {
+    switch (type) {
+    case GGML_Q4_0: case GGML_Q4_1: case GGML_Q8_0: return 32;
+    case GGML_Q4_K: case GGML_Q5_K: case GGML_Q6_K: return 256;
+    default: return 0;
+    }
+}
+static int64_t quant_block_bytes(int64_t type) {
+    switch (type) {
+    case GGML_Q4_0: return 18;
+    case GGML_Q4_1: return 20;
+    case GGML_Q8_0: return 34;
+    case GGML_Q4_K: return 144;
+    case GGML_Q5_K: return 176;
+    case GGML_Q6_K: return 210;
+    default: return 0;
+    }
+}
+
+/* Q4_K and Q5_K's 6-bit scale and min of sub-block s (ggml's get_scale_min_k4) */
+static inline void scale_min_k4(int s, const uint8_t *q, float *sc, float *m) {
+    if (s < 4) {
+        *sc = (float)(q[s] & 63);
+        *m = (float)(q[s + 4] & 63);
+    } else {
+        *sc = (float)((q[s + 4] & 0xf) | ((q[s - 4] >> 6) << 4));
+        *m = (float)((q[s + 4] >> 4) | ((q[s] >> 6) << 4));
+    }
+}
+
+/* One block's weights as float32, in order. */
+static void dequantize_block(int64_t type, const uint8_t *restrict b, float *restrict y) {
+    switch (type) {
+    case GGML_Q4_0: {
+        const float d = half_to_float(b);
+        for (int i = 0; i < 16; i++) {
+            y[i] = d * (float)((b[2 + i] & 0xf) - 8);
+            y[i + 16] = d * (float)((b[2 + i] >> 4) - 8);
+        }
+        break;
+    }
+    case GGML_Q4_1: {
+        const float d = half_to_float(b), m = half_to_float(b + 2);
+        for (int i = 0; i < 16; i++) {
+            y[i] = d * (float)(b[4 + i] & 0xf) + m;
+            y[i + 16] = d * (float)(b[4 + i] >> 4) + m;
+        }
+        break;
+    }
+    case GGML_Q8_0: {
+        const float d = half_to_float(b);
+        for (int i = 0; i < 32; i++) y[i] = (float)(int8_t)b[2 + i] * d;
+        break;
+    }
+    case GGML_Q4_K:
+    case GGML_Q5_K: {
+        const float d = half_to_float(b), dmin = half_to_float(b + 2);
+        const uint8_t *scales = b + 4;
+        const uint8_t *high = type == GGML_Q5_K ? b + 16 : NULL;
+        const uint8_t *qs = type == GGML_Q5_K ? b + 48 : b + 16;
+        for (int s = 0; s < 8; s++) {
+            float sc, m;
+            scale_min_k4(s, scales, &sc, &m);
+            const float scale = d * sc, shift = dmin * m;
+            const uint8_t *nibbles = qs + (s / 2) * 32;
+            for (int l = 0; l < 32; l++) {
+                int q = (s & 1) ? nibbles[l] >> 4 : nibbles[l] & 0xf;
+                if (high) q |= ((high[l] >> s) & 1) << 4;
+                y[s * 32 + l] = scale * (float)q - shift;
+            }
+        }
+        break;
+    }
+    case GGML_Q6_K: {
+        const uint8_t *ql = b, *qh = b + 128;
+        const int8_t *scales = (const int8_t *)(b + 192);
+        const float d = half_to_float(b + 208);
+        for (int h = 0; h < 2; h++)
+            for (int l = 0; l < 32; l++) {
+                const uint8_t *low = ql + 64 * h, high = qh[32 * h + l];
+                const int q[4] = {(low[l] & 0xf) | ((high & 3) << 4),
+                                  (low[l + 32] & 0xf) | (((high >> 2) & 3) << 4),
+                                  (low[l] >> 4) | (((high >> 4) & 3) << 4),
+                                  (low[l + 32] >> 4) | (((high >> 6) & 3) << 4)};
+                for (int t = 0; t < 4; t++) {
+                    const int p = 128 * h + 32 * t + l;
+                    y[p] = (d * (float)scales[p / 16]) * (float)(q[t] - 32);
+                }
+            }
+        break;
+    }
+    }
+}
+
+/* One row of k weights as float32. */
+static void dequantize_row(int64_t type, const uint8_t *restrict row, float *restrict y,
+                           int64_t k) {
+    const int64_t per = quant_block_weights(type), bytes = quant_block_bytes(type);
+    for (int64_t i = 0; i < k / per; i++) dequantize_block(type, row + i * bytes, y + i * per);
+}
+
+/* out [n, k] float32 = the matrix w of `type` (rows of k / weights-per-block blocks). */
+void gguf_dequantize_f32(float *restrict out, const uint8_t *restrict w, int64_t type, int64_t n,
+                         int64_t k) {
+    if (!quant_block_weights(type)) return; /* kernels.py passes only the formats above */
+    const int64_t row_bytes = k / quant_block_weights(type) * quant_block_bytes(type);
+    _Pragma("omp parallel for schedule(static) if (n * k > 65536)")
+    for (int64_t r = 0; r < n; r++) dequantize_row(type, w + r * row_bytes, out + r * k, k);
+}
+
+/* ---- GGUF blocks times bfloat16 activations (AVX-512 BF16) -----------------------------------
+ *
+ * out[r, j] (row stride ldo) = x[r, :] . W[j, :] for a matrix W [n, k] in its GGUF blocks,
+ * each row dequantized as it is used (gguf_dequantize_f32's float32 values, rounded to
+ * bfloat16: the values of the bfloat16 copy that the reference path multiplies by) into a
+ * buffer of the thread's, never into a copy of the whole matrix: one W row at a time, its k
+ * weights against every row of x (vdpbf16ps, float32 sums, rounded once). For steps of many
+ * rows the caller dequantizes tiles of W (`gguf_dequantize_bf16`) into a cache-sized buffer
+ * and multiplies by them with its own matmul (quant.py). k is a multiple of the format's
+ * block. Every output is computed the same way whatever the other rows of x are. */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#define QUANT_TILE_ROWS 4 /* rows of x per dot */
+
+/* 32 weights scale * q - shift as bfloat16 (scale_low for the first 16, scale_high for the
+ * rest), from 32 bytes of q (signed or not): gguf_dequantize_f32's float32 values, rounded. */
+static inline void put32(bf16 *restrict dst, __m256i q, int is_signed, float scale_low,
+                         float scale_high, float shift) {
+    const __m128i low = _mm256_castsi256_si128(q), high = _mm256_extracti128_si256(q, 1);
+    const vec a = _mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32(low) : _mm512_cvtepu8_epi32(low));
+    const vec b = _mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32(high) : _mm512_cvtepu8_epi32(high));
+    const vec c = SET(shift);
+    _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(_mm512_fmsub_ps(SET(scale_high), b, c),
+                                                          _mm512_fmsub_ps(SET(scale_low), a, c)));
+}
+
+/* One block's weights as bfloat16 (the float32 values of dequantize_block, rounded). */
+static void dequantize_block_bf16(int64_t type, const uint8_t *restrict b, bf16 *restrict y) {
+    const __m256i nibble = _mm256_set1_epi8(0x0f);
+    switch (type) {
+    case GGML_Q4_0:
+    case GGML_Q4_1: {
+        const int offset = type == GGML_Q4_0 ? 2 : 4;
+        const __m128i bytes = _mm_loadu_si128((const __m128i *)(b + offset));
+        __m256i q = _mm256_and_si256(
+            _mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes), nibble);
+        const float d = half_to_float(b);
+        if (type == GGML_Q4_0) put32(y, _mm256_sub_epi8(q, _mm256_set1_epi8(8)), 1, d, d, 0.0f);
+        else put32(y, q, 0, d, d, -half_to_float(b + 2));
+        break;
+    }
+    case GGML_Q8_0: {
+        const float d = half_to_float(b);
+        put32(y, _mm256_loadu_si256((const __m256i *)(b + 2)), 1, d, d, 0.0f);
+        break;
+    }
+    case GGML_Q4_K:
+    case GGML_Q5_K: {
+        const float d = half_to_float(b), dmin = half_to_float(b + 2);
+        const uint8_t *qs = type == GGML_Q5_K ? b + 48 : b + 16;
+        const __m256i high = type == GGML_Q5_K ? _mm256_loadu_si256((const __m256i *)(b + 16))
+                                               : _mm256_setzero_si256();
+        for (int j = 0; j < 4; j++) {
+            const __m256i bytes = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
+            for (int half = 0; half < 2; half++) {
+                const int s = 2 * j + half;
+                float sc, m;
+                scale_min_k4(s, b + 4, &sc, &m);
+                __m256i q = _mm256_and_si256(half ? _mm256_srli_epi16(bytes, 4) : bytes, nibble);
+                if (type == GGML_Q5_K) {
+                    const __m256i bit = _mm256_and_si256(_mm256_srli_epi16(high, s), _mm256_set1_epi8(1));
+                    q = _mm256_or_si256(q, _mm256_slli_epi16(bit, 4));
+                }
+                put32(y + 32 * s, q, 0, d * sc, d * sc, dmin * m);
+            }
+        }
+        break;
+    }
+    case GGML_Q6_K: {
+        const int8_t *scales = (const int8_t *)(b + 192);
+        const float d = half_to_float(b + 208);
+        const __m256i three = _mm256_set1_epi8(3), centre = _mm256_set1_epi8(32);
+        for (int h = 0; h < 2; h++) {
+            const __m256i low = _mm256_loadu_si256((const __m256i *)(b + 64 * h));
+            const __m256i low2 = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32));
+            const __m256i high = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+            for (int t = 0; t < 4; t++) {
+                const __m256i ql = _mm256_and_si256(
+                    t < 2 ? (t ? low2 : low) : _mm256_srli_epi16(t == 3 ? low2 : low, 4), nibble);
+                const __m256i qh = _mm256_and_si256(_mm256_srli_epi16(high, 2 * t), three);
+                const __m256i q = _mm256_sub_epi8(_mm256_or_si256(ql, _mm256_slli_epi16(qh, 4)), centre);
+                const int s = 8 * h + 2 * t;
+                put32(y + 128 * h + 32 * t, q, 1, d * (float)scales[s], d * (float)scales[s + 1], 0.0f);
+            }
+        }
+        break;
+    }
+    }
+}
+
+static void dequantize_row_bf16(int64_t type, const uint8_t *restrict row, bf16 *restrict y,
+                                int64_t k) {
+    const int64_t per = quant_block_weights(type), bytes = quant_block_bytes(type);
+    for (int64_t i = 0; i < k / per; i++) dequantize_block_bf16(type, row + i * bytes, y + i * per);
+}
+
+/* out [n, k] bfloat16 = the matrix w of `type`: gguf_dequantize_f32's values, rounded
+ * (a tile of a matrix, for a matmul of many rows). */
+void gguf_dequantize_bf16(bf16 *restrict out, const uint8_t *restrict w, int64_t type, int64_t n,
+                          int64_t k) {
+    if (!quant_block_weights(type)) return;
+    const int64_t row_bytes = k / quant_block_weights(type) * quant_block_bytes(type);
+    _Pragma("omp parallel for schedule(static) if (n > 1)")
+    for (int64_t r = 0; r < n; r++) dequantize_row_bf16(type, w + r * row_bytes, out + r * k, k);
+}
+
+/* ROWS rows of x (constant where called) against one row of W as bfloat16 */
+static inline __attribute__((always_inline)) void quant_dot(
+    const int ROWS, const bf16 *restrict x, int64_t k, const bf16 *restrict row,
+    bf16 *restrict out, int64_t ldo) {
+    vec acc[QUANT_TILE_ROWS][2];
+    for (int r = 0; r < ROWS; r++) acc[r][0] = acc[r][1] = ZERO();
+    int64_t i = 0;
+    for (; i + 64 <= k; i += 64) {
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(row + i);
+        const __m512bh w1 = (__m512bh)_mm512_loadu_si512(row + i + 32);
+        for (int r = 0; r < ROWS; r++) {
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w0, (__m512bh)_mm512_loadu_si512(x + r * k + i));
+            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], w1, (__m512bh)_mm512_loadu_si512(x + r * k + i + 32));
+        }
+    }
+    if (i < k) { /* k = 32 mod 64 */
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(row + i);
+        for (int r = 0; r < ROWS; r++)
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w0, (__m512bh)_mm512_loadu_si512(x + r * k + i));
+    }
+    for (int r = 0; r < ROWS; r++) store1_bf16(out + r * ldo, HSUM(ADD(acc[r][0], acc[r][1])));
+}
+
+void quant_linear_bf16(bf16 *restrict out, const bf16 *restrict x, const uint8_t *restrict w,
+                       int64_t type, int64_t rows, int64_t n, int64_t k, int64_t ldo) {
+    const int64_t row_bytes = k / quant_block_weights(type) * quant_block_bytes(type);
+    _Pragma("omp parallel if (n > 16)")
+    {
+        bf16 *row = aligned_alloc(64, (size_t)k * sizeof(bf16));
+        _Pragma("omp for schedule(static)")
+        for (int64_t j = 0; j < n; j++) {
+            dequantize_row_bf16(type, w + j * row_bytes, row, k);
+            for (int64_t r = 0; r < rows; r += QUANT_TILE_ROWS) {
+                const bf16 *xr = x + r * k;
+                bf16 *o = out + r * ldo + j;
+                switch (rows - r < QUANT_TILE_ROWS ? rows - r : QUANT_TILE_ROWS) {
+                case 4: quant_dot(4, xr, k, row, o, ldo); break;
+                case 3: quant_dot(3, xr, k, row, o, ldo); break;
+                case 2: quant_dot(2, xr, k, row, o, ldo); break;
+                default: quant_dot(1, xr, k, row, o, ldo);
+                }
+            }
+        }
+        free(row);
+    }
+}
+
+#endif
+
 /* ---- prefill attention, bfloat16, head size 64 (AVX-512 BF16) --------------------------------
  *
  * One prefill chunk of one sequence: its `num_query` queries (rows query_start.. of qkv, the
@@ -1067,7 +1367,7 @@ void decoder_stack_bf16(bf16 *hidden, bf16 *out, const int64_t *layers, const in
  * or target differs from what it expects. otel_kernels_build_tag is read from the file
  * before it is loaded (a library built for another CPU is never run); otel_kernels_contract()
  * says the rest as key=value pairs, the stack's field and dim names in their order. */
-#define OTEL_KERNELS_ABI 2
+#define OTEL_KERNELS_ABI 3
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) &&                  \
     defined(__AVX512VL__) && defined(__AVX512BF16__)
 #define OTEL_KERNELS_ISA "avx512bf16"

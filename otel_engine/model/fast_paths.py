@@ -8,6 +8,9 @@ build can run: the one place that turns `--kernels` and `--int4` into paths.
                     bfloat16 where oneDNN has a bfloat16 path on this CPU
   int4_kernels      a 4-bit checkpoint multiplied by its own weights (else their bfloat16
                     copies): bfloat16, a build for AVX-512 BF16
+  quant_kernels     a GGUF file's Q8_0, Q4_K, Q5_K and Q6_K matrices (and Q4_0/Q4_1 ones the
+                    4-bit kernels do not take) multiplied from their blocks (else their
+                    bfloat16 copies): bfloat16, a build for AVX-512 BF16
   prefill_kernel    prompt attention in cpu_kernels.c (else torch's fused attention):
                     bfloat16, head size 64, a build for AVX-512 BF16
   decoder_stack     a whole model's layers in one call (else the per-layer loop): the 4-bit
@@ -34,7 +37,14 @@ import torch
 from otel_engine.model import kernels
 from otel_engine.model.kernels import KernelLibrary
 
-PATHS = ("compiled_kernels", "onednn_packing", "int4_kernels", "prefill_kernel", "decoder_stack")
+PATHS = (
+    "compiled_kernels",
+    "onednn_packing",
+    "int4_kernels",
+    "quant_kernels",
+    "prefill_kernel",
+    "decoder_stack",
+)
 BF16_ISA = "avx512bf16"  # the 4-bit matmuls, prefill attention and the decoder stack
 PREFILL_KERNEL_HEAD_DIM = 64
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
@@ -88,7 +98,8 @@ def choose(
     blocker: str | None = None,
 ) -> FastPaths:
     """Every path's decision that the config and the machine settle; `int4_kernels` and
-    `decoder_stack` are settled once the checkpoint is loaded (`LlamaModel.load_int4`).
+    `decoder_stack` are settled once the checkpoint is loaded (`LlamaModel.load_int4`), and
+    `quant_kernels` by `LlamaModel.load_weights`.
     `blocker`: why the model family runs neither the kernels nor prepacked weights."""
     plan = FastPaths(cpu_isa=_cpu_isa(device), kernel_isa=None, library=None)
     reason = blocker or _kernel_blocker(kernels_flag, device, dtype, rotary_dim, head_dim)
@@ -111,12 +122,7 @@ def choose(
     needs = "needs the kernels for avx512bf16 and bfloat16"
     if reason is not None:
         needs = f"needs the compiled kernels (off: {reason})"
-    if int4_flag == "off":
-        plan.decide("int4_kernels", False, "--int4 off")
-    else:
-        plan.decide(
-            "int4_kernels", has_bf16, "the checkpoint's 4-bit weights" if has_bf16 else needs
-        )
+    _decide_weight_paths(plan, int4_flag, has_bf16, needs)
     if has_bf16 and head_dim != PREFILL_KERNEL_HEAD_DIM:
         plan.decide("prefill_kernel", False, f"head size {head_dim} (the kernel takes 64)")
     else:
@@ -131,6 +137,17 @@ def choose(
             "every layer in 4 bits" if on else "needs the 4-bit and prefill kernels",
         )
     return plan
+
+
+def _decide_weight_paths(plan: FastPaths, int4_flag: str, has_bf16: bool, needs: str) -> None:
+    """The two paths that multiply a GGUF file's matrices as stored (both off with --int4 off),
+    before the checkpoint is known."""
+    ways = {"int4_kernels": "the checkpoint's 4-bit weights", "quant_kernels": "GGUF blocks"}
+    for name, way in ways.items():
+        if int4_flag == "off":
+            plan.decide(name, False, "--int4 off")
+        else:
+            plan.decide(name, has_bf16, way if has_bf16 else needs)
 
 
 def _cpu_isa(device: torch.device) -> str:

@@ -1,7 +1,8 @@
 """A .gguf file converted once into a Hugging Face checkpoint directory under the cache root
 (`otel_engine.cache`): the header and metadata read, config.json written from them, the
-tensors dequantized to bfloat16 and renamed to Hugging Face names, llama.cpp's q/k row
-permutation undone, and 4-bit Q4_0/Q4_1 weights also kept as they are (`weights.INT4_FILE`).
+tensors renamed to Hugging Face names and llama.cpp's q/k row permutation undone: the layer
+matrices of the formats the kernels read (`weights.QUANT_TYPES`) kept in their blocks
+(`weights.QUANT_FILE`), everything else dequantized to bfloat16.
 The gguf package and torch are imported by the functions that need them."""
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from otel_engine.cache import cache_root
 from otel_engine.model.arch import unique_ids
-from otel_engine.model.weights import INT4_FILE, INT4_GROUP
+from otel_engine.model.weights import QUANT_FILE, QUANT_TYPES
 
 if TYPE_CHECKING:
     import torch
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-CONVERTER_VERSION = 2
+CONVERTER_VERSION = 3  # 3: layer matrices kept in their GGUF blocks
 
 
 # GGUF architecture -> (HF architecture, HF model_type, whether llama.cpp permuted q/k rows)
@@ -160,13 +161,14 @@ def _convert_gguf(gguf_path: str, out: str) -> None:
     num_experts = int(config.get("num_local_experts") or 0)
     if kind == "llama" and num_experts:
         kind = "mixtral"
-    weights, int4 = _gguf_weights(
+    weights, quant, formats = _gguf_weights(
         gguf_path, tensors, kind, config if permute else None, num_experts
     )
     save_file(weights, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
-    if int4:
-        os.makedirs(os.path.dirname(os.path.join(out, INT4_FILE)))
-        save_file(int4, os.path.join(out, INT4_FILE), metadata={"format": "pt"})
+    if quant:
+        os.makedirs(os.path.dirname(os.path.join(out, QUANT_FILE)))
+        metadata = {"format": "pt", "formats": json.dumps(formats)}
+        save_file(quant, os.path.join(out, QUANT_FILE), metadata=metadata)
     eos = [metadata.get(f"tokenizer.ggml.{name}_token_id") for name in ("eos", "eot", "eom")]
     generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": unique_ids(*eos)}
     for name, content in (("config.json", config), ("generation_config.json", generation)):
@@ -354,29 +356,34 @@ def _hf_tensor_name(name: str, arch: str) -> str:
     )
 
 
+# The Hugging Face matrices kept in their GGUF blocks when stored in a `QUANT_TYPES` format
+_QUANT_MATRIX = re.compile(r"model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight")
+
+
 def _gguf_weights(
     path: str,
     tensors: list[TensorEntry],
     arch: str,
     permute_config: dict[str, Any] | None,
     num_experts: int = 0,
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Dequantized bfloat16 tensors with HF names; q/k rows back in HF order if permuted.
-    Also, for 4-bit tensors, their 4-bit form (`iter_int4` reads it back)."""
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, tuple[str, int]]]:
+    """Tensors with HF names, q/k rows back in HF order if permuted: dequantized to bfloat16,
+    except layer matrices in a `QUANT_TYPES` format, kept in their blocks (uint8 [rows, row
+    bytes]) with their format and width (`weights.iter_quant` reads them back)."""
     import numpy as np
     import torch
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
     from gguf.quants import dequantize
 
     data = np.memmap(path, dtype=np.uint8, mode="r")
-    weights, int4 = {}, {}
+    weights, quant, formats = {}, {}, {}
     for name, shape, ggml_type, offset in tensors:
+        qtype = GGMLQuantizationType(ggml_type)
+        block_size, block_bytes = GGML_QUANT_SIZES[qtype]
+        rows, row_bytes = math.prod(shape[:-1]), shape[-1] // block_size * block_bytes
+        raw = data[offset : offset + rows * row_bytes].reshape(rows, row_bytes)
         expert_names = _expert_names(name, arch, shape[0]) if num_experts else None
-        if expert_names is not None:  # experts: one HF tensor each, no 4-bit copies
-            qtype = GGMLQuantizationType(ggml_type)
-            block_size, block_bytes = GGML_QUANT_SIZES[qtype]
-            rows, row_bytes = math.prod(shape[:-1]), shape[-1] // block_size * block_bytes
-            raw = data[offset : offset + rows * row_bytes].reshape(rows, row_bytes)
+        if expert_names is not None:  # experts: one HF tensor each, dequantized
             stacked = torch.from_numpy(dequantize(raw, qtype).copy()).reshape(shape)
             stacked = stacked.to(torch.bfloat16)
             if len(expert_names) == 1:
@@ -386,63 +393,25 @@ def _gguf_weights(
                     weights[expert_name] = stacked[index].contiguous()
             continue
         hf_name = _hf_tensor_name(name, arch)
-        qtype = GGMLQuantizationType(ggml_type)
-        block_size, block_bytes = GGML_QUANT_SIZES[qtype]
-        rows, row_bytes = math.prod(shape[:-1]), shape[-1] // block_size * block_bytes
-        raw = data[offset : offset + rows * row_bytes].reshape(rows, row_bytes)
-        values = dequantize(raw, qtype)
-        tensor = torch.from_numpy(values if values.flags.writeable else values.copy())
-        four_bit = (
-            _INT4_DECODERS[qtype.name](np.asarray(raw)) if qtype.name in _INT4_DECODERS else []
-        )
-        parts = [tensor.reshape(shape), *four_bit]
+        keep = qtype.name in QUANT_TYPES and bool(_QUANT_MATRIX.fullmatch(hf_name))
+        if keep:
+            tensor = torch.from_numpy(np.array(raw))  # rows of blocks: permuted like weights
+        else:
+            values = dequantize(raw, qtype)
+            tensor = torch.from_numpy(values if values.flags.writeable else values.copy())
+            tensor = tensor.reshape(shape)
         if permute_config is not None and ".q_proj." in hf_name:
-            parts = [_unpermute_rows(p, permute_config["num_attention_heads"]) for p in parts]
+            tensor = _unpermute_rows(tensor, permute_config["num_attention_heads"])
         elif permute_config is not None and ".k_proj." in hf_name:
-            parts = [_unpermute_rows(p, permute_config["num_key_value_heads"]) for p in parts]
+            tensor = _unpermute_rows(tensor, permute_config["num_key_value_heads"])
+        if keep:
+            quant[hf_name] = tensor.contiguous()
+            formats[hf_name] = (qtype.name, shape[-1])
+            continue
         if arch in _GGUF_NORMS_PLUS_ONE and hf_name.endswith("norm.weight"):
-            parts[0] = parts[0] - 1.0
-        weights[hf_name] = parts[0].to(torch.bfloat16).contiguous()
-        if four_bit:
-            q, scale, shift = parts[1:]
-            base = hf_name.removesuffix(".weight")
-            int4[f"{base}.q4"] = (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
-            int4[f"{base}.scale"] = scale.contiguous()
-            int4[f"{base}.offset"] = shift.contiguous()
-    return weights, int4
-
-
-def _q4_blocks(raw: Any, header_halves: int) -> tuple[Any, Any]:
-    """GGML Q4 blocks [rows, n * bytes] -> the f16 header fields [rows, n, header_halves]
-    and the 4-bit values [rows, n * 32] (low nibbles are elements 0..15, high 16..31)."""
-    import numpy as np
-
-    rows = raw.shape[0]
-    blocks = raw.reshape(rows, -1, 2 * header_halves + INT4_GROUP // 2)
-    header = blocks[..., : 2 * header_halves].copy().view(np.float16).astype(np.float32)
-    nibbles = blocks[..., 2 * header_halves :]
-    q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(rows, -1)
-    return header, q
-
-
-def _decode_q4_0(raw: Any) -> list[torch.Tensor]:
-    """Q4_0: w = d * (q - 8)."""
-    import torch
-
-    header, q = _q4_blocks(raw, 1)
-    scale = header[..., 0]
-    return [torch.from_numpy(q), torch.from_numpy(scale), torch.from_numpy(-8.0 * scale)]
-
-
-def _decode_q4_1(raw: Any) -> list[torch.Tensor]:
-    """Q4_1: w = d * q + m."""
-    import torch
-
-    header, q = _q4_blocks(raw, 2)
-    return [torch.from_numpy(q), torch.from_numpy(header[..., 0]), torch.from_numpy(header[..., 1])]
-
-
-_INT4_DECODERS = {"Q4_0": _decode_q4_0, "Q4_1": _decode_q4_1}
+            tensor = tensor - 1.0
+        weights[hf_name] = tensor.to(torch.bfloat16).contiguous()
+    return weights, quant, formats
 
 
 def _unpermute_rows(tensor: torch.Tensor, num_heads: int) -> torch.Tensor:

@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 _BUILD_TIMEOUT_S = 120
-ABI_VERSION = 2  # cpu_kernels.c OTEL_KERNELS_ABI
+ABI_VERSION = 3  # cpu_kernels.c OTEL_KERNELS_ABI
 
 # Instruction-set levels of x86-64, lowest first, and the flags that target each: the
 # x86-64 psABI levels (v3: AVX2 and FMA; v4: AVX-512 F/BW/CD/DQ/VL), plus AVX-512 BF16.
@@ -94,6 +94,14 @@ SIGNATURES: dict[str, tuple[tuple[str, type], ...]] = {
     "silu_mul": (("out", _P), ("gate_up", _P), ("rows", _I), ("width", _I)),
     "argmax": (("out", _P), ("logits", _P), ("rows", _I), ("vocab", _I)),
 }  # fmt: skip
+# Exported once, not per element type.
+PLAIN_SIGNATURES: dict[str, tuple[tuple[str, type], ...]] = {
+    "gguf_dequantize_f32": (("out", _P), ("w", _P), ("type", _I), ("n", _I), ("k", _I)),
+}  # fmt: skip
+_QUANT_LINEAR = (
+    ("out", _P), ("x", _P), ("w", _P), ("type", _I), ("rows", _I), ("n", _I), ("k", _I),
+    ("ldo", _I),
+)  # fmt: skip
 SUFFIXES = ("f32", "bf16")
 # Built only for the AVX-512 BF16 target; absent from the library elsewhere.
 OPTIONAL_SIGNATURES: dict[str, tuple[tuple[str, type], ...]] = {
@@ -107,6 +115,8 @@ OPTIONAL_SIGNATURES: dict[str, tuple[tuple[str, type], ...]] = {
         ("num_heads", _I), ("num_kv_heads", _I), ("block_size", _I), ("num_slots", _I),
         ("qkv_width", _I), ("scale", _F),
     ),
+    "quant_linear_bf16": _QUANT_LINEAR,
+    "gguf_dequantize_bf16": (("out", _P), ("w", _P), ("type", _I), ("n", _I), ("k", _I)),
     "q4_build_panels_bf16": (("panels", _P), ("w", _P), ("params", _P), ("n", _I), ("k", _I)),
     "panel_linear_bf16": (
         ("out", _P), ("x", _P), ("panels", _P), ("rows", _I), ("n", _I), ("k", _I),
@@ -309,6 +319,8 @@ def load(isa: str | None = None) -> KernelLibrary | None:
     for name, params in SIGNATURES.items():
         for suffix in SUFFIXES:
             _declare(getattr(cdll, f"{name}_{suffix}"), params)
+    for name, params in PLAIN_SIGNATURES.items():
+        _declare(getattr(cdll, name), params)
     for name, params in OPTIONAL_SIGNATURES.items():
         if hasattr(cdll, name):
             _declare(getattr(cdll, name), params)

@@ -73,6 +73,9 @@ class TorchOps:
     # the same weights as bfloat16 panels (built once), for steps of more rows
     q4_build_panels: Callable[..., None] | None = None
     panel_linear: Callable[..., None] | None = None
+    # matrices in GGUF blocks (model/quant.py): the fused kernel, and the tile dequantizer
+    quant_linear: Callable[..., None] | None = None
+    gguf_dequantize: Callable[..., None] | None = None
     # argmax(out, logits, rows, vocab): each row's greedy token (`LlamaModel.greedy_tokens`)
     argmax: Callable[..., None] | None = None
 
@@ -204,7 +207,12 @@ class KernelOps(TorchOps):
         rotary: RotaryEmbedding,
         dtype: torch.dtype,
         *,
-        paths: Collection[str] = ("int4_kernels", "prefill_kernel", "decoder_stack"),
+        paths: Collection[str] = (
+            "int4_kernels",
+            "quant_kernels",
+            "prefill_kernel",
+            "decoder_stack",
+        ),
     ) -> None:
         """`paths`: which of the optional fast paths (`fast_paths.PATHS`) to offer, where the
         library has them (a build for AVX-512 BF16) and they apply (bfloat16; head size 64)."""
@@ -223,6 +231,9 @@ class KernelOps(TorchOps):
                 self.q4_linear = getattr(library, "q4_linear_bf16", None)
                 self.q4_build_panels = getattr(library, "q4_build_panels_bf16", None)
                 self.panel_linear = getattr(library, "panel_linear_bf16", None)
+            if "quant_kernels" in paths:
+                self.quant_linear = getattr(library, "quant_linear_bf16", None)
+                self.gguf_dequantize = getattr(library, "gguf_dequantize_bf16", None)
             if head_dim == PREFILL_KERNEL_HEAD_DIM and "prefill_kernel" in paths:
                 self._prefill_attention = getattr(library, "prefill_attention_bf16", None)
             if head_dim == PREFILL_KERNEL_HEAD_DIM and "decoder_stack" in paths:

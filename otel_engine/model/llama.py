@@ -19,6 +19,9 @@ bfloat16, and a decode step of a few sequences is bound by reading them), larger
 `panel_linear_bf16` (the same weights dequantized once at load into bfloat16 panels that it
 streams ahead of use: 24% faster than oneDNN at 32 rows). A model that is all 4-bit on one
 rank runs its whole decoder stack in one call (`decoder_stack_bf16`, `DecoderStack`).
+A GGUF file's matrices in the other formats the kernels read (Q8_0, Q4_K, Q5_K, Q6_K, and
+Q4_0/Q4_1 where the 4-bit kernels are off) are multiplied from their blocks
+(`quant_kernels`: model/quant.py) and never copied to bfloat16.
 """
 
 from __future__ import annotations
@@ -39,7 +42,8 @@ from otel_engine.model.layer_ops import KernelOps, LayerOps, make_layer_ops
 from otel_engine.model.layers import RotaryEmbedding, rms_norm
 from otel_engine.model.limits import check_tensor_parallel
 from otel_engine.model.moe import MoeWeights, moe_forward
-from otel_engine.model.weights import INT4_GROUP, Int4Tensor
+from otel_engine.model.quant import QuantLinear, QuantWeight, pack_quant, shard_columns
+from otel_engine.model.weights import INT4_GROUP, INT4_TYPES, Int4Tensor, QuantTensor
 
 Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
@@ -59,8 +63,19 @@ def _pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight, 1)
 
 
-def _pop_prefixed(staged: dict[str, torch.Tensor], prefix: str, key: str) -> torch.Tensor:
-    return staged.pop(prefix + key)
+Staged = dict[str, torch.Tensor | QuantTensor]
+
+
+def _pop_prefixed(staged: Staged, prefix: str, key: str) -> torch.Tensor:
+    """The tensor, a matrix in GGUF blocks dequantized to bfloat16 (what the families that
+    load their own matrices take)."""
+    return _dense(staged.pop(prefix + key))
+
+
+def _dense(tensor: torch.Tensor | QuantTensor) -> torch.Tensor:
+    if isinstance(tensor, QuantTensor):
+        return tensor.dequantize().to(torch.bfloat16)
+    return tensor
 
 
 class LlamaLayer:
@@ -79,6 +94,11 @@ class LlamaLayer:
         self.o_proj4: Int4Weight | None = None
         self.gate_up4: Int4Weight | None = None
         self.down4: Int4Weight | None = None
+        # or multiplied from their GGUF blocks (`quant_kernels`)
+        self.qkv_q: QuantWeight | None = None
+        self.o_proj_q: QuantWeight | None = None
+        self.gate_up_q: QuantWeight | None = None
+        self.down_q: QuantWeight | None = None
         # Qwen3: RMSNorm weights of each q and k head, applied before RoPE
         self.q_norm: torch.Tensor | None = None
         self.k_norm: torch.Tensor | None = None
@@ -150,6 +170,12 @@ class LlamaModel:
         self.linear: Linear = _packed_linear if self.is_packed else F.linear
         self._int4_scratch = torch.empty(0)  # the 4-bit kernel's sums of x per group
         self._stack: DecoderStack | None = None  # built on the first forward that can use it
+        self._quant: QuantLinear | None = None
+        if self.fast_paths.is_on("quant_kernels"):
+            assert isinstance(self.ops, KernelOps)
+            assert self.ops.quant_linear is not None
+            assert self.ops.gguf_dequantize is not None
+            self._quant = QuantLinear(self.ops.quant_linear, self.ops.gguf_dequantize)
 
     # why this family never runs the compiled kernels or prepacked weights (None: it may)
     kernels_blocker: str | None = None
@@ -167,21 +193,27 @@ class LlamaModel:
 
     # ---- loading -------------------------------------------------------------------------
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Take HF-named full tensors, keep this rank's shard in the target dtype."""
-        staged: dict[str, torch.Tensor] = {}
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantTensor]]) -> None:
+        """Take HF-named full tensors, keep this rank's shard in the target dtype; matrices
+        in GGUF blocks kept in them where `quant_kernels` runs them, else dequantized."""
+        staged: Staged = {}
         for name, tensor in weights:
             staged[name] = tensor
-        self.embed = self._place(staged.pop("model.embed_tokens.weight"))
-        self.norm = self._norm_weight(staged.pop("model.norm.weight"))
+        self.embed = self._place(_dense(staged.pop("model.embed_tokens.weight")))
+        self.norm = self._norm_weight(_dense(staged.pop("model.norm.weight")))
         lm_head = staged.pop("lm_head.weight", None)
         self.lm_head = (
-            self.embed if lm_head is None or self.arch.tie_word_embeddings else self._place(lm_head)
+            self.embed
+            if lm_head is None or self.arch.tie_word_embeddings
+            else self._place(_dense(lm_head))
         )
         for i, layer in enumerate(self.layers):
-            take = functools.partial(_pop_prefixed, staged, f"model.layers.{i}.")
+            prefix = f"model.layers.{i}."
+            take = functools.partial(_pop_prefixed, staged, prefix)
             layer.input_norm = self._norm_weight(take("input_layernorm.weight"))
             layer.post_norm = self._norm_weight(take("post_attention_layernorm.weight"))
+            if self._quant is not None:
+                self._load_quant(staged, prefix, layer, i)
             self._load_attention(take, layer)
             self._load_mlp(take, layer, i)
         unused = [n for n in staged if "rotary_emb" not in n]
@@ -189,16 +221,70 @@ class LlamaModel:
             raise ValueError(f"checkpoint has weights this model does not use: {unused[:5]}")
         if self.is_packed:
             self._pack_weights()
+        if self._quant is not None and not self._has_quant():
+            self.fast_paths.decide(
+                "quant_kernels",
+                False,
+                "no matrix in GGUF blocks that the 4-bit kernels do not take",
+            )
+
+    # The matrices `_load_quant` may keep in their blocks: attribute -> (HF names, column split)
+    _QUANT_MATRICES = (
+        ("qkv", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), False),
+        ("o_proj", ("self_attn.o_proj",), True),
+        ("gate_up", ("mlp.gate_proj", "mlp.up_proj"), False),
+        ("down", ("mlp.down_proj",), True),
+    )
+
+    def _load_quant(self, staged: Staged, prefix: str, layer: LlamaLayer, index: int) -> None:
+        """Keep this layer's matrices that are all in GGUF blocks in them (this rank's shard),
+        leaving the rest for the dense loaders: not Q4_0/Q4_1 alone where the 4-bit kernels
+        take those, nor a dense layer's MLP where a family loads its experts instead."""
+        int4 = self.fast_paths.is_on("int4_kernels")
+        for attribute, names, by_columns in self._QUANT_MATRICES:
+            if attribute in ("gate_up", "down") and index not in self.dense_layers:
+                continue
+            keys = [f"{prefix}{name}.weight" for name in names]
+            parts = [staged.get(key) for key in keys]
+            if not all(isinstance(part, QuantTensor) for part in parts):
+                continue
+            tensors = [part for part in parts if isinstance(part, QuantTensor)]
+            if int4 and all(part.kind in INT4_TYPES for part in tensors):
+                continue
+            shards = [self._quant_shard(part, by_columns) for part in tensors]
+            packed = pack_quant([s for s in shards if s is not None])
+            if packed is None or any(s is None for s in shards):
+                continue
+            for key in keys:
+                del staged[key]
+            setattr(layer, f"{attribute}_q", packed)
+            setattr(layer, attribute, _DROPPED)
+
+    def _quant_shard(self, tensor: QuantTensor, by_columns: bool) -> QuantTensor | None:
+        if by_columns:
+            return shard_columns(tensor, self.tp_rank, self.tp_size)
+        size = tensor.rows // self.tp_size
+        rows = tensor.raw[self.tp_rank * size : (self.tp_rank + 1) * size]
+        return QuantTensor(rows, tensor.kind, tensor.cols)
+
+    def _has_quant(self) -> bool:
+        return any(
+            getattr(layer, f"{attribute}_q") is not None
+            for layer in self.layers
+            for attribute, _, _ in self._QUANT_MATRICES
+        )
 
     def _load_attention(self, take: Callable[[str], torch.Tensor], layer: LlamaLayer) -> None:
-        q, k, v = (take(f"self_attn.{p}_proj.weight") for p in "qkv")
-        self._set_qkv(layer, q, k, v)
+        if layer.qkv_q is None:
+            q, k, v = (take(f"self_attn.{p}_proj.weight") for p in "qkv")
+            self._set_qkv(layer, q, k, v)
         if self.arch.attention_bias:
             qb, kb, vb = (take(f"self_attn.{p}_proj.bias") for p in "qkv")
             layer.qkv_bias = self._place(
                 torch.cat([self._rows(qb), self._rows(kb), self._rows(vb)])
             )
-        layer.o_proj = self._place(self._cols(take("self_attn.o_proj.weight")))
+        if layer.o_proj_q is None:
+            layer.o_proj = self._place(self._cols(take("self_attn.o_proj.weight")))
         if self.arch.qk_norm:
             layer.q_norm = self._norm_weight(take("self_attn.q_norm.weight"))
             layer.k_norm = self._norm_weight(take("self_attn.k_norm.weight"))
@@ -210,8 +296,10 @@ class LlamaModel:
         layer.qkv = self._place(torch.cat([self._rows(q), self._rows(k), self._rows(v)]))
 
     def _load_mlp(self, take: Callable[[str], torch.Tensor], layer: LlamaLayer, index: int) -> None:
-        self._set_gate_up(layer, take("mlp.gate_proj.weight"), take("mlp.up_proj.weight"))
-        layer.down = self._place(self._cols(take("mlp.down_proj.weight")))
+        if layer.gate_up_q is None:
+            self._set_gate_up(layer, take("mlp.gate_proj.weight"), take("mlp.up_proj.weight"))
+        if layer.down_q is None:
+            layer.down = self._place(self._cols(take("mlp.down_proj.weight")))
 
     def _set_gate_up(self, layer: LlamaLayer, gate: torch.Tensor, up: torch.Tensor) -> None:
         """This rank's rows of the gate and up projections, fused in that order."""
@@ -239,11 +327,12 @@ class LlamaModel:
         head gets its own packed copy)."""
         self.lm_head = _pack(self.lm_head)
         for layer in self.layers:
-            layer.qkv = _pack(layer.qkv)
-            layer.o_proj = _pack(layer.o_proj)
-            if layer.moe is None:
-                layer.gate_up = _pack(layer.gate_up)
-                layer.down = _pack(layer.down)
+            names = (
+                ("qkv", "o_proj") if layer.moe is not None else ("qkv", "o_proj", "gate_up", "down")
+            )
+            for name in names:
+                if getattr(layer, f"{name}_q") is None:  # else kept in GGUF blocks
+                    setattr(layer, name, _pack(getattr(layer, name)))
 
     def _rows(self, weight: torch.Tensor) -> torch.Tensor:
         size = weight.shape[0] // self.tp_size
@@ -290,6 +379,8 @@ class LlamaModel:
             prefix = f"model.layers.{i}."
             layer: dict[str, Int4Weight] = {}
             for attribute, (names, shard) in fused.items():
+                if getattr(self.layers[i], attribute.removesuffix("4") + "_q") is not None:
+                    continue  # multiplied from its GGUF blocks
                 parts = [weights.get(prefix + name) for name in names]
                 if any(part is None for part in parts):
                     return f"{prefix}{names[0]} is not stored in 4 bits"
@@ -321,17 +412,17 @@ class LlamaModel:
         delta: torch.Tensor | None = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             x = ops.add_rms_norm(hidden, delta, layer.input_norm, eps)
-            qkv = linear(x, layer.qkv, layer.qkv4, layer.qkv_bias)
+            qkv = linear(x, layer.qkv, layer.qkv4 or layer.qkv_q, layer.qkv_bias)
             if layer.q_norm is not None:
                 self._norm_qk(qkv, layer)
             attn = ops.attend(qkv, k_cache, v_cache, meta)
-            delta = self._all_reduce(linear(attn, layer.o_proj, layer.o_proj4))
+            delta = self._all_reduce(linear(attn, layer.o_proj, layer.o_proj4 or layer.o_proj_q))
             x = ops.add_rms_norm(hidden, delta, layer.post_norm, eps)
             if layer.moe is not None:
                 delta = self._all_reduce(moe_forward(x, layer.moe, ops.silu_mul))
             else:
-                act = ops.silu_mul(linear(x, layer.gate_up, layer.gate_up4))
-                delta = self._all_reduce(linear(act, layer.down, layer.down4))
+                act = ops.silu_mul(linear(x, layer.gate_up, layer.gate_up4 or layer.gate_up_q))
+                delta = self._all_reduce(linear(act, layer.down, layer.down4 or layer.down_q))
         return ops.add_rms_norm(hidden, delta, self.norm, eps)
 
     def _decoder_stack(
@@ -376,13 +467,17 @@ class LlamaModel:
         self,
         x: torch.Tensor,
         weight: torch.Tensor,
-        int4: Int4Weight | None,
+        int4: Int4Weight | QuantWeight | None,
         bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if int4 is None:
             return self.linear(x, weight, bias)
         rows, ops = x.shape[0], self.ops
         x = x.contiguous()
+        if isinstance(int4, QuantWeight):
+            assert self._quant is not None
+            out = self._quant(x, int4)
+            return out if bias is None else out.add_(bias)
         out = torch.empty((rows, int4.rows), dtype=x.dtype)
         pointers = (out.data_ptr(), x.data_ptr(), int4.packed.data_ptr(), int4.params.data_ptr())
         if rows > INT4_MAX_ROWS:

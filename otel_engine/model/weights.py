@@ -1,27 +1,66 @@
-"""A checkpoint directory's weights, by Hugging Face name (`iter_weights`), and the 4-bit
-weights a GGUF conversion keeps as they were stored (`iter_int4`). Torch is imported by the
-functions that need it."""
+"""A checkpoint directory's weights, by Hugging Face name (`iter_weights`). A GGUF conversion
+keeps its layer matrices in their GGUF blocks (`QUANT_FILE`, `QuantTensor`): read as they
+are by the quantized kernels (model/quant.py) and the 4-bit ones (`iter_int4`), or
+dequantized to bfloat16 as they are read otherwise. Torch is imported by the functions that
+need it."""
 
 from __future__ import annotations
 
 import glob
+import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
 
 
-INT4_FILE = os.path.join("int4", "weights.safetensors")
+QUANT_FILE = os.path.join("quant", "weights.safetensors")
 
 
 INT4_GROUP = 32  # weights per scale and offset in the 4-bit formats
 
 
-def iter_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of every *.safetensors file in `model_dir`, with its Hugging Face name."""
+# The GGUF formats kept in their blocks (ggml type ids): the kernels read every one of them
+# (cpu_kernels.c, "GGUF block formats"); Q4_0 and Q4_1 also feed the 4-bit kernels.
+QUANT_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+INT4_TYPES = frozenset({"Q4_0", "Q4_1"})
+
+
+@dataclass(frozen=True, slots=True)
+class QuantTensor:
+    """A matrix [rows, cols] in its GGUF blocks: `raw` uint8 [rows, row bytes], each row
+    cols / block weights-per-block blocks of format `kind` (a `QUANT_TYPES` name)."""
+
+    raw: torch.Tensor
+    kind: str
+    cols: int
+
+    @property
+    def rows(self) -> int:
+        return int(self.raw.shape[0])
+
+    @property
+    def type_id(self) -> int:
+        return QUANT_TYPES[self.kind]
+
+    def dequantize(self) -> torch.Tensor:
+        """The matrix as float32, as gguf-py's dequantize computes it."""
+        import numpy as np
+        import torch
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        values = dequantize(self.raw.numpy(), GGMLQuantizationType[self.kind])
+        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+
+
+def iter_weights(model_dir: str, *, keep_quantized: bool = False) -> Iterator[tuple[str, Any]]:
+    """Every tensor of every *.safetensors file in `model_dir` with its Hugging Face name; the
+    matrices a GGUF conversion kept in their blocks as `QuantTensor`s (`keep_quantized`) or
+    dequantized to bfloat16."""
     from safetensors import safe_open
 
     files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
@@ -31,6 +70,28 @@ def iter_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
         with safe_open(file, framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 yield name, f.get_tensor(name)
+    for name, tensor in iter_quant(model_dir):
+        if keep_quantized:
+            yield name, tensor
+        else:
+            import torch
+
+            yield name, tensor.dequantize().to(torch.bfloat16)
+
+
+def iter_quant(model_dir: str) -> Iterator[tuple[str, QuantTensor]]:
+    """The matrices kept in their GGUF blocks, by Hugging Face name (none for a checkpoint
+    that is not a GGUF conversion)."""
+    from safetensors import safe_open
+
+    path = os.path.join(model_dir, QUANT_FILE)
+    if not os.path.isfile(path):
+        return
+    with safe_open(path, framework="pt") as f:
+        formats = json.loads((f.metadata() or {}).get("formats", "{}"))
+        for name in f.keys():  # noqa: SIM118
+            kind, cols = formats[name]
+            yield name, QuantTensor(f.get_tensor(name), kind, int(cols))
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,25 +105,28 @@ class Int4Tensor:
 
 
 def iter_int4(model_dir: str) -> dict[str, Int4Tensor]:
-    """The checkpoint's 4-bit weights by Hugging Face name (empty when it has none)."""
-    from safetensors import safe_open
-
-    path = os.path.join(model_dir, INT4_FILE)
-    if not os.path.isfile(path):
-        return {}
-    found: dict[str, Int4Tensor] = {}
-    with safe_open(path, framework="pt") as f:
-        names = {key.rpartition(".")[0] for key in f.keys()}  # noqa: SIM118
-        for name in names:
-            packed = f.get_tensor(f"{name}.q4")
-            q = _unpack_nibbles(packed)
-            scale, offset = f.get_tensor(f"{name}.scale"), f.get_tensor(f"{name}.offset")
-            found[name] = Int4Tensor(q, scale, offset)
-    return found
+    """The checkpoint's Q4_0 and Q4_1 matrices as 4-bit weights, by Hugging Face name without
+    `.weight` (empty when it has none)."""
+    return {
+        name.removesuffix(".weight"): int4_tensor(tensor)
+        for name, tensor in iter_quant(model_dir)
+        if tensor.kind in INT4_TYPES
+    }
 
 
-def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
-    """[rows, cols / 2] bytes (element 2j in the low nibble) -> [rows, cols] uint8."""
+def int4_tensor(tensor: QuantTensor) -> Int4Tensor:
+    """A Q4_0 (w = d * (q - 8)) or Q4_1 (w = d * q + m) matrix's 4-bit weights, scales and
+    offsets (the f16 fields widened to float32: exact)."""
+    import numpy as np
     import torch
 
-    return torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
+    halves = 1 if tensor.kind == "Q4_0" else 2
+    raw = tensor.raw.numpy()
+    blocks = raw.reshape(raw.shape[0], -1, 2 * halves + INT4_GROUP // 2)
+    header = blocks[..., : 2 * halves].copy().view(np.float16).astype(np.float32)
+    nibbles = blocks[..., 2 * halves :]
+    # low nibbles are elements 0..15 of a block, high ones 16..31
+    q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(raw.shape[0], -1)
+    scale = header[..., 0]
+    offset = -8.0 * scale if tensor.kind == "Q4_0" else header[..., 1]
+    return Int4Tensor(torch.from_numpy(q), torch.from_numpy(scale), torch.from_numpy(offset))

@@ -284,12 +284,22 @@ def hf_greedy(
     return results
 
 
-def write_tiny_gguf(model_dir: str, path: str | os.PathLike[str], kind: str) -> str:
+def write_tiny_gguf(
+    model_dir: str,
+    path: str | os.PathLike[str],
+    kind: str,
+    quant: dict[str, str] | None = None,
+    seed: int = 0,
+) -> str:
     """The checkpoint at `model_dir` as a float32 GGUF file of architecture `kind` (the names
     and keys llama.cpp writes, via the gguf package's tensor name map), its byte-level BPE
-    tokenizer included; for the converter's tests."""
+    tokenizer included; for the converter's tests. `quant`: layer matrices by projection name
+    ("q_proj", ..., "down_proj") written instead as random blocks of that GGUF format
+    (tests/helpers/gguf_blocks.py), a random-weight model of the same shape."""
     import gguf
     from safetensors.torch import load_file
+
+    from tests.helpers.gguf_blocks import random_blocks
 
     config = json.loads((Path(model_dir) / "config.json").read_text())
     spec = json.loads((Path(model_dir) / "tokenizer.json").read_text())
@@ -313,6 +323,14 @@ def write_tiny_gguf(model_dir: str, path: str | os.PathLike[str], kind: str) -> 
         assert gguf_name is not None, name
         if kind == "gemma3" and name.endswith("norm.weight"):  # llama.cpp stores 1 + w
             rows = rows.float() + 1.0
+        projection = name.split(".")[-2]
+        if quant and projection in quant and name.endswith(".weight"):
+            blocks = random_blocks(quant[projection], *tensor.shape, seed=seed + len(stacks))
+            seed += 1
+            writer.add_tensor(
+                gguf_name, blocks, raw_dtype=gguf.GGMLQuantizationType[quant[projection]]
+            )
+            continue
         writer.add_tensor(gguf_name, rows.float().numpy())
     import numpy as np
 

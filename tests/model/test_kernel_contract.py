@@ -13,7 +13,13 @@ from pathlib import Path
 import pytest
 
 from otel_engine.model import kernels
-from otel_engine.model.kernels import OPTIONAL_SIGNATURES, SIGNATURES, SOURCE, SUFFIXES
+from otel_engine.model.kernels import (
+    OPTIONAL_SIGNATURES,
+    PLAIN_SIGNATURES,
+    SIGNATURES,
+    SOURCE,
+    SUFFIXES,
+)
 from tests.helpers.isa import require_isa
 
 _PROTOTYPE = re.compile(r"^void ([a-z0-9_]+(?:##SUFFIX)?)\(([^)]*)\)", re.MULTILINE)
@@ -39,7 +45,11 @@ def test_every_signature_matches_the_c_prototype() -> None:
     """kernels.py declares each function's parameters by name, kind and order as the C
     source does (a reordered or retyped argument would be silent memory corruption)."""
     prototypes = _c_prototypes()
-    declared = {**{f"{n}_": p for n, p in SIGNATURES.items()}, **OPTIONAL_SIGNATURES}
+    declared = {
+        **{f"{n}_": p for n, p in SIGNATURES.items()},
+        **PLAIN_SIGNATURES,
+        **OPTIONAL_SIGNATURES,
+    }
 
     for name, params in declared.items():
         assert list(params) == prototypes[name], name

@@ -107,11 +107,17 @@ def test_conversion_writes_a_complete_hf_checkpoint(converted_dir: str, gguf_cac
 
 
 def test_converted_weights_answer_paris(converted_dir: str) -> None:
-    """transformers' Llama on the converted weights answers Paris, so q/k rows are unpermuted."""
-    from transformers import LlamaForCausalLM
+    """transformers' Llama on the converted weights (the layer matrices dequantized from the
+    blocks the conversion keeps) answers Paris, so q/k rows are unpermuted."""
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     tokenizer = load_tokenizer(converted_dir)
-    model = LlamaForCausalLM.from_pretrained(converted_dir, dtype=torch.float32).eval()
+    model = LlamaForCausalLM(LlamaConfig.from_pretrained(converted_dir)).eval()
+    weights = {name: tensor.float() for name, tensor in iter_weights(converted_dir)}
+    weights.setdefault("lm_head.weight", weights["model.embed_tokens.weight"])
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    assert not unexpected
+    assert not [name for name in missing if "rotary" not in name]
     text = tokenizer.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
     input_ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
 

@@ -1,0 +1,119 @@
+"""Matrices multiplied from their GGUF blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K), never
+from a bfloat16 copy of the whole matrix: `QuantWeight`, this rank's shard of a fused row
+group (q/k/v, gate/up) whose parts may be in different formats (a Q4_K_M file stores some
+v and down projections in Q6_K).
+
+A step of at most `QUANT_MAX_ROWS` rows runs `quant_linear_bf16` (cpu_kernels.c): each row of
+the matrix dequantized into a buffer as it is used and multiplied by every row of the step.
+A larger step dequantizes tiles of `TILE_BYTES` (`gguf_dequantize_bf16`) and multiplies by
+each with torch's matmul (oneDNN: AMX where the CPU has it), so prefill runs at the speed of
+bfloat16 weights while only one tile is ever in bfloat16. Either way the weights multiplied
+are the float32 values gguf-py's dequantize gives, rounded to bfloat16: the values of the
+reference path's bfloat16 copy."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from otel_engine.model.weights import QuantTensor
+
+# Up to this many rows the fused kernel (one pass over the blocks), beyond it tiles and
+# torch's matmul (bench/models.py measures the crossover; the weights are read once per tile).
+QUANT_MAX_ROWS = 16
+TILE_BYTES = 1 << 20  # bfloat16 bytes per dequantized tile (half of this CPU's L2)
+
+_BLOCK_WEIGHTS = {"Q4_0": 32, "Q4_1": 32, "Q8_0": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256}
+
+
+@dataclass(frozen=True)
+class QuantPart:
+    """Consecutive rows of a fused matrix in one format: `raw` uint8 [rows, row bytes]."""
+
+    raw: torch.Tensor
+    kind: str
+    type_id: int
+    rows: int
+
+
+@dataclass(frozen=True)
+class QuantWeight:
+    """A fused matrix [rows, cols] as its parts' GGUF blocks, in row order."""
+
+    parts: tuple[QuantPart, ...]
+    rows: int
+    cols: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(part.raw.numel() for part in self.parts)
+
+
+def shard_columns(tensor: QuantTensor, rank: int, size: int) -> QuantTensor | None:
+    """Rank `rank` of `size`'s columns of a matrix in its blocks (whole blocks of a row:
+    None when the shard's width is not a multiple of the format's block)."""
+    cols = tensor.cols // size
+    if tensor.cols % size or cols % _BLOCK_WEIGHTS[tensor.kind]:
+        return None
+    width = tensor.raw.shape[1] // size
+    raw = tensor.raw[:, rank * width : (rank + 1) * width].contiguous()
+    return QuantTensor(raw, tensor.kind, cols)
+
+
+def pack_quant(parts: list[QuantTensor]) -> QuantWeight | None:
+    """This rank's fused rows (already sharded), consecutive parts of one format merged; None
+    if the parts' widths differ."""
+    cols = {part.cols for part in parts}
+    if len(cols) != 1:
+        return None
+    merged: list[QuantPart] = []
+    for part in parts:
+        if merged and merged[-1].kind == part.kind:
+            last = merged.pop()
+            raw = torch.cat([last.raw, part.raw])
+            merged.append(QuantPart(raw, part.kind, part.type_id, last.rows + part.rows))
+        else:
+            merged.append(QuantPart(part.raw.contiguous(), part.kind, part.type_id, part.rows))
+    return QuantWeight(tuple(merged), sum(p.rows for p in merged), cols.pop())
+
+
+class QuantLinear:
+    """x [rows, cols] bfloat16 @ W.T for a `QuantWeight`, with the kernels library's two
+    functions; holds the tile buffer."""
+
+    def __init__(self, linear: Callable[..., None], dequantize: Callable[..., None]) -> None:
+        self._linear = linear
+        self._dequantize = dequantize
+        self._tile = torch.empty(0, dtype=torch.bfloat16)
+
+    def __call__(self, x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
+        rows, k = x.shape
+        out = torch.empty((rows, weight.rows), dtype=torch.bfloat16)
+        if rows <= QUANT_MAX_ROWS:
+            column = 0
+            for part in weight.parts:
+                self._linear(
+                    out.data_ptr() + 2 * column, x.data_ptr(), part.raw.data_ptr(),
+                    part.type_id, rows, part.rows, k, weight.rows,
+                )  # fmt: skip
+                column += part.rows
+            return out
+        tile_rows = max(16, TILE_BYTES // (2 * k) // 16 * 16)
+        if self._tile.numel() < tile_rows * k:
+            self._tile = torch.empty(tile_rows * k, dtype=torch.bfloat16)
+        column = 0
+        for part in weight.parts:
+            row_bytes = part.raw.shape[1]
+            for first in range(0, part.rows, tile_rows):
+                count = min(tile_rows, part.rows - first)
+                tile = self._tile[: count * k].view(count, k)
+                self._dequantize(
+                    tile.data_ptr(), part.raw.data_ptr() + first * row_bytes, part.type_id,
+                    count, k,
+                )  # fmt: skip
+                out[:, column + first : column + first + count] = F.linear(x, tile)
+            column += part.rows
+        return out

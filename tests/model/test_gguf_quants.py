@@ -1,0 +1,203 @@
+"""A GGUF file's matrices in the block formats the kernels read (Q4_0, Q4_1, Q8_0, Q4_K,
+Q5_K, Q6_K): dequantized by cpu_kernels.c to gguf-py's float32 values bit for bit (and to
+those values rounded, in bfloat16), multiplied from their blocks by `quant_linear_bf16` and
+by dequantized tiles (model/quant.py) as by the bfloat16 copy within rounding, and served
+natively, with no bfloat16 copy, with the reference path's greedy output at one and two
+ranks, head size 64 and 128, and a Q4_K_M-like mix of formats within a layer."""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+
+from otel_engine import LLM, SamplingParams
+from otel_engine.engine.core_client import InprocClient
+from otel_engine.model import kernels
+from otel_engine.model.fast_paths import BF16_ISA
+from otel_engine.model.kernels import KernelLibrary
+from otel_engine.model.quant import QUANT_MAX_ROWS, QuantLinear, pack_quant, shard_columns
+from otel_engine.model.weights import QuantTensor
+from tests.helpers.gguf_blocks import FORMATS, random_blocks
+from tests.helpers.isa import require_isa
+from tests.helpers.tiny_model import write_tiny_gguf, write_tiny_llama
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# llama.cpp's Q4_K_M: Q4_K, with (some of) the v and down projections in Q6_K
+Q4_K_M = {**dict.fromkeys(PROJECTIONS, "Q4_K"), "v_proj": "Q6_K", "down_proj": "Q6_K"}
+
+
+def _library() -> KernelLibrary:
+    library = kernels.load()
+    assert library is not None
+    return library
+
+
+def _reference(raw: np.ndarray, name: str) -> np.ndarray:
+    return dequantize(raw, GGMLQuantizationType[name]).astype(np.float32)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize(("rows", "cols"), [(1, 256), (3, 512), (17, 1280), (5, 4096)])
+def test_dequantized_values_are_gguf_py_s_bit_for_bit(name: str, rows: int, cols: int) -> None:
+    """In every kernels build (this one: the CPU's level)."""
+    raw = random_blocks(name, rows, cols, seed=rows * cols)
+    out = np.empty((rows, cols), dtype=np.float32)
+    _library().gguf_dequantize_f32(
+        out.ctypes.data, raw.ctypes.data, GGMLQuantizationType[name].value, rows, cols
+    )
+    assert np.array_equal(out.view(np.uint32), _reference(raw, name).view(np.uint32))
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_bfloat16_dequantization_is_the_rounded_float32(name: str) -> None:
+    require_isa(BF16_ISA)
+    rows, cols = 19, 768
+    raw = random_blocks(name, rows, cols, seed=7)
+    out = torch.empty((rows, cols), dtype=torch.bfloat16)
+    _library().gguf_dequantize_bf16(
+        out.data_ptr(), raw.ctypes.data, GGMLQuantizationType[name].value, rows, cols
+    )
+    expected = torch.from_numpy(_reference(raw, name)).to(torch.bfloat16)
+    assert torch.equal(out.view(torch.int16), expected.view(torch.int16))
+
+
+def _quant_linear() -> QuantLinear:
+    library = _library()
+    return QuantLinear(library.quant_linear_bf16, library.gguf_dequantize_bf16)
+
+
+def _tensor(name: str, rows: int, cols: int, seed: int) -> QuantTensor:
+    return QuantTensor(torch.from_numpy(random_blocks(name, rows, cols, seed=seed)), name, cols)
+
+
+def _bf16(tensor: QuantTensor) -> torch.Tensor:
+    return torch.from_numpy(_reference(tensor.raw.numpy(), tensor.kind)).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_matmul_from_blocks_is_the_bfloat16_matmul(name: str) -> None:
+    """Every row count of a decode step (the fused kernel) and beyond (tiles and torch's
+    matmul), each output within bfloat16 rounding of the float64 product with the bfloat16
+    weights, and each row the same whatever the other rows are."""
+    require_isa(BF16_ISA)
+    generator = torch.Generator().manual_seed(3)
+    tensor = _tensor(name, 80, 512, seed=11)
+    weight = pack_quant([tensor])
+    assert weight is not None
+    linear = _quant_linear()
+    x = torch.randn(QUANT_MAX_ROWS + 9, 512, generator=generator).to(torch.bfloat16)
+    expected = x.double() @ _bf16(tensor).double().T
+    for rows in (1, 2, 3, 5, QUANT_MAX_ROWS, QUANT_MAX_ROWS + 1, QUANT_MAX_ROWS + 9):
+        out = linear(x[:rows].contiguous(), weight).double()
+        error = (out - expected[:rows]).abs()
+        assert (error <= 2**-7 * expected[:rows].abs() + 1e-3).all(), (rows, error.max())
+        if rows <= QUANT_MAX_ROWS:
+            assert torch.equal(out[:1], linear(x[:1].contiguous(), weight).double())
+
+
+def test_fused_parts_in_different_formats_and_column_shards() -> None:
+    """A Q4_K_M-like fused q/k/v (Q4_K, Q4_K, Q6_K): each part's columns of the output from
+    its own blocks; a column shard of a K-quant matrix is its whole blocks."""
+    require_isa(BF16_ISA)
+    parts = [_tensor("Q4_K", 64, 512, 1), _tensor("Q4_K", 32, 512, 2), _tensor("Q6_K", 32, 512, 3)]
+    weight = pack_quant(parts)
+    assert weight is not None
+    assert [p.kind for p in weight.parts] == ["Q4_K", "Q6_K"]  # consecutive Q4_K merged
+    x = torch.randn(4, 512, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    expected = x.double() @ torch.cat([_bf16(p) for p in parts]).double().T
+    out = _quant_linear()(x, weight).double()
+    assert ((out - expected).abs() <= 2**-7 * expected.abs() + 1e-3).all()
+    shard = shard_columns(parts[0], 1, 2)
+    assert shard is not None
+    assert torch.equal(_bf16(shard), _bf16(parts[0])[:, 256:])
+    assert shard_columns(_tensor("Q4_K", 16, 256, 4), 0, 2) is None  # half a block per rank
+
+
+def _gguf(tmp_path: Path, head_dim: int, quant: dict[str, str]) -> str:
+    checkpoint = write_tiny_llama(
+        tmp_path / "hf",
+        hidden=256,
+        heads=256 // head_dim * 2 if head_dim == 64 else 2,
+        kv_heads=2,
+        head_dim=head_dim,
+        intermediate=512,
+        num_layers=2,
+    )
+    return write_tiny_gguf(checkpoint, tmp_path / "model.gguf", "llama", quant=quant)
+
+
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9] * 11, list(range(10, 50))]  # decodes and long prefills
+
+
+def _greedy(model: str, int4: str, tp: int) -> tuple[list[list[int]], list[dict[int, float]]]:
+    with LLM(model=model, dtype="bfloat16", int4=int4, tensor_parallel_size=tp) as llm:
+        client = llm._frontend.client
+        runner = getattr(client.core.executor, "runner", None)  # type: ignore[union-attr]
+        if isinstance(client, InprocClient) and runner is not None:  # one rank, in process
+            layer = runner.model.layers[0]
+            assert (int4 == "auto") == (layer.qkv_q is not None)
+            if int4 == "auto":  # no bfloat16 copy of any matrix kept in blocks
+                assert layer.qkv.numel() == layer.down.numel() == 0
+        params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=5)
+        outputs = [o.outputs[0] for o in llm.generate([list(p) for p in PROMPTS], params)]
+    tops = []
+    for output in outputs:
+        assert output.logprobs is not None
+        tops += [dict(zip(p.top_token_ids, p.top_logprobs, strict=True)) for p in output.logprobs]
+    return [list(o.token_ids) for o in outputs], tops
+
+
+def _assert_same_but_near_ties(
+    native: list[list[int]], reference: list[list[int]], tops: list[dict[int, float]]
+) -> None:
+    """Equal, or leaving the reference first where its two candidates were within 0.5 nats
+    (the two paths sum the same bfloat16 products in different orders)."""
+    for i, (x, y) in enumerate(zip(native, reference, strict=True)):
+        diverged = [j for j, (a, b) in enumerate(zip(x, y, strict=True)) if a != b]
+        if diverged:
+            top = tops[i * len(y) + diverged[0]]
+            chosen = x[diverged[0]]
+            assert chosen in top, (i, diverged[0], top)
+            assert top[y[diverged[0]]] - top[chosen] <= 0.5, (i, diverged[0], top)
+
+
+@pytest.mark.parametrize(
+    ("head_dim", "quant"),
+    [(64, "Q4_K_M"), (128, "Q4_K_M"), (64, "Q8_0"), (128, "Q5_K"), (64, "Q6_K")],
+)
+def test_native_greedy_output_is_the_reference_path_s(
+    tmp_path: Path, head_dim: int, quant: str
+) -> None:
+    require_isa(BF16_ISA)
+    formats = Q4_K_M if quant == "Q4_K_M" else dict.fromkeys(PROJECTIONS, quant)
+    model = _gguf(tmp_path, head_dim, formats)
+    native, _ = _greedy(model, "auto", 1)
+    reference, tops = _greedy(model, "off", 1)
+    _assert_same_but_near_ties(native, reference, tops)
+
+
+@pytest.mark.slow
+def test_native_greedy_output_at_two_ranks(tmp_path: Path) -> None:
+    """Each rank multiplies its rows (q/k/v, gate/up) and its columns (o, down: whole K-quant
+    blocks) from the file's blocks."""
+    require_isa(BF16_ISA)
+    model = _gguf(tmp_path, 128, Q4_K_M)
+    native, _ = _greedy(model, "auto", 2)
+    reference, tops = _greedy(model, "off", 1)
+    _assert_same_but_near_ties(native, reference, tops)
+
+
+def test_unknown_format_dequantizes_to_nothing() -> None:
+    """The C side leaves the output alone for a format it does not read (kernels.py never
+    passes one: `weights.QUANT_TYPES`)."""
+    out = np.full((1, 32), 7.0, dtype=np.float32)
+    raw = np.zeros((1, 34), dtype=np.uint8)
+    _library().gguf_dequantize_f32(out.ctypes.data, raw.ctypes.data, 99, 1, 32)
+    assert (out == 7.0).all()
+    assert ctypes.sizeof(ctypes.c_int64) == 8
