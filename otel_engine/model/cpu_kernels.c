@@ -1111,9 +1111,143 @@ static inline __attribute__((always_inline)) void quant_dot(
     for (int r = 0; r < ROWS; r++) store1_bf16(out + r * ldo, HSUM(ADD(acc[r][0], acc[r][1])));
 }
 
+/* A Q4_K or Q5_K block's 8 sub-block scales d * sc and shifts dmin * m as float32 (the
+ * products scale_min_k4's values give: exact), the 6-bit fields unpacked 32 bits at a time. */
+static inline void k4_scales(const uint8_t *restrict b, float *restrict scales,
+                             float *restrict shifts) {
+    uint32_t packed[3], unpacked[4];
+    memcpy(packed, b + 4, sizeof packed);
+    const uint32_t six = 0x3f3f3f3fu, four = 0x0f0f0f0fu, two = 0x03030303u;
+    unpacked[0] = packed[0] & six;                                     /* sc of 0-3 */
+    unpacked[1] = (packed[2] & four) | (((packed[0] >> 6) & two) << 4); /* sc of 4-7 */
+    unpacked[2] = packed[1] & six;                                     /* m of 0-3 */
+    unpacked[3] = ((packed[2] >> 4) & four) | (((packed[1] >> 6) & two) << 4); /* m of 4-7 */
+    const __m128i fields = _mm_loadu_si128((const __m128i *)unpacked);
+    const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(fields));
+    const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(fields, 8)));
+    uint16_t halves[2];
+    memcpy(halves, b, sizeof halves);
+    _mm256_store_ps(scales, _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(halves[0])), sc));
+    _mm256_store_ps(shifts, _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(halves[1])), m));
+}
+
+/* The K-quants from their blocks, exact: each sub-block's q (Q4_K, Q5_K: 0..31; Q6_K: q - 32)
+ * looked up as bfloat16 (exact small integers, vpermw), multiplied by x by vdpbf16ps, the sum
+ * scaled by the sub-block's d * sc in float32; Q4_K and Q5_K's mins as dmin * m times the
+ * sub-block's sum of x. The file's weights unrounded, float32 sums, rounded once. */
+static inline __attribute__((always_inline)) void kquant_row(
+    const int ROWS, int64_t type, const uint8_t *restrict row, const bf16 *restrict x, int64_t k,
+    const float *restrict xsums, bf16 *restrict out, int64_t ldo, __m512i small, __m512i below) {
+    const int64_t blocks = k / 256, bytes = quant_block_bytes(type);
+    const __m512i low4 = _mm512_set1_epi16(0x0f), one = _mm512_set1_epi16(1);
+    vec acc[2][QUANT_TILE_ROWS];
+    __m256 mins[QUANT_TILE_ROWS];
+    for (int r = 0; r < ROWS; r++) {
+        acc[0][r] = acc[1][r] = ZERO();
+        mins[r] = _mm256_setzero_ps();
+    }
+    for (int64_t blk = 0; blk < blocks; blk++) {
+        const uint8_t *b = row + blk * bytes;
+        const bf16 *xb = x + blk * 256;
+        if (type == GGML_Q6_K) {
+            const int8_t *scales = (const int8_t *)(b + 192);
+            uint16_t half;
+            memcpy(&half, b + 208, sizeof half);
+            const float d = _cvtsh_ss(half);
+            for (int h = 0; h < 2; h++) {
+                const __m512i low = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(b + 64 * h)));
+                const __m512i low2 = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(b + 64 * h + 32)));
+                const __m512i high = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h)));
+                for (int t = 0; t < 4; t++) {
+                    const __m512i ql = t < 2 ? _mm512_and_si512(t ? low2 : low, low4)
+                                             : _mm512_srli_epi16(t == 3 ? low2 : low, 4);
+                    const __m512i qh = _mm512_and_si512(_mm512_srli_epi16(high, 2 * t), _mm512_set1_epi16(3));
+                    const __m512i q = _mm512_or_si512(ql, _mm512_slli_epi16(qh, 4));
+                    const __m512bh w = (__m512bh)_mm512_permutex2var_epi16(below, q, small);
+                    const int s = 8 * h + 2 * t;
+                    const vec scale = _mm512_mask_blend_ps(0xff00, SET(d * (float)scales[s]),
+                                                           SET(d * (float)scales[s + 1]));
+                    for (int r = 0; r < ROWS; r++) {
+                        const __m512bh xv = (__m512bh)_mm512_loadu_si512(xb + r * k + 128 * h + 32 * t);
+                        acc[t & 1][r] = FMA(_mm512_dpbf16_ps(ZERO(), w, xv), scale, acc[t & 1][r]);
+                    }
+                }
+            }
+            continue;
+        }
+        const uint8_t *qs = type == GGML_Q5_K ? b + 48 : b + 16;
+        const __m512i high = type == GGML_Q5_K
+                                 ? _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(b + 16)))
+                                 : _mm512_setzero_si512();
+        float scales[8] __attribute__((aligned(32))), shifts[8] __attribute__((aligned(32)));
+        k4_scales(b, scales, shifts);
+        for (int j = 0; j < 4; j++) {
+            const __m512i words = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(qs + 32 * j)));
+            for (int half = 0; half < 2; half++) {
+                const int s = 2 * j + half;
+                __m512i q = half ? _mm512_srli_epi16(words, 4) : _mm512_and_si512(words, low4);
+                if (type == GGML_Q5_K)
+                    q = _mm512_or_si512(q, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(high, s), one), 4));
+                const __m512bh w = (__m512bh)_mm512_permutexvar_epi16(q, small);
+                const vec scale = SET(scales[s]);
+                for (int r = 0; r < ROWS; r++) { /* two chains: the multiply-add's latency */
+                    const __m512bh xv = (__m512bh)_mm512_loadu_si512(xb + r * k + 32 * s);
+                    acc[half][r] = FMA(_mm512_dpbf16_ps(ZERO(), w, xv), scale, acc[half][r]);
+                }
+            }
+        }
+        const __m256 shift = _mm256_load_ps(shifts);
+        for (int r = 0; r < ROWS; r++)
+            mins[r] = _mm256_fmadd_ps(shift, _mm256_loadu_ps(xsums + r * (k / 32) + blk * 8), mins[r]);
+    }
+    for (int r = 0; r < ROWS; r++) {
+        const __m128 m = _mm_add_ps(_mm256_castps256_ps128(mins[r]), _mm256_extractf128_ps(mins[r], 1));
+        const float total = _mm_cvtss_f32(_mm_hadd_ps(_mm_hadd_ps(m, m), _mm_hadd_ps(m, m)));
+        store1_bf16(out + r * ldo, HSUM(ADD(acc[0][r], acc[1][r])) - total);
+    }
+}
+
+static int is_kquant(int64_t type) {
+    return type == GGML_Q4_K || type == GGML_Q5_K || type == GGML_Q6_K;
+}
+
 void quant_linear_bf16(bf16 *restrict out, const bf16 *restrict x, const uint8_t *restrict w,
                        int64_t type, int64_t rows, int64_t n, int64_t k, int64_t ldo) {
     const int64_t row_bytes = k / quant_block_weights(type) * quant_block_bytes(type);
+    if (is_kquant(type)) {
+        /* bfloat16 bits of 0..31 (small) and of -32..-1 (below: Q6_K's q - 32 below 0) */
+        int16_t values[64];
+        for (int i = 0; i < 64; i++) {
+            const float v = (float)(i < 32 ? i : i - 64);
+            uint32_t bits;
+            memcpy(&bits, &v, sizeof bits);
+            values[i] = (int16_t)(bits >> 16);
+        }
+        const __m512i small = _mm512_loadu_si512(values), below = _mm512_loadu_si512(values + 32);
+        const int64_t groups = k / 32;
+        float *xsums = malloc((size_t)(rows * groups) * sizeof(float)); /* each 32's sum of x */
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t g = 0; g < groups; g++) {
+                const bf16 *at = x + r * k + g * 32;
+                xsums[r * groups + g] = _mm512_reduce_add_ps(ADD(load_bf16(at, 16), load_bf16(at + 16, 16)));
+            }
+        _Pragma("omp parallel for schedule(static) if (n > 16)")
+        for (int64_t j = 0; j < n; j++)
+            for (int64_t r = 0; r < rows; r += QUANT_TILE_ROWS) {
+                const uint8_t *wr = w + j * row_bytes;
+                const bf16 *xr = x + r * k;
+                const float *sr = xsums + r * groups;
+                bf16 *o = out + r * ldo + j;
+                switch (rows - r < QUANT_TILE_ROWS ? rows - r : QUANT_TILE_ROWS) {
+                case 4: kquant_row(4, type, wr, xr, k, sr, o, ldo, small, below); break;
+                case 3: kquant_row(3, type, wr, xr, k, sr, o, ldo, small, below); break;
+                case 2: kquant_row(2, type, wr, xr, k, sr, o, ldo, small, below); break;
+                default: kquant_row(1, type, wr, xr, k, sr, o, ldo, small, below);
+                }
+            }
+        free(xsums);
+        return;
+    }
     _Pragma("omp parallel if (n > 16)")
     {
         bf16 *row = aligned_alloc(64, (size_t)k * sizeof(bf16));
