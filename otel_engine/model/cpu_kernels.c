@@ -996,6 +996,10 @@ void gguf_dequantize_f32(float *restrict out, const uint8_t *restrict w, int64_t
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #define QUANT_TILE_ROWS 4 /* rows of x per dot */
 
+#ifndef QUANT_AHEAD
+#define QUANT_AHEAD 4096 /* bytes of blocks fetched ahead of the ones read: from memory, a Q4_K matrix of 16,384 x 2,048 at 1 row 2.68 -> 1.47 ms (1,024: 1.54; 8,192: 1.49) */
+#endif
+
 /* 32 weights scale * q - shift as bfloat16 (scale_low for the first 16, scale_high for the
  * rest), from 32 bytes of q (signed or not): gguf_dequantize_f32's float32 values, rounded. */
 static inline void put32(bf16 *restrict dst, __m256i q, int is_signed, float scale_low,
@@ -1075,7 +1079,10 @@ static void dequantize_block_bf16(int64_t type, const uint8_t *restrict b, bf16 
 static void dequantize_row_bf16(int64_t type, const uint8_t *restrict row, bf16 *restrict y,
                                 int64_t k) {
     const int64_t per = quant_block_weights(type), bytes = quant_block_bytes(type);
-    for (int64_t i = 0; i < k / per; i++) dequantize_block_bf16(type, row + i * bytes, y + i * per);
+    for (int64_t i = 0; i < k / per; i++) {
+        if ((i * bytes) % 64 < bytes) prefetch_line(row + i * bytes + QUANT_AHEAD);
+        dequantize_block_bf16(type, row + i * bytes, y + i * per);
+    }
 }
 
 /* out [n, k] bfloat16 = the matrix w of `type`: gguf_dequantize_f32's values, rounded
@@ -1149,6 +1156,8 @@ static inline __attribute__((always_inline)) void kquant_row(
     for (int64_t blk = 0; blk < blocks; blk++) {
         const uint8_t *b = row + blk * bytes;
         const bf16 *xb = x + blk * 256;
+        /* the thread's rows are consecutive in memory: fetch ahead across their ends */
+        for (int64_t line = 0; line < bytes; line += 64) prefetch_line(b + QUANT_AHEAD + line);
         if (type == GGML_Q6_K) {
             const int8_t *scales = (const int8_t *)(b + 192);
             uint16_t half;
