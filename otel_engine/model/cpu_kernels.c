@@ -1000,6 +1000,33 @@ void gguf_dequantize_f32(float *restrict out, const uint8_t *restrict w, int64_t
 #define QUANT_AHEAD 4096 /* bytes of blocks fetched ahead of the ones read: from memory, a Q4_K matrix of 16,384 x 2,048 at 1 row 2.68 -> 1.47 ms (1,024: 1.54; 8,192: 1.49) */
 #endif
 
+/* A float16 field as float32 by the F16C instruction (exact, as half_to_float). */
+static inline float half_f16c(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, sizeof h);
+    return _cvtsh_ss(h);
+}
+
+/* A Q4_K or Q5_K block's 8 sub-block scales d * sc and shifts dmin * m as float32 (the
+ * products scale_min_k4's values give: exact), the 6-bit fields unpacked 32 bits at a time. */
+static inline void k4_scales(const uint8_t *restrict b, float *restrict scales,
+                             float *restrict shifts) {
+    uint32_t packed[3], unpacked[4];
+    memcpy(packed, b + 4, sizeof packed);
+    const uint32_t six = 0x3f3f3f3fu, four = 0x0f0f0f0fu, two = 0x03030303u;
+    unpacked[0] = packed[0] & six;                                     /* sc of 0-3 */
+    unpacked[1] = (packed[2] & four) | (((packed[0] >> 6) & two) << 4); /* sc of 4-7 */
+    unpacked[2] = packed[1] & six;                                     /* m of 0-3 */
+    unpacked[3] = ((packed[2] >> 4) & four) | (((packed[1] >> 6) & two) << 4); /* m of 4-7 */
+    const __m128i fields = _mm_loadu_si128((const __m128i *)unpacked);
+    const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(fields));
+    const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(fields, 8)));
+    uint16_t halves[2];
+    memcpy(halves, b, sizeof halves);
+    _mm256_store_ps(scales, _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(halves[0])), sc));
+    _mm256_store_ps(shifts, _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(halves[1])), m));
+}
+
 /* 32 weights scale * q - shift as bfloat16 (scale_low for the first 16, scale_high for the
  * rest), from 32 bytes of q (signed or not): gguf_dequantize_f32's float32 values, rounded. */
 static inline void put32(bf16 *restrict dst, __m256i q, int is_signed, float scale_low,
@@ -1022,41 +1049,40 @@ static void dequantize_block_bf16(int64_t type, const uint8_t *restrict b, bf16 
         const __m128i bytes = _mm_loadu_si128((const __m128i *)(b + offset));
         __m256i q = _mm256_and_si256(
             _mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes), nibble);
-        const float d = half_to_float(b);
+        const float d = half_f16c(b);
         if (type == GGML_Q4_0) put32(y, _mm256_sub_epi8(q, _mm256_set1_epi8(8)), 1, d, d, 0.0f);
-        else put32(y, q, 0, d, d, -half_to_float(b + 2));
+        else put32(y, q, 0, d, d, -half_f16c(b + 2));
         break;
     }
     case GGML_Q8_0: {
-        const float d = half_to_float(b);
+        const float d = half_f16c(b);
         put32(y, _mm256_loadu_si256((const __m256i *)(b + 2)), 1, d, d, 0.0f);
         break;
     }
     case GGML_Q4_K:
     case GGML_Q5_K: {
-        const float d = half_to_float(b), dmin = half_to_float(b + 2);
         const uint8_t *qs = type == GGML_Q5_K ? b + 48 : b + 16;
         const __m256i high = type == GGML_Q5_K ? _mm256_loadu_si256((const __m256i *)(b + 16))
                                                : _mm256_setzero_si256();
+        float scales[8] __attribute__((aligned(32))), shifts[8] __attribute__((aligned(32)));
+        k4_scales(b, scales, shifts);
         for (int j = 0; j < 4; j++) {
             const __m256i bytes = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
             for (int half = 0; half < 2; half++) {
                 const int s = 2 * j + half;
-                float sc, m;
-                scale_min_k4(s, b + 4, &sc, &m);
                 __m256i q = _mm256_and_si256(half ? _mm256_srli_epi16(bytes, 4) : bytes, nibble);
                 if (type == GGML_Q5_K) {
                     const __m256i bit = _mm256_and_si256(_mm256_srli_epi16(high, s), _mm256_set1_epi8(1));
                     q = _mm256_or_si256(q, _mm256_slli_epi16(bit, 4));
                 }
-                put32(y + 32 * s, q, 0, d * sc, d * sc, dmin * m);
+                put32(y + 32 * s, q, 0, scales[s], scales[s], shifts[s]);
             }
         }
         break;
     }
     case GGML_Q6_K: {
         const int8_t *scales = (const int8_t *)(b + 192);
-        const float d = half_to_float(b + 208);
+        const float d = half_f16c(b + 208);
         const __m256i three = _mm256_set1_epi8(3), centre = _mm256_set1_epi8(32);
         for (int h = 0; h < 2; h++) {
             const __m256i low = _mm256_loadu_si256((const __m256i *)(b + 64 * h));
@@ -1118,26 +1144,6 @@ static inline __attribute__((always_inline)) void quant_dot(
     for (int r = 0; r < ROWS; r++) store1_bf16(out + r * ldo, HSUM(ADD(acc[r][0], acc[r][1])));
 }
 
-/* A Q4_K or Q5_K block's 8 sub-block scales d * sc and shifts dmin * m as float32 (the
- * products scale_min_k4's values give: exact), the 6-bit fields unpacked 32 bits at a time. */
-static inline void k4_scales(const uint8_t *restrict b, float *restrict scales,
-                             float *restrict shifts) {
-    uint32_t packed[3], unpacked[4];
-    memcpy(packed, b + 4, sizeof packed);
-    const uint32_t six = 0x3f3f3f3fu, four = 0x0f0f0f0fu, two = 0x03030303u;
-    unpacked[0] = packed[0] & six;                                     /* sc of 0-3 */
-    unpacked[1] = (packed[2] & four) | (((packed[0] >> 6) & two) << 4); /* sc of 4-7 */
-    unpacked[2] = packed[1] & six;                                     /* m of 0-3 */
-    unpacked[3] = ((packed[2] >> 4) & four) | (((packed[1] >> 6) & two) << 4); /* m of 4-7 */
-    const __m128i fields = _mm_loadu_si128((const __m128i *)unpacked);
-    const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(fields));
-    const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(fields, 8)));
-    uint16_t halves[2];
-    memcpy(halves, b, sizeof halves);
-    _mm256_store_ps(scales, _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(halves[0])), sc));
-    _mm256_store_ps(shifts, _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(halves[1])), m));
-}
-
 /* The K-quants from their blocks, exact: each sub-block's q (Q4_K, Q5_K: 0..31; Q6_K: q - 32)
  * looked up as bfloat16 (exact small integers, vpermw), multiplied by x by vdpbf16ps, the sum
  * scaled by the sub-block's d * sc in float32; Q4_K and Q5_K's mins as dmin * m times the
@@ -1160,9 +1166,7 @@ static inline __attribute__((always_inline)) void kquant_row(
         for (int64_t line = 0; line < bytes; line += 64) prefetch_line(b + QUANT_AHEAD + line);
         if (type == GGML_Q6_K) {
             const int8_t *scales = (const int8_t *)(b + 192);
-            uint16_t half;
-            memcpy(&half, b + 208, sizeof half);
-            const float d = _cvtsh_ss(half);
+            const float d = half_f16c(b + 208);
             for (int h = 0; h < 2; h++) {
                 const __m512i low = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(b + 64 * h)));
                 const __m512i low2 = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(b + 64 * h + 32)));

@@ -6,8 +6,8 @@ v and down projections in Q6_K).
 A step of at most `QUANT_MAX_ROWS` rows runs `quant_linear_bf16` (cpu_kernels.c): each row of
 the matrix dequantized into a buffer as it is used and multiplied by every row of the step.
 A larger step dequantizes tiles of `TILE_BYTES` (`gguf_dequantize_bf16`) and multiplies by
-each with torch's matmul (oneDNN: AMX where the CPU has it), so prefill runs at the speed of
-bfloat16 weights while only one tile is ever in bfloat16. Either way the weights multiplied
+each with torch's matmul (oneDNN: AMX where the CPU has it), so prefill runs near the speed
+of bfloat16 weights while only one tile is ever in bfloat16. Either way the weights multiplied
 are the float32 values gguf-py's dequantize gives, rounded to bfloat16: the values of the
 reference path's bfloat16 copy."""
 
@@ -22,11 +22,16 @@ import torch.nn.functional as F
 from otel_engine.model.weights import QuantTensor
 
 # Up to this many rows the fused kernel (one pass over the blocks), beyond it tiles and
-# torch's matmul. Measured on a Q4_K matrix of 8,192 x 2,048 (Llama-3.2-1B's gate/up), fused /
-# tiles: 1 row 0.79 / 3.92 ms, 4 rows 1.36 / 3.46, 8 rows 2.59 / 3.73, 16 rows 5.32 / 4.16,
-# 32 rows 10.3 / 4.2 (Q6_K and Q8_0 alike; bfloat16 weights in oneDNN: 1.3-1.5 ms).
+# torch's matmul. Measured on a Q4_K matrix of 8,192 x 2,048, fused / tiles of 1 MiB: 1 row
+# 0.79 / 3.92 ms, 4 rows 1.36 / 3.46, 8 rows 2.59 / 3.73, 16 rows 5.32 / 4.16, 32 rows 10.3 /
+# 4.2 (Q6_K and Q8_0 alike; its bfloat16 copy in oneDNN: 1.3-1.5 ms); 16 MiB tiles halve
+# the tiles' times beyond 16 rows (TILE_BYTES).
 QUANT_MAX_ROWS = 8
-TILE_BYTES = 1 << 20  # bfloat16 bytes per dequantized tile (half of this CPU's L2)
+# bfloat16 bytes per dequantized tile: torch's matmul costs a fixed overhead per call, so
+# fewer, larger tiles win. A Q4_K matrix of 16,384 x 2,048 at 16 / 64 / 512 rows: 256 KiB
+# tiles 12.3 / 23.2 / 70.8 ms, 1 MiB 9.9 / 18.9 / 44.2, 4 MiB 9.1 / 12.4 / 30.5, 16 MiB
+# 7.3 / 9.3 / 28.2 (the buffer is one per model).
+TILE_BYTES = 16 << 20
 
 _BLOCK_WEIGHTS = {"Q4_0": 32, "Q4_1": 32, "Q8_0": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256}
 
