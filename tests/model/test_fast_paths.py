@@ -67,6 +67,8 @@ def test_on_avx512_bf16_every_path_runs_for_the_default_shape() -> None:
         ({"tp_size": 2}, "decoder_stack", "2 ranks"),
         ({"dtype": torch.float32}, "int4_kernels", "bfloat16"),
         ({"int4_flag": "off"}, "int4_kernels", "--int4 off"),
+        ({"dtype": torch.float32}, "quant_kernels", "bfloat16"),
+        ({"int4_flag": "off"}, "quant_kernels", "--int4 off"),
         ({"rotary_dim": 32}, "compiled_kernels", "partial rotary"),
         ({"block_size": 512}, "compiled_kernels", "--block-size 512"),
         ({"dtype": torch.float16}, "compiled_kernels", "dtype float16"),
@@ -158,7 +160,7 @@ def test_a_bfloat16_model_on_avx2_runs_the_avx2_build(monkeypatch: pytest.Monkey
 
     assert plan.is_on("compiled_kernels")
     assert "avx2" == plan.kernel_isa
-    for name in ("int4_kernels", "prefill_kernel", "decoder_stack"):
+    for name in ("int4_kernels", "quant_kernels", "prefill_kernel", "decoder_stack"):
         assert not plan.is_on(name)
 
 
@@ -175,6 +177,8 @@ def test_a_checkpoint_without_4_bit_weights_settles_those_paths(tiny_model_dir: 
     plan = runner.model.fast_paths
 
     assert not plan.is_on("int4_kernels")
+    assert not plan.is_on("quant_kernels")
     assert not plan.is_on("decoder_stack")
     if plan.library is not None and plan.library.isa == "avx512bf16":
         assert "no 4-bit weights" in plan.choices["int4_kernels"].reason
+        assert "no matrix in GGUF blocks" in plan.choices["quant_kernels"].reason
