@@ -467,17 +467,19 @@ class LlamaModel:
         self,
         x: torch.Tensor,
         weight: torch.Tensor,
-        int4: Int4Weight | QuantWeight | None,
+        stored: Int4Weight | QuantWeight | None,
         bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if int4 is None:
+        """x @ W.T (+ bias), W as the checkpoint stored it where a fast path keeps it so
+        (`stored`: its 4-bit form or its GGUF blocks), else `weight`."""
+        if stored is None:
             return self.linear(x, weight, bias)
-        rows, ops = x.shape[0], self.ops
         x = x.contiguous()
-        if isinstance(int4, QuantWeight):
+        if isinstance(stored, QuantWeight):
             assert self._quant is not None
-            out = self._quant(x, int4)
+            out = self._quant(x, stored)
             return out if bias is None else out.add_(bias)
+        rows, ops, int4 = x.shape[0], self.ops, stored
         out = torch.empty((rows, int4.rows), dtype=x.dtype)
         pointers = (out.data_ptr(), x.data_ptr(), int4.packed.data_ptr(), int4.params.data_ptr())
         if rows > INT4_MAX_ROWS:
