@@ -11,7 +11,7 @@ import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
@@ -57,7 +57,9 @@ class QuantTensor:
         return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
 
 
-def iter_weights(model_dir: str, *, keep_quantized: bool = False) -> Iterator[tuple[str, Any]]:
+def iter_weights(
+    model_dir: str, *, keep_quantized: bool = False
+) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
     """Every tensor of every *.safetensors file in `model_dir` with its Hugging Face name; the
     matrices a GGUF conversion kept in their blocks as `QuantTensor`s (`keep_quantized`) or
     dequantized to bfloat16."""
