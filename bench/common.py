@@ -302,6 +302,22 @@ async def stream_completion(
     return {"tokens": tokens, "ttft": ttft, "latency": latency, "tpot": tpot}
 
 
+def add_request_count_args(parser: argparse.ArgumentParser) -> None:
+    """How many requests a level of concurrency sends (`requests_at`)."""
+    parser.add_argument(
+        "--requests-per-stream",
+        type=int,
+        default=2,
+        help="requests per level = this x concurrent streams (at least --min-requests)",
+    )
+    parser.add_argument("--min-requests", type=int, default=4)
+
+
+def requests_at(args: argparse.Namespace, streams: int) -> int:
+    """The requests to send at `streams` concurrent streams (`add_request_count_args`)."""
+    return int(max(args.min_requests, args.requests_per_stream * streams))
+
+
 async def run_concurrency(
     base_url: str,
     model: str,

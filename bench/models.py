@@ -50,9 +50,11 @@ from common import (
     CpuMeter,
     MemoryPeaks,
     ServerProcess,
+    add_request_count_args,
     fmt,
     free_port,
     random_prompts,
+    requests_at,
     run_concurrency,
     served_model_name,
     write_json,
@@ -427,7 +429,7 @@ def bench_engine(
         warmup = random_prompts(num_warmup, args.prompt_tokens, VOCAB_SIZE, seed)
         asyncio.run(run_concurrency(server.base_url, name, warmup, num_warmup, 8))
         for streams in args.streams:
-            num = max(args.min_requests, args.requests_per_stream * streams)
+            num = requests_at(args, streams)
             prompts = random_prompts(num, args.prompt_tokens, VOCAB_SIZE, seed + streams)
             level = _measure(server, name, prompts, streams, args.max_tokens)
             result["levels"].append(level)
@@ -573,13 +575,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="prompt of the prefill measurement (0: none)",
     )
     parser.add_argument("--prefill-requests", type=int, default=2)
-    parser.add_argument(
-        "--requests-per-stream",
-        type=int,
-        default=2,
-        help="requests per level = this x streams (at least --min-requests)",
-    )
-    parser.add_argument("--min-requests", type=int, default=4)
+    add_request_count_args(parser)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama-server -t")
     parser.add_argument("--startup-timeout", type=float, default=1800.0)
     parser.add_argument(

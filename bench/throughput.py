@@ -34,11 +34,13 @@ from common import (
     CpuMeter,
     MemoryPeaks,
     ServerProcess,
+    add_request_count_args,
     fmt,
     free_port,
     own_processes,
     print_table,
     random_prompts,
+    requests_at,
     run_concurrency,
     served_model_name,
 )
@@ -208,7 +210,7 @@ def run_http(args: argparse.Namespace, vocab_size: int) -> dict[str, Any]:
             flush=True,
         )
         for concurrency in args.batch_sizes:
-            num = max(args.min_requests, args.requests_per_stream * concurrency)
+            num = requests_at(args, concurrency)
             runs = []
             for attempt in range(args.repeat):  # new prompts each time (prefix cache)
                 seed = SEED + 1000 + concurrency + REPEAT_SEED_STRIDE * attempt
@@ -330,13 +332,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",") if x])
     parser.add_argument("--prompt-len", type=int)
     parser.add_argument("--output-len", type=int)
-    parser.add_argument(
-        "--requests-per-stream",
-        type=int,
-        default=2,
-        help="HTTP requests per level = this x concurrency (at least --min-requests)",
-    )
-    parser.add_argument("--min-requests", type=int, default=4)
+    add_request_count_args(parser)
     parser.add_argument(
         "--repeat",
         type=int,

@@ -48,6 +48,11 @@ from otel_engine.model.weights import INT4_GROUP, INT4_TYPES, Int4Tensor, QuantT
 Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
+# a layer's four matrices (attribute names), each with a 4-bit (`name4`) and a GGUF-block
+# (`name_q`) form
+_MATRICES = ("qkv", "o_proj", "gate_up", "down")
+
+
 # what a layer keeps of its bfloat16 matrices once their 4-bit form is in use
 _DROPPED = torch.empty(0)
 
@@ -269,9 +274,7 @@ class LlamaModel:
 
     def _has_quant(self) -> bool:
         return any(
-            getattr(layer, f"{attribute}_q") is not None
-            for layer in self.layers
-            for attribute, _, _ in self._QUANT_MATRICES
+            getattr(layer, f"{name}_q") is not None for layer in self.layers for name in _MATRICES
         )
 
     def _load_attention(self, take: Callable[[str], torch.Tensor], layer: LlamaLayer) -> None:
@@ -327,10 +330,8 @@ class LlamaModel:
         head gets its own packed copy)."""
         self.lm_head = _pack(self.lm_head)
         for layer in self.layers:
-            names = (
-                ("qkv", "o_proj") if layer.moe is not None else ("qkv", "o_proj", "gate_up", "down")
-            )
-            for name in names:
+            dense = ("qkv", "o_proj") if layer.moe is not None else _MATRICES
+            for name in dense:
                 if getattr(layer, f"{name}_q") is None:  # else kept in GGUF blocks
                     setattr(layer, name, _pack(getattr(layer, name)))
 

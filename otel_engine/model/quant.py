@@ -33,37 +33,25 @@ QUANT_MAX_ROWS = 8
 # 7.3 / 9.3 / 28.2 (the buffer is one per model).
 TILE_BYTES = 16 << 20
 
-_BLOCK_WEIGHTS = {"Q4_0": 32, "Q4_1": 32, "Q8_0": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256}
-
-
-@dataclass(frozen=True)
-class QuantPart:
-    """Consecutive rows of a fused matrix in one format: `raw` uint8 [rows, row bytes]."""
-
-    raw: torch.Tensor
-    kind: str
-    type_id: int
-    rows: int
-
 
 @dataclass(frozen=True)
 class QuantWeight:
-    """A fused matrix [rows, cols] as its parts' GGUF blocks, in row order."""
+    """A fused matrix [rows, cols] as its parts' GGUF blocks, in row order (consecutive
+    parts of one format merged)."""
 
-    parts: tuple[QuantPart, ...]
+    parts: tuple[QuantTensor, ...]
     rows: int
     cols: int
-
-    @property
-    def nbytes(self) -> int:
-        return sum(part.raw.numel() for part in self.parts)
 
 
 def shard_columns(tensor: QuantTensor, rank: int, size: int) -> QuantTensor | None:
     """Rank `rank` of `size`'s columns of a matrix in its blocks (whole blocks of a row:
     None when the shard's width is not a multiple of the format's block)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
     cols = tensor.cols // size
-    if tensor.cols % size or cols % _BLOCK_WEIGHTS[tensor.kind]:
+    block = GGML_QUANT_SIZES[GGMLQuantizationType[tensor.kind]][0]
+    if tensor.cols % size or cols % block:
         return None
     width = tensor.raw.shape[1] // size
     raw = tensor.raw[:, rank * width : (rank + 1) * width].contiguous()
@@ -76,14 +64,13 @@ def pack_quant(parts: list[QuantTensor]) -> QuantWeight | None:
     cols = {part.cols for part in parts}
     if len(cols) != 1:
         return None
-    merged: list[QuantPart] = []
+    merged: list[QuantTensor] = []
     for part in parts:
         if merged and merged[-1].kind == part.kind:
             last = merged.pop()
-            raw = torch.cat([last.raw, part.raw])
-            merged.append(QuantPart(raw, part.kind, part.type_id, last.rows + part.rows))
+            merged.append(QuantTensor(torch.cat([last.raw, part.raw]), part.kind, part.cols))
         else:
-            merged.append(QuantPart(part.raw.contiguous(), part.kind, part.type_id, part.rows))
+            merged.append(QuantTensor(part.raw.contiguous(), part.kind, part.cols))
     return QuantWeight(tuple(merged), sum(p.rows for p in merged), cols.pop())
 
 

@@ -290,22 +290,13 @@ def test_start_warns_of_a_rounded_gguf_and_a_context_capped_by_the_kv_cache(
     base = [sys.executable, "-m", "otel_engine.cli", "generate", "--model", gguf]
     flags = ["--dtype", "float32", "--num-kv-blocks", "4", "--log-format", "json"]
 
-    fits = subprocess.run(
-        [*base, *flags, "--max-tokens", "4", "Hello"],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
-        env=env,
-    )
-    too_long = subprocess.run(
-        [*base, *flags, "--max-tokens", "100", "Hello"],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
-        env=env,
-    )
+    def generate(max_tokens: str) -> subprocess.CompletedProcess[str]:
+        command = [*base, *flags, "--max-tokens", max_tokens, "Hello"]
+        return subprocess.run(
+            command, capture_output=True, text=True, timeout=180, check=False, env=env
+        )
+
+    fits, too_long = generate("4"), generate("100")
 
     assert 0 == fits.returncode, fits.stderr[-2000:]
     assert '"model.gguf_rounded"' in fits.stderr

@@ -7,7 +7,6 @@ ranks, head size 64 and 128, and a Q4_K_M-like mix of formats within a layer."""
 
 from __future__ import annotations
 
-import ctypes
 from pathlib import Path
 
 import numpy as np
@@ -208,4 +207,8 @@ def test_unknown_format_dequantizes_to_nothing() -> None:
     raw = np.zeros((1, 34), dtype=np.uint8)
     _library().gguf_dequantize_f32(out.ctypes.data, raw.ctypes.data, 99, 1, 32)
     assert (out == 7.0).all()
-    assert ctypes.sizeof(ctypes.c_int64) == 8
+
+
+def test_parts_of_different_widths_are_not_fused() -> None:
+    """A fused group whose parts disagree on the width is left to the bfloat16 loaders."""
+    assert pack_quant([_tensor("Q4_K", 16, 512, 1), _tensor("Q4_K", 16, 256, 2)]) is None
