@@ -212,3 +212,28 @@ def test_unknown_format_dequantizes_to_nothing() -> None:
 def test_parts_of_different_widths_are_not_fused() -> None:
     """A fused group whose parts disagree on the width is left to the bfloat16 loaders."""
     assert pack_quant([_tensor("Q4_K", 16, 512, 1), _tensor("Q4_K", 16, 256, 2)]) is None
+
+
+def test_a_shard_that_splits_blocks_falls_back_to_bfloat16(tmp_path: Path) -> None:
+    """At two ranks a hidden size of 256 gives each rank half a K-quant block of the o
+    projection's columns: it loads as a bfloat16 shard (dequantized), while q/k/v and gate/up
+    keep their rows in blocks and down (512 columns) a whole block per rank."""
+    require_isa(BF16_ISA)
+    from otel_engine.model.arch import load_model_arch
+    from otel_engine.model.loader import prepare_model_dir
+    from otel_engine.model.registry import model_class
+    from otel_engine.model.weights import iter_weights
+
+    model_dir = prepare_model_dir(_gguf(tmp_path, 128, dict.fromkeys(PROJECTIONS, "Q4_K")))
+    arch = load_model_arch(model_dir)
+    model = model_class(arch)(arch, dtype=torch.bfloat16, device=torch.device("cpu"), tp_size=2)
+    model.load_weights(iter_weights(model_dir, keep_quantized=True))
+    layer = model.layers[0]
+
+    assert layer.qkv_q is not None
+    assert layer.gate_up_q is not None
+    assert layer.down_q is not None
+    assert layer.down_q.cols == 256
+    assert layer.o_proj_q is None
+    assert layer.o_proj.numel() == 256 * 128  # this rank's columns, as bfloat16
+    assert model.fast_paths.is_on("quant_kernels")
