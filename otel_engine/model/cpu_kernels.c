@@ -137,24 +137,28 @@ static inline vec keep(vec x, int64_t n) { (void)n; return x; }
 #define MAX_BLOCK_SIZE 256 /* the largest block size decode_attention takes */
 #define Q4_GROUP 32        /* weights per scale and offset of the 4-bit formats */
 #define PANEL_BLOCKS 3     /* blocks of 16 columns per bfloat16 panel */
-#define PREFILL_KEYS 32    /* keys per packed tile of prefill attention */
-#define PREFILL_TILE 2048  /* bfloat16 per packed tile: 32 keys of head size 64 */
-/* decode attention specialised for head_dim 64 and a group size known at compile time */
-#define DECODE_CASE(SUFFIX, G)                                                                   \
+#define PREFILL_KEYS 32    /* keys per packed tile of prefill attention (32 * head_dim values) */
+#define PREFILL_MAX_HD 128 /* prefill attention takes head sizes 64 and 128 */
+/* decode attention specialised for head_dim 64 or 128 and a group size known at compile time */
+#define DECODE_CASE(SUFFIX, HD, G)                                                               \
     case G:                                                                                      \
-        DECODE64_##SUFFIX(G);                                                                    \
+        DECODE_##SUFFIX(HD, G);                                                                  \
         break;
-#define DECODE64_f32(G)                                                                          \
-    decode_item_f32(out, qkv, k_cache, v_cache, table, len, b, kvh, num_heads, G, 64, block_size, \
+#define DECODE_CASES(SUFFIX, HD)                                                                 \
+    DECODE_CASE(SUFFIX, HD, 1) DECODE_CASE(SUFFIX, HD, 2) DECODE_CASE(SUFFIX, HD, 3)             \
+    DECODE_CASE(SUFFIX, HD, 4) DECODE_CASE(SUFFIX, HD, 5) DECODE_CASE(SUFFIX, HD, 6)             \
+    DECODE_CASE(SUFFIX, HD, 7) DECODE_CASE(SUFFIX, HD, 8)
+#define DECODE_f32(HD, G)                                                                        \
+    decode_item_f32(out, qkv, k_cache, v_cache, table, len, b, kvh, num_heads, G, HD, block_size, \
                     num_slots, qkv_width, scale)
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-#define DECODE64_bf16(G)                                                                         \
-    decode64_bf16(out + (b * num_heads + kvh * G) * 64, qkv + b * qkv_width + kvh * G * 64,       \
-                  k_cache + kvh * num_slots * 64, v_cache + kvh * num_slots * 64, table, len, G,  \
-                  __builtin_ctzll((unsigned long long)block_size), scale)
+#define DECODE_bf16(HD, G)                                                                       \
+    decode_paired_bf16(HD, out + (b * num_heads + kvh * G) * HD, qkv + b * qkv_width + kvh * G * HD, \
+                       k_cache + kvh * num_slots * HD, v_cache + kvh * num_slots * HD, table, len, \
+                       G, __builtin_ctzll((unsigned long long)block_size), scale)
 #else
-#define DECODE64_bf16(G)                                                                         \
-    decode_item_bf16(out, qkv, k_cache, v_cache, table, len, b, kvh, num_heads, G, 64,           \
+#define DECODE_bf16(HD, G)                                                                       \
+    decode_item_bf16(out, qkv, k_cache, v_cache, table, len, b, kvh, num_heads, G, HD,           \
                      block_size, num_slots, qkv_width, scale)
 #endif
 #define CHUNK(n, i) ((n) - (i) < LANES ? (n) - (i) : LANES)
@@ -343,11 +347,11 @@ void decode_attention_##SUFFIX(T *restrict out, const T *restrict qkv,          
         const int64_t b = work / num_kv_heads, kvh = work % num_kv_heads;                        \
         const int32_t *table = block_tables + b * max_blocks;                                    \
         const int64_t len = seq_lens[b];                                                         \
-        switch (head_dim == 64 && group <= 8 ? group : 0) {                                      \
-        DECODE_CASE(SUFFIX, 1) DECODE_CASE(SUFFIX, 2) DECODE_CASE(SUFFIX, 3)                     \
-        DECODE_CASE(SUFFIX, 4) DECODE_CASE(SUFFIX, 5) DECODE_CASE(SUFFIX, 6)                     \
-        DECODE_CASE(SUFFIX, 7) DECODE_CASE(SUFFIX, 8)                                            \
-        default:                                                                                 \
+        if (head_dim == 64 && group <= 8) {                                                      \
+            switch (group) { DECODE_CASES(SUFFIX, 64) }                                          \
+        } else if (head_dim == 128 && group <= 8) {                                              \
+            switch (group) { DECODE_CASES(SUFFIX, 128) }                                         \
+        } else {                                                                                 \
             decode_item_##SUFFIX(out, qkv, k_cache, v_cache, table, len, b, kvh, num_heads,      \
                                  group, head_dim, block_size, num_slots, qkv_width, scale);      \
         }                                                                                        \
@@ -465,7 +469,7 @@ static inline __attribute__((always_inline)) void values_##SUFFIX(              
 DEFINE_VALUES(float, f32)
 DEFINE_VALUES(bf16, bf16)
 
-/* ---- decode attention, bfloat16, head_dim 64 (AVX-512 BF16) --------------------------------
+/* ---- decode attention, bfloat16, head_dim 64 or 128 (AVX-512 BF16) --------------------------
  *
  * One (sequence, KV head) per call, every query head of its group at once, in passes of up to
  * DECODE_PASS cached keys: first q . k for all of them (vdpbf16ps on the stored bfloat16 q and
@@ -474,35 +478,38 @@ DEFINE_VALUES(bf16, bf16)
  * two value rows at a time by vdpbf16ps. A step reads every cached key and value once, from
  * blocks scattered over memory, so the rows DECODE_AHEAD ahead of the one read are prefetched
  * a row at a time (keys, then the pass's values, then the next pass's keys) and the loads stay
- * in flight while the arithmetic runs. Slots past the sequence are never read. */
+ * in flight while the arithmetic runs. Slots past the sequence are never read. HD, the head
+ * size, is a constant where it is called: a row is HD / 32 vectors of 32 bfloat16. */
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define DECODE_PASS 256 /* keys per pass */
 #define DECODE_AHEAD 32 /* rows prefetched ahead of the one read: measured best of 16-64 */
+#define DECODE_MAX_CHUNKS 4 /* 32-wide chunks of the largest head size (128) */
 
 /* The cached row of position j: block table[j / block_size], block_size = 1 << shift. */
-static inline const bf16 *cached_row(const bf16 *base, const int32_t *table, int64_t j,
-                                     int shift) {
-    return base + (((int64_t)table[j >> shift] << shift) + (j & ((1 << shift) - 1))) * 64;
+static inline __attribute__((always_inline)) const bf16 *cached_row(
+    const int HD, const bf16 *base, const int32_t *table, int64_t j, int shift) {
+    return base + (((int64_t)table[j >> shift] << shift) + (j & ((1 << shift) - 1))) * HD;
 }
-/* Both cache lines of a row. */
-static inline void prefetch_row(const bf16 *row) {
-    prefetch_line(row);
-    prefetch_line((const char *)row + 64);
+/* Every cache line of a row. */
+static inline __attribute__((always_inline)) void prefetch_row(const int HD, const bf16 *row) {
+    for (int line = 0; line < HD * 2; line += 64) prefetch_line((const char *)row + line);
 }
 
-static inline __attribute__((always_inline)) void decode64_bf16(
-    bf16 *restrict out, const bf16 *restrict q, const bf16 *restrict keys,
+static inline __attribute__((always_inline)) void decode_paired_bf16(
+    const int HD, bf16 *restrict out, const bf16 *restrict q, const bf16 *restrict keys,
     const bf16 *restrict values, const int32_t *restrict table, int64_t len, const int64_t group,
     int shift, float scale) {
-    __m512bh q_low[MAX_GROUP], q_high[MAX_GROUP];
-    vec acc[MAX_GROUP][4]; /* per head, d in vdpbf16ps's order: see the end */
+    const int chunks = HD / 32;
+    __m512bh q_parts[MAX_GROUP][DECODE_MAX_CHUNKS];
+    vec acc[MAX_GROUP][2 * DECODE_MAX_CHUNKS]; /* per head, d in vdpbf16ps's order: see the end */
     float run_max[MAX_GROUP], run_sum[MAX_GROUP];
     float scores[MAX_GROUP][DECODE_PASS] __attribute__((aligned(64)));
     bf16 probs[MAX_GROUP][DECODE_PASS] __attribute__((aligned(64)));
     for (int64_t g = 0; g < group; g++) {
-        q_low[g] = (__m512bh)_mm512_loadu_si512(q + g * 64);
-        q_high[g] = (__m512bh)_mm512_loadu_si512(q + g * 64 + 32);
-        for (int c = 0; c < 4; c++) acc[g][c] = ZERO();
+        for (int c = 0; c < chunks; c++) {
+            q_parts[g][c] = (__m512bh)_mm512_loadu_si512(q + g * HD + c * 32);
+            acc[g][2 * c] = acc[g][2 * c + 1] = ZERO();
+        }
         run_max[g] = -INFINITY;
         run_sum[g] = 0.0f;
     }
@@ -513,21 +520,20 @@ static inline __attribute__((always_inline)) void decode64_bf16(
             const bf16 *rows[16];
             for (int64_t j = 0; j < 16; j++) {
                 const int64_t ahead = start + j + DECODE_AHEAD;
-                rows[j] = j < count ? cached_row(keys, table, first + start + j, shift) : NULL;
-                if (ahead < n) prefetch_row(cached_row(keys, table, first + ahead, shift));
-                else if (ahead - n < n) prefetch_row(cached_row(values, table, first + ahead - n, shift));
+                rows[j] = j < count ? cached_row(HD, keys, table, first + start + j, shift) : NULL;
+                if (ahead < n) prefetch_row(HD, cached_row(HD, keys, table, first + ahead, shift));
+                else if (ahead - n < n)
+                    prefetch_row(HD, cached_row(HD, values, table, first + ahead - n, shift));
             }
             for (int64_t g = 0; g < group; g++) {
                 vec dots[16];
                 for (int64_t j = 0; j < 16; j++) {
-                    if (j < count) { /* slots past the sequence may hold anything: never read */
-                        const __m512bh k_low = (__m512bh)_mm512_loadu_si512(rows[j]);
-                        const __m512bh k_high = (__m512bh)_mm512_loadu_si512(rows[j] + 32);
-                        dots[j] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(ZERO(), q_low[g], k_low),
-                                                   q_high[g], k_high);
-                    } else {
-                        dots[j] = ZERO();
-                    }
+                    dots[j] = ZERO();
+                    if (j < count) /* slots past the sequence may hold anything: never read */
+                        for (int c = 0; c < chunks; c++)
+                            dots[j] = _mm512_dpbf16_ps(
+                                dots[j], q_parts[g][c],
+                                (__m512bh)_mm512_loadu_si512(rows[j] + c * 32));
                 }
                 _mm512_store_ps(&scores[g][start], MUL(sum16(dots), SET(scale)));
             }
@@ -548,43 +554,44 @@ static inline __attribute__((always_inline)) void decode64_bf16(
                 _mm256_store_si256((__m256i *)&probs[g][i], (__m256i)_mm512_cvtneps_pbh(p));
             }
             run_sum[g] = run_sum[g] * rescale + HSUM(total);
-            for (int c = 0; c < 4; c++) acc[g][c] = MUL(acc[g][c], SET(rescale));
+            for (int c = 0; c < 2 * chunks; c++) acc[g][c] = MUL(acc[g][c], SET(rescale));
         }
         for (int64_t j = 0; j < n; j += 2) {
             for (int64_t i = j + DECODE_AHEAD; i < j + DECODE_AHEAD + 2; i++) {
-                if (i < n) prefetch_row(cached_row(values, table, first + i, shift));
-                else if (first + i < len) prefetch_row(cached_row(keys, table, first + i, shift));
+                if (i < n) prefetch_row(HD, cached_row(HD, values, table, first + i, shift));
+                else if (first + i < len)
+                    prefetch_row(HD, cached_row(HD, keys, table, first + i, shift));
             }
-            const bf16 *row = cached_row(values, table, first + j, shift);
-            const __m512i a0 = _mm512_loadu_si512(row), a1 = _mm512_loadu_si512(row + 32);
-            __m512i b0 = _mm512_setzero_si512(), b1 = _mm512_setzero_si512();
-            if (j + 1 < n) { /* past the sequence: zeros, never the slot's contents */
-                const bf16 *next = cached_row(values, table, first + j + 1, shift);
-                b0 = _mm512_loadu_si512(next);
-                b1 = _mm512_loadu_si512(next + 32);
-            }
+            const bf16 *row = cached_row(HD, values, table, first + j, shift);
+            /* past the sequence: zeros, never the slot's contents */
+            const bf16 *next = j + 1 < n ? cached_row(HD, values, table, first + j + 1, shift) : NULL;
             /* (d of row j, d of row j + 1) pairs against (p_j, p_j+1) */
-            const __m512bh v[4] = {
-                (__m512bh)_mm512_unpacklo_epi16(a0, b0), (__m512bh)_mm512_unpackhi_epi16(a0, b0),
-                (__m512bh)_mm512_unpacklo_epi16(a1, b1), (__m512bh)_mm512_unpackhi_epi16(a1, b1)};
+            __m512bh v[2 * DECODE_MAX_CHUNKS];
+            for (int c = 0; c < chunks; c++) {
+                const __m512i a = _mm512_loadu_si512(row + c * 32);
+                const __m512i b = next ? _mm512_loadu_si512(next + c * 32) : _mm512_setzero_si512();
+                v[2 * c] = (__m512bh)_mm512_unpacklo_epi16(a, b);
+                v[2 * c + 1] = (__m512bh)_mm512_unpackhi_epi16(a, b);
+            }
             for (int64_t g = 0; g < group; g++) {
                 int32_t pair;
                 memcpy(&pair, &probs[g][j], sizeof pair);
                 const __m512bh weights = (__m512bh)_mm512_set1_epi32(pair);
-                for (int c = 0; c < 4; c++) acc[g][c] = _mm512_dpbf16_ps(acc[g][c], v[c], weights);
+                for (int c = 0; c < 2 * chunks; c++)
+                    acc[g][c] = _mm512_dpbf16_ps(acc[g][c], v[c], weights);
             }
         }
     }
-    /* unpacking put d in the order [0-3, 8-11, 16-19, 24-27] (acc[c = 0]) and [4-7, 12-15,
-     * 20-23, 28-31] (acc[1]) of the first 32, likewise for the second 32 (acc[2], acc[3]) */
+    /* unpacking put d of each 32-wide chunk c in the order [0-3, 8-11, 16-19, 24-27]
+     * (acc[2c]) and [4-7, 12-15, 20-23, 28-31] (acc[2c + 1]) */
     const __m512i to_first = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
     const __m512i to_second = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
     for (int64_t g = 0; g < group; g++) {
         const vec inv = SET(run_sum[g] > 0.0f ? 1.0f / run_sum[g] : 0.0f);
-        for (int c = 0; c < 2; c++) {
-            store_bf16(out + g * 64 + c * 32,
+        for (int c = 0; c < chunks; c++) {
+            store_bf16(out + g * HD + c * 32,
                        MUL(_mm512_permutex2var_ps(acc[g][2 * c], to_first, acc[g][2 * c + 1]), inv), 16);
-            store_bf16(out + g * 64 + c * 32 + 16,
+            store_bf16(out + g * HD + c * 32 + 16,
                        MUL(_mm512_permutex2var_ps(acc[g][2 * c], to_second, acc[g][2 * c + 1]), inv), 16);
         }
     }
@@ -1286,7 +1293,7 @@ void quant_linear_bf16(bf16 *restrict out, const bf16 *restrict x, const uint8_t
 
 #endif
 
-/* ---- prefill attention, bfloat16, head size 64 (AVX-512 BF16) --------------------------------
+/* ---- prefill attention, bfloat16, head size 64 or 128 (AVX-512 BF16) -------------------------
  *
  * One prefill chunk of one sequence: its `num_query` queries (rows query_start.. of qkv, the
  * last positions of the sequence) against its `num_keys` keys and values, read from the paged
@@ -1296,32 +1303,33 @@ void quant_linear_bf16(bf16 *restrict out, const bf16 *restrict x, const uint8_t
  * sums; p rounded to bfloat16, as flash attention's P @ V does), out rounded once.
  *
  * First every KV head's keys and values are packed into `scratch` (tiles of 32 keys, pairs
- * of bfloat16 in vdpbf16ps's layout, zeros past num_keys):
- *   keys:   [kv_head][tile][d / 2][32 keys][2]  (a pair of dimensions per key)
- *   values: [kv_head][tile][16 key pairs][64 d][2]  (a pair of keys per dimension)
- * scratch holds 2 * num_kv_heads * tiles * 2048 bfloat16. */
+ * of bfloat16 in vdpbf16ps's layout, zeros past num_keys), HD the head size:
+ *   keys:   [kv_head][tile][HD / 2][32 keys][2]  (a pair of dimensions per key)
+ *   values: [kv_head][tile][16 key pairs][HD][2]  (a pair of keys per dimension)
+ * scratch holds 2 * num_kv_heads * tiles * 32 * HD bfloat16. */
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define PREFILL_ROWS 4  /* query rows per tile */
 
 static inline __attribute__((always_inline)) void prefill_rows(
-    const int ROWS, bf16 *restrict out, int64_t out_stride, const bf16 *restrict q,
+    const int HD, const int ROWS, bf16 *restrict out, int64_t out_stride, const bf16 *restrict q,
     int64_t q_stride, const bf16 *restrict keys, const bf16 *restrict values, int64_t first_pos,
     int64_t num_keys, float scale) {
+    const int tile = PREFILL_KEYS * HD, outs = HD / 16;
     float run_max[PREFILL_ROWS], run_sum[PREFILL_ROWS];
-    vec acc[PREFILL_ROWS][4];
+    vec acc[PREFILL_ROWS][PREFILL_MAX_HD / 16];
     for (int r = 0; r < ROWS; r++) {
         run_max[r] = -INFINITY;
         run_sum[r] = 0.0f;
-        for (int c = 0; c < 4; c++) acc[r][c] = ZERO();
+        for (int c = 0; c < outs; c++) acc[r][c] = ZERO();
     }
     const int64_t last_key = first_pos + ROWS - 1; /* the last row's own position */
     const int64_t end = last_key + 1 < num_keys ? last_key + 1 : num_keys;
     for (int64_t start = 0; start < end; start += PREFILL_KEYS) {
-        const bf16 *kt = keys + (start / PREFILL_KEYS) * PREFILL_TILE;
-        const bf16 *vt = values + (start / PREFILL_KEYS) * PREFILL_TILE;
+        const bf16 *kt = keys + (start / PREFILL_KEYS) * tile;
+        const bf16 *vt = values + (start / PREFILL_KEYS) * tile;
         vec scores[PREFILL_ROWS][2];
         for (int r = 0; r < ROWS; r++) scores[r][0] = scores[r][1] = ZERO();
-        for (int pair = 0; pair < 32; pair++) {
+        for (int pair = 0; pair < HD / 2; pair++) {
             const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kt + pair * 64);
             const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kt + pair * 64 + 32);
             for (int r = 0; r < ROWS; r++) {
@@ -1351,71 +1359,91 @@ static inline __attribute__((always_inline)) void prefill_rows(
             const vec p0 = exp_vec(_mm512_fmsub_ps(scores[r][0], SET(scale), shift));
             const vec p1 = exp_vec(_mm512_fmsub_ps(scores[r][1], SET(scale), shift));
             run_sum[r] = run_sum[r] * rescale + _mm512_reduce_add_ps(ADD(p0, p1));
-            for (int c = 0; c < 4; c++) acc[r][c] = MUL(acc[r][c], SET(rescale));
+            for (int c = 0; c < outs; c++) acc[r][c] = MUL(acc[r][c], SET(rescale));
             /* keys 0-31 as consecutive bfloat16: 32-bit lane i is the pair (2i, 2i + 1) */
             _mm512_storeu_si512(probs[r], (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
         }
         for (int pair = 0; pair < 16; pair++) {
-            __m512bh v[4];
-            for (int c = 0; c < 4; c++) v[c] = (__m512bh)_mm512_loadu_si512(vt + pair * 128 + c * 32);
+            __m512bh v[PREFILL_MAX_HD / 16];
+            for (int c = 0; c < outs; c++)
+                v[c] = (__m512bh)_mm512_loadu_si512(vt + pair * 2 * HD + c * 32);
             for (int r = 0; r < ROWS; r++) {
                 const __m512bh pp = (__m512bh)_mm512_set1_epi32(probs[r][pair]);
-                for (int c = 0; c < 4; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], v[c], pp);
+                for (int c = 0; c < outs; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], v[c], pp);
             }
         }
     }
     for (int r = 0; r < ROWS; r++) {
         const vec inv = SET(1.0f / run_sum[r]);
-        for (int c = 0; c < 4; c++) store_bf16(out + r * out_stride + c * 16, MUL(acc[r][c], inv), 16);
+        for (int c = 0; c < outs; c++)
+            store_bf16(out + r * out_stride + c * 16, MUL(acc[r][c], inv), 16);
     }
 }
 
-void prefill_attention_bf16(bf16 *restrict out, const bf16 *restrict qkv,
-                            const bf16 *restrict k_cache, const bf16 *restrict v_cache,
-                            const int32_t *restrict table, bf16 *restrict scratch,
-                            int64_t query_start, int64_t num_query, int64_t num_keys,
-                            int64_t num_heads, int64_t num_kv_heads, int64_t block_size,
-                            int64_t num_slots, int64_t qkv_width, float scale) {
-    const int64_t tiles = (num_keys + PREFILL_KEYS - 1) / PREFILL_KEYS;
+static inline __attribute__((always_inline)) void prefill_chunk(
+    const int HD, bf16 *restrict out, const bf16 *restrict qkv, const bf16 *restrict k_cache,
+    const bf16 *restrict v_cache, const int32_t *restrict table, bf16 *restrict scratch,
+    int64_t query_start, int64_t num_query, int64_t num_keys, int64_t num_heads,
+    int64_t num_kv_heads, int64_t block_size, int64_t num_slots, int64_t qkv_width, float scale) {
+    const int64_t tiles = (num_keys + PREFILL_KEYS - 1) / PREFILL_KEYS, tile = PREFILL_KEYS * HD;
     const int64_t group = num_heads / num_kv_heads;
-    bf16 *packed_keys = scratch, *packed_values = scratch + num_kv_heads * tiles * PREFILL_TILE;
+    bf16 *packed_keys = scratch, *packed_values = scratch + num_kv_heads * tiles * tile;
     _Pragma("omp parallel for schedule(static)")
     for (int64_t work = 0; work < num_kv_heads * tiles; work++) {
-        const int64_t h = work / tiles, tile = work % tiles;
-        bf16 *kp = packed_keys + work * PREFILL_TILE, *vp = packed_values + work * PREFILL_TILE;
-        const bf16 *keys = k_cache + h * num_slots * 64, *values = v_cache + h * num_slots * 64;
+        const int64_t h = work / tiles, t = work % tiles;
+        bf16 *kp = packed_keys + work * tile, *vp = packed_values + work * tile;
+        const bf16 *keys = k_cache + h * num_slots * HD, *values = v_cache + h * num_slots * HD;
         for (int64_t j = 0; j < PREFILL_KEYS; j++) {
-            const int64_t key = tile * PREFILL_KEYS + j;
+            const int64_t key = t * PREFILL_KEYS + j;
             const bf16 *k = NULL, *v = NULL;
             if (key < num_keys) {
                 const int64_t slot = (int64_t)table[key / block_size] * block_size + key % block_size;
-                k = keys + slot * 64;
-                v = values + slot * 64;
+                k = keys + slot * HD;
+                v = values + slot * HD;
             }
-            for (int64_t d = 0; d < 64; d++) {
+            for (int64_t d = 0; d < HD; d++) {
                 kp[(d / 2) * 64 + j * 2 + d % 2] = k ? k[d] : 0;
-                vp[(j / 2) * 128 + d * 2 + j % 2] = v ? v[d] : 0;
+                vp[(j / 2) * 2 * HD + d * 2 + j % 2] = v ? v[d] : 0;
             }
         }
     }
     const int64_t row_tiles = (num_query + PREFILL_ROWS - 1) / PREFILL_ROWS;
-    const int64_t out_width = num_heads * 64, first = num_keys - num_query;
+    const int64_t out_width = num_heads * HD, first = num_keys - num_query;
     _Pragma("omp parallel for schedule(dynamic)")
     for (int64_t work = 0; work < num_heads * row_tiles; work++) {
         const int64_t head = work % num_heads, row = (work / num_heads) * PREFILL_ROWS;
         const int64_t rows = num_query - row < PREFILL_ROWS ? num_query - row : PREFILL_ROWS;
         const int64_t h = head / group;
-        bf16 *o = out + (query_start + row) * out_width + head * 64;
-        const bf16 *q = qkv + (query_start + row) * qkv_width + head * 64;
-        const bf16 *kp = packed_keys + h * tiles * PREFILL_TILE;
-        const bf16 *vp = packed_values + h * tiles * PREFILL_TILE;
+        bf16 *o = out + (query_start + row) * out_width + head * HD;
+        const bf16 *q = qkv + (query_start + row) * qkv_width + head * HD;
+        const bf16 *kp = packed_keys + h * tiles * tile;
+        const bf16 *vp = packed_values + h * tiles * tile;
+#define PREFILL_ROWS_CALL(ROWS) \
+    prefill_rows(HD, ROWS, o, out_width, q, qkv_width, kp, vp, first + row, num_keys, scale)
         switch (rows) {
-        case 4: prefill_rows(4, o, out_width, q, qkv_width, kp, vp, first + row, num_keys, scale); break;
-        case 3: prefill_rows(3, o, out_width, q, qkv_width, kp, vp, first + row, num_keys, scale); break;
-        case 2: prefill_rows(2, o, out_width, q, qkv_width, kp, vp, first + row, num_keys, scale); break;
-        default: prefill_rows(1, o, out_width, q, qkv_width, kp, vp, first + row, num_keys, scale);
+        case 4: PREFILL_ROWS_CALL(4); break;
+        case 3: PREFILL_ROWS_CALL(3); break;
+        case 2: PREFILL_ROWS_CALL(2); break;
+        default: PREFILL_ROWS_CALL(1);
         }
+#undef PREFILL_ROWS_CALL
     }
+}
+
+/* head_dim: 64 or 128 (fast_paths.PREFILL_KERNEL_HEAD_DIMS); any other does nothing */
+void prefill_attention_bf16(bf16 *restrict out, const bf16 *restrict qkv,
+                            const bf16 *restrict k_cache, const bf16 *restrict v_cache,
+                            const int32_t *restrict table, bf16 *restrict scratch,
+                            int64_t query_start, int64_t num_query, int64_t num_keys,
+                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                            int64_t block_size, int64_t num_slots, int64_t qkv_width,
+                            float scale) {
+#define PREFILL_CHUNK(HD)                                                                        \
+    prefill_chunk(HD, out, qkv, k_cache, v_cache, table, scratch, query_start, num_query,        \
+                  num_keys, num_heads, num_kv_heads, block_size, num_slots, qkv_width, scale)
+    if (head_dim == 64) PREFILL_CHUNK(64);
+    else if (head_dim == 128) PREFILL_CHUNK(128);
+#undef PREFILL_CHUNK
 }
 #endif
 
@@ -1496,7 +1524,7 @@ void decoder_stack_bf16(bf16 *hidden, bf16 *out, const int64_t *layers, const in
             const int64_t *chunk = prefills + 4 * i;
             prefill_attention_bf16(attn, qkv, k_cache, v_cache, (const int32_t *)(intptr_t)chunk[3],
                                    prefill_scratch, chunk[0], chunk[1], chunk[2], heads, kv_heads,
-                                   block_size, num_slots, qkv_width, scale);
+                                   64, block_size, num_slots, qkv_width, scale);
         }
         stack_linear(delta, attn, layer, STACK_O, sums, tokens, max_rows, size, heads * 64);
         add_rms_norm_bf16(hidden, delta, (const bf16 *)(intptr_t)layer[STACK_POST_NORM], x, tokens,
@@ -1516,7 +1544,7 @@ void decoder_stack_bf16(bf16 *hidden, bf16 *out, const int64_t *layers, const in
  * or target differs from what it expects. otel_kernels_build_tag is read from the file
  * before it is loaded (a library built for another CPU is never run); otel_kernels_contract()
  * says the rest as key=value pairs, the stack's field and dim names in their order. */
-#define OTEL_KERNELS_ABI 3
+#define OTEL_KERNELS_ABI 4
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) &&                  \
     defined(__AVX512VL__) && defined(__AVX512BF16__)
 #define OTEL_KERNELS_ISA "avx512bf16"
@@ -1541,6 +1569,6 @@ const char *otel_kernels_contract(void) {
     return "abi=" STRINGIFY(OTEL_KERNELS_ABI) ";isa=" OTEL_KERNELS_ISA
            ";max_block_size=" STRINGIFY(MAX_BLOCK_SIZE) ";int4_group=" STRINGIFY(Q4_GROUP)
            ";panel_blocks=" STRINGIFY(PANEL_BLOCKS) ";prefill_tile_keys=" STRINGIFY(PREFILL_KEYS)
-           ";prefill_tile_elements=" STRINGIFY(PREFILL_TILE)
+           ";prefill_max_head_dim=" STRINGIFY(PREFILL_MAX_HD)
            ";stack_fields=" STACK_FIELD_LIST(NAME_ITEM) ";stack_dims=" STACK_DIM_LIST(NAME_ITEM);
 }

@@ -46,7 +46,12 @@ PATHS = (
     "decoder_stack",
 )
 BF16_ISA = "avx512bf16"  # the 4-bit matmuls, prefill attention and the decoder stack
-PREFILL_KERNEL_HEAD_DIM = 64
+PREFILL_KERNEL_HEAD_DIMS = (64, 128)  # prefill attention in cpu_kernels.c
+STACK_HEAD_DIM = 64  # the decoder stack's one head size
+# Where torch's fused attention packs its bfloat16 matmuls for AMX, it is faster than the
+# compiled prefill attention on chunks longer than this (bench/attention.py: 2.3-4x at 1,024
+# tokens, even at 32); those run there, the shorter ones in the kernel.
+PREFILL_KERNEL_MAX_QUERY_AMX = 32
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -65,6 +70,8 @@ class FastPaths:
     kernel_isa: str | None
     library: KernelLibrary | None
     choices: dict[str, Choice] = field(default_factory=dict)
+    # the longest prefill chunk the compiled prefill attention takes (None: any)
+    prefill_kernel_max_query: int | None = None
 
     def is_on(self, name: str) -> bool:
         return self.choices[name].enabled
@@ -123,12 +130,21 @@ def choose(
     if reason is not None:
         needs = f"needs the compiled kernels (off: {reason})"
     _decide_weight_paths(plan, int4_flag, has_bf16, needs)
-    if has_bf16 and head_dim != PREFILL_KERNEL_HEAD_DIM:
-        plan.decide("prefill_kernel", False, f"head size {head_dim} (the kernel takes 64)")
+    if has_bf16 and head_dim not in PREFILL_KERNEL_HEAD_DIMS:
+        plan.decide("prefill_kernel", False, f"head size {head_dim} (the kernel takes 64, 128)")
     else:
-        plan.decide("prefill_kernel", has_bf16, "bfloat16, head size 64" if has_bf16 else needs)
+        reason = f"bfloat16, head size {head_dim}" if has_bf16 else needs
+        if has_bf16 and _torch_has_amx():
+            plan.prefill_kernel_max_query = PREFILL_KERNEL_MAX_QUERY_AMX
+            reason += (
+                f"; chunks over {PREFILL_KERNEL_MAX_QUERY_AMX} tokens in torch's fused attention"
+                " (AMX)"
+            )
+        plan.decide("prefill_kernel", has_bf16, reason)
     if tp_size != 1:
         plan.decide("decoder_stack", False, f"{tp_size} ranks (the stack runs on one)")
+    elif head_dim != STACK_HEAD_DIM:
+        plan.decide("decoder_stack", False, f"head size {head_dim} (the stack takes 64)")
     else:
         on = plan.is_on("int4_kernels") and plan.is_on("prefill_kernel")
         plan.decide(
@@ -148,6 +164,11 @@ def _decide_weight_paths(plan: FastPaths, int4_flag: str, has_bf16: bool, needs:
             plan.decide(name, False, "--int4 off")
         else:
             plan.decide(name, has_bf16, way if has_bf16 else needs)
+
+
+def _torch_has_amx() -> bool:
+    """Whether torch's CPU matmuls (its fused attention's included) run on AMX tiles here."""
+    return bool(torch.cpu._is_amx_tile_supported())
 
 
 def _cpu_isa(device: torch.device) -> str:

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-CONVERTER_VERSION = 3  # 3: layer matrices kept in their GGUF blocks
+CONVERTER_VERSION = 4  # 3: layer matrices kept in their GGUF blocks; 4: embedding, LM head
 
 
 # GGUF architecture -> (HF architecture, HF model_type, whether llama.cpp permuted q/k rows)
@@ -356,8 +356,12 @@ def _hf_tensor_name(name: str, arch: str) -> str:
     )
 
 
-# The Hugging Face matrices kept in their GGUF blocks when stored in a `QUANT_TYPES` format
-_QUANT_MATRIX = re.compile(r"model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight")
+# The Hugging Face matrices kept in their GGUF blocks when stored in a `QUANT_TYPES` format:
+# the layers' projections, the embedding and the LM head
+_QUANT_MATRIX = re.compile(
+    r"model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight|model\.embed_tokens\.weight"
+    r"|lm_head\.weight"
+)
 
 
 def _gguf_weights(

@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 _BUILD_TIMEOUT_S = 120
-ABI_VERSION = 3  # cpu_kernels.c OTEL_KERNELS_ABI
+ABI_VERSION = 4  # cpu_kernels.c OTEL_KERNELS_ABI
 
 # Instruction-set levels of x86-64, lowest first, and the flags that target each: the
 # x86-64 psABI levels (v3: AVX2 and FMA; v4: AVX-512 F/BW/CD/DQ/VL), plus AVX-512 BF16.
@@ -67,7 +67,7 @@ ISA_ENV = "OTEL_ENGINE_KERNEL_ISA"
 PANEL_BLOCKS = 3  # blocks of 16 output columns per bfloat16 panel
 PANEL_COLUMNS = PANEL_BLOCKS * 16
 PREFILL_TILE_KEYS = 32  # keys per packed tile of prefill attention
-PREFILL_TILE_ELEMENTS = 2048  # bfloat16 per packed tile (32 keys of head size 64)
+PREFILL_MAX_HEAD_DIM = 128  # prefill attention takes head sizes 64 and 128
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
@@ -112,8 +112,8 @@ OPTIONAL_SIGNATURES: dict[str, tuple[tuple[str, type], ...]] = {
     "prefill_attention_bf16": (
         ("out", _P), ("qkv", _P), ("k_cache", _P), ("v_cache", _P), ("table", _P),
         ("scratch", _P), ("query_start", _I), ("num_query", _I), ("num_keys", _I),
-        ("num_heads", _I), ("num_kv_heads", _I), ("block_size", _I), ("num_slots", _I),
-        ("qkv_width", _I), ("scale", _F),
+        ("num_heads", _I), ("num_kv_heads", _I), ("head_dim", _I), ("block_size", _I),
+        ("num_slots", _I), ("qkv_width", _I), ("scale", _F),
     ),
     "quant_linear_bf16": _QUANT_LINEAR,
     "gguf_dequantize_bf16": (("out", _P), ("w", _P), ("type", _I), ("n", _I), ("k", _I)),
@@ -197,7 +197,7 @@ class Contract:
             "int4_group": INT4_GROUP,
             "panel_blocks": PANEL_BLOCKS,
             "prefill_tile_keys": PREFILL_TILE_KEYS,
-            "prefill_tile_elements": PREFILL_TILE_ELEMENTS,
+            "prefill_max_head_dim": PREFILL_MAX_HEAD_DIM,
         }
         wrong = [f"abi {self.abi} (expected {ABI_VERSION})"] if self.abi != ABI_VERSION else []
         for key, value in expected.items():

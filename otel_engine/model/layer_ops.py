@@ -30,8 +30,8 @@ from otel_engine.model.attention import (
     sdpa_prefill,
     write_cache,
 )
-from otel_engine.model.fast_paths import PREFILL_KERNEL_HEAD_DIM, FastPaths
-from otel_engine.model.kernels import PREFILL_TILE_ELEMENTS, PREFILL_TILE_KEYS, KernelLibrary
+from otel_engine.model.fast_paths import PREFILL_KERNEL_HEAD_DIMS, STACK_HEAD_DIM, FastPaths
+from otel_engine.model.kernels import PREFILL_TILE_KEYS, KernelLibrary
 from otel_engine.model.layers import RotaryEmbedding, rms_norm
 
 
@@ -66,8 +66,6 @@ class TorchOps:
 
     # prefill masks for `sdpa_prefill` (boolean) rather than `prefill_attention` (additive)
     prefill_sdpa = False
-    # whether `attend` reads prefill masks (the compiled prefill attention needs none)
-    prefill_masks = True
     # the compiled 4-bit matmul (`LlamaModel.load_int4`), where there is one
     q4_linear: Callable[..., None] | None = None
     # the same weights as bfloat16 panels (built once), for steps of more rows
@@ -78,6 +76,11 @@ class TorchOps:
     gguf_dequantize: Callable[..., None] | None = None
     # argmax(out, logits, rows, vocab): each row's greedy token (`LlamaModel.greedy_tokens`)
     argmax: Callable[..., None] | None = None
+
+    def prefill_in_kernel(self, query_lens: list[int]) -> bool:
+        """Whether a step's prefill chunks (their query lengths) run in the compiled prefill
+        attention, which needs no masks (torch ops: never)."""
+        return False
 
     def build_metadata(
         self,
@@ -100,7 +103,7 @@ class TorchOps:
             device,
             for_sdpa=self.prefill_sdpa,
             window=self.sliding_window,
-            masks=self.prefill_masks,
+            masks=not self.prefill_in_kernel(query_lens[num_decodes:]),
         )
         meta = AttentionMetadata(
             positions=torch.tensor(positions, dtype=torch.long, device=device),
@@ -213,6 +216,7 @@ class KernelOps(TorchOps):
             "prefill_kernel",
             "decoder_stack",
         ),
+        prefill_kernel_max_query: int | None = None,
     ) -> None:
         """`paths`: which of the optional fast paths (`fast_paths.PATHS`) to offer, where the
         library has them (a build for AVX-512 BF16) and they apply (bfloat16; head size 64)."""
@@ -234,11 +238,13 @@ class KernelOps(TorchOps):
             if "quant_kernels" in paths:
                 self.quant_linear = getattr(library, "quant_linear_bf16", None)
                 self.gguf_dequantize = getattr(library, "gguf_dequantize_bf16", None)
-            if head_dim == PREFILL_KERNEL_HEAD_DIM and "prefill_kernel" in paths:
+            if head_dim in PREFILL_KERNEL_HEAD_DIMS and "prefill_kernel" in paths:
                 self._prefill_attention = getattr(library, "prefill_attention_bf16", None)
-            if head_dim == PREFILL_KERNEL_HEAD_DIM and "decoder_stack" in paths:
+            if head_dim == STACK_HEAD_DIM and "decoder_stack" in paths:
                 self.decoder_stack = getattr(library, "decoder_stack_bf16", None)
-        self.prefill_masks = self._prefill_attention is None
+        # the longest chunk the kernel takes (None: any); longer ones run in torch's fused
+        # attention, as does the whole step's prefill then (fast_paths.PREFILL_KERNEL_MAX_QUERY)
+        self.prefill_kernel_max_query = prefill_kernel_max_query
         self._prefill_scratch = torch.empty(0, dtype=dtype)  # its packed keys and values
         half = head_dim // 2
         # [max_positions, head_dim] float32: cos of each frequency, then its sin
@@ -247,6 +253,12 @@ class KernelOps(TorchOps):
         ).contiguous()
 
     prefill_sdpa = True
+
+    def prefill_in_kernel(self, query_lens: list[int]) -> bool:
+        if self._prefill_attention is None:
+            return False
+        longest = self.prefill_kernel_max_query
+        return longest is None or all(n <= longest for n in query_lens)
 
     def _complete_metadata(
         self,
@@ -261,7 +273,8 @@ class KernelOps(TorchOps):
                 padded_tables(block_tables[:num_decodes]), dtype=torch.int32
             )
             meta.decode_lens = torch.tensor(seq_lens[:num_decodes], dtype=torch.int32)
-        if meta.prefills and self._prefill_attention is not None:
+        chunks = [seq.query_end - seq.query_start for seq in meta.prefills]
+        if meta.prefills and self.prefill_in_kernel(chunks):
             meta.prefill_tables = [
                 torch.tensor(table, dtype=torch.int32) for table in block_tables[meta.num_decodes :]
             ]
@@ -367,6 +380,7 @@ class KernelOps(TorchOps):
                 num_keys,
                 self.num_heads,
                 self.num_kv_heads,
+                self.head_dim,
                 k_cache.shape[2],
                 num_slots,
                 qkv.shape[1],
@@ -384,7 +398,7 @@ class KernelOps(TorchOps):
             num_keys = num_query if seq.slots is None else seq.slots.numel()
             rows.append((seq.query_start, num_query, num_keys, table.data_ptr()))
             tiles = max(tiles, -(-num_keys // PREFILL_TILE_KEYS))
-        need = 2 * self.num_kv_heads * tiles * PREFILL_TILE_ELEMENTS
+        need = 2 * self.num_kv_heads * tiles * PREFILL_TILE_KEYS * self.head_dim
         if self._prefill_scratch.numel() < need:
             self._prefill_scratch = torch.empty(need, dtype=self._prefill_scratch.dtype)
         return torch.tensor(rows, dtype=torch.int64).view(-1, 4), self._prefill_scratch
@@ -413,4 +427,13 @@ def make_layer_ops(
     if plan.library is None or not plan.is_on("compiled_kernels"):
         return TorchOps(num_heads, num_kv_heads, head_dim, rotary, device)
     paths = [name for name, choice in plan.choices.items() if choice.enabled]
-    return KernelOps(plan.library, num_heads, num_kv_heads, head_dim, rotary, dtype, paths=paths)
+    return KernelOps(
+        plan.library,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        rotary,
+        dtype,
+        paths=paths,
+        prefill_kernel_max_query=plan.prefill_kernel_max_query,
+    )

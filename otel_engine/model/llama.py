@@ -159,6 +159,10 @@ class LlamaModel:
         self.embed: torch.Tensor
         self.norm: torch.Tensor
         self.lm_head: torch.Tensor
+        # the embedding and the LM head in their GGUF blocks where `quant_kernels` runs the
+        # layers from theirs (else None: `embed` and `lm_head` are the bfloat16 matrices)
+        self.embed_q: QuantTensor | None = None
+        self.lm_head_q: QuantWeight | None = None
         self.fast_paths = fast_paths.choose(
             kernels_flag=kernels,
             int4_flag=int4,
@@ -204,14 +208,11 @@ class LlamaModel:
         staged: Staged = {}
         for name, tensor in weights:
             staged[name] = tensor
-        self.embed = self._place(_dense(staged.pop("model.embed_tokens.weight")))
+        embed = staged.pop("model.embed_tokens.weight")
         self.norm = self._norm_weight(_dense(staged.pop("model.norm.weight")))
         lm_head = staged.pop("lm_head.weight", None)
-        self.lm_head = (
-            self.embed
-            if lm_head is None or self.arch.tie_word_embeddings
-            else self._place(_dense(lm_head))
-        )
+        if lm_head is None or self.arch.tie_word_embeddings:
+            lm_head = embed
         for i, layer in enumerate(self.layers):
             prefix = f"model.layers.{i}."
             take = functools.partial(_pop_prefixed, staged, prefix)
@@ -224,14 +225,35 @@ class LlamaModel:
         unused = [n for n in staged if "rotary_emb" not in n]
         if unused:
             raise ValueError(f"checkpoint has weights this model does not use: {unused[:5]}")
-        if self.is_packed:
-            self._pack_weights()
         if self._quant is not None and not self._has_quant():
             self.fast_paths.decide(
                 "quant_kernels",
                 False,
                 "no matrix in GGUF blocks that the 4-bit kernels do not take",
             )
+            self._quant = None
+        self._load_embedding(embed, lm_head)
+        if self.is_packed:
+            self._pack_weights()
+
+    def _load_embedding(
+        self, embed: torch.Tensor | QuantTensor, lm_head: torch.Tensor | QuantTensor
+    ) -> None:
+        """The embedding and LM head: in their GGUF blocks where the layers run from theirs
+        (`quant_kernels` on: a lookup dequantizes its rows, the LM head runs as a layer matrix
+        does), else bfloat16. A model whose layers the 4-bit kernels take (the default model)
+        keeps them bfloat16: its LM head at 32 rows is faster prepacked than tiled."""
+        if self._quant is not None and isinstance(embed, QuantTensor):
+            self.embed_q, self.embed = embed, _DROPPED
+        else:
+            self.embed = self._place(_dense(embed))
+        if lm_head is embed and self.embed_q is None:
+            self.lm_head = self.embed
+        elif self._quant is not None and isinstance(lm_head, QuantTensor):
+            self.lm_head_q = QuantWeight((lm_head,), lm_head.rows, lm_head.cols)
+            self.lm_head = _DROPPED
+        else:
+            self.lm_head = self._place(_dense(lm_head))
 
     # The matrices `_load_quant` may keep in their blocks: attribute -> (HF names, column split)
     _QUANT_MATRICES = (
@@ -328,7 +350,8 @@ class LlamaModel:
     def _pack_weights(self) -> None:
         """Reorder every matmul weight for oneDNN; the embedding stays plain (a tied LM
         head gets its own packed copy)."""
-        self.lm_head = _pack(self.lm_head)
+        if self.lm_head_q is None:
+            self.lm_head = _pack(self.lm_head)
         for layer in self.layers:
             dense = ("qkv", "o_proj") if layer.moe is not None else _MATRICES
             for name in dense:
@@ -406,9 +429,10 @@ class LlamaModel:
         """Hidden states [T, hidden] after the final norm."""
         eps = self.arch.rms_norm_eps
         ops, linear = self.ops, self._linear
-        hidden = F.embedding(input_ids, self.embed)  # the residual stream, updated in place
+        hidden = self._embed(input_ids)  # the residual stream, updated in place
         stack = self._decoder_stack(kv_caches)
-        if stack is not None:
+        # a step whose prefill runs in torch's fused attention goes layer by layer
+        if stack is not None and (not meta.prefills or meta.prefill_tables is not None):
             return stack.forward(hidden, meta)
         delta: torch.Tensor | None = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
@@ -500,7 +524,22 @@ class LlamaModel:
 
     def _lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head's output in the model's dtype."""
+        if self.lm_head_q is not None:
+            assert self._quant is not None
+            return self._quant(hidden.contiguous(), self.lm_head_q)
         return self.linear(hidden, self.lm_head, None)
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The tokens' embedding rows (a new tensor), from the blocks where kept in them."""
+        if self.embed_q is None:
+            return F.embedding(input_ids, self.embed)
+        assert self.ops.gguf_dequantize is not None
+        blocks = self.embed_q.raw.index_select(0, input_ids.to(self.embed_q.raw.device))
+        out = torch.empty((blocks.shape[0], self.embed_q.cols), dtype=torch.bfloat16)
+        self.ops.gguf_dequantize(
+            out.data_ptr(), blocks.data_ptr(), self.embed_q.type_id, blocks.shape[0], out.shape[1]
+        )
+        return out
 
     @torch.inference_mode()
     def greedy_tokens(self, hidden: torch.Tensor) -> list[int] | None:

@@ -60,10 +60,26 @@ def test_on_avx512_bf16_every_path_runs_for_the_default_shape() -> None:
     assert plan.library is not None
 
 
+def test_head_size_128_runs_the_prefill_kernel_and_amx_sends_long_chunks_to_torch() -> None:
+    """Head size 128 has its prefill kernel. Where torch's matmuls run on AMX tiles, its
+    fused attention is faster on long chunks, so the kernel takes chunks up to
+    PREFILL_KERNEL_MAX_QUERY_AMX tokens; elsewhere every chunk."""
+    require_isa(BF16_ISA)
+    plan = _choose(head_dim=128, rotary_dim=128)
+
+    assert plan.is_on("prefill_kernel")
+    if torch.cpu._is_amx_tile_supported():
+        assert fast_paths.PREFILL_KERNEL_MAX_QUERY_AMX == plan.prefill_kernel_max_query
+        assert "(AMX)" in plan.choices["prefill_kernel"].reason
+    else:
+        assert plan.prefill_kernel_max_query is None
+
+
 @pytest.mark.parametrize(
     ("overrides", "off", "reason"),
     [
-        ({"head_dim": 128, "rotary_dim": 128}, "prefill_kernel", "head size 128"),
+        ({"head_dim": 96, "rotary_dim": 96}, "prefill_kernel", "head size 96"),
+        ({"head_dim": 128, "rotary_dim": 128}, "decoder_stack", "head size 128"),
         ({"tp_size": 2}, "decoder_stack", "2 ranks"),
         ({"dtype": torch.float32}, "int4_kernels", "bfloat16"),
         ({"int4_flag": "off"}, "int4_kernels", "--int4 off"),

@@ -28,7 +28,13 @@ from tests.helpers.tiny_model import write_tiny_gguf, write_tiny_llama
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # llama.cpp's Q4_K_M: Q4_K, with (some of) the v and down projections in Q6_K
-Q4_K_M = {**dict.fromkeys(PROJECTIONS, "Q4_K"), "v_proj": "Q6_K", "down_proj": "Q6_K"}
+Q4_K_M = {
+    **dict.fromkeys(PROJECTIONS, "Q4_K"),
+    "v_proj": "Q6_K",
+    "down_proj": "Q6_K",
+    "embed_tokens": "Q4_K",  # as in Llama-3.1-8B's Q4_K_M file (a tied one: Q6_K)
+    "lm_head": "Q6_K",
+}
 
 
 def _library() -> KernelLibrary:
@@ -126,7 +132,7 @@ def test_fused_parts_in_different_formats_and_column_shards() -> None:
     assert shard_columns(_tensor("Q4_K", 16, 256, 4), 0, 2) is None  # half a block per rank
 
 
-def _gguf(tmp_path: Path, head_dim: int, quant: dict[str, str]) -> str:
+def _gguf(tmp_path: Path, head_dim: int, quant: dict[str, str], tie: bool = False) -> str:
     checkpoint = write_tiny_llama(
         tmp_path / "hf",
         hidden=256,
@@ -135,6 +141,7 @@ def _gguf(tmp_path: Path, head_dim: int, quant: dict[str, str]) -> str:
         head_dim=head_dim,
         intermediate=512,
         num_layers=2,
+        tie=tie,
     )
     return write_tiny_gguf(checkpoint, tmp_path / "model.gguf", "llama", quant=quant)
 
@@ -151,6 +158,9 @@ def _greedy(model: str, int4: str, tp: int) -> tuple[list[list[int]], list[dict[
             assert (int4 == "auto") == (layer.qkv_q is not None)
             if int4 == "auto":  # no bfloat16 copy of any matrix kept in blocks
                 assert layer.qkv.numel() == layer.down.numel() == 0
+                model = runner.model
+                assert model.embed_q is not None and model.lm_head_q is not None
+                assert model.embed.numel() == model.lm_head.numel() == 0
         params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=5)
         outputs = [o.outputs[0] for o in llm.generate([list(p) for p in PROMPTS], params)]
     tops = []
@@ -175,15 +185,27 @@ def _assert_same_but_near_ties(
 
 
 @pytest.mark.parametrize(
-    ("head_dim", "quant"),
-    [(64, "Q4_K_M"), (128, "Q4_K_M"), (64, "Q8_0"), (128, "Q5_K"), (64, "Q6_K")],
+    ("head_dim", "quant", "tie"),
+    [
+        (64, "Q4_K_M", False),
+        (128, "Q4_K_M", False),
+        (64, "Q8_0", False),
+        (128, "Q5_K", False),
+        (64, "Q6_K", True),  # one matrix for the embedding and the LM head, in its blocks
+    ],
 )
 def test_native_greedy_output_is_the_reference_path_s(
-    tmp_path: Path, head_dim: int, quant: str
+    tmp_path: Path, head_dim: int, quant: str, tie: bool
 ) -> None:
+    """Every layer matrix, the embedding and the LM head multiplied (looked up) from their
+    blocks give the reference path's greedy tokens (its bfloat16 copies of the same values),
+    but for near ties."""
     require_isa(BF16_ISA)
-    formats = Q4_K_M if quant == "Q4_K_M" else dict.fromkeys(PROJECTIONS, quant)
-    model = _gguf(tmp_path, head_dim, formats)
+    if quant == "Q4_K_M":
+        formats = Q4_K_M
+    else:
+        formats = dict.fromkeys((*PROJECTIONS, "embed_tokens", "lm_head"), quant)
+    model = _gguf(tmp_path, head_dim, formats, tie)
     native, _ = _greedy(model, "auto", 1)
     reference, tops = _greedy(model, "off", 1)
     _assert_same_but_near_ties(native, reference, tops)

@@ -193,7 +193,7 @@ def test_a_contract_that_disagrees_is_reported() -> None:
     (load() then refuses it: torch ops run, never a mismatched kernel)."""
     text = (
         "abi=1;isa=avx2;max_block_size=256;int4_group=32;panel_blocks=4;"
-        "prefill_tile_keys=32;prefill_tile_elements=2048;stack_fields=a,b,;stack_dims=c,;"
+        "prefill_tile_keys=32;prefill_max_head_dim=128;stack_fields=a,b,;stack_dims=c,;"
     )
 
     contract = kernels.Contract.parse(text)

@@ -148,7 +148,17 @@ BATCHES = {
 @pytest.mark.parametrize("batch", list(BATCHES))
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim", "block_size"),
-    [(4, 2, 16, 4), (9, 3, 64, 16), (4, 4, 32, 8), (8, 1, 64, 16), (6, 2, 40, 4), (4, 2, 64, 1)],
+    [
+        (4, 2, 16, 4),
+        (9, 3, 64, 16),
+        (4, 4, 32, 8),
+        (8, 1, 64, 16),
+        (6, 2, 40, 4),
+        (4, 2, 64, 1),
+        (16, 2, 128, 16),  # Qwen2.5-3B's group of 8 at head size 128
+        (6, 2, 128, 1),
+        (18, 2, 128, 16),  # a group of 9: past the specialised kernels
+    ],
 )
 def test_attend_matches(
     library: KernelLibrary,
@@ -182,7 +192,7 @@ def test_attend_matches(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 2, 16)])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 2, 16), (8, 2, 128)])
 @pytest.mark.parametrize("step", ["decode", "prefill"])
 def test_attention_never_reads_past_the_sequence(
     library: KernelLibrary, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, step: str
@@ -246,6 +256,40 @@ def test_prefill_masks_only_where_attention_reads_them(
     uses_kernel = dtype == torch.bfloat16 and library.has("prefill_attention_bf16")
     assert (meta.prefills[0].mask is None) == uses_kernel
     assert (meta.prefill_tables is not None) == uses_kernel
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_chunks_over_the_kernel_s_limit_run_in_torch_s_fused_attention(
+    library: KernelLibrary, head_dim: int
+) -> None:
+    """With a longest chunk for the prefill kernel (set where torch's attention is faster on
+    long ones: AMX), a step whose chunks all fit runs in the kernel, one with a longer chunk
+    runs every chunk in torch's fused attention (masks built, no kernel tables); both give
+    torch ops' output within bfloat16's rounding."""
+    if not library.has("prefill_attention_bf16"):
+        pytest.skip("no bfloat16 prefill kernel in this build")
+    dtype, heads, kv_heads, block_size = torch.bfloat16, 8, 2, 16
+    rotary = _rotary(head_dim, dtype)
+    torch_ops = TorchOps(heads, kv_heads, head_dim, rotary, CPU)
+    kernel_ops = KernelOps(
+        library, heads, kv_heads, head_dim, rotary, dtype, prefill_kernel_max_query=8
+    )
+    steps = [([1, 8, 3], [20, 30, 3], True), ([1, 9, 3], [20, 30, 3], False)]
+    for query_lens, seq_lens, in_kernel in steps:
+        metadata = step_metadata(query_lens, seq_lens, block_size, 32, head_dim)
+        shape = (kv_heads, 32, block_size, head_dim)
+        k_cache, v_cache = torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)
+        qkv = torch.randn(sum(query_lens), (heads + 2 * kv_heads) * head_dim).to(dtype)
+        meta = kernel_ops.build_metadata(**metadata)
+        expected = torch_ops.attend(
+            qkv.clone(), k_cache.clone(), v_cache.clone(), torch_ops.build_metadata(**metadata)
+        )
+
+        actual = kernel_ops.attend(qkv.clone(), k_cache.clone(), v_cache.clone(), meta)
+
+        assert (meta.prefill_tables is not None) == in_kernel
+        assert (meta.prefills[0].mask is None) == in_kernel  # the later chunk's, for torch
+        assert_close(expected, actual, dtype)
 
 
 def _runner(model_dir: str, dtype: str, kernels_choice: str) -> ModelRunner:
