@@ -126,7 +126,9 @@ def main() -> None:
                         continue
                     meta = op.build_metadata(**metadata)  # type: ignore[arg-type]
                     ms[name] = _time(
-                        lambda op=op, meta=meta: op.attend(qkv.clone(), k_cache, v_cache, meta),
+                        lambda op=op, meta=meta, qkv=qkv, k=k_cache, v=v_cache: op.attend(
+                            qkv.clone(), k, v, meta
+                        ),
                         args.repeats,
                     )
                 sdpa_ms = (

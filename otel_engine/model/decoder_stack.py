@@ -39,11 +39,20 @@ class DecoderStack:
             addresses = _layer_addresses(layer, caches)
             fields += [addresses[name] for name in ops.stack_layout.stack_fields]
         self._layers = torch.tensor(fields, dtype=torch.int64)
+        self._has_panels = all(layer.qkv4.panels is not None for layer in model.layers)  # type: ignore[union-attr]
         k_cache = kv_caches[0][0]
         self._cache_dims = (k_cache.shape[2], k_cache.shape[1] * k_cache.shape[2])
         # the widest k of the four matrices: hidden (q/k/v, gate/up), heads (o), intermediate
         widest = max(model.arch.hidden_size, model.num_heads * model.head_dim, model.intermediate)
         self._sums = torch.empty(INT4_MAX_ROWS * widest // INT4_GROUP, dtype=torch.float32)
+
+    def runs(self, tokens: int, meta: AttentionMetadata) -> bool:
+        """Whether the stack takes this step: not one whose prefill runs in torch's fused
+        attention, nor one of more than INT4_MAX_ROWS tokens where the 4-bit matrices have
+        no panels (those steps multiply tiles by torch's matmul): both go layer by layer."""
+        if meta.prefills and meta.prefill_tables is None:
+            return False
+        return tokens <= INT4_MAX_ROWS or self._has_panels
 
     def forward(self, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         model, ops = self._model, self._ops
@@ -119,7 +128,8 @@ def _layer_addresses(
         assert weight is not None
         addresses[f"{name}_packed"] = weight.packed.data_ptr()
         addresses[f"{name}_params"] = weight.params.data_ptr()
-        addresses[f"{name}_panels"] = weight.panels.data_ptr()
+        # none where larger steps run tiles instead (`DecoderStack.runs`): never read
+        addresses[f"{name}_panels"] = 0 if weight.panels is None else weight.panels.data_ptr()
     return addresses
 
 

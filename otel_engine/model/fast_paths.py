@@ -72,6 +72,9 @@ class FastPaths:
     choices: dict[str, Choice] = field(default_factory=dict)
     # the longest prefill chunk the compiled prefill attention takes (None: any)
     prefill_kernel_max_query: int | None = None
+    # 4-bit matrices in steps of more than int4.INT4_MAX_ROWS rows: tiles of the file's blocks
+    # through torch's matmul (AMX), else bfloat16 panels (which then are built at load)
+    int4_tiles: bool = False
 
     def is_on(self, name: str) -> bool:
         return self.choices[name].enabled
@@ -158,7 +161,12 @@ def choose(
 def _decide_weight_paths(plan: FastPaths, int4_flag: str, has_bf16: bool, needs: str) -> None:
     """The two paths that multiply a GGUF file's matrices as stored (both off with --int4 off),
     before the checkpoint is known."""
-    ways = {"int4_kernels": "the checkpoint's 4-bit weights", "quant_kernels": "GGUF blocks"}
+    plan.int4_tiles = has_bf16 and _torch_has_amx()
+    larger = "tiles of the blocks in torch's matmul (AMX)" if plan.int4_tiles else "panels"
+    ways = {
+        "int4_kernels": f"the checkpoint's 4-bit weights; larger steps: {larger}",
+        "quant_kernels": "GGUF blocks",
+    }
     for name, way in ways.items():
         if int4_flag == "off":
             plan.decide(name, False, "--int4 off")

@@ -180,6 +180,7 @@ class LlamaModel:
         self._int4_scratch = torch.empty(0)  # the 4-bit kernel's sums of x per group
         self._stack: DecoderStack | None = None  # built on the first forward that can use it
         self._quant: QuantLinear | None = None
+        self._int4_tiles: QuantLinear | None = None  # larger steps of 4-bit matrices (AMX)
         if self.fast_paths.is_on("quant_kernels"):
             assert isinstance(self.ops, KernelOps)
             assert self.ops.quant_linear is not None
@@ -389,9 +390,14 @@ class LlamaModel:
             plan.decide("decoder_stack", reason is None, reason or "every layer in 4 bits")
 
     def _load_int4(self, weights: dict[str, Int4Tensor]) -> str | None:
-        build_panels = self.ops.q4_build_panels
-        if self.ops.q4_linear is None or build_panels is None or self.ops.panel_linear is None:
+        ops = self.ops
+        build_panels = ops.q4_build_panels
+        if ops.q4_linear is None or build_panels is None or ops.panel_linear is None:
             return "the kernels library has no 4-bit matmuls"
+        if self.fast_paths.int4_tiles:
+            assert ops.quant_linear is not None
+            assert ops.gguf_dequantize is not None
+            self._int4_tiles = QuantLinear(ops.quant_linear, ops.gguf_dequantize)
         fused = {
             "qkv4": (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), self._rows),
             "o_proj4": (("self_attn.o_proj",), self._cols),
@@ -408,7 +414,12 @@ class LlamaModel:
                 parts = [weights.get(prefix + name) for name in names]
                 if any(part is None for part in parts):
                     return f"{prefix}{names[0]} is not stored in 4 bits"
-                weight = pack_int4([p for p in parts if p is not None], shard, build_panels)
+                fours = [p for p in parts if p is not None]
+                blocks = self._int4_blocks(fours, by_columns=shard == self._cols)
+                if blocks is not None:
+                    weight = pack_int4(fours, shard, None, blocks)
+                else:
+                    weight = pack_int4(fours, shard, build_panels)
                 if weight is None:
                     return f"{prefix}{names[0]}: this shard does not fit the 4-bit kernel"
                 layer[attribute] = weight
@@ -418,6 +429,17 @@ class LlamaModel:
                 setattr(target, attribute, weight)
                 setattr(target, attribute.removesuffix("4"), _DROPPED)
         return None
+
+    def _int4_blocks(self, parts: list[Int4Tensor], *, by_columns: bool) -> QuantWeight | None:
+        """This rank's shard of the parts' blocks, for larger steps in tiles where the fast
+        paths chose them (None: panels instead, as also where the shard splits blocks)."""
+        sources = [part.blocks for part in parts]
+        if self._int4_tiles is None or any(source is None for source in sources):
+            return None
+        shards = [self._quant_shard(s, by_columns) for s in sources if s is not None]
+        if any(s is None for s in shards):
+            return None
+        return pack_quant([s for s in shards if s is not None])
 
     @torch.inference_mode()
     def forward(
@@ -431,8 +453,7 @@ class LlamaModel:
         ops, linear = self.ops, self._linear
         hidden = self._embed(input_ids)  # the residual stream, updated in place
         stack = self._decoder_stack(kv_caches)
-        # a step whose prefill runs in torch's fused attention goes layer by layer
-        if stack is not None and (not meta.prefills or meta.prefill_tables is not None):
+        if stack is not None and stack.runs(hidden.shape[0], meta):
             return stack.forward(hidden, meta)
         delta: torch.Tensor | None = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
@@ -507,9 +528,13 @@ class LlamaModel:
         rows, ops, int4 = x.shape[0], self.ops, stored
         out = torch.empty((rows, int4.rows), dtype=x.dtype)
         pointers = (out.data_ptr(), x.data_ptr(), int4.packed.data_ptr(), int4.params.data_ptr())
-        if rows > INT4_MAX_ROWS:
+        if rows > INT4_MAX_ROWS and int4.panels is not None:
             assert ops.panel_linear is not None
             ops.panel_linear(*pointers[:2], int4.panels.data_ptr(), rows, int4.rows, int4.cols)
+        elif rows > INT4_MAX_ROWS:  # tiles of the blocks instead of panels
+            assert self._int4_tiles is not None
+            assert int4.blocks is not None
+            out = self._int4_tiles.tiles(x, int4.blocks, out)
         else:
             need = rows * (int4.cols // INT4_GROUP)
             if self._int4_scratch.numel() < need:

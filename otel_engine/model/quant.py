@@ -95,6 +95,15 @@ class QuantLinear:
                 )  # fmt: skip
                 column += part.rows
             return out
+        return self.tiles(x, weight, out)
+
+    def tiles(
+        self, x: torch.Tensor, weight: QuantWeight, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x @ W.T a tile of W at a time: dequantized to bfloat16, then torch's matmul."""
+        rows, k = x.shape
+        if out is None:
+            out = torch.empty((rows, weight.rows), dtype=torch.bfloat16)
         tile_rows = max(16, TILE_BYTES // (2 * k) // 16 * 16)
         if self._tile.numel() < tile_rows * k:
             self._tile = torch.empty(tile_rows * k, dtype=torch.bfloat16)

@@ -99,11 +99,13 @@ def iter_quant(model_dir: str) -> Iterator[tuple[str, QuantTensor]]:
 @dataclass(frozen=True, slots=True)
 class Int4Tensor:
     """A weight stored in 4 bits: w = scale * q + offset, per group of `INT4_GROUP` weights
-    along a row. `q` [rows, cols] uint8 in 0..15; `scale`, `offset` [rows, cols / group]."""
+    along a row. `q` [rows, cols] uint8 in 0..15; `scale`, `offset` [rows, cols / group];
+    `blocks`: the Q4_0/Q4_1 blocks they were read from (None: built otherwise)."""
 
     q: torch.Tensor
     scale: torch.Tensor
     offset: torch.Tensor
+    blocks: QuantTensor | None = None
 
 
 def iter_int4(model_dir: str) -> dict[str, Int4Tensor]:
@@ -131,4 +133,6 @@ def int4_tensor(tensor: QuantTensor) -> Int4Tensor:
     q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(raw.shape[0], -1)
     scale = header[..., 0]
     offset = -8.0 * scale if tensor.kind == "Q4_0" else header[..., 1]
-    return Int4Tensor(torch.from_numpy(q), torch.from_numpy(scale), torch.from_numpy(offset))
+    return Int4Tensor(
+        torch.from_numpy(q), torch.from_numpy(scale), torch.from_numpy(offset), tensor
+    )

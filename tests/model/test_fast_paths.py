@@ -60,7 +60,7 @@ def test_on_avx512_bf16_every_path_runs_for_the_default_shape() -> None:
     assert plan.library is not None
 
 
-def test_head_size_128_runs_the_prefill_kernel_and_amx_sends_long_chunks_to_torch() -> None:
+def test_head_size_128_runs_the_prefill_kernel_and_amx_sends_large_steps_to_torch() -> None:
     """Head size 128 has its prefill kernel. Where torch's matmuls run on AMX tiles, its
     fused attention is faster on long chunks, so the kernel takes chunks up to
     PREFILL_KERNEL_MAX_QUERY_AMX tokens; elsewhere every chunk."""
@@ -73,6 +73,9 @@ def test_head_size_128_runs_the_prefill_kernel_and_amx_sends_long_chunks_to_torc
         assert "(AMX)" in plan.choices["prefill_kernel"].reason
     else:
         assert plan.prefill_kernel_max_query is None
+    # likewise steps of more than 16 rows of 4-bit matrices: tiles with AMX, else panels
+    assert plan.int4_tiles == torch.cpu._is_amx_tile_supported()
+    assert ("AMX" in plan.choices["int4_kernels"].reason) == plan.int4_tiles
 
 
 @pytest.mark.parametrize(

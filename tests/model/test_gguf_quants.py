@@ -159,7 +159,8 @@ def _greedy(model: str, int4: str, tp: int) -> tuple[list[list[int]], list[dict[
             if int4 == "auto":  # no bfloat16 copy of any matrix kept in blocks
                 assert layer.qkv.numel() == layer.down.numel() == 0
                 model = runner.model
-                assert model.embed_q is not None and model.lm_head_q is not None
+                assert model.embed_q is not None
+                assert model.lm_head_q is not None
                 assert model.embed.numel() == model.lm_head.numel() == 0
         params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=5)
         outputs = [o.outputs[0] for o in llm.generate([list(p) for p in PROMPTS], params)]

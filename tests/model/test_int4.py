@@ -196,8 +196,9 @@ def test_int4_shards_of_the_ranks_match_their_bfloat16_shards(model_dir: str, tp
     """At tensor parallel size 3 (the default model's 9 heads and 3 KV heads do not split in
     2), the first and last rank's 4-bit shard of every fused matrix (q/k/v and
     gate/up by rows, o_proj and down by columns) gives that rank's bfloat16 shard's product,
-    for a decode row, a 16-row step and two larger ones (the panel kernel), with their
-    bfloat16 copies dropped."""
+    for a decode row, a 16-row step and two larger ones (the panel kernel, or where torch's
+    matmul runs on AMX, tiles of the shard's Q4_1 blocks and no panels), with their bfloat16
+    copies dropped."""
     require_isa(BF16_ISA)
     arch = load_model_arch(model_dir)
     model = LlamaModel(
@@ -211,6 +212,7 @@ def test_int4_shards_of_the_ranks_match_their_bfloat16_shards(model_dir: str, tp
     for name, weight in dense.items():
         int4 = getattr(layer, name + "4")
         assert int4 is not None
+        assert (int4.panels is None) == (int4.blocks is not None) == model.fast_paths.int4_tiles
         for rows in (1, INT4_MAX_ROWS, INT4_MAX_ROWS + 1, 40):
             x = torch.randn(rows, int4.cols).to(torch.bfloat16)
             reference = model.linear(x, weight, None).double()
