@@ -88,10 +88,12 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
         choices=INT4,
         help="auto: when --kernels is auto and the CPU has AVX-512 BF16, a GGUF file's layer "
         "matrices are multiplied as the file stores them, in place of bfloat16 copies: Q4_0 and "
-        "Q4_1 by the 4-bit kernels (up to 16 tokens a step from the 4 bits, larger steps by "
-        "bfloat16 panels built at load), Q8_0, Q4_K, Q5_K and Q6_K from their blocks (up to 16 "
-        "tokens in one pass over them, larger steps by tiles dequantized as they are used; no "
-        "bfloat16 copy is kept); off: bfloat16 copies of every matrix (default: auto)",
+        "Q4_1 by the 4-bit kernels (up to 16 tokens a step from the 4 bits; larger steps by "
+        "tiles of the file's blocks where torch's matmul runs on AMX, else by bfloat16 panels "
+        "built at load), Q8_0, Q4_K, Q5_K and Q6_K from their blocks (up to 8 tokens in one "
+        "pass over them, larger steps by tiles dequantized as they are used; no bfloat16 copy "
+        "is kept), and with the latter the embedding and LM head in theirs; off: bfloat16 "
+        "copies of every matrix (default: auto)",
     )
     model.add_argument(
         "--generation-config",

@@ -1,5 +1,5 @@
-"""The bfloat16 kernels that only run at head size 64 (decode attention by vdpbf16ps, the
-compiled prefill attention) inside whole engines at TP=1 and TP=2, against the same engine on
+"""The bfloat16 kernels that run at head sizes 64 and 128 (decode attention by vdpbf16ps, the
+compiled prefill attention) inside whole engines at TP=1 and TP=2 (head size 128 at TP=1), against the same engine on
 torch ops: prompt log-probs (prefill, chunked by a small token budget, across block
 boundaries) and greedy continuations (decode steps mixed with prefill chunks, one sequence
 running to max_model_len) agree within bfloat16 rounding.
@@ -74,10 +74,22 @@ def _assert_continuations_agree(fast: CompletionOutput, reference: CompletionOut
         assert abs(mine.logprob - theirs.logprob) <= TOKEN_TOLERANCE
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_bfloat16_kernels_agree_with_torch_ops(head64_model_dir: str, tp: int) -> None:
+@pytest.fixture(scope="module")
+def head128_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Heads of 128 in a group of 4 (4 heads, 1 KV head), as Qwen2.5-3B's and Llama-3.1-8B's."""
+    path = Path(tmp_path_factory.mktemp("tiny-llama-head128"))
+    return write_tiny_llama(
+        path, hidden=256, heads=4, kv_heads=1, head_dim=128, intermediate=256, seed=4
+    )
+
+
+@pytest.mark.parametrize(("head_dim", "tp"), [(64, 1), (64, 2), (128, 1)])
+def test_bfloat16_kernels_agree_with_torch_ops(
+    request: pytest.FixtureRequest, head_dim: int, tp: int
+) -> None:
     require_isa(BF16_ISA)  # elsewhere both engines run torch ops
-    fast, reference = (_generate(head64_model_dir, k, tp) for k in ("auto", "torch"))
+    model_dir = request.getfixturevalue(f"head{head_dim}_model_dir")
+    fast, reference = (_generate(model_dir, k, tp) for k in ("auto", "torch"))
     for mine, theirs in zip(fast, reference, strict=True):
         assert mine.prompt_logprobs is not None
         assert theirs.prompt_logprobs is not None
