@@ -7,6 +7,7 @@ The gguf package and torch are imported by the functions that need them."""
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import glob
 import json
@@ -140,6 +141,7 @@ def cached_conversion(gguf_path: str) -> str:
         tmp = tempfile.mkdtemp(prefix=f".{key}.tmp-", dir=root)
         try:
             _convert_gguf(gguf_path, tmp)
+            _release_freed_memory()
             os.rename(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -147,6 +149,16 @@ def cached_conversion(gguf_path: str) -> str:
                 return final  # lost a race where flock does not exclude (some network mounts)
             raise
     return final
+
+
+def _release_freed_memory() -> None:
+    """Hand the conversion's freed heap back to the system (glibc keeps it otherwise: the API
+    server that converted an 8B file stayed at 1 GB, against 0.4 GB when it did not)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc
+        return
+    libc.malloc_trim(0)
 
 
 def _convert_gguf(gguf_path: str, out: str) -> None:
@@ -167,8 +179,9 @@ def _convert_gguf(gguf_path: str, out: str) -> None:
     save_file(weights, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
     if quant:
         os.makedirs(os.path.dirname(os.path.join(out, QUANT_FILE)))
-        metadata = {"format": "pt", "formats": json.dumps(formats)}
-        save_file(quant, os.path.join(out, QUANT_FILE), metadata=metadata)
+        described = {"format": "pt", "formats": json.dumps(formats)}
+        save_file(quant, os.path.join(out, QUANT_FILE), metadata=described)
+    del weights, quant
     eos = [metadata.get(f"tokenizer.ggml.{name}_token_id") for name in ("eos", "eot", "eom")]
     generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": unique_ids(*eos)}
     for name, content in (("config.json", config), ("generation_config.json", generation)):

@@ -36,8 +36,7 @@ TILE_BYTES = 16 << 20
 
 @dataclass(frozen=True)
 class QuantWeight:
-    """A fused matrix [rows, cols] as its parts' GGUF blocks, in row order (consecutive
-    parts of one format merged)."""
+    """A fused matrix [rows, cols] as its parts' GGUF blocks, in row order."""
 
     parts: tuple[QuantTensor, ...]
     rows: int
@@ -59,19 +58,15 @@ def shard_columns(tensor: QuantTensor, rank: int, size: int) -> QuantTensor | No
 
 
 def pack_quant(parts: list[QuantTensor]) -> QuantWeight | None:
-    """This rank's fused rows (already sharded), consecutive parts of one format merged; None
-    if the parts' widths differ."""
+    """This rank's fused rows (already sharded), each part as it is, so that one read from
+    the file stays the file's pages (mapped, not copied: concatenating q and k, gate and up
+    had copied them, and the pages touched stayed resident beside the copy: 2.4 GB of
+    Llama-3.1-8B's Q4_K_M); None if the parts' widths differ."""
     cols = {part.cols for part in parts}
     if len(cols) != 1:
         return None
-    merged: list[QuantTensor] = []
-    for part in parts:
-        if merged and merged[-1].kind == part.kind:
-            last = merged.pop()
-            merged.append(QuantTensor(torch.cat([last.raw, part.raw]), part.kind, part.cols))
-        else:
-            merged.append(QuantTensor(part.raw.contiguous(), part.kind, part.cols))
-    return QuantWeight(tuple(merged), sum(p.rows for p in merged), cols.pop())
+    kept = tuple(QuantTensor(part.raw.contiguous(), part.kind, part.cols) for part in parts)
+    return QuantWeight(kept, sum(p.rows for p in kept), cols.pop())
 
 
 class QuantLinear:

@@ -120,7 +120,7 @@ def test_fused_parts_in_different_formats_and_column_shards() -> None:
     parts = [_tensor("Q4_K", 64, 512, 1), _tensor("Q4_K", 32, 512, 2), _tensor("Q6_K", 32, 512, 3)]
     weight = pack_quant(parts)
     assert weight is not None
-    assert [p.kind for p in weight.parts] == ["Q4_K", "Q6_K"]  # consecutive Q4_K merged
+    assert [p.kind for p in weight.parts] == ["Q4_K", "Q4_K", "Q6_K"]  # each as stored
     x = torch.randn(4, 512, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     exact = [torch.from_numpy(_reference(p.raw.numpy(), p.kind)) for p in parts]
     expected = x.double() @ torch.cat(exact).double().T

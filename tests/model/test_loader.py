@@ -100,6 +100,8 @@ def test_conversion_writes_a_complete_hf_checkpoint(converted_dir: str, gguf_cac
 
     assert {"config.json", "generation_config.json", "model.safetensors"} <= files
     assert {"tokenizer.json", "tokenizer_config.json"} <= files
+    generation = json.loads(Path(converted_dir, "generation_config.json").read_text())
+    assert [2] == generation["eos_token_id"]  # the file's eos (and eot, eom where it has them)
     assert "<|im_start|>" in tokenizer_config["chat_template"]
     entries = os.listdir(gguf_cache)
     assert [Path(converted_dir).name] == [name for name in entries if not name.startswith(".")]
