@@ -1,8 +1,8 @@
 """The bfloat16 kernels that run at head sizes 64 and 128 (decode attention by vdpbf16ps, the
 compiled prefill attention) inside whole engines at TP=1 and TP=2 (head size 128 at TP=1),
-against the same engine on torch ops: prompt log-probs (prefill, chunked by a small token budget, across block
-boundaries) and greedy continuations (decode steps mixed with prefill chunks, one sequence
-running to max_model_len) agree within bfloat16 rounding.
+against the same engine on torch ops: prompt log-probs (prefill, chunked by a small token
+budget, across block boundaries) and greedy continuations (decode steps mixed with prefill
+chunks, one sequence running to max_model_len) agree within bfloat16 rounding.
 
 This random model's logits reach about 40, where bfloat16 values are 0.25 apart, and both
 paths round at every op in different places: measured, prompt log-probs differ by up to 5% of
