@@ -22,7 +22,6 @@ Where each part runs:
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import os
@@ -30,7 +29,7 @@ import re
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -40,6 +39,7 @@ import llguidance.numpy
 import numpy as np
 
 from otel_engine.errors import ErrorCode, RequestError
+from otel_engine.memory import return_freed_memory
 from otel_engine.sampling_params import StructuredOutput
 
 if TYPE_CHECKING:
@@ -345,22 +345,6 @@ _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 
 
 @lru_cache(maxsize=1)
-def _malloc_trim() -> Callable[[int], int] | None:
-    try:
-        return ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):  # not glibc
-        return None
-
-
-def _trim_heap() -> None:
-    """Return the allocator's free memory to the system: a freed lexer leaves its pages
-    in glibc's heap otherwise."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
-
-
-@lru_cache(maxsize=1)
 def _statm() -> int:
     return os.open("/proc/self/statm", os.O_RDONLY | os.O_CLOEXEC)  # kept open: reread
 
@@ -436,7 +420,7 @@ class GrammarCompiler:
         if template is not None:
             template.num_live -= 1
         if self._evict() or grammar.memory_bytes > TRIM_BYTES:
-            _trim_heap()
+            return_freed_memory()
 
     def _grammar(self, spec: StructuredOutput) -> RequestGrammar:
         refused = self._refused.get(spec)

@@ -14,8 +14,6 @@ document is FastAPI's own, from the same signatures.
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import ctypes.util
 import inspect
 import json
 import time
@@ -35,6 +33,7 @@ from otel_engine.entrypoints.errors import bad_request
 from otel_engine.entrypoints.limits import MAX_CONTENT_PARTS, MAX_MESSAGES
 from otel_engine.entrypoints.protocol import ChatCompletionRequest, TokenizeRequest
 from otel_engine.errors import ErrorCode
+from otel_engine.memory import malloc_trim
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -88,7 +87,7 @@ class BodyParser:
 
     def __init__(self) -> None:
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="request-body")
-        self._trim = _malloc_trim()
+        self._trim = malloc_trim()
         self._last_trim = 0.0
 
     async def parse(self, model: type[M], raw: bytes) -> M:
@@ -129,14 +128,6 @@ def validate(model: type[M], raw: bytes) -> M:
 
 
 _CHAT_MODELS: frozenset[type[BaseModel]] = frozenset({ChatCompletionRequest, TokenizeRequest})
-
-
-def _malloc_trim() -> Callable[[int], int] | None:
-    name = ctypes.util.find_library("c")
-    try:
-        return ctypes.CDLL(name).malloc_trim if name else None
-    except (OSError, AttributeError):  # not glibc
-        return None
 
 
 def body_route_class(parser: BodyParser) -> type[APIRoute]:

@@ -6,17 +6,14 @@ Used inside the engine core at TP=1 and inside each worker process at TP>1; the 
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import ctypes.util
 import logging
 import math
-import mmap
 
 import torch
 
 from otel_engine.config import EngineConfig
 from otel_engine.ipc.messages import ModelInput, ModelOutput, PromptLogprobsChunk
+from otel_engine.memory import huge_page_region, return_freed_memory
 from otel_engine.model.arch import load_model_arch
 from otel_engine.model.attention import AttentionMetadata
 from otel_engine.model.limits import dtype_name, resolve_limits
@@ -58,7 +55,8 @@ class ModelRunner:
         keep = self.model.fast_paths.is_on("quant_kernels")
         self.model.load_weights(iter_weights(model_dir, keep_quantized=keep))
         self._load_int4(model_dir)
-        _return_freed_memory()  # the staged checkpoint, and bfloat16 copies the 4-bit replaced
+        self.model.place_blocks()  # out of the file's mapping, onto 2 MiB pages
+        return_freed_memory()  # the staged checkpoint, and bfloat16 copies the 4-bit replaced
         shape = (
             self.model.num_kv_heads,
             self.limits.num_kv_blocks,
@@ -150,9 +148,6 @@ def _greedy_only(step: ModelInput) -> bool:
     return all(t == 0.0 for t in step.temperatures)
 
 
-_HUGE_PAGE = 2 << 20
-
-
 def _kv_caches(
     shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, num_layers: int
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -173,37 +168,16 @@ def _kv_caches(
     size = math.prod(shape) * dtype.itemsize  # back to back: padding each to a page of its
     length = 2 * num_layers * size  # own left up to 56 MB of the default 1 GiB unused
     try:
-        region = mmap.mmap(-1, length + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    except OSError as error:
-        raise MemoryError(
-            f"the KV cache ({length / 2**30:.2f} GiB for {num_layers} layers) could not be "
-            f"mapped ({error.strerror}): lower --kv-cache-memory-gib or --num-kv-blocks"
-        ) from error
-    whole = torch.frombuffer(region, dtype=torch.uint8)  # keeps the mapping alive
-    start = -whole.data_ptr() % _HUGE_PAGE
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)  # Linux only
-    if advice is not None:
-        with contextlib.suppress(OSError):  # a kernel without THP: 4 KiB pages
-            region.madvise(advice, start, length)
+        whole = huge_page_region(length, f"the KV cache for {num_layers} layers")
+    except MemoryError as error:
+        raise MemoryError(f"{error}: lower --kv-cache-memory-gib or --num-kv-blocks") from error
     # Written now, as torch.zeros does: a page first written inside a step costs a fault there
     # (32 prompts of 128 tokens: 0.28-0.43 s more prefill on a fresh cache). Writing it with
     # torch's threads took 0.03-0.64 s for 1 GiB here, MADV_POPULATE_WRITE 0.47-2.3 s.
-    whole[start : start + length].zero_()
+    whole.zero_()
 
     def cache(index: int) -> torch.Tensor:
-        offset = start + index * size
+        offset = index * size
         return whole[offset : offset + size].view(dtype).view(shape)
 
     return [(cache(2 * layer), cache(2 * layer + 1)) for layer in range(num_layers)]
-
-
-def _return_freed_memory() -> None:
-    """Hand the heap's free pages back to the system (glibc's malloc_trim): what loading freed
-    otherwise stays in the process's arenas (the default model's engine core: 2,008 MB
-    resident after loading, 1,763 MB after this)."""
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name)
-        libc.malloc_trim(0)
-    except (OSError, AttributeError, TypeError):  # not glibc: nothing to do
-        return

@@ -7,7 +7,6 @@ The gguf package and torch are imported by the functions that need them."""
 
 from __future__ import annotations
 
-import ctypes
 import fcntl
 import glob
 import json
@@ -23,6 +22,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from otel_engine.cache import cache_root
+from otel_engine.memory import return_freed_memory
 from otel_engine.model.arch import unique_ids
 from otel_engine.model.weights import QUANT_FILE, QUANT_TYPES
 
@@ -141,7 +141,7 @@ def cached_conversion(gguf_path: str) -> str:
         tmp = tempfile.mkdtemp(prefix=f".{key}.tmp-", dir=root)
         try:
             _convert_gguf(gguf_path, tmp)
-            _release_freed_memory()
+            return_freed_memory()  # the conversion held the whole file
             os.rename(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -149,16 +149,6 @@ def cached_conversion(gguf_path: str) -> str:
                 return final  # lost a race where flock does not exclude (some network mounts)
             raise
     return final
-
-
-def _release_freed_memory() -> None:
-    """Hand the conversion's freed heap back to the system (glibc keeps it otherwise: the API
-    server that converted an 8B file stayed at 1 GB, against 0.4 GB when it did not)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc
-        return
-    libc.malloc_trim(0)
 
 
 def _convert_gguf(gguf_path: str, out: str) -> None:

@@ -26,6 +26,7 @@ Q4_0/Q4_1 where the 4-bit kernels are off) are multiplied from their blocks
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Iterable
 
@@ -33,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from otel_engine.memory import huge_page_copies
 from otel_engine.model import fast_paths
 from otel_engine.model.arch import ModelArch
 from otel_engine.model.attention import AttentionMetadata
@@ -429,6 +431,48 @@ class LlamaModel:
                 setattr(target, attribute, weight)
                 setattr(target, attribute.removesuffix("4"), _DROPPED)
         return None
+
+    def place_blocks(self) -> None:
+        """Copy every matrix kept in its GGUF blocks (layers, embedding, LM head, 4-bit tiles'
+        sources) out of the checkpoint file's mapping into one region of 2 MiB pages
+        (`memory.huge_page_copies`), dropping the mapping: a token reads them all, and from
+        the page cache's 4 KiB pages that ran at two thirds of the speed (Llama-3.1-8B
+        Q4_K_M: 504 ms a token). The resident bytes stay the blocks' own: once unmapped, the
+        file's pages no longer count."""
+        matrices: list[tuple[LlamaLayer, str]] = []  # layer attributes holding QuantWeights
+        fours: list[tuple[LlamaLayer, str]] = []  # and Int4Weights with blocks for their tiles
+        for layer in self.layers:
+            for name in _MATRICES:
+                if getattr(layer, f"{name}_q") is not None:
+                    matrices.append((layer, f"{name}_q"))
+                int4 = getattr(layer, f"{name}4")
+                if int4 is not None and int4.blocks is not None:
+                    fours.append((layer, f"{name}4"))
+        weights = [getattr(layer, name) for layer, name in matrices]
+        weights += [getattr(layer, name).blocks for layer, name in fours]
+        weights += [self.lm_head_q] if self.lm_head_q is not None else []
+        tensors = [self.embed_q] if self.embed_q is not None else []
+        tensors += [part for weight in weights for part in weight.parts]
+        if not tensors:
+            return
+        copies = huge_page_copies([t.raw for t in tensors], "the model's GGUF blocks")
+        placed = {
+            id(tensor): QuantTensor(copy, tensor.kind, tensor.cols)
+            for tensor, copy in zip(tensors, copies, strict=True)
+        }
+
+        def moved(weight: QuantWeight) -> QuantWeight:
+            return dataclasses.replace(weight, parts=tuple(placed[id(p)] for p in weight.parts))
+
+        if self.embed_q is not None:
+            self.embed_q = placed[id(self.embed_q)]
+        if self.lm_head_q is not None:
+            self.lm_head_q = moved(self.lm_head_q)
+        for layer, name in matrices:
+            setattr(layer, name, moved(getattr(layer, name)))
+        for layer, name in fours:
+            int4 = getattr(layer, name)
+            setattr(layer, name, dataclasses.replace(int4, blocks=moved(int4.blocks)))
 
     def _int4_blocks(self, parts: list[Int4Tensor], *, by_columns: bool) -> QuantWeight | None:
         """This rank's shard of the parts' blocks, for larger steps in tiles where the fast

@@ -22,6 +22,7 @@ from otel_engine.engine.structured_output import (
 )
 from otel_engine.errors import RequestError
 from otel_engine.ipc.messages import LogitsProcessing
+from otel_engine.memory import return_freed_memory
 from otel_engine.model.arch import load_model_arch
 from otel_engine.model.sampler import GRAMMAR_BAN, Sampler, apply_grammar, process_logits
 from otel_engine.sampling_params import MAX_SCHEMA_BYTES, StructuredOutput
@@ -468,7 +469,7 @@ def test_a_costly_grammar_fails_at_its_mask_budget_and_its_memory_comes_back(
     compiler = compiler_for(tiny_model_dir)
     compiler.start().result(timeout=60)
     spec = StructuredOutput("json_schema", json.dumps(COSTLY))
-    structured_output._trim_heap()
+    return_freed_memory()
     before = structured_output._rss_bytes()
     grammars = [compiler.submit(spec).result(timeout=60) for _ in range(4)]
     _drive(grammars, 1000, seed=1)

@@ -149,6 +149,17 @@ def _gguf(tmp_path: Path, head_dim: int, quant: dict[str, str], tie: bool = Fals
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9] * 11, list(range(10, 50))]  # decodes and long prefills
 
 
+def _mapping_of(address: int) -> str:
+    """The path of the file mapped at `address` in this process ("" for anonymous memory)."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            if start <= address < end:
+                return fields[5].strip() if len(fields) > 5 else ""
+    raise AssertionError(f"{address:#x} is not mapped")
+
+
 def _greedy(model: str, int4: str, tp: int) -> tuple[list[list[int]], list[dict[int, float]]]:
     with LLM(model=model, dtype="bfloat16", int4=int4, tensor_parallel_size=tp) as llm:
         client = llm._frontend.client
@@ -162,6 +173,9 @@ def _greedy(model: str, int4: str, tp: int) -> tuple[list[list[int]], list[dict[
                 assert model.embed_q is not None
                 assert model.lm_head_q is not None
                 assert model.embed.numel() == model.lm_head.numel() == 0
+                # copied out of the checkpoint file's mapping into anonymous memory
+                for raw in (model.embed_q.raw, layer.qkv_q.parts[0].raw):
+                    assert _mapping_of(raw.data_ptr()) == ""
         params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=5)
         outputs = [o.outputs[0] for o in llm.generate([list(p) for p in PROMPTS], params)]
     tops = []
