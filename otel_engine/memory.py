@@ -15,8 +15,10 @@ import ctypes.util
 import mmap
 from collections.abc import Callable, Sequence
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where a region is made: processes without it use the rest
+    import torch
 
 HUGE_PAGE = 2 << 20
 _ALIGN = 64  # each tensor of a region starts on a cache line
@@ -26,6 +28,8 @@ def huge_page_region(length: int, what: str) -> torch.Tensor:
     """`length` bytes (uint8, not yet written) of one anonymous mapping advised MADV_HUGEPAGE
     (transparent huge pages, enabled as `madvise` or `always`), starting on a 2 MiB boundary;
     the tensor keeps the mapping alive. MemoryError naming `what` if it cannot be mapped."""
+    import torch
+
     try:
         region = mmap.mmap(-1, length + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     except OSError as error:

@@ -7,12 +7,17 @@ build can run: the one place that turns `--kernels` and `--int4` into paths.
   onednn_packing    weights prepacked for oneDNN (else `F.linear`): CPU, float32, or
                     bfloat16 where oneDNN has a bfloat16 path on this CPU
   int4_kernels      a 4-bit checkpoint multiplied by its own weights (else their bfloat16
-                    copies): bfloat16, a build for AVX-512 BF16
+                    copies): bfloat16, a build for AVX-512 BF16; steps of more than 16 rows
+                    by tiles of the blocks where torch's matmul runs on AMX (`int4_tiles`),
+                    else by bfloat16 panels
   quant_kernels     a GGUF file's Q8_0, Q4_K, Q5_K and Q6_K matrices (and Q4_0/Q4_1 ones the
-                    4-bit kernels do not take) multiplied from their blocks (else their
-                    bfloat16 copies): bfloat16, a build for AVX-512 BF16
+                    4-bit kernels do not take), and then its embedding and LM head, multiplied
+                    from their blocks (else their bfloat16 copies): bfloat16, a build for
+                    AVX-512 BF16
   prefill_kernel    prompt attention in cpu_kernels.c (else torch's fused attention):
-                    bfloat16, head size 64, a build for AVX-512 BF16
+                    bfloat16, head size 64 or 128, a build for AVX-512 BF16; where torch's
+                    matmul runs on AMX only steps whose chunks are all of at most 32 tokens
+                    (`prefill_kernel_max_query`)
   decoder_stack     a whole model's layers in one call (else the per-layer loop): the 4-bit
                     kernels on every layer, one rank, head size 64
 

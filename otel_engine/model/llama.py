@@ -17,11 +17,14 @@ multiplies by its own 4-bit weights instead where the kernels are built for AVX-
 in `q4_linear_bf16` (cpu_kernels.c; the exact 4-bit weights, 4x fewer bytes to read than
 bfloat16, and a decode step of a few sequences is bound by reading them), larger ones in
 `panel_linear_bf16` (the same weights dequantized once at load into bfloat16 panels that it
-streams ahead of use: 24% faster than oneDNN at 32 rows). A model that is all 4-bit on one
-rank runs its whole decoder stack in one call (`decoder_stack_bf16`, `DecoderStack`).
-A GGUF file's matrices in the other formats the kernels read (Q8_0, Q4_K, Q5_K, Q6_K, and
-Q4_0/Q4_1 where the 4-bit kernels are off) are multiplied from their blocks
-(`quant_kernels`: model/quant.py) and never copied to bfloat16.
+streams ahead of use: 24% faster than oneDNN at 32 rows without AMX), or where torch's matmul
+runs on AMX, in tiles of the file's blocks dequantized for it (no panels). A model that is
+all 4-bit on one rank runs its whole decoder stack in one call (`decoder_stack_bf16`,
+`DecoderStack`) for the steps the stack takes. A GGUF file's matrices in the other formats
+the kernels read (Q8_0, Q4_K, Q5_K, Q6_K, and Q4_0/Q4_1 where the 4-bit kernels are off),
+and then its embedding and LM head, are multiplied from their blocks (`quant_kernels`:
+model/quant.py) and never copied to bfloat16; after load every block is copied out of the
+file's mapping onto 2 MiB pages (`place_blocks`).
 """
 
 from __future__ import annotations
