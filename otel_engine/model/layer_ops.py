@@ -243,7 +243,7 @@ class KernelOps(TorchOps):
             if head_dim == STACK_HEAD_DIM and "decoder_stack" in paths:
                 self.decoder_stack = getattr(library, "decoder_stack_bf16", None)
         # the longest chunk the kernel takes (None: any); longer ones run in torch's fused
-        # attention, as does the whole step's prefill then (fast_paths.PREFILL_KERNEL_MAX_QUERY)
+        # attention, as does the whole step's prefill then (fast_paths.PREFILL_KERNEL_MAX_QUERY_AMX)
         self.prefill_kernel_max_query = prefill_kernel_max_query
         self._prefill_scratch = torch.empty(0, dtype=dtype)  # its packed keys and values
         half = head_dim // 2

@@ -58,10 +58,10 @@ def shard_columns(tensor: QuantTensor, rank: int, size: int) -> QuantTensor | No
 
 
 def pack_quant(parts: list[QuantTensor]) -> QuantWeight | None:
-    """This rank's fused rows (already sharded), each part as it is, so that one read from
-    the file stays the file's pages (mapped, not copied: concatenating q and k, gate and up
-    had copied them, and the pages touched stayed resident beside the copy: 2.4 GB of
-    Llama-3.1-8B's Q4_K_M); None if the parts' widths differ."""
+    """This rank's fused rows (already sharded), each part as it is: concatenating q and k,
+    gate and up had copied them while the file's pages they were read from stayed resident
+    beside the copy (2.4 GB of Llama-3.1-8B's Q4_K_M); `LlamaModel.place_blocks` copies every
+    part once, after load. None if the parts' widths differ."""
     cols = {part.cols for part in parts}
     if len(cols) != 1:
         return None
