@@ -16,36 +16,18 @@ path without kernels. Prints milliseconds per call (median); nothing is asserted
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import time
+
+import common  # noqa: F401  (puts the repo root on sys.path for tests.helpers)
+
+from tests.helpers.paged import step_metadata
 
 SHAPES = {  # head size: (query heads, KV heads) of the models named above
     64: [(9, 3), (32, 8)],
     128: [(16, 2), (32, 8)],
 }
 BLOCK_SIZE = 16
-
-
-def _metadata(query_lens: list[int], seq_lens: list[int], num_blocks: int) -> dict[str, object]:
-    rng = random.Random(0)
-    free = list(range(num_blocks))
-    rng.shuffle(free)
-    tables = [[free.pop() for _ in range(-(-n // BLOCK_SIZE))] for n in seq_lens]
-    positions, slots = [], []
-    for query_len, seq_len, table in zip(query_lens, seq_lens, tables, strict=True):
-        for p in range(seq_len - query_len, seq_len):
-            positions.append(p)
-            slots.append(table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE)
-    return {
-        "positions": positions,
-        "slot_mapping": slots,
-        "num_decodes": sum(1 for n in query_lens if n == 1),
-        "query_lens": query_lens,
-        "seq_lens": seq_lens,
-        "block_tables": tables,
-        "block_size": BLOCK_SIZE,
-    }
 
 
 def _time(run: object, repeats: int) -> float:
@@ -116,7 +98,7 @@ def main() -> None:
                 steps[f"prefill {prompt}"] = ([prompt], [prompt])
             for step, (query_lens, seq_lens) in steps.items():
                 need = sum(-(-n // BLOCK_SIZE) for n in seq_lens)
-                metadata = _metadata(query_lens, seq_lens, 2 * need)
+                metadata = step_metadata(query_lens, seq_lens, BLOCK_SIZE, 2 * need, 0)
                 shape = (kv_heads, 2 * need, BLOCK_SIZE, head_dim)
                 k_cache, v_cache = torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)
                 qkv = torch.randn(sum(query_lens), (heads + 2 * kv_heads) * head_dim).to(dtype)
