@@ -20,6 +20,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("cpu", "cuda")
 KERNELS = ("auto", "torch")
 INT4 = ("auto", "off")
+QUANT_ACTIVATIONS = ("int8", "bfloat16")
 GENERATION_CONFIGS = ("auto", "none")
 
 
@@ -36,6 +37,8 @@ class ModelConfig:
     seed: int = 0
     kernels: str = "auto"  # auto: the fast paths this CPU can run (model/fast_paths.py)
     int4: str = "auto"  # auto: a 4-bit checkpoint multiplies by its own weights (fast paths)
+    # what x is multiplied by a GGUF file's K-quant and Q8_0 blocks in (model/fast_paths.py)
+    quant_activations: str = "int8"
     # Sampling defaults for fields a request omits (engine/generation_defaults.py).
     generation_config: str = "auto"
     override_generation_config: str | None = None  # JSON object, wins field by field
@@ -133,6 +136,11 @@ class EngineConfig:
         parse_override(self.model.override_generation_config)
         if self.model.int4 not in INT4:
             raise ValueError(f"int4 must be one of {INT4}, got {self.model.int4!r}")
+        if self.model.quant_activations not in QUANT_ACTIVATIONS:
+            raise ValueError(
+                f"quant_activations must be one of {QUANT_ACTIVATIONS}, "
+                f"got {self.model.quant_activations!r}"
+            )
         if self.model.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.model.device!r}")
         self._validate_sizes()

@@ -50,6 +50,7 @@ class ModelRunner:
             max_positions=self.limits.max_model_len,
             kernels=config.model.kernels,
             int4=config.model.int4,
+            quant_activations=config.model.quant_activations,
             block_size=self.block_size,
         )
         keep = self.model.fast_paths.is_on("quant_kernels")

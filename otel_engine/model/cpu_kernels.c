@@ -1017,23 +1017,33 @@ static inline float half_f16c(const uint8_t *p) {
 }
 
 /* A Q4_K or Q5_K block's 8 sub-block scales d * sc and shifts dmin * m as float32 (the
- * products scale_min_k4's values give: exact), the 6-bit fields unpacked 32 bits at a time. */
-static inline void k4_scales(const uint8_t *restrict b, float *restrict scales,
-                             float *restrict shifts) {
-    uint32_t packed[3], unpacked[4];
+ * products scale_min_k4's values give: exact), the 6-bit fields unpacked 32 bits at a time
+ * and moved into a vector whole (four 32-bit stores read back as one 128-bit load stall the
+ * load: a third of a Q4_K row's time at one row of x). */
+static inline void k4_scale_vectors(const uint8_t *restrict b, __m256 *restrict scales,
+                                    __m256 *restrict shifts) {
+    uint32_t packed[3];
     memcpy(packed, b + 4, sizeof packed);
     const uint32_t six = 0x3f3f3f3fu, four = 0x0f0f0f0fu, two = 0x03030303u;
-    unpacked[0] = packed[0] & six;                                     /* sc of 0-3 */
-    unpacked[1] = (packed[2] & four) | (((packed[0] >> 6) & two) << 4); /* sc of 4-7 */
-    unpacked[2] = packed[1] & six;                                     /* m of 0-3 */
-    unpacked[3] = ((packed[2] >> 4) & four) | (((packed[1] >> 6) & two) << 4); /* m of 4-7 */
-    const __m128i fields = _mm_loadu_si128((const __m128i *)unpacked);
+    const __m128i fields = _mm_set_epi32(
+        (int)(((packed[2] >> 4) & four) | (((packed[1] >> 6) & two) << 4)), /* m of 4-7 */
+        (int)(packed[1] & six),                                             /* m of 0-3 */
+        (int)((packed[2] & four) | (((packed[0] >> 6) & two) << 4)),        /* sc of 4-7 */
+        (int)(packed[0] & six));                                            /* sc of 0-3 */
     const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(fields));
     const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(fields, 8)));
     uint16_t halves[2];
     memcpy(halves, b, sizeof halves);
-    _mm256_store_ps(scales, _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(halves[0])), sc));
-    _mm256_store_ps(shifts, _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(halves[1])), m));
+    *scales = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(halves[0])), sc);
+    *shifts = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(halves[1])), m);
+}
+
+static inline void k4_scales(const uint8_t *restrict b, float *restrict scales,
+                             float *restrict shifts) {
+    __m256 sc, m;
+    k4_scale_vectors(b, &sc, &m);
+    _mm256_store_ps(scales, sc);
+    _mm256_store_ps(shifts, m);
 }
 
 /* 32 weights scale * q - shift as bfloat16 (scale_low for the first 16, scale_high for the
@@ -1291,6 +1301,306 @@ void quant_linear_bf16(bf16 *restrict out, const bf16 *restrict x, const uint8_t
     }
 }
 
+/* ---- GGUF blocks times 8-bit activations (AVX-512 VNNI) --------------------------------------
+ *
+ * out[r, j] = x[r, :] . W[j, :] as llama.cpp computes it on a CPU: each row of x quantized to
+ * int8 (round to nearest, one float32 scale per group: 256 for the K-quants, ggml's Q8_K; 32
+ * for Q8_0, Q4_0 and Q4_1, its Q8_0), then each block's integer q times those int8 by vpdpbusd
+ * (exact int32 sums of 4 products per lane), scaled in float32 by the block's (sub-block's)
+ * scale times the group's. The q of a format are unsigned bytes where vpdpbusd wants them:
+ * Q4_0's q - 8, Q6_K's q - 32 and Q8_0's w + 128 (its sign bit flipped) carry their offset
+ * into each lane's starting value, -offset * (that lane's 4 int8 of x), computed once per call.
+ * Q4_K, Q5_K and Q4_1's mins are times the float32 sums of x per 32 (exact, unquantized).
+ *
+ * What changes against `quant_linear_bf16`: x's rounding, to 8 bits per group instead of
+ * bfloat16's 8 significant bits per element (tests/model/test_gguf_quants.py bounds it); a
+ * matrix row costs about half the instructions, the unpacking of its blocks shared by up
+ * to QI8_TILE_ROWS rows of x. */
+#if defined(__AVX512VNNI__)
+#define QI8_TILE_ROWS 8
+
+/* x quantized for one call, per row: k int8 in the order the format's q come out of one
+ * load (Q4_K and Q5_K: each block's sub-blocks 0, 2, 1, 3, 4, 6, 5, 7; Q8_0, Q4_0 and Q4_1:
+ * each run of 4 blocks as their first 16, then their last 16; a last run of fewer blocks in
+ * order), k / group scales, and for the runs of 4 blocks per lane of a 16-lane vector:
+ * the offset it starts from (formats with one), its block's scale and Q4_1's sum of x / 4
+ * (k / 4 entries a row; the K-quants' offsets use all 64 a block, in order); k / 32 sums */
+typedef struct {
+    int8_t *q;
+    float *scale;
+    int32_t *offset;
+    float *lane_scale;
+    float *lane_sum;
+    float *sums;
+} quantized_x;
+
+#define Q8_RUN 4 /* blocks of 32 per 16-lane vector pair of Q8_0, Q4_0 and Q4_1 */
+
+static int64_t q8_group(int64_t type) { return quant_block_weights(type) == 256 ? 256 : 32; }
+static int q8_offset(int64_t type) {
+    return type == GGML_Q4_0 ? 8 : type == GGML_Q6_K ? 32 : type == GGML_Q8_0 ? 128 : 0;
+}
+
+/* where element i (0-127) of a run of 4 blocks of 32 goes: block i / 32's first or last 16 */
+static inline int64_t run_position(int64_t i) { return (i % 32 / 16) * 64 + (i / 32) * 16 + i % 16; }
+
+static void quantize_x(quantized_x *qx, int64_t type, const bf16 *restrict x, int64_t rows,
+                       int64_t k) {
+    static const int order[8] = {0, 2, 1, 3, 4, 6, 5, 7};
+    const int kquant = is_kquant(type), reorder = type == GGML_Q4_K || type == GGML_Q5_K;
+    const int64_t group = q8_group(type), groups = k / group, runs = k / (32 * Q8_RUN);
+    const int offset = q8_offset(type);
+    for (int64_t r = 0; r < rows; r++) {
+        const bf16 *xr = x + r * k;
+        int8_t *qr = qx->q + r * k;
+        for (int64_t g = 0; g < groups; g++) {
+            const bf16 *xg = xr + g * group;
+            vec amax = ZERO();
+            for (int64_t i = 0; i < group; i += 16)
+                amax = _mm512_max_ps(amax, _mm512_abs_ps(load_bf16(xg + i, 16)));
+            const float d = _mm512_reduce_max_ps(amax) / 127.0f;
+            const vec inverse = SET(d > 0.0f ? 1.0f / d : 0.0f);
+            qx->scale[r * groups + g] = d;
+            for (int64_t i = 0; i < group; i += 16) {
+                const int64_t at = g * group + i;
+                const int64_t to = reorder                        ? g * group + 32 * order[i / 32] + i % 32
+                                   : !kquant && at / 128 < runs ? at / 128 * 128 + run_position(at % 128)
+                                                                : at;
+                const __m512i q = _mm512_cvtps_epi32(MUL(load_bf16(xg + i, 16), inverse));
+                _mm_storeu_si128((__m128i *)(qr + to), _mm512_cvtsepi32_epi8(q));
+            }
+        }
+        if (qx->sums)
+            for (int64_t g = 0; g < k / 32; g++)
+                qx->sums[r * (k / 32) + g] =
+                    _mm512_reduce_add_ps(ADD(load_bf16(xr + 32 * g, 16), load_bf16(xr + 32 * g + 16, 16)));
+        int32_t *starts = qx->offset ? qx->offset + r * (k / 4) : NULL;
+        if (offset) /* -offset times each lane's 4 int8 (k is a multiple of 32) */
+            for (int64_t i = 0; i < k; i += 32) {
+                const __m256i sums = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8((char)offset),
+                                                         _mm256_loadu_si256((const __m256i *)(qr + i)));
+                _mm256_storeu_si256((__m256i *)(starts + i / 4), _mm256_sub_epi32(_mm256_setzero_si256(), sums));
+            }
+        if (kquant) continue;
+        for (int64_t run = 0; run < runs; run++) { /* lane l of a run: block l / 4 */
+            const int64_t at = r * (k / 4) + run * 32, block = r * (k / 32) + run * Q8_RUN;
+            const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+            _mm512_storeu_ps(qx->lane_scale + at, _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(qx->scale + block))));
+            if (qx->lane_sum)
+                _mm512_storeu_ps(qx->lane_sum + at, MUL(SET(0.25f), _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(qx->sums + block)))));
+            if (offset) { /* a lane's first 16 and last 16 in one start: the 8 lanes of each */
+                int32_t *o = starts + run * 32;
+                _mm512_storeu_si512(o, _mm512_add_epi32(_mm512_loadu_si512(o), _mm512_loadu_si512(o + 16)));
+            }
+        }
+    }
+}
+
+static inline float hsum256(__m256 v) {
+    const __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    return _mm_cvtss_f32(_mm_hadd_ps(_mm_hadd_ps(m, m), _mm_hadd_ps(m, m)));
+}
+
+/* ROWS rows of x against one K-quant row of W: per block its 256 q as four vectors of 64
+ * bytes, each lane's 4-product int32 sum as float32 times its sub-block's scale, the block's
+ * total times the row's group scale. */
+static inline __attribute__((always_inline)) void kquant_row_q8(
+    const int ROWS, int64_t type, const uint8_t *restrict row, const quantized_x *qx,
+    int64_t r0, int64_t k, bf16 *restrict out, int64_t ldo) {
+    const int64_t blocks = k / 256, bytes = quant_block_bytes(type);
+    const __m512i low4 = _mm512_set1_epi8(0x0f);
+    /* lanes 0-7 and 8-15 of vector i: Q4_K / Q5_K sub-blocks (0, 2), (1, 3), (4, 6), (5, 7) */
+    const __m512i pick[4] = {
+        _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0),
+        _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1),
+        _mm512_set_epi32(6, 6, 6, 6, 6, 6, 6, 6, 4, 4, 4, 4, 4, 4, 4, 4),
+        _mm512_set_epi32(7, 7, 7, 7, 7, 7, 7, 7, 5, 5, 5, 5, 5, 5, 5, 5)};
+    vec acc[QI8_TILE_ROWS];
+    __m256 mins[QI8_TILE_ROWS];
+    for (int r = 0; r < ROWS; r++) {
+        acc[r] = ZERO();
+        mins[r] = _mm256_setzero_ps();
+    }
+    const int8_t *xq = qx->q + r0 * k;
+    const float *xd = qx->scale + r0 * blocks;
+    for (int64_t blk = 0; blk < blocks; blk++) {
+        const uint8_t *b = row + blk * bytes;
+        for (int64_t line = 0; line < bytes; line += 64) prefetch_line(b + QUANT_AHEAD + line);
+        __m512i w[4];
+        vec scale[4];
+        if (type == GGML_Q6_K) {
+            const float d = half_f16c(b + 208);
+            const vec sc = MUL(SET(d), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 192)))));
+            const __m512i two_bits = _mm512_set1_epi8(0x30);
+            for (int h = 0; h < 2; h++) {
+                const __m512i low = _mm512_loadu_si512(b + 64 * h);
+                const __m512i high = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h)));
+                /* weights 0-63 of the half: bits 0-1 then 2-3 of qh; 64-127: 4-5 then 6-7 */
+                const __m512i first = _mm512_slli_epi16(_mm512_srlv_epi16(high, _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1)), 4);
+                const __m512i second = _mm512_slli_epi16(_mm512_srlv_epi16(high, _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1)), 4);
+                w[2 * h] = _mm512_ternarylogic_epi32(_mm512_and_si512(low, low4), first, two_bits, 0xf8);
+                w[2 * h + 1] = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(low, 4), low4), second, two_bits, 0xf8);
+            }
+            for (int i = 0; i < 4; i++) /* lane l of vector i: sub-block 4 i + l / 4 */
+                scale[i] = _mm512_permutexvar_ps(_mm512_set_epi32(4 * i + 3, 4 * i + 3, 4 * i + 3, 4 * i + 3, 4 * i + 2, 4 * i + 2, 4 * i + 2, 4 * i + 2, 4 * i + 1, 4 * i + 1, 4 * i + 1, 4 * i + 1, 4 * i, 4 * i, 4 * i, 4 * i), sc);
+            for (int r = 0; r < ROWS; r++) {
+                const int8_t *xb = xq + r * k + blk * 256;
+                const int32_t *start = qx->offset + (r0 + r) * (k / 4) + blk * 64;
+                vec total = ZERO();
+                for (int i = 0; i < 4; i++) {
+                    const __m512i sums = _mm512_dpbusd_epi32(_mm512_loadu_si512(start + 16 * i), w[i], _mm512_loadu_si512(xb + 64 * i));
+                    total = FMA(_mm512_cvtepi32_ps(sums), scale[i], total);
+                }
+                acc[r] = FMA(total, SET(xd[r * blocks + blk]), acc[r]);
+            }
+            continue;
+        }
+        const uint8_t *qs = type == GGML_Q5_K ? b + 48 : b + 16;
+        const __m512i a = _mm512_loadu_si512(qs), c = _mm512_loadu_si512(qs + 64);
+        w[0] = _mm512_and_si512(a, low4);
+        w[1] = _mm512_and_si512(_mm512_srli_epi16(a, 4), low4);
+        w[2] = _mm512_and_si512(c, low4);
+        w[3] = _mm512_and_si512(_mm512_srli_epi16(c, 4), low4);
+        if (type == GGML_Q5_K) {
+            const __m512i high = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 16)));
+            static const int first[4] = {0, 1, 4, 5}; /* vector i's sub-blocks: first[i], + 2 */
+            for (int i = 0; i < 4; i++) {
+                const __m512i counts = _mm512_inserti64x4(_mm512_set1_epi16((short)first[i]), _mm256_set1_epi16((short)(first[i] + 2)), 1);
+                const __m512i bit = _mm512_slli_epi16(_mm512_srlv_epi16(high, counts), 4);
+                w[i] = _mm512_ternarylogic_epi32(w[i], bit, _mm512_set1_epi8(0x10), 0xf8);
+            }
+        }
+        __m256 sc, shift;
+        k4_scale_vectors(b, &sc, &shift);
+        for (int i = 0; i < 4; i++) scale[i] = _mm512_permutexvar_ps(pick[i], _mm512_castps256_ps512(sc));
+        for (int r = 0; r < ROWS; r++) {
+            const int8_t *xb = xq + r * k + blk * 256;
+            vec total = ZERO();
+            for (int i = 0; i < 4; i++) {
+                const __m512i sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[i], _mm512_loadu_si512(xb + 64 * i));
+                total = FMA(_mm512_cvtepi32_ps(sums), scale[i], total);
+            }
+            acc[r] = FMA(total, SET(xd[r * blocks + blk]), acc[r]);
+            mins[r] = _mm256_fmadd_ps(shift, _mm256_loadu_ps(qx->sums + (r0 + r) * (k / 32) + blk * 8), mins[r]);
+        }
+    }
+    for (int r = 0; r < ROWS; r++) store1_bf16(out + r * ldo, HSUM(acc[r]) - hsum256(mins[r]));
+}
+
+/* ROWS rows of x against one Q8_0, Q4_0 or Q4_1 row of W: runs of 4 blocks as two vectors of
+ * their first and last 16 q each (lane l: block l / 4), summed by two vpdpbusd into one int32
+ * per lane, times its block's d and x's scale; a last run of fewer blocks one block at a time */
+static inline __attribute__((always_inline)) void small_row_q8(
+    const int ROWS, int64_t type, const uint8_t *restrict row, const quantized_x *qx,
+    int64_t r0, int64_t k, bf16 *restrict out, int64_t ldo) {
+    const int64_t blocks = k / 32, runs = blocks / Q8_RUN, bytes = quant_block_bytes(type);
+    const int64_t at_q = type == GGML_Q4_0 ? 2 : 4; /* Q4_0 / Q4_1's nibbles; Q8_0: q at 2 */
+    const __m512i low4 = _mm512_set1_epi8(0x0f), flip = _mm512_set1_epi8((char)0x80);
+    const __m128i strides = _mm_set_epi32(3 * (int)bytes, 2 * (int)bytes, (int)bytes, 0);
+    const __m512i even = _mm512_set_epi32(6, 6, 6, 6, 4, 4, 4, 4, 2, 2, 2, 2, 0, 0, 0, 0);
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    vec acc[QI8_TILE_ROWS];
+    for (int r = 0; r < ROWS; r++) acc[r] = ZERO();
+    for (int64_t run = 0; run < runs; run++) {
+        const uint8_t *b = row + run * Q8_RUN * bytes;
+        for (int64_t line = 0; line < Q8_RUN * bytes; line += 64) prefetch_line(b + QUANT_AHEAD + line);
+        __m512i first, last;
+        if (type == GGML_Q8_0) {
+            const __m512i a = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b + 2))),
+                                                 _mm256_loadu_si256((const __m256i *)(b + bytes + 2)), 1);
+            const __m512i c = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b + 2 * bytes + 2))),
+                                                 _mm256_loadu_si256((const __m256i *)(b + 3 * bytes + 2)), 1);
+            first = _mm512_xor_si512(_mm512_shuffle_i64x2(a, c, _MM_SHUFFLE(2, 0, 2, 0)), flip);
+            last = _mm512_xor_si512(_mm512_shuffle_i64x2(a, c, _MM_SHUFFLE(3, 1, 3, 1)), flip);
+        } else {
+            __m512i nibbles = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(b + at_q)));
+            nibbles = _mm512_inserti32x4(nibbles, _mm_loadu_si128((const __m128i *)(b + bytes + at_q)), 1);
+            nibbles = _mm512_inserti32x4(nibbles, _mm_loadu_si128((const __m128i *)(b + 2 * bytes + at_q)), 2);
+            nibbles = _mm512_inserti32x4(nibbles, _mm_loadu_si128((const __m128i *)(b + 3 * bytes + at_q)), 3);
+            first = _mm512_and_si512(nibbles, low4);
+            last = _mm512_and_si512(_mm512_srli_epi16(nibbles, 4), low4);
+        }
+        /* each block's first 4 bytes (d, and Q4_1's m) as 8 halves: d0 m0 d1 m1 ... */
+        const __m256 halves = _mm256_cvtph_ps(_mm_i32gather_epi32((const int *)b, strides, 1));
+        const vec d = _mm512_permutexvar_ps(even, _mm512_castps256_ps512(halves));
+        const vec m = type == GGML_Q4_1 ? _mm512_permutexvar_ps(odd, _mm512_castps256_ps512(halves)) : ZERO();
+        for (int r = 0; r < ROWS; r++) {
+            const int64_t lanes = (r0 + r) * (k / 4) + run * 32;
+            const int8_t *xq = qx->q + (r0 + r) * k + run * 128;
+            const __m512i start = type == GGML_Q4_1 ? _mm512_setzero_si512() : _mm512_loadu_si512(qx->offset + lanes);
+            const __m512i sums = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(start, first, _mm512_loadu_si512(xq)),
+                                                     last, _mm512_loadu_si512(xq + 64));
+            acc[r] = FMA(_mm512_cvtepi32_ps(sums), MUL(d, _mm512_loadu_ps(qx->lane_scale + lanes)), acc[r]);
+            if (type == GGML_Q4_1) acc[r] = FMA(m, _mm512_loadu_ps(qx->lane_sum + lanes), acc[r]);
+        }
+    }
+    const __m256i nibble = _mm256_set1_epi8(0x0f), flip8 = _mm256_set1_epi8((char)0x80);
+    float tail[QI8_TILE_ROWS] = {0};
+    for (int64_t blk = runs * Q8_RUN; blk < blocks; blk++) {
+        const uint8_t *b = row + blk * bytes;
+        const float d = half_f16c(b), m = half_f16c(b + 2); /* m: Q4_1's */
+        __m256i w;
+        if (type == GGML_Q8_0) {
+            w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(b + 2)), flip8);
+        } else {
+            const __m128i nibbles = _mm_loadu_si128((const __m128i *)(b + at_q));
+            w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(nibbles, 4), nibbles), nibble);
+        }
+        for (int r = 0; r < ROWS; r++) {
+            const int64_t at = (r0 + r) * k + blk * 32;
+            const __m256i start = type == GGML_Q4_1 ? _mm256_setzero_si256()
+                                                    : _mm256_loadu_si256((const __m256i *)(qx->offset + at / 4));
+            const __m256i sums = _mm256_dpbusd_epi32(start, w, _mm256_loadu_si256((const __m256i *)(qx->q + at)));
+            tail[r] += d * qx->scale[at / 32] * hsum256(_mm256_cvtepi32_ps(sums));
+            if (type == GGML_Q4_1) tail[r] += m * qx->sums[at / 32];
+        }
+    }
+    for (int r = 0; r < ROWS; r++) store1_bf16(out + r * ldo, HSUM(acc[r]) + tail[r]);
+}
+
+void quant_linear_q8_bf16(bf16 *restrict out, const bf16 *restrict x, const uint8_t *restrict w,
+                          int64_t type, int64_t rows, int64_t n, int64_t k, int64_t ldo) {
+    if (!quant_block_weights(type)) return;
+    const int64_t row_bytes = k / quant_block_weights(type) * quant_block_bytes(type);
+    const int has_sums = type == GGML_Q4_K || type == GGML_Q5_K || type == GGML_Q4_1;
+    quantized_x qx = {
+        .q = malloc((size_t)(rows * k)),
+        .scale = malloc((size_t)(rows * (k / q8_group(type))) * sizeof(float)),
+        .offset = q8_offset(type) ? malloc((size_t)(rows * (k / 4)) * sizeof(int32_t)) : NULL,
+        .lane_scale = is_kquant(type) ? NULL : malloc((size_t)(rows * (k / 4)) * sizeof(float)),
+        .lane_sum = type == GGML_Q4_1 ? malloc((size_t)(rows * (k / 4)) * sizeof(float)) : NULL,
+        .sums = has_sums ? malloc((size_t)(rows * (k / 32)) * sizeof(float)) : NULL,
+    };
+    quantize_x(&qx, type, x, rows, k);
+    const int kquant = is_kquant(type);
+    _Pragma("omp parallel for schedule(static) if (n > 16)")
+    for (int64_t j = 0; j < n; j++)
+        for (int64_t r = 0; r < rows; r += QI8_TILE_ROWS) {
+            const uint8_t *wr = w + j * row_bytes;
+            bf16 *o = out + r * ldo + j;
+            const int64_t tile = rows - r < QI8_TILE_ROWS ? rows - r : QI8_TILE_ROWS;
+#define QI8_CASE(R)                                                                               \
+    case R:                                                                                       \
+        if (kquant) kquant_row_q8(R, type, wr, &qx, r, k, o, ldo);                                \
+        else small_row_q8(R, type, wr, &qx, r, k, o, ldo);                                        \
+        break;
+            switch (tile) {
+                QI8_CASE(8) QI8_CASE(7) QI8_CASE(6) QI8_CASE(5) QI8_CASE(4) QI8_CASE(3) QI8_CASE(2)
+                default:
+                    if (kquant) kquant_row_q8(1, type, wr, &qx, r, k, o, ldo);
+                    else small_row_q8(1, type, wr, &qx, r, k, o, ldo);
+            }
+#undef QI8_CASE
+        }
+    free(qx.q);
+    free(qx.scale);
+    free(qx.offset);
+    free(qx.lane_scale);
+    free(qx.lane_sum);
+    free(qx.sums);
+}
+#endif
+
 #endif
 
 /* ---- prefill attention, bfloat16, head size 64 or 128 (AVX-512 BF16) -------------------------
@@ -1544,7 +1854,7 @@ void decoder_stack_bf16(bf16 *hidden, bf16 *out, const int64_t *layers, const in
  * or target differs from what it expects. otel_kernels_build_tag is read from the file
  * before it is loaded (a library built for another CPU is never run); otel_kernels_contract()
  * says the rest as key=value pairs, the stack's field and dim names in their order. */
-#define OTEL_KERNELS_ABI 4
+#define OTEL_KERNELS_ABI 5
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) &&                  \
     defined(__AVX512VL__) && defined(__AVX512BF16__)
 #define OTEL_KERNELS_ISA "avx512bf16"

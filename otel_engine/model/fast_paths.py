@@ -13,7 +13,8 @@ build can run: the one place that turns `--kernels` and `--int4` into paths.
   quant_kernels     a GGUF file's Q8_0, Q4_K, Q5_K and Q6_K matrices (and Q4_0/Q4_1 ones the
                     4-bit kernels do not take), and then its embedding and LM head, multiplied
                     from their blocks (else their bfloat16 copies): bfloat16, a build for
-                    AVX-512 BF16
+                    AVX-512 BF16; steps of up to 8 rows with x quantized to 8 bits
+                    (`quant_activations` int8, the default) or as it is (bfloat16)
   prefill_kernel    prompt attention in cpu_kernels.c (else torch's fused attention):
                     bfloat16, head size 64 or 128, a build for AVX-512 BF16; where torch's
                     matmul runs on AMX only steps whose chunks are all of at most 32 tokens
@@ -80,6 +81,8 @@ class FastPaths:
     # 4-bit matrices in steps of more than int4.INT4_MAX_ROWS rows: tiles of the file's blocks
     # through torch's matmul (AMX), else bfloat16 panels (which then are built at load)
     int4_tiles: bool = False
+    # how x meets GGUF blocks in the fused kernel: "int8" (quant_linear_q8_bf16) or "bfloat16"
+    quant_activations: str = "int8"
 
     def is_on(self, name: str) -> bool:
         return self.choices[name].enabled
@@ -105,6 +108,7 @@ def choose(
     kernels_flag: str,
     int4_flag: str,
     device: torch.device,
+    quant_activations: str = "int8",
     dtype: torch.dtype,
     head_dim: int,
     rotary_dim: int,
@@ -116,7 +120,12 @@ def choose(
     `decoder_stack` are settled once the checkpoint is loaded (`LlamaModel.load_int4`), and
     `quant_kernels` by `LlamaModel.load_weights`.
     `blocker`: why the model family runs neither the kernels nor prepacked weights."""
-    plan = FastPaths(cpu_isa=_cpu_isa(device), kernel_isa=None, library=None)
+    plan = FastPaths(
+        cpu_isa=_cpu_isa(device),
+        kernel_isa=None,
+        library=None,
+        quant_activations=quant_activations,
+    )
     reason = blocker or _kernel_blocker(kernels_flag, device, dtype, rotary_dim, head_dim)
     target = kernels.target_isa() if reason is None else None
     if target is not None and not kernels_pay_off(target, dtype):
@@ -170,13 +179,19 @@ def _decide_weight_paths(plan: FastPaths, int4_flag: str, has_bf16: bool, needs:
     larger = "tiles of the blocks in torch's matmul (AMX)" if plan.int4_tiles else "panels"
     ways = {
         "int4_kernels": f"the checkpoint's 4-bit weights; larger steps: {larger}",
-        "quant_kernels": "GGUF blocks",
+        "quant_kernels": "GGUF blocks; " + _QUANT_X[plan.quant_activations],
     }
     for name, way in ways.items():
         if int4_flag == "off":
             plan.decide(name, False, "--int4 off")
         else:
             plan.decide(name, has_bf16, way if has_bf16 else needs)
+
+
+_QUANT_X = {
+    "int8": "x in 8 bits per block (integer dot products, as llama.cpp's)",
+    "bfloat16": "x in bfloat16 by the exact weights",
+}
 
 
 def _torch_has_amx() -> bool:

@@ -42,10 +42,11 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 _BUILD_TIMEOUT_S = 120
-ABI_VERSION = 4  # cpu_kernels.c OTEL_KERNELS_ABI
+ABI_VERSION = 5  # cpu_kernels.c OTEL_KERNELS_ABI
 
 # Instruction-set levels of x86-64, lowest first, and the flags that target each: the
-# x86-64 psABI levels (v3: AVX2 and FMA; v4: AVX-512 F/BW/CD/DQ/VL), plus AVX-512 BF16.
+# x86-64 psABI levels (v3: AVX2 and FMA; v4: AVX-512 F/BW/CD/DQ/VL), plus AVX-512 BF16
+# with AVX-512 VNNI.
 # Elsewhere ("generic") the compiler's default target. The tuning is fixed per level, so a
 # build depends on its target alone (with -mtune=skylake-avx512, GCC 12 emits exactly what
 # -march=native did on this project's AVX-512 BF16 machine; generic tuning differed in a
@@ -55,7 +56,7 @@ TARGET_FLAGS: dict[str, tuple[str, ...]] = {
     "baseline": ("-march=x86-64",),
     "avx2": ("-march=x86-64-v3", "-mtune=haswell"),
     "avx512": ("-march=x86-64-v4", "-mtune=skylake-avx512"),
-    "avx512bf16": ("-march=x86-64-v4", "-mavx512bf16", "-mtune=skylake-avx512"),
+    "avx512bf16": ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni", "-mtune=skylake-avx512"),
     "generic": (),
 }
 # Build for a lower level than the CPU's (tests, or to rule out a kernel on a suspect host);
@@ -116,6 +117,7 @@ OPTIONAL_SIGNATURES: dict[str, tuple[tuple[str, type], ...]] = {
         ("num_slots", _I), ("qkv_width", _I), ("scale", _F),
     ),
     "quant_linear_bf16": _QUANT_LINEAR,
+    "quant_linear_q8_bf16": _QUANT_LINEAR,
     "gguf_dequantize_bf16": (("out", _P), ("w", _P), ("type", _I), ("n", _I), ("k", _I)),
     "q4_build_panels_bf16": (("panels", _P), ("w", _P), ("params", _P), ("n", _I), ("k", _I)),
     "panel_linear_bf16": (
@@ -141,7 +143,10 @@ def cpu_isa() -> str:
 
     capability = torch.backends.cpu.get_cpu_capability()
     if capability == "AVX512":
-        return "avx512bf16" if torch.cpu._is_avx512_bf16_supported() else "avx512"
+        # every CPU with AVX-512 BF16 (Cooper Lake, Sapphire Rapids and later, Zen 4 and
+        # later) has AVX-512 VNNI, which the level's 8-bit dot products use: both are checked
+        bf16 = torch.cpu._is_avx512_bf16_supported() and torch.cpu._is_vnni_supported()
+        return "avx512bf16" if bf16 else "avx512"
     return "avx2" if capability == "AVX2" else "baseline"
 
 

@@ -217,9 +217,12 @@ class KernelOps(TorchOps):
             "decoder_stack",
         ),
         prefill_kernel_max_query: int | None = None,
+        quant_activations: str = "int8",
     ) -> None:
         """`paths`: which of the optional fast paths (`fast_paths.PATHS`) to offer, where the
-        library has them (a build for AVX-512 BF16) and they apply (bfloat16; head size 64)."""
+        library has them (a build for AVX-512 BF16) and they apply (bfloat16; head size 64).
+        `quant_activations`: int8 multiplies GGUF blocks by x quantized to 8 bits
+        (`quant_linear_q8_bf16`), bfloat16 by x as it is (`quant_linear_bf16`)."""
         super().__init__(num_heads, num_kv_heads, head_dim, rotary, torch.device("cpu"))
         suffix = _SUFFIX[dtype]
         self._add_rms_norm = getattr(library, f"add_rms_norm_{suffix}")
@@ -236,7 +239,10 @@ class KernelOps(TorchOps):
                 self.q4_build_panels = getattr(library, "q4_build_panels_bf16", None)
                 self.panel_linear = getattr(library, "panel_linear_bf16", None)
             if "quant_kernels" in paths:
-                self.quant_linear = getattr(library, "quant_linear_bf16", None)
+                name = (
+                    "quant_linear_q8_bf16" if quant_activations == "int8" else "quant_linear_bf16"
+                )
+                self.quant_linear = getattr(library, name, None)
                 self.gguf_dequantize = getattr(library, "gguf_dequantize_bf16", None)
             if head_dim in PREFILL_KERNEL_HEAD_DIMS and "prefill_kernel" in paths:
                 self._prefill_attention = getattr(library, "prefill_attention_bf16", None)
@@ -436,4 +442,5 @@ def make_layer_ops(
         dtype,
         paths=paths,
         prefill_kernel_max_query=plan.prefill_kernel_max_query,
+        quant_activations=plan.quant_activations,
     )

@@ -42,7 +42,7 @@ from otel_engine.model import fast_paths
 from otel_engine.model.arch import ModelArch
 from otel_engine.model.attention import AttentionMetadata
 from otel_engine.model.decoder_stack import DecoderStack
-from otel_engine.model.int4 import INT4_MAX_ROWS, Int4Weight, pack_int4
+from otel_engine.model.int4 import INT4_KERNELS_MAX_BYTES, INT4_MAX_ROWS, Int4Weight, pack_int4
 from otel_engine.model.layer_ops import KernelOps, LayerOps, make_layer_ops
 from otel_engine.model.layers import RotaryEmbedding, rms_norm
 from otel_engine.model.limits import check_tensor_parallel
@@ -137,6 +137,7 @@ class LlamaModel:
         max_positions: int | None = None,
         kernels: str = "auto",
         int4: str = "auto",
+        quant_activations: str = "int8",
         block_size: int = 16,
     ) -> None:
         check_tensor_parallel(arch, tp_size)
@@ -171,6 +172,7 @@ class LlamaModel:
         self.fast_paths = fast_paths.choose(
             kernels_flag=kernels,
             int4_flag=int4,
+            quant_activations=quant_activations,
             device=device,
             dtype=dtype,
             head_dim=self.head_dim,
@@ -219,6 +221,7 @@ class LlamaModel:
         lm_head = staged.pop("lm_head.weight", None)
         if lm_head is None or self.arch.tie_word_embeddings:
             lm_head = embed
+        self._leave_4_bits_to_blocks(staged)
         for i, layer in enumerate(self.layers):
             prefix = f"model.layers.{i}."
             take = functools.partial(_pop_prefixed, staged, prefix)
@@ -292,6 +295,33 @@ class LlamaModel:
                 del staged[key]
             setattr(layer, f"{attribute}_q", packed)
             setattr(layer, attribute, _DROPPED)
+
+    def _leave_4_bits_to_blocks(self, staged: Staged) -> None:
+        """With x in 8 bits (`quant_activations` int8), a model whose Q4_0/Q4_1 layer matrices
+        are more than `INT4_KERNELS_MAX_BYTES` runs them from their blocks like every other
+        format, not in the 4-bit kernels' own layout (whose copies cost 0.75 bytes a weight
+        more): `int4_kernels` off."""
+        plan = self.fast_paths
+        if (
+            self._quant is None
+            or plan.quant_activations != "int8"
+            or not plan.is_on("int4_kernels")
+        ):
+            return
+        size = sum(
+            t.raw.numel()
+            for name, t in staged.items()
+            if isinstance(t, QuantTensor)
+            and t.kind in INT4_TYPES
+            and name.startswith("model.layers.")
+        )
+        if size > INT4_KERNELS_MAX_BYTES:
+            plan.decide(
+                "int4_kernels",
+                False,
+                f"{size >> 20} MiB of Q4_0/Q4_1 layers (over {INT4_KERNELS_MAX_BYTES >> 20}): "
+                "from their blocks with x in 8 bits",
+            )
 
     def _quant_shard(self, tensor: QuantTensor, by_columns: bool) -> QuantTensor | None:
         if by_columns:

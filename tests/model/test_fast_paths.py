@@ -60,6 +60,32 @@ def test_on_avx512_bf16_every_path_runs_for_the_default_shape() -> None:
     assert plan.library is not None
 
 
+@pytest.mark.parametrize(
+    ("activations", "function", "says"),
+    [("int8", "quant_linear_q8_bf16", "8 bits"), ("bfloat16", "quant_linear_bf16", "bfloat16")],
+)
+def test_quant_activations_choose_the_gguf_blocks_kernel(
+    activations: str, function: str, says: str
+) -> None:
+    """--quant-activations picks which fused kernel multiplies GGUF blocks, and says so."""
+    require_isa(BF16_ISA)
+    plan = _choose(quant_activations=activations)
+    assert says in plan.choices["quant_kernels"].reason
+    rotary = RotaryEmbedding(64, 32, 10000.0, None, torch.bfloat16, CPU)
+    ops = make_layer_ops(
+        plan, num_heads=2, num_kv_heads=1, head_dim=64, rotary=rotary, dtype=torch.bfloat16,
+        device=CPU,
+    )  # fmt: skip
+    assert isinstance(ops, KernelOps)
+    assert plan.library is not None
+    assert ops.quant_linear is getattr(plan.library, function)
+
+
+def test_an_unknown_quant_activations_value_is_refused() -> None:
+    with pytest.raises(ValueError, match="quant_activations must be one of"):
+        EngineConfig.from_kwargs(quant_activations="int4")
+
+
 def test_head_size_128_runs_the_prefill_kernel_and_amx_sends_large_steps_to_torch() -> None:
     """Head size 128 has its prefill kernel. Where torch's matmuls run on AMX tiles, its
     fused attention is faster on long chunks, so the kernel takes chunks up to

@@ -8,6 +8,7 @@ ranks, head size 64 and 128, and a Q4_K_M-like mix of formats within a layer."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -111,6 +112,66 @@ def test_matmul_from_blocks_within_output_rounding(name: str) -> None:
         assert (error <= 2**-8 * expected.abs() + 1e-4).all(), (rows, error.max())
         if rows <= QUANT_MAX_ROWS:
             assert torch.equal(out[:1], linear(x[:1].contiguous(), weight).double())
+
+
+def _on_the_8_bit_grid(rows: int, cols: int, group: int, seed: int) -> torch.Tensor:
+    """x that 8-bit quantization in groups of `group` keeps exactly: each group's values
+    integers q times a power of two d (q in -127..127, 127 or -127 in every 32), so
+    d = max |x| / 127, x / d = q and q * d = x are all exact."""
+    rng = np.random.default_rng(seed)
+    q = rng.integers(-126, 127, size=(rows, cols // 32, 32))
+    q[:, :, 0] = rng.choice([-127, 127], size=(rows, cols // 32))
+    d = 2.0 ** rng.integers(-12, -2, size=(rows, cols // group, 1))
+    x = (q.reshape(rows, cols // group, group) * d).reshape(rows, cols)
+    return torch.from_numpy(x).to(torch.bfloat16)
+
+
+# columns: K-quant blocks (256, 768); runs of 4 blocks of 32 with and without a last shorter
+# run (Q8_0, Q4_0 and Q4_1: 256, 768; 160 = 5 blocks, 736 = 23)
+_Q8_SHAPES = {name: (256, 768) if name in K_QUANTS else (160, 256, 736) for name in FORMATS}
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_8_bit_activations_are_exact_where_quantizing_x_is(name: str) -> None:
+    """`quant_linear_q8_bf16` (x in 8 bits, integer dot products) on x that quantizes exactly:
+    the float64 product with the file's weights, within the output's bfloat16 rounding, for
+    every row count of a fused step; each row the same whatever the other rows are."""
+    require_isa(BF16_ISA)
+    library = _library()
+    for cols in _Q8_SHAPES[name]:
+        tensor = _tensor(name, 40, cols, seed=cols)
+        weight = _reference(tensor.raw.numpy(), name)
+        group = 256 if name in K_QUANTS else 32  # llama.cpp's Q8_K and Q8_0
+        x = _on_the_8_bit_grid(QUANT_MAX_ROWS + 1, cols, group, seed=cols)
+        exact = x.double() @ torch.from_numpy(weight).double().T
+        for rows in range(1, QUANT_MAX_ROWS + 2):
+            out = torch.empty((rows, 40), dtype=torch.bfloat16)
+            library.quant_linear_q8_bf16(
+                out.data_ptr(), x.data_ptr(), tensor.raw.data_ptr(), tensor.type_id, rows, 40,
+                cols, 40,
+            )  # fmt: skip
+            error = (out.double() - exact[:rows]).abs()
+            bound = 2**-8 * exact[:rows].abs() + 1e-5
+            assert (error <= bound).all(), (cols, rows, error.max())
+            if rows == 1:
+                first = out
+            assert torch.equal(out[:1], first), (cols, rows)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_8_bit_activations_error_on_gaussian_x(name: str) -> None:
+    """On x from a normal distribution the quantization of x costs each output at most 2% of
+    its row's largest (the --quant-activations help states it): measured 0.4-1.2%."""
+    require_isa(BF16_ISA)
+    linear = QuantLinear(_library().quant_linear_q8_bf16, _library().gguf_dequantize_bf16)
+    tensor = _tensor(name, 64, 1024, seed=2)
+    weight = pack_quant([tensor])
+    assert weight is not None
+    x = torch.randn(QUANT_MAX_ROWS, 1024, generator=torch.Generator().manual_seed(1))
+    x = x.to(torch.bfloat16)
+    exact = x.double() @ torch.from_numpy(_reference(tensor.raw.numpy(), name)).double().T
+    error = (linear(x, weight).double() - exact).abs().amax(dim=1)
+    assert (error <= 0.02 * exact.abs().amax(dim=1)).all(), error / exact.abs().amax(dim=1)
 
 
 def test_fused_parts_in_different_formats_and_column_shards() -> None:
@@ -234,6 +295,49 @@ def test_native_greedy_output_at_two_ranks(tmp_path: Path) -> None:
     model = _gguf(tmp_path, 128, Q4_K_M)
     native, _ = _greedy(model, "auto", 2)
     reference, tops = _greedy(model, "off", 1)
+    _assert_same_but_near_ties(native, reference, tops)
+
+
+def _loaded(model_dir: str, tp_size: int = 1, **options: str) -> Any:
+    from otel_engine.model.arch import load_model_arch
+    from otel_engine.model.registry import model_class
+    from otel_engine.model.weights import iter_weights
+
+    arch = load_model_arch(model_dir)
+    model = model_class(arch)(
+        arch, dtype=torch.bfloat16, device=torch.device("cpu"), tp_size=tp_size, **options
+    )
+    model.load_weights(iter_weights(model_dir, keep_quantized=True))
+    return model
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1"])
+def test_large_4_bit_layers_run_from_their_blocks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """With x in 8 bits, Q4_0/Q4_1 layers of more than INT4_KERNELS_MAX_BYTES (here: any) are
+    multiplied from their blocks like the other formats, the 4-bit kernels off with the
+    reason, and give the reference path's greedy output but for near ties; with x in
+    bfloat16 they stay in the 4-bit kernels."""
+    require_isa(BF16_ISA)
+    from otel_engine.model import llama
+    from otel_engine.model.loader import prepare_model_dir
+
+    formats = dict.fromkeys((*PROJECTIONS, "embed_tokens", "lm_head"), name)
+    path = _gguf(tmp_path, 64, formats)
+    model_dir = prepare_model_dir(path)
+    kept = _loaded(model_dir, quant_activations="bfloat16")
+    assert kept.fast_paths.is_on("int4_kernels")
+    assert kept.layers[0].qkv_q is None  # left to the 4-bit kernels
+    monkeypatch.setattr(llama, "INT4_KERNELS_MAX_BYTES", 0)
+    model = _loaded(model_dir)
+    choice = model.fast_paths.choices["int4_kernels"]
+    assert not choice.enabled
+    assert "from their blocks with x in 8 bits" in choice.reason
+    assert model.layers[0].qkv_q is not None
+    assert model.layers[0].down_q is not None
+    native, _ = _greedy(path, "auto", 1)
+    reference, tops = _greedy(path, "off", 1)
     _assert_same_but_near_ties(native, reference, tops)
 
 
