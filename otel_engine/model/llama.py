@@ -299,8 +299,8 @@ class LlamaModel:
     def _leave_4_bits_to_blocks(self, staged: Staged) -> None:
         """With x in 8 bits (`quant_activations` int8), a model whose Q4_0/Q4_1 layer matrices
         are more than `INT4_KERNELS_MAX_BYTES` runs them from their blocks like every other
-        format, not in the 4-bit kernels' own layout (whose copies cost 0.75 bytes a weight
-        more): `int4_kernels` off."""
+        format, not in the 4-bit kernels' own layout (beside the blocks, 0.75 bytes a weight;
+        without AMX also bfloat16 panels, 2 more): `int4_kernels` off."""
         plan = self.fast_paths
         if (
             self._quant is None

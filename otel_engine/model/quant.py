@@ -79,18 +79,22 @@ class QuantLinear:
         self._tile = torch.empty(0, dtype=torch.bfloat16)
 
     def __call__(self, x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
+        if x.shape[0] <= QUANT_MAX_ROWS:
+            return self.fused(x, weight)
+        return self.tiles(x, weight)
+
+    def fused(self, x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
+        """x @ W.T in one pass over W's blocks (the fused kernel, any row count)."""
         rows, k = x.shape
         out = torch.empty((rows, weight.rows), dtype=torch.bfloat16)
-        if rows <= QUANT_MAX_ROWS:
-            column = 0
-            for part in weight.parts:
-                self._linear(
-                    out.data_ptr() + 2 * column, x.data_ptr(), part.raw.data_ptr(),
-                    part.type_id, rows, part.rows, k, weight.rows,
-                )  # fmt: skip
-                column += part.rows
-            return out
-        return self.tiles(x, weight, out)
+        column = 0
+        for part in weight.parts:
+            self._linear(
+                out.data_ptr() + 2 * column, x.data_ptr(), part.raw.data_ptr(),
+                part.type_id, rows, part.rows, k, weight.rows,
+            )  # fmt: skip
+            column += part.rows
+        return out
 
     def tiles(
         self, x: torch.Tensor, weight: QuantWeight, out: torch.Tensor | None = None

@@ -1,0 +1,86 @@
+"""One matrix in its GGUF blocks times a few rows of x, read from memory: the fused kernels
+with x in bfloat16 (`quant_linear_bf16`) and in 8 bits (`quant_linear_q8_bf16`), and the
+tiles dequantized for torch's matmul (model/quant.py), in ms per call.
+
+    .venv/bin/python bench/quant_matmul.py [--formats Q4_K,Q6_K,Q8_0,Q4_0] [--rows 1,4,8,16,32]
+        [--shape 14336x4096]
+
+Each call reads a different copy of the matrix (2 GB of copies in all), so its blocks come
+from memory as a model's do, not from the last-level cache. Random blocks
+(tests/helpers/gguf_blocks.py): the kernels' time does not depend on the values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from otel_engine.model import kernels
+from otel_engine.model.quant import QuantLinear, QuantWeight, pack_quant
+from otel_engine.model.weights import QuantTensor
+from tests.helpers.gguf_blocks import random_blocks
+
+COPIES_BYTES = 2e9
+
+
+def _median_ms(call: Callable[[QuantWeight], object], weights: list[QuantWeight]) -> float:
+    """ms per call over every copy, the median of 3 passes (after one warm-up call)."""
+    call(weights[0])
+    passes = []
+    for _ in range(3):
+        start = time.perf_counter()
+        for weight in weights:
+            call(weight)
+        passes.append((time.perf_counter() - start) / len(weights) * 1e3)
+    return sorted(passes)[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--formats", default="Q4_K,Q6_K,Q8_0,Q4_0")
+    parser.add_argument("--rows", default="1,4,8,16,32")
+    parser.add_argument("--shape", default="14336x4096", help="rows x columns of the matrix")
+    args = parser.parse_args()
+    library = kernels.load()
+    if library is None or not hasattr(library, "quant_linear_q8_bf16"):
+        raise SystemExit("needs the kernels built for avx512bf16 (AVX-512 BF16 and VNNI)")
+    n, k = (int(v) for v in args.shape.split("x"))
+    print(f"{n} x {k} matrix, ms per call (median of 3 passes over the copies)")
+    print("| format | rows | x in bfloat16 | x in 8 bits | tiles + torch matmul |")
+    print("|---|---|---|---|---|")
+    for name in args.formats.split(","):
+        raw = torch.from_numpy(random_blocks(name, n, k, seed=1))
+        count = max(2, int(COPIES_BYTES // raw.numel()))
+        weights: list[QuantWeight] = []
+        for _ in range(count):
+            weight = pack_quant([QuantTensor(raw.clone(), name, k)])
+            assert weight is not None
+            weights.append(weight)
+        for rows in (int(r) for r in args.rows.split(",")):
+            x = torch.randn(rows, k).to(torch.bfloat16)
+            ways = (
+                QuantLinear(library.quant_linear_bf16, library.gguf_dequantize_bf16),
+                QuantLinear(library.quant_linear_q8_bf16, library.gguf_dequantize_bf16),
+            )
+            times = [_median_ms(functools.partial(_fused, way, x), weights) for way in ways]
+            times.append(_median_ms(functools.partial(ways[0].tiles, x), weights))
+            cells = " | ".join(f"{t:.2f}" for t in times)
+            print(f"| {name} | {rows} | {cells} |", flush=True)
+        del weights
+
+
+def _fused(linear: QuantLinear, x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
+    """The fused kernel whatever the row count (QuantLinear tiles beyond QUANT_MAX_ROWS)."""
+    return linear.fused(x, weight)
+
+
+if __name__ == "__main__":
+    main()
