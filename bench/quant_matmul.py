@@ -1,6 +1,7 @@
 """One matrix in its GGUF blocks times a few rows of x, read from memory: the fused kernels
-with x in bfloat16 (`quant_linear_bf16`) and in 8 bits (`quant_linear_q8_bf16`), and the
-tiles dequantized for torch's matmul (model/quant.py), in ms per call.
+with x in bfloat16 (`quant_linear_bf16`) and in 8 bits (`quant_linear_q8_bf16`), the AMX
+tiles kernel (`quant_linear_amx_bf16`, where the CPU has AMX), and the tiles dequantized for
+torch's matmul (model/quant.py), in ms per call.
 
     .venv/bin/python bench/quant_matmul.py [--formats Q4_K,Q6_K,Q8_0,Q4_0] [--rows 1,4,8,16,32]
         [--shape 14336x4096]
@@ -54,8 +55,13 @@ def main() -> None:
         raise SystemExit("needs the kernels built for avx512bf16 (AVX-512 BF16 and VNNI)")
     n, k = (int(v) for v in args.shape.split("x"))
     print(f"{n} x {k} matrix, ms per call (median of 3 passes over the copies)")
-    print("| format | rows | x in bfloat16 | x in 8 bits | tiles + torch matmul |")
-    print("|---|---|---|---|---|")
+    fused = [library.quant_linear_bf16, library.quant_linear_q8_bf16]
+    names = ["x in bfloat16", "x in 8 bits"]
+    if library.has("quant_linear_amx_bf16") and library.amx_ready():
+        fused.append(library.quant_linear_amx_bf16)
+        names.append("AMX tiles")
+    print("| format | rows | " + " | ".join(names) + " | tiles + torch matmul |")
+    print("|---|---|" + "---|" * (len(names) + 1))
     for name in args.formats.split(","):
         raw = torch.from_numpy(random_blocks(name, n, k, seed=1))
         count = max(2, int(COPIES_BYTES // raw.numel()))
@@ -66,10 +72,7 @@ def main() -> None:
             weights.append(weight)
         for rows in (int(r) for r in args.rows.split(",")):
             x = torch.randn(rows, k).to(torch.bfloat16)
-            ways = (
-                QuantLinear(library.quant_linear_bf16, library.gguf_dequantize_bf16),
-                QuantLinear(library.quant_linear_q8_bf16, library.gguf_dequantize_bf16),
-            )
+            ways = [QuantLinear(f, library.gguf_dequantize_bf16) for f in fused]
             times = [_median_ms(functools.partial(_fused, way, x), weights) for way in ways]
             times.append(_median_ms(functools.partial(ways[0].tiles, x), weights))
             cells = " | ".join(f"{t:.2f}" for t in times)

@@ -1601,6 +1601,134 @@ void quant_linear_q8_bf16(bf16 *restrict out, const bf16 *restrict x, const uint
 }
 #endif
 
+/* ---- GGUF blocks in AMX tiles (AMX-BF16) ------------------------------------------------------
+ *
+ * out [rows, n] = x @ W.T for steps of more rows than the fused kernels take: W's rows
+ * dequantized 16 at a time, a block of 256 weights each (gguf_dequantize_bf16's values: the
+ * reference path's bfloat16 weights), into a buffer of the thread's in L1, which tdpbf16ps
+ * multiplies as its A tile (16 rows of W x 32 weights) by x as B tiles (32 weights x 16 rows
+ * of x, in the pair layout, laid out once per call), accumulating float32 C tiles of 16 W rows
+ * x 16 x rows over all of k; C is stored once and rounded to bfloat16. No tile of W ever
+ * leaves the cache, so a step costs one pass of dequantization over the blocks whatever its
+ * rows up to AMX_PASS_ROWS (beyond, one pass per AMX_PASS_ROWS). Linux lends a process the
+ * tile registers only on request (`amx_ready`: arch_prctl ARCH_REQ_XCOMP_PERM); each thread
+ * loads the tile configuration itself. */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define AMX_CHUNKS 3                      /* B and C tile pairs: 16 rows of x each */
+#define AMX_PASS_ROWS (16 * AMX_CHUNKS)   /* rows of x per pass over W */
+#define AMX_SPAN 256                      /* weights of W dequantized per row at a time */
+
+/* 1 if this process may use the AMX tile registers (asking Linux for them once), else 0 */
+int amx_ready(void) {
+    static int ready = -1;
+    if (ready < 0) {
+        const long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+        ready = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    }
+    return ready;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* x [rows, k] as B tiles: for each step of 32 weights and each chunk of 16 rows of x, 16 pairs
+ * of weights x 16 rows x 2 (vdpbf16ps's pair layout), zeros past `rows` */
+static void amx_layout_x(bf16 *restrict dst, const bf16 *restrict x, int64_t rows, int64_t k,
+                         int64_t chunks) {
+    memset(dst, 0, (size_t)(k / 32 * chunks * 512) * sizeof(bf16));
+    for (int64_t m = 0; m < rows; m++) {
+        const int64_t chunk = m / 16, column = m % 16;
+        for (int64_t step = 0; step < k / 32; step++) {
+            uint32_t *tile = (uint32_t *)(dst + (step * chunks + chunk) * 512);
+            const uint32_t *pairs = (const uint32_t *)(x + m * k + step * 32);
+            for (int p = 0; p < 16; p++) tile[p * 16 + column] = pairs[p];
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void amx_rows(
+    const int CHUNKS, int64_t type, const uint8_t *restrict w, int64_t row_bytes, int64_t j0,
+    int64_t count, const bf16 *restrict xt, int64_t chunks_total, int64_t chunk0, int64_t k,
+    bf16 *restrict buffer, float *restrict c, bf16 *restrict out, int64_t ldo, int64_t rows) {
+    const int64_t per = quant_block_weights(type), bytes = quant_block_bytes(type);
+    _tile_zero(4);
+    if (CHUNKS > 1) _tile_zero(5);
+    if (CHUNKS > 2) _tile_zero(6);
+    for (int64_t k0 = 0; k0 < k; k0 += AMX_SPAN) {
+        const int64_t span = k - k0 < AMX_SPAN ? k - k0 : AMX_SPAN;
+        for (int64_t r = 0; r < count; r++) {
+            const uint8_t *blocks = w + (j0 + r) * row_bytes + k0 / per * bytes;
+            for (int64_t i = 0; i < span / per; i++) {
+                if ((i * bytes) % 64 < bytes) prefetch_line(blocks + i * bytes + QUANT_AHEAD);
+                dequantize_block_bf16(type, blocks + i * bytes, buffer + r * AMX_SPAN + i * per);
+            }
+        }
+        for (int64_t s = 0; s < span / 32; s++) {
+            _tile_loadd(0, buffer + 32 * s, AMX_SPAN * sizeof(bf16));
+            const bf16 *b = xt + ((k0 / 32 + s) * chunks_total + chunk0) * 512;
+            _tile_loadd(1, b, 64);
+            _tile_dpbf16ps(4, 0, 1);
+            if (CHUNKS > 1) {
+                _tile_loadd(2, b + 512, 64);
+                _tile_dpbf16ps(5, 0, 2);
+            }
+            if (CHUNKS > 2) {
+                _tile_loadd(3, b + 1024, 64);
+                _tile_dpbf16ps(6, 0, 3);
+            }
+        }
+    }
+    _tile_stored(4, c, 64);
+    if (CHUNKS > 1) _tile_stored(5, c + 256, 64);
+    if (CHUNKS > 2) _tile_stored(6, c + 512, 64);
+    for (int chunk = 0; chunk < CHUNKS; chunk++)
+        for (int64_t m = 0; m < 16 && (chunk0 + chunk) * 16 + m < rows; m++)
+            for (int64_t r = 0; r < count; r++)
+                store1_bf16(out + ((chunk0 + chunk) * 16 + m) * ldo + j0 + r, c[chunk * 256 + r * 16 + m]);
+}
+
+void quant_linear_amx_bf16(bf16 *restrict out, const bf16 *restrict x, const uint8_t *restrict w,
+                           int64_t type, int64_t rows, int64_t n, int64_t k, int64_t ldo) {
+    if (!quant_block_weights(type) || !amx_ready()) return;
+    const int64_t row_bytes = k / quant_block_weights(type) * quant_block_bytes(type);
+    const int64_t chunks = (rows + 15) / 16;
+    bf16 *xt = aligned_alloc(64, (size_t)(k / 32 * chunks * 512) * sizeof(bf16));
+    amx_layout_x(xt, x, rows, k, chunks);
+    _Pragma("omp parallel")
+    {
+        tile_config config;
+        memset(&config, 0, sizeof config);
+        config.palette = 1;
+        for (int t = 0; t < 7; t++) {
+            config.colsb[t] = 64;
+            config.rows[t] = 16;
+        }
+        _tile_loadconfig(&config);
+        bf16 buffer[16 * AMX_SPAN] __attribute__((aligned(64)));
+        float c[AMX_CHUNKS * 256] __attribute__((aligned(64)));
+        _Pragma("omp for schedule(static)")
+        for (int64_t j0 = 0; j0 < n; j0 += 16) {
+            const int64_t count = n - j0 < 16 ? n - j0 : 16;
+            for (int64_t chunk0 = 0; chunk0 < chunks; chunk0 += AMX_CHUNKS) {
+                switch (chunks - chunk0 < AMX_CHUNKS ? chunks - chunk0 : AMX_CHUNKS) {
+                case 3: amx_rows(3, type, w, row_bytes, j0, count, xt, chunks, chunk0, k, buffer, c, out, ldo, rows); break;
+                case 2: amx_rows(2, type, w, row_bytes, j0, count, xt, chunks, chunk0, k, buffer, c, out, ldo, rows); break;
+                default: amx_rows(1, type, w, row_bytes, j0, count, xt, chunks, chunk0, k, buffer, c, out, ldo, rows);
+                }
+            }
+        }
+        _tile_release();
+    }
+    free(xt);
+}
+#endif
+
 #endif
 
 /* ---- prefill attention, bfloat16, head size 64 or 128 (AVX-512 BF16) -------------------------

@@ -42,6 +42,7 @@ import torch
 
 from otel_engine.model import kernels
 from otel_engine.model.kernels import KernelLibrary
+from otel_engine.model.quant import AMX_MAX_ROWS
 
 PATHS = (
     "compiled_kernels",
@@ -83,6 +84,9 @@ class FastPaths:
     int4_tiles: bool = False
     # how x meets GGUF blocks in the fused kernel: "int8" (quant_linear_q8_bf16) or "bfloat16"
     quant_activations: str = "int8"
+    # steps of 9-48 rows of GGUF blocks in AMX tiles (quant_linear_amx_bf16): a build with it,
+    # a CPU with AMX and Linux lending this process the tile registers
+    amx_tiles: bool = False
 
     def is_on(self, name: str) -> bool:
         return self.choices[name].enabled
@@ -176,10 +180,19 @@ def _decide_weight_paths(plan: FastPaths, int4_flag: str, has_bf16: bool, needs:
     """The two paths that multiply a GGUF file's matrices as stored (both off with --int4 off),
     before the checkpoint is known."""
     plan.int4_tiles = has_bf16 and _torch_has_amx()
-    larger = "tiles of the blocks in torch's matmul (AMX)" if plan.int4_tiles else "panels"
+    amx = _amx_blocker(plan) if plan.int4_tiles else "no AMX"
+    plan.amx_tiles = amx is None
+    tiles = "tiles of the blocks in torch's matmul (AMX)"
+    if plan.amx_tiles:
+        tiles = f"up to {AMX_MAX_ROWS} rows in AMX tiles of the blocks, beyond in " + tiles
+    elif plan.int4_tiles:
+        tiles += f"; not the AMX kernel: {amx}"
+    larger = tiles if plan.int4_tiles else "panels"
     ways = {
         "int4_kernels": f"the checkpoint's 4-bit weights; larger steps: {larger}",
-        "quant_kernels": "GGUF blocks; " + _QUANT_X[plan.quant_activations],
+        "quant_kernels": "GGUF blocks; "
+        + _QUANT_X[plan.quant_activations]
+        + ("; larger steps: " + tiles if plan.int4_tiles else ""),
     }
     for name, way in ways.items():
         if int4_flag == "off":
@@ -192,6 +205,16 @@ _QUANT_X = {
     "int8": "x in 8 bits per block (integer dot products, as llama.cpp's)",
     "bfloat16": "x in bfloat16 by the exact weights",
 }
+
+
+def _amx_blocker(plan: FastPaths) -> str | None:
+    """Why the AMX kernel cannot run here (None: it can), on a CPU with AMX."""
+    library = plan.library
+    if library is None or not library.has("quant_linear_amx_bf16"):
+        return "the kernels build has no AMX kernel"
+    if not library.amx_ready():
+        return "Linux refused this process the AMX tile registers (arch_prctl)"
+    return None
 
 
 def _torch_has_amx() -> bool:

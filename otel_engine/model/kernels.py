@@ -56,7 +56,14 @@ TARGET_FLAGS: dict[str, tuple[str, ...]] = {
     "baseline": ("-march=x86-64",),
     "avx2": ("-march=x86-64-v3", "-mtune=haswell"),
     "avx512": ("-march=x86-64-v4", "-mtune=skylake-avx512"),
-    "avx512bf16": ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni", "-mtune=skylake-avx512"),
+    "avx512bf16": (
+        "-march=x86-64-v4",
+        "-mavx512bf16",
+        "-mavx512vnni",
+        "-mamx-tile",
+        "-mamx-bf16",
+        "-mtune=skylake-avx512",
+    ),
     "generic": (),
 }
 # Build for a lower level than the CPU's (tests, or to rule out a kernel on a suspect host);
@@ -118,6 +125,7 @@ OPTIONAL_SIGNATURES: dict[str, tuple[tuple[str, type], ...]] = {
     ),
     "quant_linear_bf16": _QUANT_LINEAR,
     "quant_linear_q8_bf16": _QUANT_LINEAR,
+    "quant_linear_amx_bf16": _QUANT_LINEAR,
     "gguf_dequantize_bf16": (("out", _P), ("w", _P), ("type", _I), ("n", _I), ("k", _I)),
     "q4_build_panels_bf16": (("panels", _P), ("w", _P), ("params", _P), ("n", _I), ("k", _I)),
     "panel_linear_bf16": (
@@ -329,6 +337,9 @@ def load(isa: str | None = None) -> KernelLibrary | None:
     for name, params in OPTIONAL_SIGNATURES.items():
         if hasattr(cdll, name):
             _declare(getattr(cdll, name), params)
+    if hasattr(cdll, "amx_ready"):  # int amx_ready(void): whether Linux lends the tiles
+        cdll.amx_ready.argtypes = []
+        cdll.amx_ready.restype = ctypes.c_int
     return KernelLibrary(cdll, path, contract)
 
 

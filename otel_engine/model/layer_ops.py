@@ -73,6 +73,7 @@ class TorchOps:
     panel_linear: Callable[..., None] | None = None
     # matrices in GGUF blocks (model/quant.py): the fused kernel, and the tile dequantizer
     quant_linear: Callable[..., None] | None = None
+    quant_linear_amx: Callable[..., None] | None = None  # steps of 9-48 rows (AMX)
     gguf_dequantize: Callable[..., None] | None = None
     # argmax(out, logits, rows, vocab): each row's greedy token (`LlamaModel.greedy_tokens`)
     argmax: Callable[..., None] | None = None
@@ -218,11 +219,13 @@ class KernelOps(TorchOps):
         ),
         prefill_kernel_max_query: int | None = None,
         quant_activations: str = "int8",
+        amx_tiles: bool = False,
     ) -> None:
         """`paths`: which of the optional fast paths (`fast_paths.PATHS`) to offer, where the
         library has them (a build for AVX-512 BF16) and they apply (bfloat16; head size 64).
         `quant_activations`: int8 multiplies GGUF blocks by x quantized to 8 bits
-        (`quant_linear_q8_bf16`), bfloat16 by x as it is (`quant_linear_bf16`)."""
+        (`quant_linear_q8_bf16`), bfloat16 by x as it is (`quant_linear_bf16`). `amx_tiles`:
+        steps of more rows multiply GGUF blocks in AMX tiles (`quant_linear_amx_bf16`)."""
         super().__init__(num_heads, num_kv_heads, head_dim, rotary, torch.device("cpu"))
         suffix = _SUFFIX[dtype]
         self._add_rms_norm = getattr(library, f"add_rms_norm_{suffix}")
@@ -243,6 +246,8 @@ class KernelOps(TorchOps):
                     "quant_linear_q8_bf16" if quant_activations == "int8" else "quant_linear_bf16"
                 )
                 self.quant_linear = getattr(library, name, None)
+            if amx_tiles and ("quant_kernels" in paths or "int4_kernels" in paths):
+                self.quant_linear_amx = getattr(library, "quant_linear_amx_bf16", None)
                 self.gguf_dequantize = getattr(library, "gguf_dequantize_bf16", None)
             if head_dim in PREFILL_KERNEL_HEAD_DIMS and "prefill_kernel" in paths:
                 self._prefill_attention = getattr(library, "prefill_attention_bf16", None)
@@ -443,4 +448,5 @@ def make_layer_ops(
         paths=paths,
         prefill_kernel_max_query=plan.prefill_kernel_max_query,
         quant_activations=plan.quant_activations,
+        amx_tiles=plan.amx_tiles,
     )

@@ -192,7 +192,9 @@ class LlamaModel:
             assert isinstance(self.ops, KernelOps)
             assert self.ops.quant_linear is not None
             assert self.ops.gguf_dequantize is not None
-            self._quant = QuantLinear(self.ops.quant_linear, self.ops.gguf_dequantize)
+            self._quant = QuantLinear(
+                self.ops.quant_linear, self.ops.gguf_dequantize, self.ops.quant_linear_amx
+            )
 
     # why this family never runs the compiled kernels or prepacked weights (None: it may)
     kernels_blocker: str | None = None
@@ -432,7 +434,9 @@ class LlamaModel:
         if self.fast_paths.int4_tiles:
             assert ops.quant_linear is not None
             assert ops.gguf_dequantize is not None
-            self._int4_tiles = QuantLinear(ops.quant_linear, ops.gguf_dequantize)
+            self._int4_tiles = QuantLinear(
+                ops.quant_linear, ops.gguf_dequantize, ops.quant_linear_amx
+            )
         fused = {
             "qkv4": (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), self._rows),
             "o_proj4": (("self_attn.o_proj",), self._cols),
@@ -611,7 +615,7 @@ class LlamaModel:
         elif rows > INT4_MAX_ROWS:  # tiles of the blocks instead of panels
             assert self._int4_tiles is not None
             assert int4.blocks is not None
-            out = self._int4_tiles.tiles(x, int4.blocks, out)
+            out = self._int4_tiles.larger(x, int4.blocks, out)
         else:
             need = rows * (int4.cols // INT4_GROUP)
             if self._int4_scratch.numel() < need:

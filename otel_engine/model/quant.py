@@ -32,6 +32,13 @@ QUANT_MAX_ROWS = 8
 # tiles 12.3 / 23.2 / 70.8 ms, 1 MiB 9.9 / 18.9 / 44.2, 4 MiB 9.1 / 12.4 / 30.5, 16 MiB
 # 7.3 / 9.3 / 28.2 (the buffer is one per model).
 TILE_BYTES = 16 << 20
+# Where the CPU has AMX (fast_paths.FastPaths.amx_tiles), steps of more than QUANT_MAX_ROWS
+# and at most this many rows run `quant_linear_amx_bf16` (one pass of dequantization into
+# tiles in L1 per 48 rows: cpu_kernels.c AMX_PASS_ROWS), larger ones the tiles above. A Q4_K
+# matrix of 14,336 x 4,096 read from memory at 16 / 32 / 48 / 64 / 128 rows: AMX 7.7 / 9.1 /
+# 9.6 / 13.9 / 21.3 ms, tiles and torch's matmul 8.8 / 11.9 / 14.2 / 14.4 / 15.5, x in 8
+# bits 8.6 / 18.1 / 21.3 (Q6_K, Q8_0, Q4_0 alike: bench/quant_matmul.py).
+AMX_MAX_ROWS = 48
 
 
 @dataclass(frozen=True)
@@ -70,26 +77,49 @@ def pack_quant(parts: list[QuantTensor]) -> QuantWeight | None:
 
 
 class QuantLinear:
-    """x [rows, cols] bfloat16 @ W.T for a `QuantWeight`, with the kernels library's two
-    functions; holds the tile buffer."""
+    """x [rows, cols] bfloat16 @ W.T for a `QuantWeight`, with the kernels library's
+    functions (`amx`: the AMX kernel where the fast paths chose it, else None); holds the tile
+    buffer."""
 
-    def __init__(self, linear: Callable[..., None], dequantize: Callable[..., None]) -> None:
+    def __init__(
+        self,
+        linear: Callable[..., None],
+        dequantize: Callable[..., None],
+        amx: Callable[..., None] | None = None,
+    ) -> None:
         self._linear = linear
         self._dequantize = dequantize
+        self._amx = amx
         self._tile = torch.empty(0, dtype=torch.bfloat16)
 
     def __call__(self, x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
         if x.shape[0] <= QUANT_MAX_ROWS:
             return self.fused(x, weight)
-        return self.tiles(x, weight)
+        return self.larger(x, weight)
 
-    def fused(self, x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
-        """x @ W.T in one pass over W's blocks (the fused kernel, any row count)."""
+    def larger(
+        self, x: torch.Tensor, weight: QuantWeight, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """A step of many rows: the AMX kernel up to AMX_MAX_ROWS where it runs, else tiles."""
+        if self._amx is not None and x.shape[0] <= AMX_MAX_ROWS:
+            return self.fused(x, weight, out, self._amx)
+        return self.tiles(x, weight, out)
+
+    def fused(
+        self,
+        x: torch.Tensor,
+        weight: QuantWeight,
+        out: torch.Tensor | None = None,
+        kernel: Callable[..., None] | None = None,
+    ) -> torch.Tensor:
+        """x @ W.T in one pass over W's blocks (the fused kernel, or `kernel`, any rows)."""
         rows, k = x.shape
-        out = torch.empty((rows, weight.rows), dtype=torch.bfloat16)
+        if out is None:
+            out = torch.empty((rows, weight.rows), dtype=torch.bfloat16)
+        run = kernel or self._linear
         column = 0
         for part in weight.parts:
-            self._linear(
+            run(
                 out.data_ptr() + 2 * column, x.data_ptr(), part.raw.data_ptr(),
                 part.type_id, rows, part.rows, k, weight.rows,
             )  # fmt: skip

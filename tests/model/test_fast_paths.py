@@ -81,6 +81,25 @@ def test_quant_activations_choose_the_gguf_blocks_kernel(
     assert ops.quant_linear is getattr(plan.library, function)
 
 
+def test_amx_runs_mid_size_steps_where_linux_lends_the_tiles(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a CPU with AMX the AMX kernel takes steps of 9-48 rows and the reasons say so;
+    where the process is refused the tile registers it stays off, with that reason."""
+    require_isa(BF16_ISA)
+    if not torch.cpu._is_amx_tile_supported():
+        pytest.skip("this CPU has no AMX")
+    plan = _choose()
+    assert plan.amx_tiles
+    assert "48 rows in AMX tiles" in plan.choices["quant_kernels"].reason
+    assert plan.library is not None
+    monkeypatch.setattr(plan.library, "amx_ready", lambda: 0)
+    monkeypatch.setattr(kernels, "load", lambda target=None: plan.library)
+    refused = _choose()
+    assert not refused.amx_tiles
+    assert "refused this process the AMX tile registers" in refused.choices["quant_kernels"].reason
+
+
 def test_an_unknown_quant_activations_value_is_refused() -> None:
     with pytest.raises(ValueError, match="quant_activations must be one of"):
         EngineConfig.from_kwargs(quant_activations="int4")

@@ -21,7 +21,13 @@ from otel_engine.engine.core_client import InprocClient
 from otel_engine.model import kernels
 from otel_engine.model.fast_paths import BF16_ISA
 from otel_engine.model.kernels import KernelLibrary
-from otel_engine.model.quant import QUANT_MAX_ROWS, QuantLinear, pack_quant, shard_columns
+from otel_engine.model.quant import (
+    AMX_MAX_ROWS,
+    QUANT_MAX_ROWS,
+    QuantLinear,
+    pack_quant,
+    shard_columns,
+)
 from otel_engine.model.weights import QuantTensor
 from tests.helpers.gguf_blocks import FORMATS, random_blocks
 from tests.helpers.isa import require_isa
@@ -172,6 +178,78 @@ def test_8_bit_activations_error_on_gaussian_x(name: str) -> None:
     exact = x.double() @ torch.from_numpy(_reference(tensor.raw.numpy(), name)).double().T
     error = (linear(x, weight).double() - exact).abs().amax(dim=1)
     assert (error <= 0.02 * exact.abs().amax(dim=1)).all(), error / exact.abs().amax(dim=1)
+
+
+def _require_amx() -> KernelLibrary:
+    """The kernels library where the AMX kernel runs (machines of this project's kind differ:
+    some have AMX, some not; skipped, even in CI, where the CPU has none)."""
+    require_isa(BF16_ISA)
+    library = _library()
+    if not torch.cpu._is_amx_tile_supported():
+        pytest.skip("this CPU has no AMX")
+    assert library.has("quant_linear_amx_bf16")
+    assert library.amx_ready() == 1
+    return library
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_amx_tiles_multiply_by_the_bfloat16_weights(name: str) -> None:
+    """`quant_linear_amx_bf16`: the reference path's bfloat16 weights times x in float32 sums,
+    within the output's rounding, for rows in one pass and several (48 a pass), a number of
+    W rows not a multiple of 16 and, for the 32-weight formats, k not a multiple of 256."""
+    library = _require_amx()
+    for n, cols in ((37, 768), (16, 160 if name not in K_QUANTS else 256)):
+        tensor = _tensor(name, n, cols, seed=n + cols)
+        x = torch.randn(100, cols, generator=torch.Generator().manual_seed(n)).to(torch.bfloat16)
+        expected = x.double() @ _bf16(tensor).double().T
+        for rows in (1, 9, 16, 17, 48, 49, 100):
+            out = torch.full((rows, n), float("nan"), dtype=torch.bfloat16)
+            library.quant_linear_amx_bf16(
+                out.data_ptr(), x.data_ptr(), tensor.raw.data_ptr(), tensor.type_id, rows, n,
+                cols, n,
+            )  # fmt: skip
+            error = (out.double() - expected[:rows]).abs()
+            assert (error <= 2**-8 * expected[:rows].abs() + 1e-4).all(), (n, rows, error.max())
+
+
+def test_steps_of_9_to_48_rows_run_in_amx_tiles() -> None:
+    """QuantLinear: up to QUANT_MAX_ROWS the fused kernel, then the AMX kernel up to
+    AMX_MAX_ROWS, then tiles through torch's matmul; the same values within rounding."""
+    library = _require_amx()
+    calls: list[tuple[str, int]] = []
+
+    def counted(name: str, function: Any) -> Any:
+        def call(*args: Any) -> None:
+            calls.append((name, args[4]))
+            function(*args)
+
+        return call
+
+    linear = QuantLinear(
+        counted("fused", library.quant_linear_q8_bf16),
+        counted("tiles", library.gguf_dequantize_bf16),
+        counted("amx", library.quant_linear_amx_bf16),
+    )
+    tensor = _tensor("Q4_K", 48, 512, seed=1)
+    weight = pack_quant([tensor])
+    assert weight is not None
+    x = torch.randn(AMX_MAX_ROWS + 1, 512, generator=torch.Generator().manual_seed(2))
+    x = x.to(torch.bfloat16)
+    expected = x.double() @ _bf16(tensor).double().T
+    for rows, way in (
+        (QUANT_MAX_ROWS, "fused"),
+        (QUANT_MAX_ROWS + 1, "amx"),
+        (AMX_MAX_ROWS, "amx"),
+    ):
+        calls.clear()
+        out = linear(x[:rows].contiguous(), weight).double()
+        assert [way] == [name for name, _ in calls], rows
+        tolerance = 0.02 * expected[:rows].abs().amax() if way == "fused" else 1e-4
+        assert ((out - expected[:rows]).abs() <= 2**-8 * expected[:rows].abs() + tolerance).all()
+    calls.clear()
+    out = linear(x, weight).double()
+    assert {"tiles"} == {name for name, _ in calls}
+    assert ((out - expected).abs() <= 2**-8 * expected.abs() + 1e-4).all()
 
 
 def test_fused_parts_in_different_formats_and_column_shards() -> None:
