@@ -1085,6 +1085,23 @@ static void dequantize_block_bf16(int64_t type, const uint8_t *restrict b, bf16 
                                                : _mm256_setzero_si256();
         float scales[8] __attribute__((aligned(32))), shifts[8] __attribute__((aligned(32)));
         k4_scales(b, scales, shifts);
+        /* broadcast each from memory (a load), not by shuffles on the one shuffle port */
+        __asm__ volatile("" ::: "memory");
+        if (type == GGML_Q4_K) { /* each sub-block's 16 values as bfloat16, looked up by q */
+            const __m512i low4 = _mm512_set1_epi16(0x0f);
+            const vec steps = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+            for (int j = 0; j < 4; j++) {
+                const __m512i words = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(qs + 32 * j)));
+                for (int half = 0; half < 2; half++) {
+                    const int s = 2 * j + half;
+                    const __m512i table = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(
+                        _mm512_fmsub_ps(SET(scales[s]), steps, SET(shifts[s]))));
+                    const __m512i q = half ? _mm512_srli_epi16(words, 4) : _mm512_and_si512(words, low4);
+                    _mm512_storeu_si512(y + 32 * s, _mm512_permutexvar_epi16(q, table));
+                }
+            }
+            break;
+        }
         for (int j = 0; j < 4; j++) {
             const __m256i bytes = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
             for (int half = 0; half < 2; half++) {
@@ -1100,8 +1117,10 @@ static void dequantize_block_bf16(int64_t type, const uint8_t *restrict b, bf16 
         break;
     }
     case GGML_Q6_K: {
-        const int8_t *scales = (const int8_t *)(b + 192);
-        const float d = half_f16c(b + 208);
+        float scales[16] __attribute__((aligned(64)));
+        _mm512_store_ps(scales, MUL(SET(half_f16c(b + 208)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                                               _mm_loadu_si128((const __m128i *)(b + 192))))));
+        __asm__ volatile("" ::: "memory"); /* broadcast each from memory, as above */
         const __m256i three = _mm256_set1_epi8(3), centre = _mm256_set1_epi8(32);
         for (int h = 0; h < 2; h++) {
             const __m256i low = _mm256_loadu_si256((const __m256i *)(b + 64 * h));
@@ -1113,7 +1132,7 @@ static void dequantize_block_bf16(int64_t type, const uint8_t *restrict b, bf16 
                 const __m256i qh = _mm256_and_si256(_mm256_srli_epi16(high, 2 * t), three);
                 const __m256i q = _mm256_sub_epi8(_mm256_or_si256(ql, _mm256_slli_epi16(qh, 4)), centre);
                 const int s = 8 * h + 2 * t;
-                put32(y + 128 * h + 32 * t, q, 1, d * (float)scales[s], d * (float)scales[s + 1], 0.0f);
+                put32(y + 128 * h + 32 * t, q, 1, scales[s], scales[s + 1], 0.0f);
             }
         }
         break;
@@ -1653,21 +1672,28 @@ static void amx_layout_x(bf16 *restrict dst, const bf16 *restrict x, int64_t row
 }
 
 static inline __attribute__((always_inline)) void amx_rows(
-    const int CHUNKS, int64_t type, const uint8_t *restrict w, int64_t row_bytes, int64_t j0,
+    const int CHUNKS, int64_t type, const uint8_t *restrict w, int64_t row_bytes, int64_t n, int64_t j0,
     int64_t count, const bf16 *restrict xt, int64_t chunks_total, int64_t chunk0, int64_t k,
-    bf16 *restrict buffer, float *restrict c, bf16 *restrict out, int64_t ldo, int64_t rows) {
+    bf16 *restrict buffers, float *restrict c, bf16 *restrict out, int64_t ldo, int64_t rows) {
     const int64_t per = quant_block_weights(type), bytes = quant_block_bytes(type);
+    const uint8_t *next = w + (j0 + 16) * row_bytes; /* the next 16 rows: `ahead` bytes */
+    const int64_t ahead = (n - j0 - 16 < 16 ? (n - j0 - 16 > 0 ? n - j0 - 16 : 0) : 16) * row_bytes;
     _tile_zero(4);
     if (CHUNKS > 1) _tile_zero(5);
     if (CHUNKS > 2) _tile_zero(6);
     for (int64_t k0 = 0; k0 < k; k0 += AMX_SPAN) {
         const int64_t span = k - k0 < AMX_SPAN ? k - k0 : AMX_SPAN;
+        /* two buffers in turn: a span's dequantization need not wait for the tile loads of
+         * the one before */
+        bf16 *restrict buffer = buffers + (k0 / AMX_SPAN % 2) * 16 * AMX_SPAN;
+        /* the 16 rows are read side by side: fetch the next 16 (contiguous) as far ahead as
+         * this span is into these */
+        for (int64_t at = k0 * ahead / k / 64 * 64; at < (k0 + span) * ahead / k; at += 64)
+            prefetch_line(next + at);
         for (int64_t r = 0; r < count; r++) {
             const uint8_t *blocks = w + (j0 + r) * row_bytes + k0 / per * bytes;
-            for (int64_t i = 0; i < span / per; i++) {
-                if ((i * bytes) % 64 < bytes) prefetch_line(blocks + i * bytes + QUANT_AHEAD);
+            for (int64_t i = 0; i < span / per; i++)
                 dequantize_block_bf16(type, blocks + i * bytes, buffer + r * AMX_SPAN + i * per);
-            }
         }
         for (int64_t s = 0; s < span / 32; s++) {
             _tile_loadd(0, buffer + 32 * s, AMX_SPAN * sizeof(bf16));
@@ -1710,16 +1736,16 @@ void quant_linear_amx_bf16(bf16 *restrict out, const bf16 *restrict x, const uin
             config.rows[t] = 16;
         }
         _tile_loadconfig(&config);
-        bf16 buffer[16 * AMX_SPAN] __attribute__((aligned(64)));
+        bf16 buffer[2 * 16 * AMX_SPAN] __attribute__((aligned(64)));
         float c[AMX_CHUNKS * 256] __attribute__((aligned(64)));
         _Pragma("omp for schedule(static)")
         for (int64_t j0 = 0; j0 < n; j0 += 16) {
             const int64_t count = n - j0 < 16 ? n - j0 : 16;
             for (int64_t chunk0 = 0; chunk0 < chunks; chunk0 += AMX_CHUNKS) {
                 switch (chunks - chunk0 < AMX_CHUNKS ? chunks - chunk0 : AMX_CHUNKS) {
-                case 3: amx_rows(3, type, w, row_bytes, j0, count, xt, chunks, chunk0, k, buffer, c, out, ldo, rows); break;
-                case 2: amx_rows(2, type, w, row_bytes, j0, count, xt, chunks, chunk0, k, buffer, c, out, ldo, rows); break;
-                default: amx_rows(1, type, w, row_bytes, j0, count, xt, chunks, chunk0, k, buffer, c, out, ldo, rows);
+                case 3: amx_rows(3, type, w, row_bytes, n, j0, count, xt, chunks, chunk0, k, buffer, c, out, ldo, rows); break;
+                case 2: amx_rows(2, type, w, row_bytes, n, j0, count, xt, chunks, chunk0, k, buffer, c, out, ldo, rows); break;
+                default: amx_rows(1, type, w, row_bytes, n, j0, count, xt, chunks, chunk0, k, buffer, c, out, ldo, rows);
                 }
             }
         }
