@@ -101,9 +101,10 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
         "the 4-bit kernels (up to 16 tokens a step from the 4 bits; larger steps by tiles of "
         "the file's blocks where torch's matmul runs on AMX, else by bfloat16 panels built at "
         "load), larger ones and Q8_0, Q4_K, Q5_K and Q6_K from their blocks (up to 8 tokens in "
-        "one pass over them, larger steps by tiles dequantized as they are used; no bfloat16 "
-        "copy is kept), and with the latter the embedding and LM head in theirs; off: "
-        "bfloat16 copies of every matrix (default: auto)",
+        "one pass over them, up to 48 in AMX tiles where the CPU has AMX, larger steps by "
+        "tiles dequantized as they are used; no bfloat16 copy is kept), and with the latter "
+        "the embedding and LM head in theirs; off: bfloat16 copies of every matrix (default: "
+        "auto)",
     )
     model.add_argument(
         "--quant-activations",

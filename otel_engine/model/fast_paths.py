@@ -13,8 +13,10 @@ build can run: the one place that turns `--kernels` and `--int4` into paths.
   quant_kernels     a GGUF file's Q8_0, Q4_K, Q5_K and Q6_K matrices (and Q4_0/Q4_1 ones the
                     4-bit kernels do not take), and then its embedding and LM head, multiplied
                     from their blocks (else their bfloat16 copies): bfloat16, a build for
-                    AVX-512 BF16; steps of up to 8 rows with x quantized to 8 bits
-                    (`quant_activations` int8, the default) or as it is (bfloat16)
+                    AVX-512 BF16 (and VNNI); steps of up to 8 rows with x quantized to 8
+                    bits (`quant_activations` int8, the default) or as it is (bfloat16);
+                    where the CPU has AMX steps of up to 48 rows in AMX tiles of the blocks
+                    (`amx_tiles`, also for the 4-bit kernels' larger steps)
   prefill_kernel    prompt attention in cpu_kernels.c (else torch's fused attention):
                     bfloat16, head size 64 or 128, a build for AVX-512 BF16; where torch's
                     matmul runs on AMX only steps whose chunks are all of at most 32 tokens

@@ -3,13 +3,16 @@ from a bfloat16 copy of the whole matrix: `QuantWeight`, this rank's shard of a 
 group (q/k/v, gate/up) whose parts may be in different formats (a Q4_K_M file stores some
 v and down projections in Q6_K).
 
-A step of at most `QUANT_MAX_ROWS` rows runs `quant_linear_bf16` (cpu_kernels.c): each row of
-the matrix dequantized into a buffer as it is used and multiplied by every row of the step.
-A larger step dequantizes tiles of `TILE_BYTES` (`gguf_dequantize_bf16`) and multiplies by
-each with torch's matmul (oneDNN: AMX where the CPU has it), so prefill runs near the speed
-of bfloat16 weights while only one tile is ever in bfloat16. Either way the weights multiplied
-are the float32 values gguf-py's dequantize gives, rounded to bfloat16: the values of the
-reference path's bfloat16 copy."""
+A step of at most `QUANT_MAX_ROWS` rows runs one fused pass over the blocks (cpu_kernels.c):
+`quant_linear_q8_bf16` with x quantized to 8 bits (the default, as llama.cpp computes), or
+`quant_linear_bf16` with x as it is and each row of the matrix dequantized into a buffer as
+it is used. Where the CPU has AMX, steps of up to `AMX_MAX_ROWS` rows run
+`quant_linear_amx_bf16` (16 rows of W dequantized at a time into the cache and multiplied in
+AMX tiles). A larger step dequantizes tiles of `TILE_BYTES` (`gguf_dequantize_bf16`) and
+multiplies by each with torch's matmul (oneDNN: AMX where the CPU has it), so prefill runs
+near the speed of bfloat16 weights while only one tile is ever in bfloat16. Every way but
+the 8-bit one multiplies x by the float32 values gguf-py's dequantize gives, rounded to
+bfloat16: the values of the reference path's bfloat16 copy."""
 
 from __future__ import annotations
 
