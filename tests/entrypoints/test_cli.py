@@ -49,6 +49,7 @@ EXTRA_FLAGS = {
     "--seed",
     "--kernels",
     "--int4",
+    "--quant-activations",
     "--generation-config",
     "--override-generation-config",
     "--otlp-logs",
