@@ -32,6 +32,15 @@ def _choose(**overrides: object) -> fast_paths.FastPaths:
     return choose(**options)  # type: ignore[arg-type]
 
 
+def _ops(plan: fast_paths.FastPaths, head_dim: int, dtype: torch.dtype) -> object:
+    """The layer ops `plan` gives a model of 4 heads (2 KV heads) of `head_dim`."""
+    rotary = RotaryEmbedding(head_dim, 64, 10000.0, None, dtype, CPU)
+    return make_layer_ops(
+        plan, num_heads=4, num_kv_heads=2, head_dim=head_dim, rotary=rotary, dtype=dtype,
+        device=CPU,
+    )  # fmt: skip
+
+
 def test_every_path_is_decided_with_a_reason() -> None:
     plan = _choose()
 
@@ -71,11 +80,7 @@ def test_quant_activations_choose_the_gguf_blocks_kernel(
     require_isa(BF16_ISA)
     plan = _choose(quant_activations=activations)
     assert says in plan.choices["quant_kernels"].reason
-    rotary = RotaryEmbedding(64, 32, 10000.0, None, torch.bfloat16, CPU)
-    ops = make_layer_ops(
-        plan, num_heads=2, num_kv_heads=1, head_dim=64, rotary=rotary, dtype=torch.bfloat16,
-        device=CPU,
-    )  # fmt: skip
+    ops = _ops(plan, 64, torch.bfloat16)
     assert isinstance(ops, KernelOps)
     assert plan.library is not None
     assert ops.quant_linear is getattr(plan.library, function)
@@ -93,11 +98,17 @@ def test_amx_runs_mid_size_steps_where_linux_lends_the_tiles(
     assert plan.amx_tiles
     assert "48 rows in AMX tiles" in plan.choices["quant_kernels"].reason
     assert plan.library is not None
-    monkeypatch.setattr(plan.library, "amx_ready", lambda: 0)
-    monkeypatch.setattr(kernels, "load", lambda target=None: plan.library)
+    library = plan.library
+    monkeypatch.setattr(kernels, "load", lambda target=None: library)
+    monkeypatch.setattr(library, "amx_ready", lambda: 0)
     refused = _choose()
     assert not refused.amx_tiles
     assert "refused this process the AMX tile registers" in refused.choices["quant_kernels"].reason
+    assert _ops(refused, 64, torch.bfloat16).quant_linear_amx is None  # type: ignore[attr-defined]
+    monkeypatch.setattr(library, "has", lambda name: name != "quant_linear_amx_bf16")
+    older = _choose()
+    assert not older.amx_tiles
+    assert "the kernels build has no AMX kernel" in older.choices["int4_kernels"].reason
 
 
 def test_an_unknown_quant_activations_value_is_refused() -> None:
@@ -164,11 +175,7 @@ def test_without_a_compiler_torch_ops_run_and_packing_stays(
     assert not plan.is_on("compiled_kernels")
     assert "could not be built" in plan.choices["compiled_kernels"].reason
     assert plan.is_on("onednn_packing")
-    rotary = RotaryEmbedding(16, 64, 10000.0, None, torch.float32, CPU)
-    ops = make_layer_ops(
-        plan, num_heads=4, num_kv_heads=2, head_dim=16, rotary=rotary, dtype=torch.float32,
-        device=CPU,
-    )  # fmt: skip
+    ops = _ops(plan, 16, torch.float32)
     assert isinstance(ops, TorchOps)
     assert not isinstance(ops, KernelOps)
 
