@@ -28,32 +28,47 @@ REPETITION_PENALTY_RANGE = (0.01, 100.0)
 LOGIT_BIAS_RANGE = (-100.0, 100.0)
 MAX_LOGIT_BIAS = 1024
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI bounds them
-STRUCTURED_OUTPUT_TYPES = ("json_object", "json_schema")
+STRUCTURED_OUTPUT_TYPES = ("json_object", "json_schema", "tool_calls")
 MAX_SCHEMA_BYTES = 64 * 1024  # a JSON schema's text; its grammar's size is bounded by it
+MAX_TOOL_GRAMMAR_BYTES = 256 * 1024  # the grammar of a request's tools (their schemas inside)
 # An error message quotes a client's integer only up to this many digits (1e300 is 301).
 MAX_SHOWN_DIGITS = 20
 
 
 class StructuredOutput(msgspec.Struct, frozen=True, array_like=True):
-    """Output constrained to JSON (`engine/structured_output.py` enforces it): any JSON
-    object (`json_object`) or a value that validates against `json_schema` (its text)."""
+    """Output constrained by a grammar (`engine/structured_output.py` enforces it): any JSON
+    object (`json_object`), a value that validates against `json_schema` (its text), or
+    `tool_calls`: the llguidance (Lark) `grammar` that entrypoints/tools.py builds from a
+    request's `num_tools` tools, text or calls of them in the model's format."""
 
     type: str
     json_schema: str = ""
+    grammar: str = ""
+    num_tools: int = 0
 
-    # The schema's text may name anything (its property names are the client's): a dump
-    # shows its size and a hash, never the text.
-    __crash_dump__: ClassVar[dict[str, str]] = {"type": "value", "json_schema": "digest"}
+    # The schema's and the grammar's text may name anything (property names, tool names
+    # and descriptions are the client's): a dump shows their size and a hash, never the text.
+    __crash_dump__: ClassVar[dict[str, str]] = {
+        "type": "value",
+        "json_schema": "digest",
+        "grammar": "digest",
+        "num_tools": "value",
+    }
 
     def validate(self) -> None:
+        param = "tools" if self.type == "tool_calls" else "response_format"
         if self.type not in STRUCTURED_OUTPUT_TYPES:
-            _invalid(
-                "response_format", f"response_format type must be one of {STRUCTURED_OUTPUT_TYPES}"
-            )
+            _invalid(param, f"response_format type must be one of {STRUCTURED_OUTPUT_TYPES}")
         if self.type == "json_schema" and not self.json_schema:
-            _invalid("response_format", "a json_schema response_format needs a schema")
+            _invalid(param, "a json_schema response_format needs a schema")
         if len(self.json_schema.encode("utf-8", "surrogatepass")) > MAX_SCHEMA_BYTES:
-            _invalid("response_format", f"the JSON schema must be at most {MAX_SCHEMA_BYTES} bytes")
+            _invalid(param, f"the JSON schema must be at most {MAX_SCHEMA_BYTES} bytes")
+        if self.type == "tool_calls" and not self.grammar:
+            _invalid(param, "a tool_calls grammar is empty")
+        if len(self.grammar.encode("utf-8", "surrogatepass")) > MAX_TOOL_GRAMMAR_BYTES:
+            _invalid(
+                param, f"the tools' grammar must be at most {MAX_TOOL_GRAMMAR_BYTES} bytes"
+            )
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):

@@ -109,6 +109,8 @@ def from_response_format(response_format: dict[str, Any] | None) -> StructuredOu
 
 def grammar_of(spec: StructuredOutput) -> str:
     """llguidance's grammar for `spec` (its JSON text)."""
+    if spec.type == "tool_calls":
+        return str(llguidance.LLMatcher.grammar_from_lark(spec.grammar))
     schema = spec.json_schema if spec.type == "json_schema" else '{"type":"object"}'
     return str(llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS))
 
@@ -119,10 +121,11 @@ def check(spec: StructuredOutput) -> None:
     spec.validate()
     error = _grammar_error(spec)
     if error:
+        what = "the tools' grammar" if spec.type == "tool_calls" else "JSON schema"
         raise RequestError(
-            f"invalid JSON schema: {error[:MAX_ERROR_CHARS]}",
+            f"invalid {what}: {error[:MAX_ERROR_CHARS]}",
             code=ErrorCode.INVALID_VALUE,
-            param=PARAM,
+            param="tools" if spec.type == "tool_calls" else PARAM,
         )
 
 

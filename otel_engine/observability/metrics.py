@@ -117,6 +117,8 @@ GRAMMAR_MASK_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
 FINISH_REASONS = ("stop", "length", "abort")
 # why a structured-output choice was returned without valid JSON (engine/structured_output.py)
 INVALID_JSON_REASONS = ("length", "stop_string", "invalid")
+# what became of the tool calls a model wrote (entrypoints/tool_parsers.py)
+TOOL_CALL_OUTCOMES = ("parsed", "invalid")
 # stalled: work is pending and no step finished within --step-timeout (/health answers 503)
 HEALTH_STATES = ("starting", "healthy", "draining", "stalled", "dead")
 # why the server closed an HTTP connection (entrypoints/connections.py)
@@ -314,6 +316,14 @@ class EngineMetrics:
             ["reason"],
             registry=r,
         )
+        self.tool_calls = Counter(
+            "otel_engine_tool_calls",
+            "Tool calls in answers to requests with tools, by outcome: parsed (returned as a "
+            "tool call) or invalid (malformed, truncated or naming no tool of the request: "
+            "returned as text).",
+            ["outcome"],
+            registry=r,
+        )
         self.telemetry_export_failures = Counter(
             "otel_engine_telemetry_export_failures",
             "Exports of this server process's spans, metrics or logs that failed after the "
@@ -360,7 +370,13 @@ class EngineMetrics:
         self._invalid_json = {
             r: self.structured_output_invalid.labels(r) for r in INVALID_JSON_REASONS
         }
+        self._tool_calls = {o: self.tool_calls.labels(o) for o in TOOL_CALL_OUTCOMES}
         self.set_health("starting")
+
+    def on_tool_calls(self, outcome: str, count: int) -> None:
+        """Tool calls of one choice, by outcome (TOOL_CALL_OUTCOMES)."""
+        if count:
+            self._tool_calls[outcome].inc(count)
 
     def on_ignored_fields(self, num_fields: int) -> None:
         self.ignored_request_fields.inc(num_fields)

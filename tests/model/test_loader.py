@@ -121,7 +121,7 @@ def test_converted_weights_answer_paris(converted_dir: str) -> None:
     assert not unexpected
     assert not [name for name in missing if "rotary" not in name]
     text = tokenizer.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
-    input_ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
+    input_ids = torch.tensor([tokenizer.encode(text, add_special_tokens=False)])
 
     with torch.inference_mode():
         output = model.generate(input_ids, max_new_tokens=16, do_sample=False)

@@ -41,6 +41,7 @@ FAMILIES = {
     "otel_engine_grammar_compile_seconds": "histogram",
     "otel_engine_telemetry_export_failures": "counter",
     "otel_engine_structured_output_invalid": "counter",
+    "otel_engine_tool_calls": "counter",
     "otel_engine_engine_health_state": "gauge",
     "otel_engine_fast_path_info": "gauge",
     "otel_engine_step_grammar_mask_seconds": "histogram",

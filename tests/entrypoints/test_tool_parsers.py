@@ -1,0 +1,257 @@
+"""Tool-call parsers on each format's real text: calls and content out of whole answers,
+malformed and truncated calls as content with an invalid count (never an exception), and
+the same calls whether the text arrives at once or in any pieces."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from otel_engine.entrypoints.tool_parsers import (
+    FORMATS,
+    ToolCallParser,
+    mistral_call_id,
+    parse_tool_calls,
+)
+
+TOOLS = {"get_weather", "get_time"}
+WEATHER = '{"city": "Paris", "unit": "celsius"}'
+TIME = '{"zone": "Europe/Paris", "nested": {"a": [1, 2.5e3, true, null, "x\\"}"]}}'
+
+# format: (answer text, expected content, expected [(name, arguments)])
+WELL_FORMED: dict[str, list[tuple[str, str, list[tuple[str, str]]]]] = {
+    "hermes": [  # Qwen2.5's own markup, newlines included
+        (
+            f'<tool_call>\n{{"name": "get_weather", "arguments": {WEATHER}}}\n</tool_call>',
+            "",
+            [("get_weather", WEATHER)],
+        ),
+        (
+            "Let me check both.\n"
+            f'<tool_call>\n{{"name": "get_weather", "arguments": {WEATHER}}}\n</tool_call>\n'
+            f'<tool_call>\n{{"arguments": {TIME}, "name": "get_time"}}\n</tool_call>',
+            "Let me check both.\n\n",
+            [("get_weather", WEATHER), ("get_time", TIME)],
+        ),
+        ("No tools needed: 2 < 3 and <b>bold</b>.", "No tools needed: 2 < 3 and <b>bold</b>.", []),
+        (
+            '<tool_call>\n{"name": "get_time", "arguments": "{\\"zone\\": \\"UTC\\"}"}\n</tool_call>',
+            "",
+            [("get_time", '{"zone": "UTC"}')],
+        ),
+    ],
+    "llama3_json": [
+        (f'{{"name": "get_weather", "parameters": {WEATHER}}}', "", [("get_weather", WEATHER)]),
+        (
+            f'<|python_tag|>{{"name": "get_weather", "parameters": {WEATHER}}}; '
+            f'{{"name": "get_time", "arguments": {TIME}}}',
+            "",
+            [("get_weather", WEATHER), ("get_time", TIME)],
+        ),
+        ("The weather is fine {really}.", "The weather is fine {really}.", []),
+        (
+            '  {"name": "get_time", "parameters": {}}',
+            "",
+            [("get_time", "{}")],
+        ),
+    ],
+    "mistral": [
+        (
+            f'[TOOL_CALLS] [{{"name": "get_weather", "arguments": {WEATHER}}}, '
+            f'{{"name": "get_time", "arguments": {TIME}}}]',
+            "",
+            [("get_weather", WEATHER), ("get_time", TIME)],
+        ),
+        (
+            f'Sure. [TOOL_CALLS]{{"name": "get_weather", "arguments": {WEATHER}}}',
+            "Sure. ",
+            [("get_weather", WEATHER)],
+        ),
+        ("[1, 2] is a list, not a call.", "[1, 2] is a list, not a call.", []),
+    ],
+    "phi4_mini": [
+        (
+            f'functools[{{"name": "get_weather", "arguments": {WEATHER}}}]',
+            "",
+            [("get_weather", WEATHER)],
+        ),
+        ("I use functional tools daily.", "I use functional tools daily.", []),
+    ],
+    "generic": [
+        (
+            f'{{"tool_calls": [{{"name": "get_weather", "arguments": {WEATHER}}}, '
+            f'{{"name": "get_time", "arguments": {TIME}}}]}}',
+            "",
+            [("get_weather", WEATHER), ("get_time", TIME)],
+        ),
+        ("Paris is the capital of France.", "Paris is the capital of France.", []),
+    ],
+}
+
+# format: (text, expected content, expected calls, expected invalid count)
+MALFORMED: dict[str, list[tuple[str, str, list[tuple[str, str]], int]]] = {
+    "hermes": [
+        (  # not JSON inside the tags
+            "<tool_call>\nget_weather(city=Paris)\n</tool_call>",
+            "<tool_call>\nget_weather(city=Paris)\n</tool_call>",
+            [],
+            1,
+        ),
+        (  # a function the request does not have
+            '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>',
+            '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>',
+            [],
+            1,
+        ),
+        (  # truncated by max_tokens
+            '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par',
+            '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par',
+            [],
+            1,
+        ),
+        (  # arguments that are not an object
+            '<tool_call>{"name": "get_weather", "arguments": [1]}</tool_call> done',
+            '<tool_call>{"name": "get_weather", "arguments": [1]}</tool_call> done',
+            [],
+            1,
+        ),
+        (  # the second call broken: the first stands, the rest is text
+            f'<tool_call>{{"name": "get_weather", "arguments": {WEATHER}}}</tool_call>'
+            '<tool_call>{"name": 7}</tool_call>',
+            '<tool_call>{"name": 7}</tool_call>',
+            [("get_weather", WEATHER)],
+            1,
+        ),
+    ],
+    "llama3_json": [
+        ('{"name": "get_weather", "parameters": {"city": }}', '{"name": "get_weather", "parameters": {"city": }}', [], 1),
+        ('{"no_name": true}', '{"no_name": true}', [], 1),
+        ('<|python_tag|>{"name": "get_weather"', '<|python_tag|>{"name": "get_weather"', [], 1),
+    ],
+    "mistral": [
+        ("[TOOL_CALLS] not json", "[TOOL_CALLS] not json", [], 1),
+        ("[TOOL_CALLS][{\"name\": \"get_weather\", \"arguments\": {\"a\": 1}", "[TOOL_CALLS][{\"name\": \"get_weather\", \"arguments\": {\"a\": 1}", [], 1),
+    ],
+    "phi4_mini": [
+        ('functools[{"name": "get_weather", "arguments": 3}]', 'functools[{"name": "get_weather", "arguments": 3}]', [], 1),
+    ],
+    "generic": [
+        ('{"tool_calls": []}', '{"tool_calls": []}', [], 1),
+        ('{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Pa', '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Pa', [], 1),
+        ('{"answer": "42"}', '{"answer": "42"}', [], 1),
+    ],
+}
+
+CASES = [(f, *case) for f, cases in WELL_FORMED.items() for case in cases]
+BAD_CASES = [(f, *case) for f, cases in MALFORMED.items() for case in cases]
+
+
+def _streamed(format: str, pieces: list[str]) -> tuple[str, list[tuple[str, str, str]]]:
+    """Content and calls (id, name, arguments) as a client reassembles a stream."""
+    parser = ToolCallParser(format, TOOLS)
+    content, calls = "", {}
+    for delta in [*(parser.feed(piece) for piece in pieces), parser.finish()]:
+        content += delta.content
+        for call in delta.calls:
+            if call.id is not None:
+                assert call.index not in calls, "a call's id and name come once"
+                assert call.name
+                calls[call.index] = [call.id, call.name, ""]
+            calls[call.index][2] += call.arguments
+    return content, [tuple(calls[i]) for i in sorted(calls)]
+
+
+@pytest.mark.parametrize(("format", "text", "content", "calls"), CASES)
+def test_well_formed_calls_are_parsed(
+    format: str, text: str, content: str, calls: list[tuple[str, str]]
+) -> None:
+    parsed = parse_tool_calls(format, text, TOOLS)
+
+    assert (content, calls, 0) == (
+        parsed.content,
+        [(call.name, call.arguments) for call in parsed.calls],
+        parsed.num_invalid,
+    )
+    for call in parsed.calls:
+        assert isinstance(json.loads(call.arguments), dict)
+        assert call.as_openai()["type"] == "function"
+    assert len({call.id for call in parsed.calls}) == len(parsed.calls)
+
+
+@pytest.mark.parametrize(("format", "text", "content", "calls", "invalid"), BAD_CASES)
+def test_malformed_and_truncated_calls_are_content(
+    format: str, text: str, content: str, calls: list[tuple[str, str]], invalid: int
+) -> None:
+    parsed = parse_tool_calls(format, text, TOOLS)
+
+    assert (content, calls, invalid) == (
+        parsed.content,
+        [(call.name, call.arguments) for call in parsed.calls],
+        parsed.num_invalid,
+    )
+
+
+@pytest.mark.parametrize(("format", "text", "content", "calls"), CASES)
+def test_one_character_at_a_time_equals_the_whole_text(
+    format: str, text: str, content: str, calls: list[tuple[str, str]]
+) -> None:
+    whole = parse_tool_calls(format, text, TOOLS)
+
+    streamed_content, streamed_calls = _streamed(format, list(text))
+
+    assert whole.content == streamed_content
+    assert [(c.name, c.arguments) for c in whole.calls] == [(n, a) for _, n, a in streamed_calls]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_any_chunking_gives_the_same_calls(data: st.DataObject) -> None:
+    format, text, content, calls = data.draw(st.sampled_from(CASES))
+    cuts = sorted(data.draw(st.sets(st.integers(0, len(text)), max_size=12)))
+    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+
+    streamed_content, streamed_calls = _streamed(format, pieces)
+
+    assert content == streamed_content
+    assert calls == [(n, a) for _, n, a in streamed_calls]
+
+
+def test_a_call_streams_its_name_first_then_arguments_in_pieces() -> None:
+    parser = ToolCallParser("hermes", TOOLS)
+    text = f'Checking.<tool_call>\n{{"name": "get_weather", "arguments": {WEATHER}}}\n</tool_call>'
+    deltas = [parser.feed(text[i : i + 6]) for i in range(0, len(text), 6)]
+
+    calls = [call for delta in deltas for call in delta.calls]
+    assert calls[0].id and calls[0].name == "get_weather" and not calls[0].arguments
+    assert len([call for call in calls if call.arguments]) > 3  # arguments arrive in pieces
+    content = "".join(delta.content for delta in deltas)
+    assert content == "Checking."  # the marker and the call never leak into content
+
+
+def test_text_that_may_start_a_marker_is_held_back() -> None:
+    parser = ToolCallParser("hermes", TOOLS)
+
+    assert "Hi " == parser.feed("Hi <tool_").content
+    assert "" == parser.feed("c").content
+    assert "<tool_cx" == parser.feed("x").content
+
+
+@given(st.text(max_size=200))
+@settings(max_examples=200, deadline=None)
+def test_no_text_makes_a_parser_raise(text: str) -> None:
+    for format in FORMATS:
+        parsed = parse_tool_calls(format, text, TOOLS)
+        if not parsed.calls:
+            assert text == parsed.content
+
+
+def test_mistral_ids_are_nine_letters_and_digits() -> None:
+    parsed = parse_tool_calls(
+        "mistral", f'[TOOL_CALLS][{{"name": "get_weather", "arguments": {WEATHER}}}]', TOOLS
+    )
+
+    assert len(parsed.calls[0].id) == 9 and parsed.calls[0].id.isalnum()
+    assert len(mistral_call_id()) == 9
