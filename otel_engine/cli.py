@@ -26,6 +26,7 @@ from otel_engine.config import (
     EngineConfig,
 )
 from otel_engine.entrypoints.limits import CHARS_PER_TOKEN_BOUND, ServerLimits
+from otel_engine.entrypoints.tool_parsers import PARSER_CHOICES
 from otel_engine.observability.logging import adopt_library_loggers
 from otel_engine.observability.setup import setup_main_process
 from otel_engine.observability.tracing import shutdown_telemetry
@@ -297,6 +298,15 @@ def build_parser() -> argparse.ArgumentParser:
         "chat template's own markup yields control tokens)",
     )
     server.add_argument(
+        "--tool-call-parser",
+        choices=PARSER_CHOICES,
+        default="auto",
+        help="the format the model writes tool calls in: auto (from the chat template: hermes "
+        "for <tool_call> markup as Qwen2.5's, llama3_json, mistral, phi4_mini; generic for a "
+        "template with no tool format, which puts the tools in a system message and holds the "
+        "answer to text or a JSON object of calls by a grammar)",
+    )
+    server.add_argument(
         "--final-scrape-wait",
         type=float,
         default=0.0,
@@ -440,6 +450,7 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
             final_scrape_wait=args.final_scrape_wait,
             limits=server_limits(args),
             allow_special_tokens_in_content=args.allow_special_tokens_in_content,
+            tool_call_parser=args.tool_call_parser,
         )
     except KeyboardInterrupt:
         logger.info("shutdown.begin", extra={"phase": "before_serving"})

@@ -66,9 +66,7 @@ class StructuredOutput(msgspec.Struct, frozen=True, array_like=True):
         if self.type == "tool_calls" and not self.grammar:
             _invalid(param, "a tool_calls grammar is empty")
         if len(self.grammar.encode("utf-8", "surrogatepass")) > MAX_TOOL_GRAMMAR_BYTES:
-            _invalid(
-                param, f"the tools' grammar must be at most {MAX_TOOL_GRAMMAR_BYTES} bytes"
-            )
+            _invalid(param, f"the tools' grammar must be at most {MAX_TOOL_GRAMMAR_BYTES} bytes")
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):

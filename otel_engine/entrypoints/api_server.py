@@ -60,6 +60,8 @@ from otel_engine.entrypoints.protocol import (
     DetokenizeResponse,
     HealthResponse,
     ModelList,
+    ResponseObject,
+    ResponsesRequest,
     TokenizeRequest,
     TokenizeResponse,
 )
@@ -102,6 +104,7 @@ def build_app(state: ServerState) -> FastAPI:
         state.drain_expired,
         max_prompt_chars=state.limits.prompt_chars(state.engine.max_model_len),
         allow_special_tokens_in_content=state.allow_special_tokens_in_content,
+        tool_call_parser=state.tool_call_parser,
     )
     app.router.route_class = body_route_class(serving.bodies)  # bodies off the event loop
 
@@ -173,6 +176,16 @@ def build_app(state: ServerState) -> FastAPI:
     )
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await serving.chat(body, request)
+
+    @app.post(
+        "/v1/responses",
+        responses={
+            **json_or_events(ResponseObject, "The response (not stored)."),
+            **generation_errors,
+        },
+    )
+    async def create_response(body: ResponsesRequest, request: Request) -> Response:
+        return await serving.responses(body, request)
 
     token_errors = errors(*CONNECTION_ERRORS, *GUARD_ERRORS, 400, 404, 500)
 
@@ -291,6 +304,7 @@ def make_server(
     final_scrape_wait: float = 0.0,
     limits: ServerLimits | None = None,
     allow_special_tokens_in_content: bool = False,
+    tool_call_parser: str = "auto",
 ) -> ApiServer:
     """An `ApiServer` for `engine`, ready to `run(sockets=[bind_socket(...)])`.
 
@@ -307,6 +321,7 @@ def make_server(
         limits=limits,
         metrics=metrics,
         allow_special_tokens_in_content=allow_special_tokens_in_content,
+        tool_call_parser=tool_call_parser,
     )
     timeout = engine.config.timeouts.shutdown_timeout if drain_timeout is None else drain_timeout
     config = uvicorn.Config(
@@ -358,6 +373,7 @@ def run_server(
     final_scrape_wait: float = 0.0,
     limits: ServerLimits | None = None,
     allow_special_tokens_in_content: bool = False,
+    tool_call_parser: str = "auto",
 ) -> int:
     """Serve until SIGTERM/SIGINT (exit code 0) or until the engine dies (exit code 1)."""
     limits = fit_connection_limit(limits or ServerLimits())
@@ -367,6 +383,7 @@ def run_server(
         final_scrape_wait=final_scrape_wait,
         limits=limits,
         allow_special_tokens_in_content=allow_special_tokens_in_content,
+        tool_call_parser=tool_call_parser,
     )
     start_otlp_metrics(
         server.state.metrics.registry,

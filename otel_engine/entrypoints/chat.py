@@ -23,7 +23,9 @@ import jinja2
 from otel_engine.entrypoints.errors import bad_request
 from otel_engine.errors import ErrorCode
 
-CLIENT_FIELDS = ("content", "name")  # what a client writes into a message
+# What a client writes into a message: its text, and any string inside an assistant's
+# earlier tool calls; a request's tools (names, descriptions, schemas) are the client's too.
+CLIENT_FIELDS = ("content", "name", "tool_calls", "tool_call_id", "tools")
 _MARK_OPEN, _MARK_CLOSE = "\ue000", "\ue001"
 
 
@@ -41,14 +43,20 @@ class ChatRenderer:
         self._specials = re.compile("|".join(map(re.escape, specials))) if specials else None
 
     def render(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> tuple[str, list[int]]:
-        """The prompt's text (as the template wrote it) and its token ids."""
+        """The prompt's text (as the template wrote it) and its token ids; `tools` go to
+        templates that render them."""
         found: list[str] = []
         nonce = secrets.token_hex(8)
         if not self.allow_special_tokens and self._specials is not None:
             messages = [self._marked(message, nonce, found) for message in messages]
-        text = self._apply(messages, add_generation_prompt)
+            if tools is not None:
+                tools = self._mark_value(tools, nonce, found)
+        text = self._apply(messages, add_generation_prompt, tools)
         if not found:
             return text, self._encode(text)
         pieces = re.split(f"{_MARK_OPEN}{nonce}(\\d+){_MARK_CLOSE}", text)
@@ -61,25 +69,40 @@ class ChatRenderer:
                 token_ids += self._encode(piece)
         return "".join(pieces), token_ids
 
-    def _marked(self, message: dict[str, str], nonce: str, found: list[str]) -> dict[str, str]:
+    def _marked(self, message: dict[str, Any], nonce: str, found: list[str]) -> dict[str, Any]:
+        marked = dict(message)
+        for field in CLIENT_FIELDS:
+            value = marked.get(field)
+            if value:
+                marked[field] = self._mark_value(value, nonce, found)
+        return marked
+
+    def _mark_value(self, value: Any, nonce: str, found: list[str]) -> Any:
+        """`value` with every special token's text in its strings (at any depth) marked."""
         assert self._specials is not None
 
         def mark(match: re.Match[str]) -> str:
             found.append(match.group())
             return f"{_MARK_OPEN}{nonce}{len(found) - 1}{_MARK_CLOSE}"
 
-        marked = dict(message)
-        for field in CLIENT_FIELDS:
-            value = marked.get(field)
-            if value:
-                marked[field] = self._specials.sub(mark, value)
-        return marked
+        if isinstance(value, str):
+            return self._specials.sub(mark, value)
+        if isinstance(value, list):
+            return [self._mark_value(item, nonce, found) for item in value]
+        if isinstance(value, dict):
+            return {key: self._mark_value(item, nonce, found) for key, item in value.items()}
+        return value
 
     def _encode(self, text: str, split_special_tokens: bool = False) -> list[int]:
         options = {"split_special_tokens": True} if split_special_tokens else {}
         return list(self.tokenizer.encode(text, add_special_tokens=False, **options))
 
-    def _apply(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+    def _apply(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
         if not getattr(self.tokenizer, "chat_template", None):
             raise bad_request(
                 "this model has no chat template; use /v1/completions",
@@ -88,7 +111,7 @@ class ChatRenderer:
             )
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=False
+                messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
             )
         except (jinja2.TemplateError, ValueError, TypeError) as error:
             raise bad_request(

@@ -45,6 +45,7 @@ class ServerState:
     api_key: str | None = None
     limits: ServerLimits = field(default_factory=ServerLimits)
     allow_special_tokens_in_content: bool = False  # chat.py: control tokens from clients
+    tool_call_parser: str = "auto"  # tools.py: the format of tool calls
     metrics: EngineMetrics = field(default_factory=EngineMetrics)
     num_in_flight: int = 0
     is_draining: bool = False

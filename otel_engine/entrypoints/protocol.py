@@ -19,6 +19,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 from otel_engine.engine.structured_output import from_response_format
 from otel_engine.entrypoints.errors import APIError, bad_request, from_request_error
 from otel_engine.entrypoints.limits import MAX_CONTENT_PARTS, MAX_MESSAGES
+from otel_engine.entrypoints.tools import MAX_TOOLS, Function, template_call
 from otel_engine.errors import ErrorCode, RequestError
 from otel_engine.sampling_params import (
     MAX_LOGPROBS,
@@ -240,22 +241,77 @@ class ContentPart(_Strict):
     text: Text | None = None
 
 
+FunctionName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_.\-]{1,64}$")]
+
+
+class FunctionDefinition(_Strict):
+    name: FunctionName
+    description: Text | None = None
+    parameters: dict[str, object] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(_Strict):
+    """A function the model may call (the only kind of tool there is on this endpoint)."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+    def to_function(self) -> Function:
+        return Function(self.function.name, self.function.description, self.function.parameters)
+
+
+class NamedFunction(_Strict):
+    name: Text
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class FunctionCall(_Strict):
+    name: Text
+    arguments: Text
+
+
+class MessageToolCall(_Strict):
+    """A call an assistant message made earlier in the conversation."""
+
+    id: Text
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
-    """One chat message, passed to the model's chat template as `{role, content}`."""
+    """One chat message, passed to the model's chat template as `{role, content}` (and an
+    assistant's `tool_calls`, a tool result's `tool_call_id`)."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | Annotated[list[ContentPart], Field(max_length=MAX_CONTENT_PARTS)] | None = None
     name: Text | None = None
+    tool_calls: Annotated[list[MessageToolCall], Field(max_length=MAX_TOOLS)] | None = None
+    tool_call_id: Text | None = None
 
-    def to_template_dict(self) -> dict[str, str]:
+    def to_template_dict(self) -> dict[str, Any]:
         content = self.content
         if isinstance(content, list):
             if any(part.type != "text" or part.text is None for part in content):
                 raise unsupported("messages", "only text content parts are supported")
             content = "".join(part.text or "" for part in content)
-        message = {"role": self.role, "content": content or ""}
+        message: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls:
+            if self.role != "assistant":
+                raise bad_request(
+                    "only assistant messages have tool_calls",
+                    param="messages",
+                    code=ErrorCode.INVALID_VALUE,
+                )
+            message["tool_calls"] = [template_call(call.model_dump()) for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
 
 
@@ -266,7 +322,11 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: Int | None = None
-    tools: list[dict[str, object]] | None = None
+    tools: Annotated[list[ToolDefinition], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    functions: list[dict[str, object]] | None = None  # the API's deprecated form of tools
+    function_call: str | dict[str, object] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -282,8 +342,21 @@ class ChatCompletionRequest(_SamplingFields):
                 param="top_logprobs",
                 code=ErrorCode.INVALID_VALUE,
             )
-        if self.tools:
-            raise unsupported("tools", "tools are not supported")
+        if self.functions is not None or self.function_call is not None:
+            raise unsupported("functions", "functions and function_call are deprecated; use tools")
+        if self.tools and self.response_format is not None and self.tool_choice != "none":
+            raise bad_request(
+                "response_format cannot be combined with tools (unless tool_choice is none)",
+                param="response_format",
+                code=ErrorCode.INVALID_VALUE,
+            )
+
+    def tool_functions(self) -> list[Function] | None:
+        return [tool.to_function() for tool in self.tools] if self.tools else None
+
+    def tool_choice_value(self) -> str | dict[str, Any] | None:
+        choice = self.tool_choice
+        return choice.model_dump() if isinstance(choice, NamedToolChoice) else choice
 
     def requested_logprobs(self) -> int | None:
         if not self.logprobs:
@@ -295,8 +368,173 @@ class ChatCompletionRequest(_SamplingFields):
             return self.max_completion_tokens
         return self.max_tokens
 
-    def template_messages(self) -> list[dict[str, str]]:
+    def template_messages(self) -> list[dict[str, Any]]:
         return [message.to_template_dict() for message in self.messages]
+
+
+class ResponsesFunctionTool(_Strict):
+    """A function tool of the Responses API (its fields flat, not under `function`)."""
+
+    type: Text
+    name: FunctionName | None = None
+    description: Text | None = None
+    parameters: dict[str, object] | None = None
+    strict: bool | None = None
+
+
+class ResponsesTextFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    name: Text | None = None
+    schema_: dict[str, object] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponsesText(_Strict):
+    format: ResponsesTextFormat | None = None
+
+
+class ResponsesRequest(_Strict):
+    """`POST /v1/responses`: `input` (text, or message and function-call items) and
+    `instructions` become a chat for the model's template; the answer is output items.
+    Responses are not stored, so `previous_response_id` is refused."""
+
+    model_config = ConfigDict(strict=True, extra="allow", populate_by_name=True)
+
+    model: Text | None = None
+    input: Text | Annotated[list[dict[str, object]], Field(max_length=MAX_MESSAGES)]
+    instructions: Text | None = None
+    tools: Annotated[list[ResponsesFunctionTool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, object] | None = None
+    parallel_tool_calls: bool = True
+    max_output_tokens: Int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=MAX_TEMPERATURE)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    text: ResponsesText | None = None
+    stream: bool = False
+    previous_response_id: Text | None = None
+    store: bool | None = None
+    background: bool | None = None
+    conversation: object | None = None
+    metadata: dict[str, Text] | None = None
+    user: Text | None = None
+    seed: Int | None = Field(default=None, ge=SEED_RANGE[0], lt=SEED_RANGE[1])
+    # accepted and without effect here: no reasoning, no truncation of the input
+    reasoning: dict[str, object] | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    include: list[Text] | None = None
+
+    def check_supported(self) -> None:
+        if self.previous_response_id is not None:
+            raise unsupported(
+                "previous_response_id",
+                "responses are not stored: send the whole conversation as input items",
+            )
+        if self.background:
+            raise unsupported("background", "background responses are not supported")
+        if self.conversation is not None:
+            raise unsupported("conversation", "conversations are not stored")
+        for tool in self.tools or ():
+            if tool.type != "function" or tool.name is None:
+                raise unsupported("tools", f"only function tools are supported, not {tool.type!r}")
+
+    def ignored_fields(self) -> list[str]:
+        return list(self.model_extra or {})
+
+    def response_format(self) -> dict[str, object] | None:
+        fmt = self.text.format if self.text is not None else None
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            return {"type": "json_object"}
+        return {
+            "type": "json_schema",
+            "json_schema": {"name": fmt.name or "response", "schema": fmt.schema_ or {}},
+        }
+
+    def tool_functions(self) -> list[Function] | None:
+        if not self.tools:
+            return None
+        return [Function(t.name or "", t.description, t.parameters) for t in self.tools]
+
+    def tool_choice_value(self) -> str | dict[str, Any] | None:
+        choice = self.tool_choice
+        if isinstance(choice, dict):  # {"type": "function", "name": ...}
+            return {"type": "function", "function": {"name": choice.get("name")}}
+        return choice
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """`instructions` and `input` as chat messages (400 `input` for an item that is not
+        a message, a function call or its output)."""
+        messages: list[dict[str, Any]] = []
+        if self.instructions:
+            messages.append({"role": "system", "content": self.instructions})
+        if isinstance(self.input, str):
+            messages.append({"role": "user", "content": self.input})
+            return messages
+        for index, item in enumerate(self.input):
+            _input_item(item, index, messages)
+        if not messages:
+            raise bad_request("input is empty", param="input", code=ErrorCode.INVALID_VALUE)
+        return messages
+
+
+_ROLES = ("system", "developer", "user", "assistant")
+_TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+def _item_text(value: object, param: str) -> str:
+    if isinstance(value, str):
+        return _no_surrogates(value)
+    if isinstance(value, list):
+        texts = []
+        for part in value:
+            if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS:
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise unsupported(param, f"only text content parts are supported, not {kind!r}")
+            texts.append(_item_text(part.get("text", ""), param))
+        return "".join(texts)
+    raise bad_request(
+        f"{param} must be text or text parts", param=param, code=ErrorCode.INVALID_VALUE
+    )
+
+
+def _input_item(item: dict[str, object], index: int, messages: list[dict[str, Any]]) -> None:
+    """Append one Responses input item to `messages` as the chat template reads it."""
+    param = f"input[{index}]"
+    kind = item.get("type", "message")
+    if kind == "message":
+        role = item.get("role")
+        if role not in _ROLES:
+            raise bad_request(
+                f"{param}.role must be one of {_ROLES}", param="input", code=ErrorCode.INVALID_VALUE
+            )
+        messages.append({"role": role, "content": _item_text(item.get("content", ""), "input")})
+    elif kind == "function_call":
+        name, arguments, call_id = item.get("name"), item.get("arguments"), item.get("call_id")
+        if not all(isinstance(v, str) for v in (name, arguments, call_id)):
+            raise bad_request(
+                f"{param} needs name, arguments and call_id as strings",
+                param="input",
+                code=ErrorCode.INVALID_VALUE,
+            )
+        call = template_call(
+            {"id": call_id, "function": {"name": name, "arguments": _no_surrogates(str(arguments))}}
+        )
+        last = messages[-1] if messages else None
+        if last is not None and last["role"] == "assistant":
+            last.setdefault("tool_calls", []).append(call)
+        else:
+            messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+    elif kind == "function_call_output":
+        call_id = item.get("call_id")
+        if not isinstance(call_id, str):
+            raise bad_request(
+                f"{param} needs a call_id", param="input", code=ErrorCode.INVALID_VALUE
+            )
+        output = _item_text(item.get("output", ""), "input")
+        messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
+    elif kind != "reasoning":  # a reasoning item of another server: nothing to render here
+        raise unsupported("input", f"input items of type {str(kind)[:32]!r} are not supported")
 
 
 class TokenizeRequest(_Strict):
@@ -346,7 +584,7 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails
 
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class CompletionLogprobs(BaseModel):
@@ -392,9 +630,21 @@ class CompletionResponse(BaseModel):
     usage: Usage
 
 
+class ResponseFunctionCall(BaseModel):
+    name: str
+    arguments: str = Field(description="the arguments as the model wrote them: a JSON object")
+
+
+class ResponseToolCall(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: ResponseFunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None = Field(description="null when the answer is only tool calls")
+    tool_calls: list[ResponseToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -449,3 +699,81 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+class ResponsesOutputText(BaseModel):
+    type: Literal["output_text"]
+    text: str
+    annotations: list[Any]
+    logprobs: list[Any]
+
+
+class ResponsesMessageItem(BaseModel):
+    type: Literal["message"]
+    id: str
+    status: Literal["in_progress", "completed", "incomplete"]
+    role: Literal["assistant"]
+    content: list[ResponsesOutputText]
+
+
+class ResponsesFunctionCallItem(BaseModel):
+    type: Literal["function_call"]
+    id: str
+    call_id: str
+    name: str
+    arguments: str = Field(description="the arguments as the model wrote them: a JSON object")
+    status: Literal["in_progress", "completed", "incomplete"]
+
+
+class ResponsesInputTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class ResponsesOutputTokensDetails(BaseModel):
+    reasoning_tokens: int
+
+
+class ResponsesUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: ResponsesInputTokensDetails
+    output_tokens: int
+    output_tokens_details: ResponsesOutputTokensDetails
+    total_tokens: int
+
+
+class ResponsesError(BaseModel):
+    code: str
+    message: str
+
+
+class ResponsesIncomplete(BaseModel):
+    reason: Literal["max_output_tokens", "content_filter"]
+
+
+class ResponseObject(BaseModel):
+    """`POST /v1/responses` without `stream` (with it: server-sent events `response.created`,
+    `response.in_progress`, `response.output_item.added`, `response.content_part.added`,
+    `response.output_text.delta`, `response.function_call_arguments.delta`, their `.done`
+    events, then `response.completed`, or `error` and `response.failed`)."""
+
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: Literal["in_progress", "completed", "incomplete", "failed"]
+    model: str
+    output: list[ResponsesMessageItem | ResponsesFunctionCallItem]
+    usage: ResponsesUsage | None
+    error: ResponsesError | None
+    incomplete_details: ResponsesIncomplete | None
+    instructions: str | None
+    max_output_tokens: int | None
+    temperature: float
+    top_p: float
+    tools: list[dict[str, Any]]
+    tool_choice: Any
+    parallel_tool_calls: bool
+    text: dict[str, Any]
+    previous_response_id: None
+    metadata: dict[str, str]
+    store: bool
+    truncation: str

@@ -32,6 +32,11 @@ from otel_engine.entrypoints.streaming import (
     DONE_EVENT,
     sse_event,
 )
+from otel_engine.entrypoints.tool_parsers import Parsed, ToolCall
+from otel_engine.entrypoints.tools import ToolPlan
+
+if TYPE_CHECKING:
+    from otel_engine.entrypoints.responses import ResponsesEcho
 from otel_engine.errors import EngineDeadError, ErrorCode, RequestError, RequestFailedError
 from otel_engine.outputs import TokenLogprobs
 from otel_engine.sampling_params import SamplingParams
@@ -70,6 +75,10 @@ class Job:
     # held back), and where the next token's text starts in the choice's text (completions).
     pending: dict[int, tuple[list[int], list[TokenLogprobs]]] = field(default_factory=dict)
     text_offsets: dict[int, int] = field(default_factory=dict)
+    tools: ToolPlan | None = None  # a chat with tools: its answers are parsed for calls
+    tool_calls: dict[int, list[tuple[str, str]]] = field(default_factory=dict)  # streamed
+    responses: ResponsesEcho | None = None  # a Responses API request: what it echoes
+    response_stream: Any = None  # its stream's state (responses.py)
 
     @property
     def num_generated(self) -> int:
@@ -124,6 +133,7 @@ class ResponseRenderer:
         if job.num_samples > job.n:  # best_of: the n samples of highest cumulative logprob
             samples = sorted(samples, key=_cumulative_logprob, reverse=True)[: job.n]
         choices, reasons = [], []
+        called: list[list[tuple[str, str]]] = []  # by choice, tool calls (id, name)
         for index, completion in enumerate(samples):
             reason = completion.finish_reason or "stop"
             reasons.append(reason)
@@ -138,12 +148,21 @@ class ResponseRenderer:
                 if echoed is not None and echoed[1] is not None:
                     logprobs = {k: echoed[1][k] + v for k, v in logprobs.items()}
             text = completion.text if echoed is None else echoed[0] + completion.text
-            if job.is_chat:
+            if job.is_chat and job.tools is not None:
+                parsed = job.tools.parser_for_whole().parse(job.tools.clean(text))
+                message = self._tool_message(parsed)
+                reason = self._tool_outcome(job, parsed.calls, parsed.num_invalid, reason)
+                reasons[-1] = reason
+                called.append([(call.id, call.name) for call in parsed.calls])
+                self._log_tool_calls(parsed.calls)
+                choice = {"index": index, "message": message, "logprobs": logprobs}
+            elif job.is_chat:
                 message = {"role": "assistant", "content": text}
                 choice = {"index": index, "message": message, "logprobs": logprobs}
             else:
                 choice = {"index": index, "text": text, "logprobs": logprobs}
             choices.append({**choice, "finish_reason": reason})
+        telemetry.tool_calls(called, reasons)
         telemetry.finish(reasons[0], job.num_generated, final.metrics, finish_reasons=reasons)
         body = job.envelope(False, choices=choices, usage=job.usage())
         return Response(msgspec.json.encode(body), media_type=JSON)
@@ -175,11 +194,7 @@ class ResponseRenderer:
                     if chunk is not None:
                         yield chunk
                 if output.finished:
-                    job.num_cached = int(output.metrics.get("num_cached_tokens", 0))
-                    ordered = [reasons[i] for i in sorted(reasons)]
-                    telemetry.finish(
-                        ordered[0], job.num_generated, output.metrics, finish_reasons=ordered
-                    )
+                    _end_stream(job, telemetry, output, reasons)
                     break
                 output = await anext(outputs, None)
                 if output is not None:
@@ -211,6 +226,8 @@ class ResponseRenderer:
             ids, entries = job.pending.setdefault(index, ([], []))
             ids += completion.delta_token_ids
             entries += completion.delta_logprobs
+        if job.is_chat and job.tools is not None:
+            return self._tool_chunk(job, completion, reasons)
         if reason is not None:
             job.finished.add(index)
             reasons[index] = reason
@@ -220,6 +237,58 @@ class ResponseRenderer:
         text = completion.delta_text
         delta = ({"content": text} if text else {}) if job.is_chat else text
         return self._chunk(job, delta, reason, index, self._pending_logprobs(job, index))
+
+    def _tool_chunk(
+        self, job: Job, completion: CompletionOutput, reasons: dict[int, str]
+    ) -> bytes | None:
+        """A streamed chat choice with tools: its text through the choice's parser, which
+        holds back what may be a call and sends calls as OpenAI's tool_calls deltas."""
+        assert job.tools is not None
+        index, reason = completion.index, completion.finish_reason
+        parser = job.tools.parser(index)
+        parsed = parser.feed(job.tools.clean(completion.delta_text))
+        if reason is not None:
+            tail = parser.finish()
+            parsed.content += tail.content
+            parsed.calls += tail.calls
+            job.finished.add(index)
+            reason = self._tool_outcome(job, parser.calls, parser.num_invalid, reason)
+            reasons[index] = reason
+            job.tool_calls[index] = [(call.id, call.name) for call in parser.calls]
+            self._log_tool_calls(parser.calls)
+        elif not parsed:
+            return None
+        delta: dict[str, Any] = {}
+        if parsed.content:
+            delta["content"] = parsed.content
+        if parsed.calls:
+            delta["tool_calls"] = [call.as_openai() for call in parsed.calls]
+        return self._chunk(job, delta, reason, index, self._pending_logprobs(job, index))
+
+    @staticmethod
+    def _tool_message(parsed: Parsed) -> dict[str, Any]:
+        if not parsed.calls:
+            return {"role": "assistant", "content": parsed.content}
+        return {
+            "role": "assistant",
+            "content": parsed.content or None,
+            "tool_calls": [call.as_openai() for call in parsed.calls],
+        }
+
+    def _tool_outcome(self, job: Job, calls: list[ToolCall], num_invalid: int, reason: str) -> str:
+        """Count a choice's calls by outcome; its finish reason is tool_calls when it
+        stopped after calling."""
+        self.metrics.on_tool_calls("parsed", len(calls))
+        self.metrics.on_tool_calls("invalid", num_invalid)
+        return "tool_calls" if calls and reason == "stop" else reason
+
+    def _log_tool_calls(self, calls: list[ToolCall]) -> None:
+        """With --log-prompts, the calls' arguments (client data, like prompts)."""
+        if calls and self._engine.config.observability.log_prompts:
+            logger.info(
+                "request.tool_calls",
+                extra={"tool_calls": [[c.id, c.name, c.arguments] for c in calls]},
+            )
 
     def _count_invalid_json(self, job: Job, completion: CompletionOutput) -> None:
         """A structured-output choice that ends without valid JSON is counted, by why."""
@@ -301,6 +370,17 @@ class ResponseRenderer:
         if job.include_usage:
             chunk["usage"] = None
         return sse_event(chunk)
+
+
+def _end_stream(
+    job: Job, telemetry: RequestTelemetry, output: RequestOutput, reasons: dict[int, str]
+) -> None:
+    """A stream's last output: its telemetry ends with every choice's finish reason."""
+    job.num_cached = int(output.metrics.get("num_cached_tokens", 0))
+    ordered = [reasons[i] for i in sorted(reasons)]
+    if job.tools is not None:
+        telemetry.tool_calls([job.tool_calls.get(i, []) for i in sorted(reasons)], ordered)
+    telemetry.finish(ordered[0], job.num_generated, output.metrics, finish_reasons=ordered)
 
 
 def record_gone(telemetry: RequestTelemetry, job: Job, request: Request) -> None:

@@ -12,6 +12,7 @@ per output, never per token; prompt and completion text never reach the span or 
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Iterator, Mapping
@@ -72,6 +73,7 @@ class RequestTelemetry:
         num_prompt_tokens: int,
         is_stream: bool,
         num_choices: int = 1,
+        tool_names: list[str] | None = None,
         tracer: trace.Tracer | None = None,
     ) -> None:
         self._metrics = metrics
@@ -103,6 +105,10 @@ class RequestTelemetry:
                 attributes["gen_ai.request.seed"] = params.seed
             if num_choices > 1:
                 attributes["gen_ai.request.choice.count"] = num_choices
+            if tool_names:  # the definitions' required fields only: never their schemas
+                definitions = [{"type": "function", "name": name} for name in tool_names]
+                attributes["gen_ai.tool.definitions"] = json.dumps(definitions)
+                attributes["otel_engine.request.tool_count"] = len(tool_names)
             for name in ("presence_penalty", "frequency_penalty"):
                 if getattr(params, name):
                     attributes[f"gen_ai.request.{name}"] = getattr(params, name)
@@ -275,6 +281,22 @@ class RequestTelemetry:
     def abort(self, num_generated: int = 0) -> None:
         """The client went away before the response was complete (HTTP 499)."""
         self.fail(ABORTED, status=499, num_generated=num_generated)
+
+    def tool_calls(self, calls: list[list[tuple[str, str]]], reasons: list[str]) -> None:
+        """The answer's tool calls (per choice: id and function name) as the span's
+        `gen_ai.output.messages`, tool-call parts without their arguments (which, like
+        prompts, stay out of telemetry)."""
+        if not self.is_recording or not any(calls):
+            return
+        messages = [
+            {
+                "role": "assistant",
+                "parts": [{"type": "tool_call", "id": i, "name": name} for i, name in choice],
+                "finish_reason": reason,
+            }
+            for choice, reason in zip(calls, reasons, strict=False)
+        ]
+        self.span.set_attribute("gen_ai.output.messages", json.dumps(messages))
 
     @property
     def is_ended(self) -> bool:

@@ -11,6 +11,7 @@ and the client agree.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -25,6 +26,7 @@ from starlette.responses import Response
 from otel_engine.engine import structured_output
 from otel_engine.engine.choices import generate_choices, sample_ids
 from otel_engine.engine.validation import check_context
+from otel_engine.entrypoints import responses
 from otel_engine.entrypoints.bodies import BodyParser
 from otel_engine.entrypoints.chat import ChatRenderer
 from otel_engine.entrypoints.errors import (
@@ -40,15 +42,18 @@ from otel_engine.entrypoints.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    ResponsesRequest,
     TokenizeRequest,
 )
 from otel_engine.entrypoints.rendering import Job, ResponseRenderer, record_failure, record_gone
 from otel_engine.entrypoints.request_telemetry import RequestTelemetry
+from otel_engine.entrypoints.responses import ResponsesEcho
 from otel_engine.entrypoints.streaming import (
     ClientDisconnected,
     EventStreamResponse,
     RequestWatch,
 )
+from otel_engine.entrypoints.tools import Function, ToolPlan, ToolSupport
 from otel_engine.errors import EngineDeadError, ErrorCode, RequestError, RequestFailedError
 from otel_engine.sampling_params import SamplingParams
 
@@ -78,6 +83,7 @@ class OpenAIServing:
         max_prompt_chars: int,
         *,
         allow_special_tokens_in_content: bool = False,
+        tool_call_parser: str = "auto",
     ) -> None:
         self.engine = engine
         self.metrics = metrics
@@ -85,6 +91,7 @@ class OpenAIServing:
         self.max_prompt_chars = max_prompt_chars
         self.log_prompts = engine.config.observability.log_prompts
         self.allow_special_tokens_in_content = allow_special_tokens_in_content
+        self.tool_call_parser = tool_call_parser
         self.bodies = BodyParser()
         self.renderer = ResponseRenderer(engine, metrics, drain_expired)
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
@@ -113,14 +120,111 @@ class OpenAIServing:
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         self._check_common(body)
-        messages = body.template_messages()
-        self._check_chars(chat_chars(messages), "messages")
-        text, prompt_ids = await self._off_loop(self._chat.render, messages)
-        job = self._admit(
-            body, prompt_ids, prefix="chatcmpl", default_cap=None, prompt_param="messages"
+        job, text = await self._chat_job(
+            body,
+            body.template_messages(),
+            body.tool_functions(),
+            body.tool_choice_value(),
+            body.parallel_tool_calls,
+            prefix="chatcmpl",
+            prompt_param="messages",
         )
-        await self._check_grammar(job.params)
         return await self._run(job, body.stream, request, text)
+
+    async def responses(self, body: ResponsesRequest, request: Request) -> Response:
+        """`POST /v1/responses`: the request as a chat (its messages, tools, limits), the
+        answer as output items (responses.py)."""
+        self._check_model(body.model)
+        body.check_supported()
+        self._warn_ignored(body.ignored_fields())
+        response_format = body.response_format()
+        if body.tools and response_format is not None and body.tool_choice != "none":
+            raise bad_request(
+                "text.format cannot be combined with tools (unless tool_choice is none)",
+                param="text",
+                code=ErrorCode.INVALID_VALUE,
+            )
+        sampled = {n: getattr(body, n) for n in ("temperature", "top_p", "seed")}
+        as_chat = ChatCompletionRequest.model_construct(
+            _fields_set={n for n in sampled if n in body.model_fields_set},
+            model=body.model,
+            messages=[],
+            max_completion_tokens=body.max_output_tokens,
+            response_format=response_format,
+            stream=body.stream,
+            **sampled,
+        )
+        job, text = await self._chat_job(
+            as_chat,
+            body.template_messages(),
+            body.tool_functions(),
+            body.tool_choice_value(),
+            body.parallel_tool_calls,
+            prefix="resp",
+            prompt_param="input",
+        )
+        job.responses = ResponsesEcho(
+            instructions=body.instructions,
+            max_output_tokens=body.max_output_tokens,
+            temperature=job.params.temperature,
+            top_p=job.params.top_p,
+            tools=[tool.model_dump(by_alias=True, exclude_none=True) for tool in body.tools or ()],
+            tool_choice=body.tool_choice if body.tool_choice is not None else "auto",
+            parallel_tool_calls=body.parallel_tool_calls,
+            text=(
+                body.text.model_dump(by_alias=True, exclude_none=True)
+                if body.text is not None
+                else {"format": {"type": "text"}}
+            ),
+            metadata=dict(body.metadata or {}),
+        )
+        return await self._run(job, body.stream, request, text)
+
+    async def _chat_job(
+        self,
+        body: ChatCompletionRequest,
+        template_messages: list[dict[str, Any]],
+        functions: list[Function] | None,
+        tool_choice: str | dict[str, Any] | None,
+        parallel: bool,
+        *,
+        prefix: str,
+        prompt_param: str,
+    ) -> tuple[Job, str]:
+        """A chat's job: its prompt (tools and earlier calls in the model's terms), its
+        limits checked, its grammar (tools, response_format) valid."""
+        self._check_chars(chat_chars(template_messages, functions), "messages")
+        plan, messages, tools = await self._off_loop(
+            self._tool_prompt, template_messages, functions, tool_choice, parallel
+        )
+        text, prompt_ids = await self._off_loop(self._chat.render, messages, True, tools)
+        job = self._admit(
+            body, prompt_ids, prefix=prefix, default_cap=None, prompt_param=prompt_param
+        )
+        if plan is not None:
+            job.tools = plan
+            job.params = msgspec.structs.replace(
+                job.params,
+                structured_output=plan.structured,
+                skip_special_tokens=job.params.skip_special_tokens and plan.keep_special is None,
+            )
+        await self._check_grammar(job.params)
+        return job, text
+
+    def _tool_prompt(
+        self,
+        messages: list[dict[str, Any]],
+        functions: list[Function] | None,
+        tool_choice: str | dict[str, Any] | None,
+        parallel: bool,
+    ) -> tuple[ToolPlan | None, list[dict[str, Any]], list[dict[str, Any]] | None]:
+        """The request's tool plan, its messages as the template renders them, and the tools
+        the template gets (in the tokenizer thread: checking the schemas takes milliseconds)."""
+        try:
+            plan = self._tools.plan(functions, tool_choice, parallel)
+        except RequestError as error:
+            raise from_request_error(error) from None
+        return plan, self._tools.messages(messages, plan), self._tools.template_tools(plan)
 
     async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
         """vLLM's `/tokenize`: the token ids of a prompt or of rendered chat messages."""
@@ -137,6 +241,7 @@ class OpenAIServing:
         else:
             messages = [m.to_template_dict() for m in body.messages or ()]
             self._check_chars(chat_chars(messages), "messages")
+            messages = self._tools.messages(messages, None)
             _, ids = await self._off_loop(self._chat.render, messages, body.add_generation_prompt)
         return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids}
 
@@ -161,7 +266,9 @@ class OpenAIServing:
     def _check_common(self, body: CompletionRequest | ChatCompletionRequest) -> None:
         self._check_model(body.model)
         body.check_supported()
-        ignored = body.ignored_fields()
+        self._warn_ignored(body.ignored_fields())
+
+    def _warn_ignored(self, ignored: list[str]) -> None:
         if ignored:
             self.metrics.on_ignored_fields(len(ignored))
             logger.warning(
@@ -235,7 +342,7 @@ class OpenAIServing:
             max_tokens = requested
         return Job(
             request_id=f"{prefix}-{uuid.uuid4().hex}",
-            is_chat=prefix == "chatcmpl",
+            is_chat=prefix in ("chatcmpl", "resp"),
             model=self.engine.model_name,
             request_model=body.model or self.engine.model_name,
             prompt_ids=prompt_ids,
@@ -259,6 +366,7 @@ class OpenAIServing:
             num_prompt_tokens=len(job.prompt_ids),
             is_stream=stream,
             num_choices=job.n,
+            tool_names=[f.name for f in job.tools.functions] if job.tools else None,
         )
         with telemetry.activate():
             if self.log_prompts:
@@ -281,10 +389,20 @@ class OpenAIServing:
             telemetry.first_output(first)
             if stream:
                 is_streaming = True
-                events = self.renderer.events(job, telemetry, outputs, first, request)
                 ids = sample_ids(job.request_id, job.num_samples)
-                return EventStreamResponse(events, watch, lambda held: self.engine.hold(ids, held))
+                hold = lambda held: self.engine.hold(ids, held)  # noqa: E731
+                if job.responses is not None:
+                    events = responses.events(
+                        self.renderer, job, telemetry, outputs, first, request
+                    )
+                    return EventStreamResponse(
+                        events, watch, hold, lambda error: responses.failed_frames(job, error)
+                    )
+                events = self.renderer.events(job, telemetry, outputs, first, request)
+                return EventStreamResponse(events, watch, hold)
             final = await watch.run(_last(outputs, first, telemetry, job))
+            if job.responses is not None:
+                return responses.full_response(self.renderer, job, telemetry, final)
             return self.renderer.full_response(job, telemetry, final)
         except ClientDisconnected:
             record_gone(telemetry, job, request)
@@ -310,13 +428,24 @@ class OpenAIServing:
             self.engine.tokenizer, allow_special_tokens=self.allow_special_tokens_in_content
         )
 
+    @cached_property
+    def _tools(self) -> ToolSupport:
+        return ToolSupport(self.engine.tokenizer, self.tool_call_parser)
 
-def chat_chars(messages: list[dict[str, str]]) -> int:
-    """What a chat costs against the prompt-character budget: its text, plus the template's
-    markup of each message (`MESSAGE_OVERHEAD_CHARS`)."""
-    return sum(
-        len(m["content"]) + len(m.get("name", "")) + MESSAGE_OVERHEAD_CHARS for m in messages
-    )
+
+def chat_chars(messages: list[dict[str, Any]], functions: list[Function] | None = None) -> int:
+    """What a chat costs against the prompt-character budget: its text (earlier tool calls'
+    names and arguments included), plus the template's markup of each message
+    (`MESSAGE_OVERHEAD_CHARS`), plus the tools' definitions as JSON."""
+    total = 0
+    for m in messages:
+        total += len(m["content"]) + len(m.get("name", "")) + MESSAGE_OVERHEAD_CHARS
+        for call in m.get("tool_calls", ()):
+            function = call["function"]
+            total += len(function["name"]) + len(json.dumps(function["arguments"]))
+    for function in functions or ():
+        total += len(json.dumps(function.definition(), ensure_ascii=False))
+    return total
 
 
 async def _last(

@@ -90,11 +90,13 @@ class EventStreamResponse(Response):
         events: AsyncIterator[bytes],
         watch: RequestWatch,
         hold: Callable[[bool], None] | None = None,
+        error_frame: Callable[[APIError], bytes] | None = None,
     ) -> None:
         super().__init__(status_code=200)
         self._events = events
         self._watch = watch
         self._hold = hold
+        self._error_frame = error_frame or (lambda error: sse_event(error.body()))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
@@ -104,9 +106,8 @@ class EventStreamResponse(Response):
         except ClientDisconnected:
             pass
         except APIError as error:
-            await send(
-                {"type": "http.response.body", "body": sse_event(error.body()), "more_body": True}
-            )
+            frame = self._error_frame(error)
+            await send({"type": "http.response.body", "body": frame, "more_body": True})
         finally:
             await self._events.aclose()  # type: ignore[attr-defined]
             self._watch.close()

@@ -5,7 +5,8 @@ Formats (`FORMATS`), as the families' chat templates teach them:
   any number, anywhere in the text;
 - `llama3_json` (Llama 3.1-3.3): the whole answer is `{"name": ..., "parameters": {...}}`
   (or "arguments"), optionally after `<|python_tag|>`, several separated by `;`;
-- `mistral`: `[TOOL_CALLS]` then a JSON array of `{"name": ..., "arguments": {...}}` (or one object);
+- `mistral`: `[TOOL_CALLS]` then a JSON array of `{"name": ..., "arguments": {...}}` (or one
+  object);
 - `phi4_mini`: `functools[{"name": ..., "arguments": {...}}, ...]`;
 - `generic` (models whose template has no tool format, see tools.py): the whole answer is
   `{"tool_calls": [{"name": ..., "arguments": {...}}, ...]}`.
@@ -31,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 FORMATS = ("hermes", "llama3_json", "mistral", "phi4_mini", "generic")
+PARSER_CHOICES = ("auto", *FORMATS)  # --tool-call-parser
 ARGUMENT_KEYS = ("arguments", "parameters")
 _WHITESPACE = " \t\r\n"
 _ALPHANUMERIC = string.ascii_letters + string.digits
@@ -232,7 +234,11 @@ class ToolCallParser:
             self._open_region(found, found + len(marker))
             return True
         keep = next(  # a tail that may be the marker's beginning is held back
-            (n for n in range(min(len(marker) - 1, len(text)), 0, -1) if marker.startswith(text[-n:])),
+            (
+                n
+                for n in range(min(len(marker) - 1, len(text)), 0, -1)
+                if marker.startswith(text[-n:])
+            ),
             0,
         )
         self._pos = len(text)
@@ -245,7 +251,9 @@ class ToolCallParser:
         if not rest or (len(rest) < len(_HERMES_CLOSE) and _HERMES_CLOSE.startswith(rest)):
             return False
         at = len(self.text) - len(rest)
-        self._pos = self._sent_to = at + len(_HERMES_CLOSE) if rest.startswith(_HERMES_CLOSE) else at
+        self._pos = self._sent_to = (
+            at + len(_HERMES_CLOSE) if rest.startswith(_HERMES_CLOSE) else at
+        )
         self._mode = "text"
         return True
 
@@ -304,7 +312,7 @@ class ToolCallParser:
                 self._pos += 1
         return self._mode != "region"
 
-    def _structural(self, char: str, delta: Delta) -> bool:
+    def _structural(self, char: str, delta: Delta) -> bool:  # noqa: PLR0911, PLR0912
         """One character outside strings and literals; False when the region ended."""
         if char in _WHITESPACE:
             return True
@@ -346,9 +354,14 @@ class ToolCallParser:
 
     def _start_value(self, char: str, delta: Delta) -> bool:
         parent = self._stack[-1] if self._stack else None
-        if parent is not None and parent.call is not None and parent.key in ARGUMENT_KEYS:
-            if parent.call.arguments is None and parent.value_start < 0:
-                parent.value_start = self._pos
+        if (
+            parent is not None
+            and parent.call is not None
+            and parent.key in ARGUMENT_KEYS
+            and parent.call.arguments is None
+            and parent.value_start < 0
+        ):
+            parent.value_start = self._pos
         if char == "{":
             call = _Call(self._pos) if self._is_call() else None
             if call is not None:
@@ -370,7 +383,7 @@ class ToolCallParser:
         stack = self._stack
         if self.format == "generic":
             return (
-                len(stack) == 2
+                len(stack) == 2  # noqa: PLR2004 (the wrapper object, then its array)
                 and stack[0].key == "tool_calls"
                 and stack[1].kind == "arr"
                 and stack[0].kind == "obj"

@@ -27,12 +27,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from otel_engine.engine import structured_output
-from otel_engine.entrypoints.tool_parsers import FORMATS, ToolCallParser
+from otel_engine.entrypoints.tool_parsers import PARSER_CHOICES, ToolCallParser
 from otel_engine.errors import ErrorCode, RequestError
 from otel_engine.sampling_params import StructuredOutput
 
 MAX_TOOLS = 128  # as OpenAI bounds them
-PARSER_CHOICES = ("auto", *FORMATS)
 ARGUMENT_KEY = {"llama3_json": "parameters"}  # the rest write "arguments"
 # what marks each family's tool format in a chat template
 _TEMPLATE_MARKS = (
@@ -92,6 +91,10 @@ class ToolPlan:
         if parser is None:
             parser = self.parsers[index] = ToolCallParser(self.format, self.names)
         return parser
+
+    def parser_for_whole(self) -> ToolCallParser:
+        """A parser for one non-streamed choice."""
+        return ToolCallParser(self.format, self.names)
 
     def clean(self, text: str) -> str:
         """The model's text without special tokens other than the format's marker."""
@@ -259,12 +262,15 @@ def generic_instructions(plan: ToolPlan) -> str:
     ]
     if plan.choice == "auto":
         lines.append('To answer without a tool, write plain text that does not start with "{".')
+        lines.append("Once a tool's result is in the conversation, answer the user with it.")
     elif plan.choice == "required":
         lines.append("You must call at least one tool.")
     else:
-        lines.append(f"You must call the function {plan.functions[0].name}." if len(
-            plan.functions
-        ) == 1 else "You must call the function named in the request.")
+        lines.append(
+            f"You must call the function {plan.functions[0].name}."
+            if len(plan.functions) == 1
+            else "You must call the function named in the request."
+        )
     return "\n".join(lines)
 
 
@@ -307,7 +313,9 @@ def _choice(
     if not isinstance(name, str):
         raise _invalid("a named tool_choice needs function.name", "tool_choice")
     if not tools or name not in {f.name for f in tools}:
-        raise _invalid(f"tool_choice names {name[:64]!r}, which is not among the tools", "tool_choice")
+        raise _invalid(
+            f"tool_choice names {name[:64]!r}, which is not among the tools", "tool_choice"
+        )
     return "named", name
 
 

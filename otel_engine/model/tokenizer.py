@@ -40,9 +40,8 @@ import jinja2.nodes
 import jinja2.parser
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken
+from tokenizers import AddedToken, processors
 from tokenizers import Tokenizer as BackendTokenizer
-from tokenizers import processors
 
 NAMED_SPECIAL_TOKENS = (
     "bos_token",
@@ -104,7 +103,7 @@ class Tokenizer:
     def eos_token_id(self) -> int | None:
         return self._token_id(self.eos_token)
 
-    def convert_tokens_to_ids(self, tokens: str | list[str]) -> int | None | list[int | None]:
+    def convert_tokens_to_ids(self, tokens: str | list[str]) -> int | list[int | None] | None:
         if isinstance(tokens, str):
             return self.backend_tokenizer.token_to_id(tokens)
         return [self.backend_tokenizer.token_to_id(token) for token in tokens]
@@ -294,7 +293,7 @@ class _GenerationTag(jinja2.ext.Extension):
     """`{% generation %}...{% endgeneration %}` (marks the assistant's tokens for training):
     rendered as its body."""
 
-    tags = {"generation"}
+    tags = {"generation"}  # noqa: RUF012 (jinja2 declares it an instance variable)
 
     def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
         lineno = next(parser.stream).lineno

@@ -114,7 +114,7 @@ GRAMMAR_COMPILE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
 # a step's structured-output masks, all its grammar rows together (steps without one: none)
 GRAMMAR_MASK_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
-FINISH_REASONS = ("stop", "length", "abort")
+FINISH_REASONS = ("stop", "length", "tool_calls", "abort")
 # why a structured-output choice was returned without valid JSON (engine/structured_output.py)
 INVALID_JSON_REASONS = ("length", "stop_string", "invalid")
 # what became of the tool calls a model wrote (entrypoints/tool_parsers.py)

@@ -38,7 +38,8 @@ WELL_FORMED: dict[str, list[tuple[str, str, list[tuple[str, str]]]]] = {
         ),
         ("No tools needed: 2 < 3 and <b>bold</b>.", "No tools needed: 2 < 3 and <b>bold</b>.", []),
         (
-            '<tool_call>\n{"name": "get_time", "arguments": "{\\"zone\\": \\"UTC\\"}"}\n</tool_call>',
+            '<tool_call>\n{"name": "get_time", "arguments": "{\\"zone\\": \\"UTC\\"}"}'
+            "\n</tool_call>",
             "",
             [("get_time", '{"zone": "UTC"}')],
         ),
@@ -127,20 +128,40 @@ MALFORMED: dict[str, list[tuple[str, str, list[tuple[str, str]], int]]] = {
         ),
     ],
     "llama3_json": [
-        ('{"name": "get_weather", "parameters": {"city": }}', '{"name": "get_weather", "parameters": {"city": }}', [], 1),
+        (
+            '{"name": "get_weather", "parameters": {"city": }}',
+            '{"name": "get_weather", "parameters": {"city": }}',
+            [],
+            1,
+        ),
         ('{"no_name": true}', '{"no_name": true}', [], 1),
         ('<|python_tag|>{"name": "get_weather"', '<|python_tag|>{"name": "get_weather"', [], 1),
     ],
     "mistral": [
         ("[TOOL_CALLS] not json", "[TOOL_CALLS] not json", [], 1),
-        ("[TOOL_CALLS][{\"name\": \"get_weather\", \"arguments\": {\"a\": 1}", "[TOOL_CALLS][{\"name\": \"get_weather\", \"arguments\": {\"a\": 1}", [], 1),
+        (
+            '[TOOL_CALLS][{"name": "get_weather", "arguments": {"a": 1}',
+            '[TOOL_CALLS][{"name": "get_weather", "arguments": {"a": 1}',
+            [],
+            1,
+        ),
     ],
     "phi4_mini": [
-        ('functools[{"name": "get_weather", "arguments": 3}]', 'functools[{"name": "get_weather", "arguments": 3}]', [], 1),
+        (
+            'functools[{"name": "get_weather", "arguments": 3}]',
+            'functools[{"name": "get_weather", "arguments": 3}]',
+            [],
+            1,
+        ),
     ],
     "generic": [
         ('{"tool_calls": []}', '{"tool_calls": []}', [], 1),
-        ('{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Pa', '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Pa', [], 1),
+        (
+            '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Pa',
+            '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Pa',
+            [],
+            1,
+        ),
         ('{"answer": "42"}', '{"answer": "42"}', [], 1),
     ],
 }
@@ -225,7 +246,9 @@ def test_a_call_streams_its_name_first_then_arguments_in_pieces() -> None:
     deltas = [parser.feed(text[i : i + 6]) for i in range(0, len(text), 6)]
 
     calls = [call for delta in deltas for call in delta.calls]
-    assert calls[0].id and calls[0].name == "get_weather" and not calls[0].arguments
+    assert calls[0].id
+    assert calls[0].name == "get_weather"
+    assert not calls[0].arguments
     assert len([call for call in calls if call.arguments]) > 3  # arguments arrive in pieces
     content = "".join(delta.content for delta in deltas)
     assert content == "Checking."  # the marker and the call never leak into content
@@ -253,5 +276,6 @@ def test_mistral_ids_are_nine_letters_and_digits() -> None:
         "mistral", f'[TOOL_CALLS][{{"name": "get_weather", "arguments": {WEATHER}}}]', TOOLS
     )
 
-    assert len(parsed.calls[0].id) == 9 and parsed.calls[0].id.isalnum()
+    assert len(parsed.calls[0].id) == 9
+    assert parsed.calls[0].id.isalnum()
     assert len(mistral_call_id()) == 9

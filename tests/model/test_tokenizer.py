@@ -103,9 +103,7 @@ def _pair(path: str) -> tuple[Tokenizer, Any]:
     return Tokenizer(path), reference
 
 
-@pytest.mark.parametrize(
-    "name", ["tiny", "default", "add_bos", "named_templates", "template_file"]
-)
+@pytest.mark.parametrize("name", ["tiny", "default", "add_bos", "named_templates", "template_file"])
 def test_encode_and_decode_equal_transformers(checkpoints: dict[str, str], name: str) -> None:
     ours, reference = _pair(checkpoints[name])
     for text in TEXTS:
@@ -125,7 +123,10 @@ def test_encode_and_decode_equal_transformers(checkpoints: dict[str, str], name:
             assert reference.decode(ids, skip_special_tokens=skip) == ours.decode(
                 ids, skip_special_tokens=skip
             )
-    assert (reference.bos_token_id, reference.eos_token_id) == (ours.bos_token_id, ours.eos_token_id)
+    assert (reference.bos_token_id, reference.eos_token_id) == (
+        ours.bos_token_id,
+        ours.eos_token_id,
+    )
     assert reference.special_tokens_map == ours.special_tokens_map
     assert len(reference) == len(ours)
     assert {i: (t.content, t.special) for i, t in reference.added_tokens_decoder.items()} == {
@@ -133,15 +134,13 @@ def test_encode_and_decode_equal_transformers(checkpoints: dict[str, str], name:
     }
 
 
-@pytest.mark.parametrize(
-    "name", ["tiny", "default", "add_bos", "named_templates", "template_file"]
-)
+@pytest.mark.parametrize("name", ["tiny", "default", "add_bos", "named_templates", "template_file"])
 @pytest.mark.parametrize("tools", [None, TOOLS])
 def test_chat_template_renders_as_transformers(
     checkpoints: dict[str, str], name: str, tools: list[dict[str, Any]] | None
 ) -> None:
     ours, reference = _pair(checkpoints[name])
-    chats = CHATS + [CHATS[1] + [{"role": "assistant", "content": "Fine."}]]
+    chats = [*CHATS, [*CHATS[1], {"role": "assistant", "content": "Fine."}]]
     for chat in chats:
         for prompt in (True, False):
             expected = reference.apply_chat_template(
@@ -155,7 +154,9 @@ def test_chat_template_renders_as_transformers(
                 chat, tools=tools, add_generation_prompt=prompt
             )
     if name == "named_templates" and tools:
-        assert "<tools>" in rendered and '"München"' in rendered and "<b>now</b>" in rendered
+        assert "<tools>" in rendered
+        assert '"München"' in rendered
+        assert "<b>now</b>" in rendered
 
 
 def test_a_template_cannot_reach_underscore_attributes(tmp_path: Path) -> None:
