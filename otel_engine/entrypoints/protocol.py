@@ -344,12 +344,6 @@ class ChatCompletionRequest(_SamplingFields):
             )
         if self.functions is not None or self.function_call is not None:
             raise unsupported("functions", "functions and function_call are deprecated; use tools")
-        if self.tools and self.response_format is not None and self.tool_choice != "none":
-            raise bad_request(
-                "response_format cannot be combined with tools (unless tool_choice is none)",
-                param="response_format",
-                code=ErrorCode.INVALID_VALUE,
-            )
 
     def tool_functions(self) -> list[Function] | None:
         return [tool.to_function() for tool in self.tools] if self.tools else None
@@ -754,7 +748,8 @@ class ResponseObject(BaseModel):
     """`POST /v1/responses` without `stream` (with it: server-sent events `response.created`,
     `response.in_progress`, `response.output_item.added`, `response.content_part.added`,
     `response.output_text.delta`, `response.function_call_arguments.delta`, their `.done`
-    events, then `response.completed`, or `error` and `response.failed`)."""
+    events, then `response.completed` or `response.incomplete`, or `error` and
+    `response.failed`)."""
 
     id: str
     object: Literal["response"]

@@ -5,7 +5,7 @@ A response's `output` is a message item (its text) and one `function_call` item 
 call, in the order the model wrote them. Streamed, each item is announced
 (`response.output_item.added`), filled (`response.output_text.delta`,
 `response.function_call_arguments.delta`), closed (`.done` events) and the whole response
-ends with `response.completed`; a failure mid-stream (the engine died, the request was
+ends with `response.completed` (`response.incomplete` when max_output_tokens cut it); a failure mid-stream (the engine died, the request was
 aborted or failed) ends it with an `error` event and `response.failed`, whose response
 carries the error. Every event has a `sequence_number`. Responses are not stored
 (`store` is false in every answer).
@@ -406,7 +406,8 @@ def _completed(
         usage=responses_usage(job),
         incomplete=incomplete,
     )
-    frames.append(stream.event("response.completed", response=body))
+    kind = "response.incomplete" if status == "incomplete" else "response.completed"
+    frames.append(stream.event(kind, response=body))
     return frames
 
 

@@ -55,7 +55,7 @@ from otel_engine.entrypoints.streaming import (
 )
 from otel_engine.entrypoints.tools import Function, ToolPlan, ToolSupport
 from otel_engine.errors import EngineDeadError, ErrorCode, RequestError, RequestFailedError
-from otel_engine.sampling_params import SamplingParams
+from otel_engine.sampling_params import SamplingParams, StructuredOutput
 
 if TYPE_CHECKING:
     from otel_engine import AsyncLLM, RequestOutput
@@ -138,12 +138,6 @@ class OpenAIServing:
         body.check_supported()
         self._warn_ignored(body.ignored_fields())
         response_format = body.response_format()
-        if body.tools and response_format is not None and body.tool_choice != "none":
-            raise bad_request(
-                "text.format cannot be combined with tools (unless tool_choice is none)",
-                param="text",
-                code=ErrorCode.INVALID_VALUE,
-            )
         sampled = {n: getattr(body, n) for n in ("temperature", "top_p", "seed")}
         as_chat = ChatCompletionRequest.model_construct(
             _fields_set={n for n in sampled if n in body.model_fields_set},
@@ -194,8 +188,9 @@ class OpenAIServing:
         """A chat's job: its prompt (tools and earlier calls in the model's terms), its
         limits checked, its grammar (tools, response_format) valid."""
         self._check_chars(chat_chars(template_messages, functions), "messages")
+        answer_format = body.structured_output()
         plan, messages, tools = await self._off_loop(
-            self._tool_prompt, template_messages, functions, tool_choice, parallel
+            self._tool_prompt, template_messages, functions, tool_choice, parallel, answer_format
         )
         text, prompt_ids = await self._off_loop(self._chat.render, messages, True, tools)
         job = self._admit(
@@ -217,11 +212,12 @@ class OpenAIServing:
         functions: list[Function] | None,
         tool_choice: str | dict[str, Any] | None,
         parallel: bool,
+        answer_format: StructuredOutput | None = None,
     ) -> tuple[ToolPlan | None, list[dict[str, Any]], list[dict[str, Any]] | None]:
         """The request's tool plan, its messages as the template renders them, and the tools
         the template gets (in the tokenizer thread: checking the schemas takes milliseconds)."""
         try:
-            plan = self._tools.plan(functions, tool_choice, parallel)
+            plan = self._tools.plan(functions, tool_choice, parallel, answer_format)
         except RequestError as error:
             raise from_request_error(error) from None
         return plan, self._tools.messages(messages, plan), self._tools.template_tools(plan)

@@ -139,6 +139,8 @@ class ToolCallParser:
         format: str,
         tool_names: frozenset[str] | set[str],
         new_id: Callable[[], str] | None = None,
+        *,
+        json_answer: bool = False,
     ) -> None:
         if format not in FORMATS:
             raise ValueError(f"unknown tool call format {format!r}")
@@ -164,6 +166,7 @@ class ToolCallParser:
         self._value_calls = 0  # calls completed in the current top-level value
         self._ids: list[str] = []
         self._streaming = True  # a delta sent cannot be taken back
+        self._json_answer = json_answer  # a JSON value without calls is the answer
 
     # ---- public ------------------------------------------------------------------
 
@@ -475,6 +478,8 @@ class ToolCallParser:
             parent.state = "comma"
             return True
         if not self._value_calls:  # a whole value without a call in it
+            if self._json_answer:  # the response_format's answer, not a broken call
+                self.num_invalid -= 1
             self._give_back(delta)
             return False
         if self.format != "llama3_json":

@@ -32,6 +32,9 @@ from otel_engine.errors import ErrorCode, RequestError
 from otel_engine.sampling_params import StructuredOutput
 
 MAX_TOOLS = 128  # as OpenAI bounds them
+# Calls one forced answer may hold (with parallel_tool_calls): a grammar that allowed any
+# number would let a model repeat calls until max_tokens.
+MAX_PARALLEL_CALLS = 8
 ARGUMENT_KEY = {"llama3_json": "parameters"}  # the rest write "arguments"
 # what marks each family's tool format in a chat template
 _TEMPLATE_MARKS = (
@@ -80,6 +83,7 @@ class ToolPlan:
     keep_special: str | None = None  # a marker that is a special token: kept in the text
     drop: tuple[str, ...] = ()  # the other special tokens' text, dropped from the text
     parsers: dict[int, ToolCallParser] = field(default_factory=dict)  # by choice, streaming
+    json_answer: bool = False  # a response_format: the answer without calls is its JSON
 
     @property
     def names(self) -> frozenset[str]:
@@ -89,12 +93,14 @@ class ToolPlan:
         """Choice `index`'s parser (one per choice of a streamed answer)."""
         parser = self.parsers.get(index)
         if parser is None:
-            parser = self.parsers[index] = ToolCallParser(self.format, self.names)
+            parser = self.parsers[index] = ToolCallParser(
+                self.format, self.names, json_answer=self.json_answer
+            )
         return parser
 
     def parser_for_whole(self) -> ToolCallParser:
         """A parser for one non-streamed choice."""
-        return ToolCallParser(self.format, self.names)
+        return ToolCallParser(self.format, self.names, json_answer=self.json_answer)
 
     def clean(self, text: str) -> str:
         """The model's text without special tokens other than the format's marker."""
@@ -127,8 +133,11 @@ class ToolSupport:
         tools: list[Function] | None,
         tool_choice: str | dict[str, Any] | None,
         parallel: bool,
+        answer_format: StructuredOutput | None = None,
     ) -> ToolPlan | None:
-        """The request's plan; None when it has no tools or `tool_choice` is `none`."""
+        """The request's plan; None when it has no tools or `tool_choice` is `none`. With
+        a `response_format` (`answer_format`), `auto` answers either calls or JSON of that
+        format; a forced call is a call (the format is for the answer after it)."""
         choice, named = _choice(tools, tool_choice)
         if not tools or choice == "none":
             return None
@@ -138,7 +147,8 @@ class ToolSupport:
         for function in tools:
             _check_schema(function)
         plan = ToolPlan(self.format, self.native, list(tools), choice, parallel)
-        grammar = self._grammar(functions, choice, parallel and not named)
+        plan.json_answer = answer_format is not None
+        grammar = self._grammar(functions, choice, parallel and not named, answer_format)
         if grammar is not None:
             plan.structured = StructuredOutput("tool_calls", grammar=grammar, num_tools=len(tools))
             try:
@@ -217,25 +227,34 @@ class ToolSupport:
 
     # ---- the grammar -------------------------------------------------------------
 
-    def _grammar(self, functions: list[Function], choice: str, parallel: bool) -> str | None:
+    def _grammar(  # noqa: PLR0911 (one grammar per format)
+        self,
+        functions: list[Function],
+        choice: str,
+        parallel: bool,
+        answer_format: StructuredOutput | None = None,
+    ) -> str | None:
         """The Lark grammar of the answer; None: unconstrained (`auto` in a family's format)."""
         forced = choice != "auto"
+        if not forced and answer_format is not None:
+            calls = self._grammar(functions, "required", parallel)
+            assert calls is not None
+            return _with_answer(calls, answer_format)
         if not forced and self.format != "generic":
             return None
         key = ARGUMENT_KEY.get(self.format, "arguments")
         call = {"anyOf": [_call_schema(f, key) for f in functions]}
         if len(functions) == 1:
             call = _call_schema(functions[0], key)
-        array = {"type": "array", "items": call, "minItems": 1}
-        if not parallel:
-            array["maxItems"] = 1
+        most = MAX_PARALLEL_CALLS if parallel else 1
+        array = {"type": "array", "items": call, "minItems": 1, "maxItems": most}
         if self.format == "hermes":
-            many = ' ("\\n" call)*' if parallel else ""
+            many = f' ("\\n" call){{0,{most - 1}}}' if parallel else ""
             return f'start: call{many}\ncall: "<tool_call>\\n" body "\\n</tool_call>"\n' + _json(
                 "body", call
             )
         if self.format == "llama3_json":
-            many = ' ("; " body)*' if parallel else ""
+            many = f' ("; " body){{0,{most - 1}}}' if parallel else ""
             return f"start: body{many}\n" + _json("body", call)
         if self.format == "mistral":
             return 'start: "[TOOL_CALLS]" calls\n' + _json("calls", array)
@@ -251,6 +270,16 @@ class ToolSupport:
         return f"{start}\n" + _json("calls", wrapper)
 
 
+def _with_answer(calls: str, answer_format: StructuredOutput) -> str:
+    """The forced-calls grammar `calls` with a JSON answer of `answer_format` beside it."""
+    if answer_format.type == "json_schema":
+        schema = json.loads(answer_format.json_schema)
+    else:
+        schema = {"type": "object"}
+    renamed = calls.replace("start:", "tool_calls:", 1)
+    return "start: answer | tool_calls\n" + _json("answer", schema) + renamed
+
+
 def generic_instructions(plan: ToolPlan) -> str:
     """The system prompt's part that teaches the generic format (see the module docstring)."""
     tools = json.dumps([f.definition() for f in plan.functions], ensure_ascii=False, indent=1)
@@ -260,7 +289,9 @@ def generic_instructions(plan: ToolPlan) -> str:
         "To call tools, answer with only one JSON object, nothing before or after it:",
         '{"tool_calls": [{"name": "<function name>", "arguments": {<its arguments>}}]}',
     ]
-    if plan.choice == "auto":
+    if plan.choice == "auto" and plan.json_answer:
+        lines.append("To answer without a tool, write the JSON object the answer must be.")
+    elif plan.choice == "auto":
         lines.append('To answer without a tool, write plain text that does not start with "{".')
         lines.append("Once a tool's result is in the conversation, answer the user with it.")
     elif plan.choice == "required":

@@ -439,8 +439,8 @@ HERMES_TOOL_TEMPLATE = (
     "\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
     "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
     "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and"
-    " arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": "
-    "<function-name>, \"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    ' arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{"name": '
+    '<function-name>, "arguments": <args-json-object>}\\n</tool_call><|im_end|>\\n\' }}'
     "{%- elif messages[0]['role'] == 'system' %}"
     "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}{%- endif %}"
     "{%- for message in messages %}"
@@ -451,7 +451,7 @@ HERMES_TOOL_TEMPLATE = (
     "{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}"
     "{%- for tool_call in message.tool_calls %}"
     "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
-    "{{- '\\n<tool_call>\\n{\"name\": \"' }}{{- tool_call.name }}{{- '\", \"arguments\": ' }}"
+    '{{- \'\\n<tool_call>\\n{"name": "\' }}{{- tool_call.name }}{{- \'", "arguments": \' }}'
     "{{- tool_call.arguments | tojson }}{{- '}\\n</tool_call>' }}{%- endfor %}"
     "{{- '<|im_end|>\\n' }}"
     "{%- elif message.role == 'tool' %}"
@@ -466,7 +466,7 @@ HERMES_TOOL_TEMPLATE = (
 
 def write_tiny_tool_model(path: str | os.PathLike[str]) -> str:
     """The tiny Llama with Qwen2.5's tool markup as its chat template."""
-    out = Path(write_tiny_llama(path))
+    out = Path(write_tiny_llama(path, context=4096))
     config_path = out / "tokenizer_config.json"
     config = json.loads(config_path.read_text())
     config["chat_template"] = HERMES_TOOL_TEMPLATE
