@@ -196,7 +196,16 @@ REQUEST_FIELDS = {
     "(finish_reason length)",
     "user": "accepted and ignored (an end-user id in OpenAI's API)",
     "suffix": "not supported: 400 `unsupported_parameter`",
-    "tools": "not supported: 400 `unsupported_parameter`",
+    "tools": "chat: function tools (`{type: function, function: {name, description, "
+    "parameters}}`, at most 128, names unique); rendered by the chat template where it has a "
+    "tool format, else described in a system message (the generic format, docs/tools.md)",
+    "tool_choice": "chat: `auto` (default with tools), `none`, `required` or `{type: function, "
+    "function: {name}}`; `required` and a named function are enforced by a grammar built "
+    "from the parameters' schemas, so the arguments always validate",
+    "parallel_tool_calls": "chat: false allows one call per answer (true: up to 8 when the "
+    "call is forced)",
+    "functions": "deprecated in OpenAI's API: 400 `unsupported_parameter` (use tools)",
+    "function_call": "deprecated in OpenAI's API: 400 `unsupported_parameter` (use tool_choice)",
 }
 _NOT_IN_CONFIG = object()
 

@@ -55,6 +55,7 @@ EXTRA_FLAGS = {
     "--otlp-logs",
     "--log-prompts",
     "--final-scrape-wait",
+    "--tool-call-parser",
     "--max-connections",
     "--request-read-timeout",
     "--stream-write-timeout",

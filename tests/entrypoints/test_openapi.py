@@ -23,7 +23,7 @@ def _responses(document: dict[str, Any], path: str, method: str) -> dict[str, An
     return document["paths"][path][method]["responses"]  # type: ignore[no-any-return]
 
 
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/responses"])
 def test_generation_routes_list_their_real_errors(document: dict[str, Any], path: str) -> None:
     """Item 12: 400/401/404/408/413/500/503 with the error body; no 422 (never sent)."""
     responses = _responses(document, path, "post")
@@ -37,7 +37,11 @@ def test_generation_routes_list_their_real_errors(document: dict[str, Any], path
 
 @pytest.mark.parametrize(
     ("path", "body"),
-    [("/v1/completions", "CompletionResponse"), ("/v1/chat/completions", "ChatCompletionResponse")],
+    [
+        ("/v1/completions", "CompletionResponse"),
+        ("/v1/chat/completions", "ChatCompletionResponse"),
+        ("/v1/responses", "ResponseObject"),
+    ],
 )
 def test_generation_routes_describe_json_and_event_stream(
     document: dict[str, Any], path: str, body: str

@@ -91,7 +91,8 @@ WRITTEN = {  # one valid forced answer per format
     "llama3_json": '{"name": "get_weather", "parameters": {"city": "Oslo", "days": 2}}',
     "mistral": '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}]',
     "phi4_mini": 'functools[{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}]',
-    "generic": '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}]}',
+    "generic": '{"tool_calls": [{"name": "get_weather", '
+    '"arguments": {"city": "Oslo", "days": 2}}]}',
 }
 
 

@@ -159,7 +159,72 @@ def request_cases() -> Any:
         )
     )
     completion = fields.map(lambda f: ("/v1/completions", {"prompt": "hi", "max_tokens": 4, **f}))
-    return st.one_of(chat, completion)
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "f",
+            "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}},
+        },
+    }
+    choices = st.sampled_from(
+        [
+            "auto",
+            "none",
+            "required",
+            {"type": "function", "function": {"name": "f"}},
+            {"type": "function", "function": {"name": "zz"}},
+            {"type": "function", "name": "f"},
+            5,
+            "bogus",
+        ]
+    )
+    tool_lists = st.sampled_from(
+        [[tool], [tool, tool], [], [{"type": "function", "function": {"name": ""}}], [{"x": 1}]]
+    )
+    tool_fields = st.fixed_dictionaries(
+        {},
+        optional={
+            "tools": tool_lists,
+            "tool_choice": choices,
+            "parallel_tool_calls": st.sampled_from([True, False, "x"]),
+            "response_format": response_formats,
+            "max_tokens": numbers,
+        },
+    )
+    tool_chat = tool_fields.map(
+        lambda f: (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **f},
+        )
+    )
+    inputs = st.sampled_from(
+        [
+            "hi",
+            [{"role": "user", "content": "hi"}],
+            [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]}],
+            [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}],
+            [{"type": "function_call_output", "call_id": "c", "output": "x"}],
+            [{"type": "function_call", "call_id": 3}],
+            [{"type": "bogus"}],
+            [{"role": "robot", "content": "hi"}],
+            [],
+            3,
+        ]
+    )
+    responses = st.fixed_dictionaries(
+        {"input": inputs},
+        optional={
+            "max_output_tokens": numbers,
+            "tools": st.sampled_from([[{"type": "function", **tool["function"]}], [{"type": "x"}]]),
+            "tool_choice": choices,
+            "instructions": st.sampled_from(["Be brief.", 3, ""]),
+            "text": st.sampled_from(
+                [{"format": {"type": "json_object"}}, {"format": {"type": "bogus"}}, 1]
+            ),
+            "previous_response_id": st.sampled_from(["resp_1", 3]),
+        },
+    ).map(lambda body: ("/v1/responses", {"max_output_tokens": 4, **body}))
+    return st.one_of(chat, completion, tool_chat, responses)
 
 
 def search_server_errors(
