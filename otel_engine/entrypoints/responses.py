@@ -4,11 +4,11 @@ server-sent events, from the same engine outputs and tool-call parser as a chat.
 A response's `output` is a message item (its text) and one `function_call` item per tool
 call, in the order the model wrote them. Streamed, each item is announced
 (`response.output_item.added`), filled (`response.output_text.delta`,
-`response.function_call_arguments.delta`), closed (`.done` events) and the whole response
-ends with `response.completed` (`response.incomplete` when max_output_tokens cut it); a failure mid-stream (the engine died, the request was
-aborted or failed) ends it with an `error` event and `response.failed`, whose response
-carries the error. Every event has a `sequence_number`. Responses are not stored
-(`store` is false in every answer).
+`response.function_call_arguments.delta`) and closed (`.done` events), and the response
+ends with `response.completed` (`response.incomplete` when max_output_tokens cut it). A
+failure mid-stream (the engine died, the request was aborted or failed) ends it with an
+`error` event and `response.failed`, whose response carries the error. Every event has a
+`sequence_number`. Responses are not stored (`store` is false in every answer).
 """
 
 from __future__ import annotations
