@@ -109,6 +109,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     # such a request computes its whole prompt (the prefix cache would skip positions).
     prompt_logprobs: int | None = None
     structured_output: StructuredOutput | None = None  # JSON, enforced token by token
+    num_tools: int = 0  # the request's tools (entrypoints/tools.py): counted in dumps only
 
     # Crash dumps show limits and flags, never stop strings, stop token ids or the seed.
     __crash_dump__: ClassVar[dict[str, str]] = {
@@ -130,6 +131,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
         "logprobs": "value",
         "prompt_logprobs": "value",
         "structured_output": "nested",
+        "num_tools": "value",
     }
 
     def validate(self, vocab_size: int | None = None) -> None:

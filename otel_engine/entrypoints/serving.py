@@ -201,6 +201,7 @@ class OpenAIServing:
             job.params = msgspec.structs.replace(
                 job.params,
                 structured_output=plan.structured,
+                num_tools=len(plan.functions),
                 skip_special_tokens=job.params.skip_special_tokens and plan.keep_special is None,
             )
         await self._check_grammar(job.params)
