@@ -113,3 +113,47 @@ def test_engine_death_fails_a_streamed_response_with_its_span_and_one_dump(
     assert [1] == [entry["sampling_params"]["num_tools"] for entry in dumped]
     for span in spans:  # no span carries the tool's text either
         assert SECRET not in json.dumps(span)
+
+
+def test_a_tool_request_span_names_its_tools_and_calls_never_their_text(
+    start_server: Callable[..., tuple[ServerProcess, ProcessWatch]], tmp_path: Path
+) -> None:
+    """The GenAI span of a chat with tools: `gen_ai.tool.definitions` (type and name), the
+    answer's calls as tool-call parts of `gen_ai.output.messages` (id and name), the
+    finish reason tool_calls; no description, schema or argument anywhere."""
+    tools = [{"type": "function", "function": {k: v for k, v in TOOLS[0].items() if k != "type"}}]
+    with OtlpReceiver("grpc") as receiver:
+        server, _ = start_server(
+            "--otlp-endpoint",
+            receiver.endpoint,
+            "--otlp-protocol",
+            "grpc",
+            model_dir=write_tiny_tool_model(tmp_path / "model"),
+        )
+        body = {
+            "messages": [{"role": "user", "content": "Look it up."}],
+            "tools": tools,
+            "tool_choice": "required",
+            "parallel_tool_calls": False,
+            "max_tokens": 300,
+            "temperature": 0,
+        }
+        with httpx.Client(base_url=server.base_url, timeout=60, trust_env=False) as client:
+            answer = client.post("/v1/chat/completions", json=body).json()
+        spans = receiver.wait_for(
+            lambda r: [s for s in r.spans() if s["name"].startswith("chat ")], timeout=15
+        )
+        server.terminate()
+        wait_exit(server, timeout=30)
+
+    call = answer["choices"][0]["message"]["tool_calls"][0]
+    attributes = spans[0]["attributes"]
+    assert ["tool_calls"] == list(attributes["gen_ai.response.finish_reasons"])
+    assert [{"type": "function", "name": "lookup"}] == json.loads(
+        attributes["gen_ai.tool.definitions"]
+    )
+    messages = json.loads(attributes["gen_ai.output.messages"])
+    assert [{"type": "tool_call", "id": call["id"], "name": "lookup"}] == messages[0]["parts"]
+    assert SECRET not in json.dumps(spans)
+    assert call["function"]["arguments"] not in json.dumps(spans)
+    assert not any(SECRET in line for line in server.lines())
