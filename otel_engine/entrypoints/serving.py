@@ -66,6 +66,12 @@ logger = logging.getLogger("otel_engine.api_server")
 T = TypeVar("T")
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
+# what a chat's field is called in a Responses request, in its errors
+_RESPONSES_PARAMS = {
+    "max_tokens": "max_output_tokens",
+    "response_format": "text",
+    "messages": "input",
+}
 # An ignored field is logged by name: at most this many names, each cut to this length.
 MAX_LOGGED_FIELDS = 16
 MAX_FIELD_NAME_CHARS = 64
@@ -148,15 +154,19 @@ class OpenAIServing:
             stream=body.stream,
             **sampled,
         )
-        job, text = await self._chat_job(
-            as_chat,
-            body.template_messages(),
-            body.tool_functions(),
-            body.tool_choice_value(),
-            body.parallel_tool_calls,
-            prefix="resp",
-            prompt_param="input",
-        )
+        try:
+            job, text = await self._chat_job(
+                as_chat,
+                body.template_messages(),
+                body.tool_functions(),
+                body.tool_choice_value(),
+                body.parallel_tool_calls,
+                prefix="resp",
+                prompt_param="input",
+            )
+        except APIError as error:  # the chat's names for this API's fields
+            error.param = _RESPONSES_PARAMS.get(error.param or "", error.param)
+            raise
         job.responses = ResponsesEcho(
             instructions=body.instructions,
             max_output_tokens=body.max_output_tokens,

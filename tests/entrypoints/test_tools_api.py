@@ -311,6 +311,8 @@ def test_bad_tool_requests_are_400_and_the_server_serves_on(
         ({"tools": [{"type": "web_search"}]}, "tools"),
         ({"input": [{"type": "input_image", "image_url": "x"}]}, "input"),
         ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input"),
+        ({"max_output_tokens": 10**6}, "max_output_tokens"),
+        ({"text": {"format": {"type": "json_schema", "schema": {"type": "nope"}}}}, "text"),
     ],
 )
 def test_bad_responses_requests_are_400(
