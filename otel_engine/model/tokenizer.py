@@ -123,7 +123,9 @@ class Tokenizer:
         backend = self.backend_tokenizer
         if backend.encode_special_tokens != split:
             backend.encode_special_tokens = split
-        return list(backend.encode(text, add_special_tokens=add_special_tokens).ids)
+        # encode_batch releases the GIL while it works (encode does not): a long prompt is
+        # tokenized in the server's tokenizer thread without stopping its event loop.
+        return list(backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
 
     def decode(self, token_ids: int | list[int], skip_special_tokens: bool = False) -> str:
         ids = [token_ids] if isinstance(token_ids, int) else list(token_ids)

@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -134,3 +135,23 @@ def keyed(server_loop: ServerLoop, engine: AsyncLLM) -> Served:
     """A second server over the same engine that requires `API_KEY`."""
     server = make_server(engine, api_key=API_KEY, drain_timeout=5)
     return Served(server_loop.start(server), engine, server)
+
+
+@contextmanager
+def serving_model(
+    loop: ServerLoop, tmp_path_factory: pytest.TempPathFactory, kind: str
+) -> Iterator[Served]:
+    """A server over `kind`: `hermes` (the tiny model with Qwen2.5's tool markup) or
+    `generic` (the default model, SmolLM2, whose template has no tool format)."""
+    from tests.helpers.tiny_model import write_tiny_tool_model
+
+    model = (
+        write_tiny_tool_model(tmp_path_factory.mktemp("tool-model")) if kind == "hermes" else None
+    )
+    engine = AsyncLLM(model=model, max_num_seqs=8)
+    server = make_server(engine, drain_timeout=5)
+    try:
+        yield Served(loop.start(server), engine, server)
+        loop.stop(server)
+    finally:
+        engine.shutdown()

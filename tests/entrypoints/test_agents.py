@@ -16,10 +16,7 @@ from typing import Any, Literal
 
 import pytest
 
-from otel_engine import AsyncLLM
-from otel_engine.entrypoints.api_server import make_server
-from tests.entrypoints.conftest import Served, ServerLoop
-from tests.helpers.tiny_model import write_tiny_tool_model
+from tests.entrypoints.conftest import Served, ServerLoop, serving_model
 
 pytestmark = pytest.mark.slow  # starts engine processes
 
@@ -33,16 +30,8 @@ def agent_served(
     server_loop: ServerLoop,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Served]:
-    model = (
-        write_tiny_tool_model(tmp_path_factory.mktemp("agent-model"))
-        if request.param == "hermes"
-        else None
-    )
-    engine = AsyncLLM(model=model, max_num_seqs=8)
-    server = make_server(engine, drain_timeout=5)
-    yield Served(server_loop.start(server), engine, server)
-    server_loop.stop(server)
-    engine.shutdown()
+    with serving_model(server_loop, tmp_path_factory, request.param) as served:
+        yield served
 
 
 @pytest.fixture(autouse=True)
