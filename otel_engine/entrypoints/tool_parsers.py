@@ -190,6 +190,8 @@ class ToolCallParser:
             self._sent_to = len(self.text)  # whitespace between calls
         elif self._mode == "region":
             self._give_back(delta)
+        elif self._mode == "close" and not self.text[self._pos :].strip(_WHITESPACE):
+            self._sent_to = len(self.text)  # a call whose close tag never came: it stands
         self._send_content(len(self.text), delta)
         return delta
 

@@ -37,6 +37,11 @@ WELL_FORMED: dict[str, list[tuple[str, str, list[tuple[str, str]]]]] = {
             [("get_weather", WEATHER), ("get_time", TIME)],
         ),
         ("No tools needed: 2 < 3 and <b>bold</b>.", "No tools needed: 2 < 3 and <b>bold</b>.", []),
+        (  # the model stopped before the close tag
+            f'<tool_call>\n{{"name": "get_weather", "arguments": {WEATHER}}}\n',
+            "",
+            [("get_weather", WEATHER)],
+        ),
         (
             '<tool_call>\n{"name": "get_time", "arguments": "{\\"zone\\": \\"UTC\\"}"}'
             "\n</tool_call>",
