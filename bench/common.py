@@ -261,6 +261,18 @@ class ServerProcess(_TestServer):
         return self.tail(num_lines)
 
 
+MASK_METRIC = "otel_engine_step_grammar_mask_seconds_sum"
+
+
+def metric_sum(base_url: str, name: str) -> float | None:
+    """The value of the first sample of `name` in the server's /metrics (None: absent)."""
+    text = httpx.get(base_url + "/metrics", timeout=10, trust_env=False).text
+    for line in text.splitlines():
+        if line.startswith(name):
+            return float(line.split()[-1])
+    return None
+
+
 def served_model_name(base_url: str) -> str:
     response = httpx.get(base_url + "/v1/models", timeout=10, trust_env=False)
     return str(response.json()["data"][0]["id"])

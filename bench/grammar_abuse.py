@@ -27,10 +27,12 @@ from typing import Any
 import httpx
 import psutil
 from common import (
+    MASK_METRIC,
     MemoryPeaks,
     ServerProcess,
     fmt,
     free_port,
+    metric_sum,
     print_table,
     quantile,
     served_model_name,
@@ -41,7 +43,6 @@ from common import (
 
 PROBE_INTERVAL_S = 0.25
 SETTLE_S = 5.0  # after the batch, before the last RSS reading
-MASK_METRIC = "otel_engine_step_grammar_mask_seconds_sum"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -74,14 +75,6 @@ def _core_rss_mb(server: ServerProcess) -> float | None:
                 return round(proc.memory_info().rss / 2**20, 1)
         except psutil.Error:
             continue
-    return None
-
-
-def _mask_seconds(base_url: str) -> float | None:
-    text = httpx.get(base_url + "/metrics", timeout=10, trust_env=False).text
-    for line in text.splitlines():
-        if line.startswith(MASK_METRIC):
-            return float(line.split()[-1])
     return None
 
 
@@ -159,7 +152,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         results["core_rss_peak_mb"] = round(max(core), 1) if core else None
         time.sleep(SETTLE_S)
         results["core_rss_after_mb"] = _core_rss_mb(server)
-        results["mask_seconds_total"] = _mask_seconds(server.base_url)
+        results["mask_seconds_total"] = metric_sum(server.base_url, MASK_METRIC)
     finally:
         results["shutdown"] = server.stop()
     return results

@@ -21,9 +21,11 @@ from typing import Any
 
 import httpx
 from common import (
+    MASK_METRIC,
     ServerProcess,
     fmt,
     free_port,
+    metric_sum,
     print_table,
     quantile,
     served_model_name,
@@ -32,7 +34,6 @@ from common import (
     write_json,
 )
 
-MASK_METRIC = "otel_engine_step_grammar_mask_seconds_sum"
 QUESTIONS = [
     "What will the weather be in Paris tomorrow?",
     "What time is it in Oslo?",
@@ -69,14 +70,6 @@ TOOLS = [
     },
 ]
 ROUNDS = {"no tools": None, "tools, auto": "auto", "tools, required": "required"}
-
-
-def _mask_seconds(base_url: str) -> float:
-    text = httpx.get(base_url + "/metrics", timeout=10, trust_env=False).text
-    for line in text.splitlines():
-        if line.startswith(MASK_METRIC):
-            return float(line.split()[-1])
-    return 0.0
 
 
 async def _one(
@@ -118,7 +111,7 @@ async def _round(base_url: str, model: str, choice: str | None, args: Any) -> di
         async with semaphore:
             return await _one(client, body)
 
-    masks = _mask_seconds(base_url)
+    masks = metric_sum(base_url, MASK_METRIC) or 0.0
     async with httpx.AsyncClient(base_url=base_url, timeout=900.0, trust_env=False) as client:
         started = time.perf_counter()
         results = await asyncio.gather(*(run(i) for i in range(args.requests)))
@@ -132,7 +125,7 @@ async def _round(base_url: str, model: str, choice: str | None, args: Any) -> di
         "latency_p90_ms": round(1000 * (quantile(latencies, 0.9) or 0), 1),
         "first_chunk_p50_ms": round(1000 * (quantile(firsts, 0.5) or 0), 1),
         "calls": sum(r[3] for r in results),
-        "mask_s": round(_mask_seconds(base_url) - masks, 3),
+        "mask_s": round((metric_sum(base_url, MASK_METRIC) or 0.0) - masks, 3),
     }
 
 
