@@ -307,6 +307,14 @@ def build_parser() -> argparse.ArgumentParser:
         "answer to text or a JSON object of calls by a grammar)",
     )
     server.add_argument(
+        "--vllm-metric-names",
+        action="store_true",
+        help="also show on /metrics the names vLLM's router, the Gateway API inference "
+        "extension's endpoint picker and vLLM dashboards read (vllm:num_requests_waiting, "
+        "vllm:num_requests_running, vllm:kv_cache_usage_perc, vllm:cache_config_info, ...: "
+        "docs/observability.md), with the same values as the otel_engine_* families",
+    )
+    server.add_argument(
         "--final-scrape-wait",
         type=float,
         default=0.0,
@@ -451,6 +459,7 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
             limits=server_limits(args),
             allow_special_tokens_in_content=args.allow_special_tokens_in_content,
             tool_call_parser=args.tool_call_parser,
+            vllm_metric_names=args.vllm_metric_names,
         )
     except KeyboardInterrupt:
         logger.info("shutdown.begin", extra={"phase": "before_serving"})

@@ -73,6 +73,7 @@ class Frontend:
         )
         self.max_model_len: int = self.client.max_model_len
         self.context_limited_by = self.client.limits.limited_by
+        self.num_kv_blocks: int = self.client.limits.num_kv_blocks
         if self.context_limited_by == "kv_cache":
             logger.warning(
                 "model.context_capped",

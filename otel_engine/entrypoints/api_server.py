@@ -59,6 +59,7 @@ from otel_engine.entrypoints.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     HealthResponse,
+    LoadResponse,
     ModelList,
     ResponseObject,
     ResponsesRequest,
@@ -119,6 +120,11 @@ def build_app(state: ServerState) -> FastAPI:
         if error is not None:
             return error_response(error)
         return Response(b'{"status":"ok"}', media_type="application/json")
+
+    @app.get("/get_load", response_model=LoadResponse, responses=errors(*CONNECTION_ERRORS))
+    async def get_load() -> dict[str, int]:
+        # vLLM's router polls this for power_of_two, adding its own count of what it sent
+        return {"load": state.num_in_flight}
 
     @app.get(
         "/metrics",
@@ -305,14 +311,23 @@ def make_server(
     limits: ServerLimits | None = None,
     allow_special_tokens_in_content: bool = False,
     tool_call_parser: str = "auto",
+    vllm_metric_names: bool = False,
 ) -> ApiServer:
     """An `ApiServer` for `engine`, ready to `run(sockets=[bind_socket(...)])`.
 
     With `exit_on_engine_death=False` the server stays up answering 503 after the engine
     died (an embedding host program decides what to do); `exit_code` is 1 either way.
     """
-    metrics = EngineMetrics(model_name=engine.model_name, process_metrics=True)
+    metrics = EngineMetrics(
+        model_name=engine.model_name, process_metrics=True, vllm_names=vllm_metric_names
+    )
     metrics.set_fast_paths(engine.fast_paths)
+    cache = engine.config.cache
+    metrics.set_cache_config(
+        block_size=cache.block_size,
+        num_blocks=engine.num_kv_blocks,
+        prefix_caching=cache.enable_prefix_caching,
+    )
     on_export_failure(metrics.on_export_failure)
     limits = limits or ServerLimits()
     state = ServerState(
@@ -374,6 +389,7 @@ def run_server(
     limits: ServerLimits | None = None,
     allow_special_tokens_in_content: bool = False,
     tool_call_parser: str = "auto",
+    vllm_metric_names: bool = False,
 ) -> int:
     """Serve until SIGTERM/SIGINT (exit code 0) or until the engine dies (exit code 1)."""
     limits = fit_connection_limit(limits or ServerLimits())
@@ -384,9 +400,10 @@ def run_server(
         limits=limits,
         allow_special_tokens_in_content=allow_special_tokens_in_content,
         tool_call_parser=tool_call_parser,
+        vllm_metric_names=vllm_metric_names,
     )
     start_otlp_metrics(
-        server.state.metrics.registry,
+        server.state.metrics.otlp_registry,
         config=engine.config.observability,
         role="api_server",
         instance_id=engine.config.instance_id,

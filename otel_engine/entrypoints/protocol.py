@@ -60,6 +60,21 @@ def unsupported(param: str, message: str) -> APIError:
     return bad_request(message, param=param, code=ErrorCode.UNSUPPORTED_PARAMETER)
 
 
+# vLLM's router (vllm-router) re-serializes every chat or completion request it forwards with
+# these fields at these values, which ask for nothing this server does not already do (no
+# trailing stop trimmed, no reasoning split, no hidden states); a request that sets one of them
+# to anything else still has it reported as ignored.
+ROUTER_NO_OPS: dict[str, bool] = {
+    "no_stop_trim": False,
+    "continue_final_message": False,
+    "separate_reasoning": True,
+    "stream_reasoning": True,
+    "return_hidden_states": False,
+    "include_reasoning": True,
+}
+_ABSENT = object()
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
@@ -109,8 +124,13 @@ class _SamplingFields(_Strict):
         return self.n
 
     def ignored_fields(self) -> list[str]:
-        """Fields of the body that no part of the API knows (a typo, a newer client's)."""
-        return list(self.model_extra or {})
+        """Fields of the body that no part of the API knows (a typo, a newer client's); the
+        no-op defaults a router writes into every request it forwards are not among them."""
+        return [
+            name
+            for name, value in (self.model_extra or {}).items()
+            if ROUTER_NO_OPS.get(name, _ABSENT) is not value
+        ]
 
     def token_logit_bias(self) -> tuple[tuple[int, float], ...]:
         """`logit_bias` as (token id, bias) pairs; its keys are token ids written as strings."""
@@ -683,6 +703,12 @@ class ModelList(BaseModel):
 
 class HealthResponse(BaseModel):
     status: Literal["ok"]
+
+
+class LoadResponse(BaseModel):
+    """GET /get_load, the load vLLM's router polls for its power_of_two policy."""
+
+    load: int = Field(description="generation requests in flight in this server")
 
 
 class TokenizeResponse(BaseModel):

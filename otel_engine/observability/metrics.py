@@ -12,6 +12,12 @@ dashboards can select a model across replicas; it is added at collection time by
 wrapping collector, not per observation. Latency histograms take the request's trace id as an
 exemplar; exemplars are only visible in the OpenMetrics exposition (`render(openmetrics=True)`,
 which Prometheus asks for in its Accept header), so a latency panel can link to the trace.
+
+With `vllm_names`, `/metrics` also shows the families routers and dashboards built for vLLM
+read (`VLLM_NAMES`: `vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc`,
+`vllm:cache_config_info`, ...), copied from the `otel_engine_*` families when scraped: no
+second observation on the hot path, the same values under two names. OTLP export
+(`otlp_registry`) carries the `otel_engine_*` names only.
 """
 
 from __future__ import annotations
@@ -134,6 +140,29 @@ CONNECTION_CLOSE_REASONS = (
 PRESET_ERROR_TYPES = (ErrorCode.ENGINE_DEAD, ErrorCode.CLIENT_STALLED)
 
 
+# `--vllm-metric-names`: otel_engine family -> (vLLM's family name, label renames). These are
+# the names vLLM's router, the Gateway API inference extension's endpoint picker (its model
+# server protocol: queue, running, KV utilization, cache config) and vLLM dashboards read.
+VLLM_NAMES: dict[str, tuple[str, dict[str, str]]] = {
+    "otel_engine_requests_waiting": ("vllm:num_requests_waiting", {}),
+    "otel_engine_requests_running": ("vllm:num_requests_running", {}),
+    "otel_engine_kv_cache_usage_ratio": ("vllm:kv_cache_usage_perc", {}),
+    "otel_engine_cache_config_info": ("vllm:cache_config_info", {"num_blocks": "num_gpu_blocks"}),
+    "otel_engine_prefix_cache_queries": ("vllm:prefix_cache_queries", {}),
+    "otel_engine_prefix_cache_hits": ("vllm:prefix_cache_hits", {}),
+    "otel_engine_prompt_tokens": ("vllm:prompt_tokens", {}),
+    "otel_engine_generation_tokens": ("vllm:generation_tokens", {}),
+    "otel_engine_request_success": ("vllm:request_success", {"finish_reason": "finished_reason"}),
+    "otel_engine_preemptions": ("vllm:num_preemptions", {}),
+    "otel_engine_time_to_first_token_seconds": ("vllm:time_to_first_token_seconds", {}),
+    "otel_engine_time_per_output_token_seconds": ("vllm:time_per_output_token_seconds", {}),
+    "otel_engine_e2e_request_latency_seconds": ("vllm:e2e_request_latency_seconds", {}),
+    "otel_engine_request_queue_time_seconds": ("vllm:request_queue_time_seconds", {}),
+    "otel_engine_request_prompt_tokens": ("vllm:request_prompt_tokens", {}),
+    "otel_engine_request_generation_tokens": ("vllm:request_generation_tokens", {}),
+}
+
+
 class StepStats(Protocol):
     """What `on_step` reads (`StepOutputs` has these). Optional extras, read when present:
     `step_id` (0: no step ran), `num_paused`, `kv_cache_cached_blocks`,
@@ -162,6 +191,30 @@ class _ConstantLabels(Collector):
             yield family
 
 
+class _Renamed(Collector):
+    """Copies of the `names` families of `inner` under other names (VLLM_NAMES)."""
+
+    def __init__(self, inner: Collector, names: dict[str, tuple[str, dict[str, str]]]) -> None:
+        self._inner = inner
+        self._names = names
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self._inner.collect():
+            renamed = self._names.get(family.name)
+            if renamed is None:
+                continue
+            name, label_names = renamed
+            copy = Metric(name, family.documentation, family.type, family.unit)
+            copy.samples = [
+                sample._replace(
+                    name=name + sample.name[len(family.name) :],
+                    labels={label_names.get(k, k): v for k, v in sample.labels.items()},
+                )
+                for sample in family.samples
+            ]
+            yield copy
+
+
 class EngineMetrics:
     """Every `otel_engine_*` family (docs/observability.md, "Metrics"), with per-step and
     per-request hooks."""
@@ -172,15 +225,14 @@ class EngineMetrics:
         *,
         model_name: str | None = None,
         process_metrics: bool = False,
+        vllm_names: bool = False,
     ) -> None:
         """`registry` is what `render()` exposes (a new one by default); `model_name` adds that
         label to every sample; `process_metrics` adds `otel_engine_process_*` (CPU, RSS, open
-        fds, start time) of this process, whose start time changes on every restart."""
+        fds, start time) of this process, whose start time changes on every restart;
+        `vllm_names` adds the VLLM_NAMES copies to `registry` (not to `otlp_registry`)."""
         self.registry = registry if registry is not None else CollectorRegistry()
-        r = self.registry
-        if model_name is not None:
-            r = CollectorRegistry()
-            self.registry.register(_ConstantLabels(r, {"model_name": model_name}))
+        r = self._families_registry(model_name, vllm_names)
         if process_metrics:
             ProcessCollector(namespace="otel_engine", registry=r)
         self.requests_running = Gauge(
@@ -197,6 +249,13 @@ class EngineMetrics:
         self.kv_cache_usage = Gauge(
             "otel_engine_kv_cache_usage_ratio",
             "Fraction of KV cache blocks in use (0-1).",
+            registry=r,
+        )
+        self.cache_config = Gauge(
+            "otel_engine_cache_config_info",
+            "1, labelled with the KV cache's block size in tokens, its size in blocks and whether "
+            "prefix caching is on (what a prefix-aware router needs to model the cache).",
+            ["block_size", "num_blocks", "enable_prefix_caching"],
             registry=r,
         )
         self.kv_cache_cached_blocks = Gauge(
@@ -373,6 +432,21 @@ class EngineMetrics:
         self._tool_calls = {o: self.tool_calls.labels(o) for o in TOOL_CALL_OUTCOMES}
         self.set_health("starting")
 
+    def _families_registry(self, model_name: str | None, vllm_names: bool) -> CollectorRegistry:
+        """Where the families are registered: `registry` itself, or an inner one that
+        `registry` collects with the model_name label (and copies under VLLM_NAMES)."""
+        self.otlp_registry = self.registry
+        if model_name is None and not vllm_names:
+            return self.registry
+        inner = CollectorRegistry()
+        labelled = _ConstantLabels(inner, {} if model_name is None else {"model_name": model_name})
+        self.registry.register(labelled)
+        if vllm_names:
+            self.otlp_registry = CollectorRegistry()
+            self.otlp_registry.register(labelled)
+            self.registry.register(_Renamed(labelled, VLLM_NAMES))
+        return inner
+
     def on_tool_calls(self, outcome: str, count: int) -> None:
         """Tool calls of one choice, by outcome (TOOL_CALL_OUTCOMES)."""
         if count:
@@ -474,6 +548,12 @@ class EngineMetrics:
         for path, choice in summary.get("paths", {}).items():
             enabled = "true" if choice.get("enabled") else "false"
             self.fast_path.labels(path, enabled, cpu, build).set(1)
+
+    def set_cache_config(self, *, block_size: int, num_blocks: int, prefix_caching: bool) -> None:
+        """The KV cache's shape, once at start (`otel_engine_cache_config_info`)."""
+        self.cache_config.clear()
+        prefix = "true" if prefix_caching else "false"
+        self.cache_config.labels(str(block_size), str(num_blocks), prefix).set(1)
 
     def set_health(self, state: str) -> None:
         """One of HEALTH_STATES: starting, healthy, draining, stalled, dead."""

@@ -67,6 +67,31 @@ def test_unknown_fields_are_ignored() -> None:
     assert "x" == request.prompt
 
 
+def test_the_routers_no_op_fields_are_not_reported_as_ignored() -> None:
+    """vllm-router writes these into every request it forwards: at their no-op values they
+    are not a client's typo, and a fleet's logs are not a warning per request; any other
+    value is still reported."""
+    forwarded = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "no_stop_trim": False,
+        "continue_final_message": False,
+        "separate_reasoning": True,
+        "stream_reasoning": True,
+        "return_hidden_states": False,
+        "include_reasoning": True,
+        "metadata": {"a": 1},
+    }
+    assert ["metadata"] == ChatCompletionRequest.model_validate(forwarded).ignored_fields()
+    changed = {**forwarded, "continue_final_message": True, "return_hidden_states": 0}
+    assert ["continue_final_message", "return_hidden_states", "metadata"] == (
+        ChatCompletionRequest.model_validate(changed).ignored_fields()
+    )
+    completion = CompletionRequest.model_validate(
+        {"prompt": "x", "no_stop_trim": False, "return_hidden_states": False}
+    )
+    assert [] == completion.ignored_fields()
+
+
 def test_max_completion_tokens_wins() -> None:
     """Chat: max_completion_tokens takes precedence over max_tokens."""
     request = ChatCompletionRequest.model_validate(

@@ -7,7 +7,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from otel_engine.config import ObservabilityConfig
 from otel_engine.ipc.messages import StepOutputs
-from otel_engine.observability.metrics import TTFT_BUCKETS, EngineMetrics
+from otel_engine.observability.metrics import TTFT_BUCKETS, VLLM_NAMES, EngineMetrics
 from otel_engine.observability.otlp_metrics import registry_to_metrics, start_otlp_metrics
 from otel_engine.observability.tracing import shutdown_telemetry
 from tests.helpers.otlp_receiver import OtlpReceiver
@@ -22,6 +22,7 @@ FAMILIES = {
     "otel_engine_http_connections_closed": "counter",
     "otel_engine_kv_cache_usage_ratio": "gauge",
     "otel_engine_kv_cache_cached_blocks": "gauge",
+    "otel_engine_cache_config_info": "gauge",
     "otel_engine_prefix_cache_queries": "counter",
     "otel_engine_prefix_cache_hits": "counter",
     "otel_engine_prompt_tokens": "counter",
@@ -268,6 +269,7 @@ def test_otlp_export_of_the_registry(protocol: str, monkeypatch: pytest.MonkeyPa
     finish_one(metrics)
     metrics.on_request_error("abort")
     metrics.set_fast_paths(FAST_PATHS)
+    metrics.set_cache_config(block_size=16, num_blocks=64, prefix_caching=False)
     with OtlpReceiver(protocol) as receiver:
         config = ObservabilityConfig(otlp_endpoint=receiver.endpoint, otlp_protocol=protocol)
         bridge = start_otlp_metrics(metrics.registry, config=config, instance_id="engine-m")
@@ -347,3 +349,56 @@ def test_latency_exemplars_carry_the_trace_id_in_openmetrics_only() -> None:
         "otel_engine_e2e_request_latency_seconds",
     }
     assert trace_id not in metrics.render()[0].decode()
+
+
+def test_cache_config_is_one_info_sample() -> None:
+    """A prefix-aware router models the cache from its block size and size in blocks."""
+    metrics = EngineMetrics()
+    metrics.set_cache_config(block_size=16, num_blocks=4096, prefix_caching=True)
+    labels = (("block_size", "16"), ("enable_prefix_caching", "true"), ("num_blocks", "4096"))
+    values = samples(metrics)
+    assert [k for k in values if k[0] == "otel_engine_cache_config_info"] == [
+        ("otel_engine_cache_config_info", labels)
+    ]
+    assert values[("otel_engine_cache_config_info", labels)] == 1
+
+
+def test_vllm_names_copy_the_router_signals_with_the_same_values() -> None:
+    """`--vllm-metric-names`: the names vLLM's router, the inference gateway's endpoint picker
+    and vLLM dashboards read, with vLLM's label names, beside the otel_engine ones."""
+    metrics = EngineMetrics(model_name="smol", vllm_names=True)
+    metrics.set_cache_config(block_size=16, num_blocks=512, prefix_caching=True)
+    metrics.on_step(Step())
+    finish_one(metrics)
+    body, _ = metrics.render()
+    families = {f.name: f for f in text_string_to_metric_families(body.decode())}
+    values = samples(metrics)
+    smol = (("model_name", "smol"),)
+
+    assert values[("vllm:num_requests_waiting", smol)] == 2
+    assert values[("vllm:num_requests_running", smol)] == 3
+    assert values[("vllm:kv_cache_usage_perc", smol)] == 0.25
+    info = (
+        ("block_size", "16"),
+        ("enable_prefix_caching", "true"),
+        ("model_name", "smol"),
+        ("num_gpu_blocks", "512"),
+    )
+    assert values[("vllm:cache_config_info", info)] == 1
+    assert values[("vllm:request_success_total", (("finished_reason", "stop"), *smol))] == 1
+    assert values[("vllm:time_to_first_token_seconds_count", smol)] == 1
+    # every copy has its source's type and samples; the source families are all still there
+    for source, (name, _) in VLLM_NAMES.items():
+        assert families[name].type == families[source].type, name
+        assert len(families[name].samples) == len(families[source].samples), name
+    assert set(FAMILIES) <= set(families)
+
+
+def test_vllm_names_are_not_exported_over_otlp() -> None:
+    """OTLP carries each value once, under the otel_engine name."""
+    metrics = EngineMetrics(vllm_names=True)
+    metrics.on_step(Step())
+    exported = {m.name for m in registry_to_metrics(metrics.otlp_registry, 0)}
+    assert "otel_engine_requests_waiting" in exported
+    assert not [name for name in exported if name.startswith("vllm:")]
+    assert "vllm:num_requests_waiting" in metrics.render()[0].decode()
