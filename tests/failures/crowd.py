@@ -108,10 +108,14 @@ async def run_crowd(
     *,
     max_tokens: int = MAX_TOKENS,
     on_flowing: Callable[[], None] | None = None,
+    all_streams: bool = False,
 ) -> list[ClientResult]:
-    """Start `num_clients` requests (even indices stream); return when every one has ended."""
+    """Start `num_clients` requests (even indices stream, or all with `all_streams`); return
+    when every one has ended."""
     body = {"prompt": PROMPT, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}
-    results = [ClientResult(is_stream=index % 2 == 0) for index in range(num_clients)]
+    results = [
+        ClientResult(is_stream=all_streams or index % 2 == 0) for index in range(num_clients)
+    ]
     firsts = [asyncio.Event() for _ in results]
     tasks = [
         asyncio.create_task(_one(base_url, body, result, first))
