@@ -587,6 +587,7 @@ def test_k8s_manifests_parse_and_name_their_kinds() -> None:
         ("Service", "otel-engine"),
         ("Deployment", "otel-collector"),
         ("Service", "otel-collector"),
+        ("PodDisruptionBudget", "otel-engine"),
     } <= kinds
     for obj in k8s_objects():
         assert obj["apiVersion"]
@@ -638,11 +639,12 @@ def test_k8s_engine_liveness_restarts_a_stalled_engine() -> None:
     assert (3, 10) == (liveness["failureThreshold"], liveness["periodSeconds"])
 
 
-def test_k8s_engine_grace_period_exceeds_the_drain() -> None:
+def test_k8s_engine_grace_period_exceeds_the_pre_stop_wait_and_the_drain() -> None:
     spec = k8s_object("Deployment", "otel-engine")["spec"]["template"]["spec"]
     drain = engine_k8s_args().shutdown_timeout
     assert drain is not None, "pass --shutdown-timeout so the grace period is checked against it"
-    assert spec["terminationGracePeriodSeconds"] > drain
+    pre_stop = engine_container()["lifecycle"]["preStop"]["sleep"]["seconds"]
+    assert spec["terminationGracePeriodSeconds"] > pre_stop + drain
 
 
 @pytest.mark.parametrize("name", ["otel-engine", "otel-collector"])
