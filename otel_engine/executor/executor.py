@@ -143,6 +143,10 @@ class UniprocExecutor:
     def process_pids(self) -> dict[str, int | None]:
         return {ENGINE_CORE: os.getpid()}
 
+    def placement(self) -> list[dict[str, Any]]:
+        """Every rank is on this machine: nothing to say (a Ray cluster's ranks say where)."""
+        return []
+
 
 class MultiprocExecutor:
     """`tensor_parallel_size` worker processes, rank 0 samples."""
@@ -266,6 +270,10 @@ class MultiprocExecutor:
         """Every worker's answer to where it is (`hang.ask_ranks`), from any thread."""
         return ask_ranks(self._context, self._probe_addresses)
 
+    def placement(self) -> list[dict[str, Any]]:
+        """Every rank is on this machine: nothing to say (a Ray cluster's ranks say where)."""
+        return []
+
     def process_pids(self) -> dict[str, int | None]:
         pids: dict[str, int | None] = {ENGINE_CORE: os.getpid()}
         pids.update((w.name, w.pid) for w in self.workers)
@@ -328,6 +336,10 @@ Executor = UniprocExecutor | MultiprocExecutor
 
 
 def make_executor(config: EngineConfig, model_dir: str, ipc_dir: IpcDir) -> Executor:
+    if config.parallel.distributed_executor_backend == "ray":
+        from otel_engine.executor.ray_executor import RayExecutor  # ray: only when asked for
+
+        return RayExecutor(config, model_dir)
     if config.parallel.tensor_parallel_size == 1:
         return UniprocExecutor(config, model_dir)
     return MultiprocExecutor(config, model_dir, ipc_dir)

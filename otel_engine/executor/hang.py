@@ -109,11 +109,17 @@ def hang_error(
     culprit = hung_rank(reports)
     if culprit is None:
         return ErrorInfo(type=FailureCause.STEP_TIMEOUT, message=stalled, process=process)
+    report = reports[culprit.rank]
+    rank = (
+        f"rank {culprit.rank} on {report.node}"
+        if report and report.node
+        else f"rank {culprit.rank}"
+    )
     if culprit.frame is None:
-        where = f"rank {culprit.rank} hung and did not answer"
+        where = f"{rank} hung and did not answer"
     else:
         frame = culprit.frame
-        where = f"rank {culprit.rank} hung in {frame.function} at {frame.file}:{frame.line}"
+        where = f"{rank} hung in {frame.function} at {frame.file}:{frame.line}"
     return ErrorInfo(
         type=FailureCause.STEP_TIMEOUT,
         message=f"{where}; {stalled}",

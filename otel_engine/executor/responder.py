@@ -47,8 +47,9 @@ class Responder:
     """Thread `responder`: answers the core's `ask_ranks` on a REP socket bound at
     `address`. `step_id` is set by the busy loop around each step."""
 
-    def __init__(self, rank: int, address: str) -> None:
+    def __init__(self, rank: int, address: str, node: str = "") -> None:
         self.rank = rank
+        self.node = node
         self.step_id: int | None = None
         self._main_ident = threading.main_thread().ident
         self._stop = threading.Event()
@@ -56,6 +57,8 @@ class Responder:
         self._socket = self._context.socket(zmq.REP)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.bind(address)
+        # where it listens: `address` itself, or the port a tcp://HOST:* bind picked
+        self.address = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self._thread = threading.Thread(target=self._serve, name="responder", daemon=True)
         self._thread.start()
 
@@ -72,6 +75,10 @@ class Responder:
         except Exception:
             logger.exception("worker.responder_failed", extra={"rank": self.rank})
 
+    def watch(self, thread_ident: int) -> None:
+        """Report the stack of this thread (the busy loop's) instead of the main thread's."""
+        self._main_ident = thread_ident
+
     def report(self) -> RankReport:
         enqueued, completed, name = _last_collective()
         frame = sys._current_frames().get(self._main_ident or -1)
@@ -82,6 +89,7 @@ class Responder:
             last_completed_collective=completed,
             last_collective=name,
             stack=_frames(frame),
+            node=self.node,
         )
 
     def stop(self) -> None:

@@ -73,7 +73,7 @@ def run_worker(
     responder = Responder(rank, probe_address)
     channel.ready(fast_paths=runner.model.fast_paths.summary())
     logger.info("worker.ready", extra={"rank": rank})
-    _busy_loop(runner, rank, inputs, outputs, responder)
+    busy_loop(runner, rank, inputs, outputs, responder)
     responder.stop()
     inputs.close(linger=0)
     outputs.close(linger=int(1000 * WORKER_EXIT_LINGER_S))
@@ -106,7 +106,7 @@ def _rendezvous_store(
     return dist.TCPStore(LOOPBACK, port, tp_size, is_master=False, timeout=timeout)
 
 
-def _busy_loop(
+def busy_loop(
     runner: ModelRunner, rank: int, inputs: zmq.Socket, outputs: zmq.Socket, responder: Responder
 ) -> None:
     requests: Codec[WorkerRequest] = Codec(WorkerRequest)

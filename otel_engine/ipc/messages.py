@@ -298,3 +298,4 @@ class RankReport(msgspec.Struct, frozen=True):
     last_completed_collective: int
     last_collective: str
     stack: list[StackFrame]
+    node: str = ""  # where the rank runs, on a Ray cluster ("127.0.0.1 (node 3f2a...)")

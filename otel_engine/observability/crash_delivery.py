@@ -162,6 +162,8 @@ def _report(
     }
     if dump.get("ranks") is not None:
         attributes["otel_engine.crash.ranks"] = to_json(dump.get("ranks"))
+    if dump.get("placement") is not None:  # ranks on a Ray cluster's nodes
+        attributes["otel_engine.crash.placement"] = to_json(dump.get("placement"))
     if failure.get("signal"):
         attributes["otel_engine.crash.signal"] = str(failure.get("signal"))
         attributes["otel_engine.crash.frames"] = to_json(failure.get("frames"))
@@ -186,6 +188,7 @@ def _report(
         "system_stats": dump.get("system_stats"),
         "history": dump.get("history"),
         "ranks": dump.get("ranks"),
+        "placement": dump.get("placement"),
         "failed_process": failure.get("process"),
         "failed_rank": rank,
         "reason": reason,

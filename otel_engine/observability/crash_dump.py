@@ -124,6 +124,7 @@ def engine_config_part(
         "max_model_len": model.max_model_len,
         "tensor_parallel_size": config.parallel.tensor_parallel_size,
         "multiprocess": config.parallel.multiprocess,
+        "distributed_executor_backend": config.parallel.distributed_executor_backend,
         "block_size": config.cache.block_size,
         "num_kv_blocks": config.cache.num_kv_blocks,
         "kv_cache_memory_gib": config.cache.kv_cache_memory_gib,

@@ -1,0 +1,449 @@
+"""`RayExecutor`: tensor-parallel ranks as actors of a running Ray cluster
+(`--distributed-executor-backend ray`).
+
+The engine core (where `serve` runs) joins the cluster as a driver, reserves one bundle per
+rank in a placement group (`ray_cpus_per_rank` CPUs each, one GPU on CUDA; the strategy is
+`--ray-placement-strategy`) and creates a `RayWorker` actor in each. From there the step path
+is the local executor's: the same `ModelInput` to every rank over ZMQ (TCP, the core binding
+on its node's address), rank 0's sampled tokens back, failure reports the same way, the
+same probes for a hung rank. What differs is how a death is seen: each rank's pending `run`
+call is its sentinel, and Ray fails it when the actor's process dies (killed, OOM, a native
+fault) or its node goes; the error names the rank and its node.
+
+Startup failures are one line within the ready timeout: no cluster to join, a placement group
+the cluster cannot hold (checked against its resources first, then waited for), a rank that
+fails to start on its node (a bad model path there). Shutdown kills every actor and removes
+the placement group; the actors and the group belong to this driver, so Ray removes them too
+if the engine core dies without a word.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+import msgspec
+import zmq
+
+from otel_engine.config import EngineConfig
+from otel_engine.errors import EngineStartupError, FailureCause
+from otel_engine.executor.executor import MultiprocExecutor
+from otel_engine.executor.responder import flight_recorder_env
+from otel_engine.ipc.codec import Codec
+from otel_engine.ipc.messages import (
+    ErrorInfo,
+    StopWorker,
+    WorkerFailure,
+    WorkerRequest,
+    WorkerResponse,
+)
+from otel_engine.ipc.process import ENGINE_CORE, process_title
+from otel_engine.observability.faults import ENV_VAR as FAULT_ENV
+from otel_engine.observability.setup import child_env
+from otel_engine.timing import GRACEFUL_WORKER_STOP_MAX_S, MONITOR_JOIN_S, STOP_SEND_TIMEOUT_S
+
+logger = logging.getLogger(__name__)
+
+# Passed to the actors as they are in the engine core, where set: the collectives' interface,
+# Ray's own loopback switch, unbuffered output.
+PASSED_VARIABLES = (
+    "GLOO_SOCKET_IFNAME",
+    "NCCL_SOCKET_IFNAME",
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER",
+    "PYTHONUNBUFFERED",
+    FAULT_ENV,
+)
+# Not passed: the engine core's own OTLP endpoint variables (child_env carries the engine's).
+NOT_PASSED = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_PROTOCOL")
+REACH_TIMEOUT_S = 5.0  # to open a TCP connection to the cluster's address
+PING_TIMEOUT_S = 3.0  # a living rank's actor answers `node()` in milliseconds
+RAY_ERROR_CHARS = 2000  # of Ray's own account of a death, in the worker.died log line
+NODE_ID_CHARS = 12  # enough of a Ray node id to find it in `ray status` / `ray list nodes`
+
+
+def import_ray() -> Any:
+    """Ray, or a startup error that says how to install it."""
+    try:
+        import ray
+    except ImportError as error:
+        raise EngineStartupError(
+            "--distributed-executor-backend ray needs Ray: pip install 'otel-engine[ray]'",
+            failed_process=ENGINE_CORE,
+        ) from error
+    return ray
+
+
+def actor_env(config: EngineConfig) -> dict[str, str]:
+    """The environment of every rank's actor: the engine's observability settings (so its
+    spans and logs go where the engine's go) and the variables it must share with the core."""
+    env = child_env(config)
+    for name, value in os.environ.items():
+        if (name.startswith("OTEL_") and name not in NOT_PASSED) or name in PASSED_VARIABLES:
+            env.setdefault(name, value)
+    env.update(flight_recorder_env())
+    return env
+
+
+def describe_node(node: dict[str, Any]) -> str:
+    """`127.0.0.1 (node 3f2a9c1d4e5b)`: the address and the start of the Ray node id."""
+    return f"{node.get('node_ip', '?')} (node {str(node.get('node_id', '?'))[:NODE_ID_CHARS]})"
+
+
+def death_reason(error: BaseException) -> str:
+    """Why Ray says an actor died, in a few words (its own message has ids and advice, and
+    goes to the `worker.died` log line whole)."""
+    text = str(error)
+    if "worker process has died" in text or "unexpectedly exits" in text:
+        return "its process died"
+    if "node" in text and ("has died" in text or "is dead" in text):
+        return "its node died"
+    if "ray.kill" in text:
+        return "it was killed (ray.kill)"
+    return type(error).__name__
+
+
+def unreachable(address: str) -> str:
+    """Why nothing answers at a `host:port` cluster address ("" when something does, or
+    when the address is not one: "auto", a `ray://` client address)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or "/" in host:
+        return ""
+    try:
+        with socket.create_connection((host, int(port)), timeout=REACH_TIMEOUT_S):
+            return ""
+    except OSError as error:
+        return f"nothing answers there ({error.strerror or type(error).__name__})"
+
+
+class RayExecutor(MultiprocExecutor):
+    """`tensor_parallel_size` ranks as Ray actors; rank 0 samples. The step path (`execute`,
+    `check_health`, failure reports, `ask_ranks`) is `MultiprocExecutor`'s."""
+
+    def __init__(self, config: EngineConfig, model_dir: str) -> None:
+        ray = import_ray()
+        self.config = config
+        self.tp_size = config.parallel.tensor_parallel_size
+        self._requests: Codec[WorkerRequest] = Codec(WorkerRequest)
+        self._responses: Codec[WorkerResponse] = Codec(WorkerResponse)
+        self._context = zmq.Context(io_threads=1)
+        self._inputs = []
+        self.workers = []  # no local processes
+        self._failure: ErrorInfo | None = None
+        self.fast_paths: dict[str, Any] | None = None
+        self._died: ErrorInfo | None = None
+        self._died_code: int | None = None
+        self._root: ErrorInfo | None = None
+        self._stopping = False
+        self._monitor: threading.Thread | None = None
+        self._ray = ray
+        self._actors: list[Any] = []
+        self._runs: list[Any] = []
+        self._nodes: list[dict[str, Any]] = []
+        self._group: Any = None
+        self._results = self._context.socket(zmq.PULL)
+        self._probe_addresses: list[str] = []
+        deadline = time.monotonic() + config.timeouts.engine_ready_timeout
+        try:
+            self._join_cluster()
+            host = str(ray.util.get_node_ip_address())
+            self._results.bind(f"tcp://{host}:*")
+            results_address = self._results.getsockopt_string(zmq.LAST_ENDPOINT)
+            input_addresses = []
+            for _ in range(self.tp_size):
+                socket = self._context.socket(zmq.PUSH)
+                socket.bind(f"tcp://{host}:*")
+                input_addresses.append(socket.getsockopt_string(zmq.LAST_ENDPOINT))
+                self._inputs.append(socket)
+            self._group = self._place(deadline)
+            self._actors = self._create_actors()
+            store = self._get(
+                self._actors[0].open_store.remote(self.tp_size, self._left(deadline)),
+                deadline,
+                rank=0,
+            )
+            starts = [
+                actor.start.remote(
+                    config.encode(), model_dir, *store, input_addresses[rank], results_address
+                )
+                for rank, actor in enumerate(self._actors)
+            ]
+            ready = [self._get(ref, deadline, rank=rank) for rank, ref in enumerate(starts)]
+        except BaseException:
+            self.shutdown(graceful=False)
+            raise
+        self._probe_addresses = [r["probe_address"] for r in ready]
+        self._nodes = [{k: r[k] for k in ("node_id", "node_ip", "hostname", "pid")} for r in ready]
+        self.fast_paths = ready[0]["fast_paths"]
+        self._runs = [actor.run.remote() for actor in self._actors]
+        logger.info(
+            "ray.ranks_placed",
+            extra={"ranks": [{"rank": r, **node} for r, node in enumerate(self._nodes)]},
+        )
+        self._monitor = threading.Thread(
+            target=self._watch_workers, name="worker-monitor", daemon=True
+        )
+        self._monitor.start()
+
+    # --- startup -----------------------------------------------------------------------
+
+    def _join_cluster(self) -> None:
+        address = self.config.parallel.ray_address or os.environ.get("RAY_ADDRESS") or "auto"
+        reach_error = unreachable(address)
+        if reach_error:  # ray.init would retry for minutes
+            raise EngineStartupError(
+                f"cannot join the Ray cluster at {address!r}: {reach_error}",
+                failed_process=ENGINE_CORE,
+            )
+        try:
+            self._ray.init(
+                address=address,
+                namespace=f"otel-engine-{self.config.instance_id}",
+                log_to_driver=False,  # the ranks log as configured (OTLP, their node's files)
+                configure_logging=False,
+                include_dashboard=False,
+            )
+        except Exception as error:
+            raise EngineStartupError(
+                f"cannot join the Ray cluster at {address!r}: {type(error).__name__}: "
+                f"{str(error).splitlines()[0] if str(error) else ''} (start one with "
+                "`ray start --head`, or pass --ray-address)",
+                failed_process=ENGINE_CORE,
+            ) from error
+
+    def _bundle(self) -> dict[str, float]:
+        bundle = {"CPU": float(self.config.parallel.ray_cpus_per_rank)}
+        if self.config.model.device == "cuda":
+            bundle["GPU"] = 1.0
+        return bundle
+
+    def _place(self, deadline: float) -> Any:
+        """A placement group of one bundle per rank: refused at once if the cluster does not
+        have the resources at all, else waited for until the ready timeout."""
+        from ray.util.placement_group import placement_group
+
+        bundle = self._bundle()
+        strategy = self.config.parallel.ray_placement_strategy
+        nodes = [n for n in self._ray.nodes() if n.get("Alive")]
+        per_node = [n.get("Resources", {}) for n in nodes]
+        fits = sum(int(min(res.get(k, 0.0) / v for k, v in bundle.items())) for res in per_node)
+        if strategy.startswith("STRICT_SPREAD"):
+            fits = sum(
+                1 for res in per_node if all(res.get(k, 0.0) >= v for k, v in bundle.items())
+            )
+        if fits < self.tp_size:
+            raise EngineStartupError(
+                f"the Ray cluster cannot place {self.tp_size} ranks of {bundle} each "
+                f"({strategy}): its {len(nodes)} nodes hold {fits}",
+                failed_process=ENGINE_CORE,
+            )
+        group = placement_group([dict(bundle) for _ in range(self.tp_size)], strategy=strategy)
+        try:
+            self._ray.get(group.ready(), timeout=self._left(deadline))
+        except self._ray.exceptions.GetTimeoutError as error:
+            self._ray.util.remove_placement_group(group)
+            raise EngineStartupError(
+                f"the Ray placement group of {self.tp_size} ranks of {bundle} each ({strategy}) "
+                f"was not placed within --engine-ready-timeout "
+                f"({self.config.timeouts.engine_ready_timeout:g} s): the cluster's free "
+                "resources are taken",
+                failed_process=ENGINE_CORE,
+            ) from error
+        return group
+
+    def _create_actors(self) -> list[Any]:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from otel_engine.executor.ray_worker import RayWorker
+
+        remote = self._ray.remote(RayWorker)
+        bundle = self._bundle()
+        env = actor_env(self.config)
+        return [
+            remote.options(
+                num_cpus=bundle["CPU"],
+                num_gpus=bundle.get("GPU", 0),
+                max_restarts=0,
+                max_task_retries=0,
+                max_concurrency=2,  # `run` holds one thread; the other answers pings
+                runtime_env={"env_vars": env},
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=self._group, placement_group_bundle_index=rank
+                ),
+            ).remote(rank)
+            for rank in range(self.tp_size)
+        ]
+
+    @staticmethod
+    def _left(deadline: float) -> float:
+        return max(0.1, deadline - time.monotonic())
+
+    def _get(self, ref: Any, deadline: float, *, rank: int) -> Any:
+        """One startup call's result; its failure as a one-line startup error naming the
+        rank (and its node, once known)."""
+        name = process_title("worker", rank)
+        try:
+            return self._ray.get(ref, timeout=self._left(deadline))
+        except self._ray.exceptions.GetTimeoutError as error:
+            raise EngineStartupError(
+                f"{name} did not start within --engine-ready-timeout "
+                f"({self.config.timeouts.engine_ready_timeout:g} s)",
+                failed_process=name,
+            ) from error
+        except self._ray.exceptions.RayTaskError as error:
+            cause = error.cause if isinstance(error.cause, BaseException) else error
+            where = self._node_of(rank)
+            raise EngineStartupError(
+                f"{name}{where} failed to start: {type(cause).__name__}: "
+                f"{str(cause).splitlines()[0] if str(cause) else ''}",
+                failed_process=name,
+                traceback=str(error),
+            ) from error
+        except self._ray.exceptions.RayActorError as error:
+            raise EngineStartupError(
+                f"{name}{self._node_of(rank)} died while starting: {death_reason(error)}",
+                failed_process=name,
+            ) from error
+
+    def _node_of(self, rank: int) -> str:
+        """` on <node>` for `rank`, asked of Ray while its actor still answers ("" if not)."""
+        if rank < len(self._nodes):
+            return f" on {describe_node(self._nodes[rank])}"
+        with contextlib.suppress(Exception):
+            node = self._ray.get(self._actors[rank].node.remote(), timeout=2)
+            return f" on {describe_node(node)}"
+        return ""
+
+    # --- failures ------------------------------------------------------------------------
+
+    def _watch_workers(self) -> None:
+        """Wait for the first rank's `run` to end; an end while not stopping is a death."""
+        ready, _ = self._ray.wait(self._runs, num_returns=1)
+        if self._stopping:
+            return
+        rank = self._runs.index(ready[0])
+        name = process_title("worker", rank)
+        said = ""
+        try:
+            self._ray.get(ready[0])
+            how = "stopped serving"
+        except Exception as error:  # what Ray says of the death
+            how, said = death_reason(error), str(error)
+        node = describe_node(self._nodes[rank])
+        died = ErrorInfo(
+            type=FailureCause.WORKER_DIED,
+            message=f"{name} on {node} died: {how}",
+            process=name,
+            rank=rank,
+            location=f"rank {rank} on {node}: {how}",
+        )
+        logger.error(
+            "worker.died",
+            extra={
+                "worker": name,
+                "node_ip": self._nodes[rank].get("node_ip"),
+                "node_id": self._nodes[rank].get("node_id"),
+                "how": how,
+                "ray_error": said[:RAY_ERROR_CHARS],
+            },
+        )
+        self._died = died
+        if self._failure is None:
+            self._failure = died
+
+    def _root_cause(self, failures: list[WorkerFailure]) -> ErrorInfo:
+        """The local executor's choice, checked against the ranks that said nothing: Ray
+        sees a node go only after its health checks fail (seconds), while the peers'
+        collectives break at once and they report that; a rank that neither reported nor
+        answers a ping is the cause. The failed rank's node is named where its own report
+        could not know it."""
+        if self._root is not None:
+            return self._root
+        root = super()._root_cause(failures)
+        if root.type != FailureCause.WORKER_DIED:
+            reporters = {f.rank for f in failures} | {root.rank}
+            silent = self._silent_rank(reporters)
+            if silent is not None:
+                rank, how = silent
+                name, node = process_title("worker", rank), describe_node(self._nodes[rank])
+                root = ErrorInfo(
+                    type=FailureCause.WORKER_DIED,
+                    message=f"{name} on {node} died: {how}",
+                    process=name,
+                    rank=rank,
+                    location=f"rank {rank} on {node}: {how}",
+                )
+        if root.rank is not None and root.rank < len(self._nodes) and "node" not in root.location:
+            node = describe_node(self._nodes[root.rank])
+            where = f"rank {root.rank} on {node}"
+            root = msgspec.structs.replace(
+                root, location=f"{root.location} ({where})" if root.location else where
+            )
+        self._root = root
+        return root
+
+    def _silent_rank(self, reporters: set[int | None]) -> tuple[int, str] | None:
+        """The first rank outside `reporters` that does not answer a ping (dead, or on a
+        node that is gone), and how; None when each answers."""
+        pings = {
+            rank: actor.node.remote()
+            for rank, actor in enumerate(self._actors)
+            if rank not in reporters
+        }
+        for rank, ref in pings.items():
+            try:
+                self._ray.get(ref, timeout=PING_TIMEOUT_S)
+            except self._ray.exceptions.GetTimeoutError:
+                return rank, f"it did not answer within {PING_TIMEOUT_S:g} s (its node is gone?)"
+            except Exception as error:
+                return rank, death_reason(error)
+        return None
+
+    # --- what the core asks --------------------------------------------------------------
+
+    def placement(self) -> list[dict[str, Any]]:
+        """Where each rank runs (for the crash dump): rank, Ray node id, node address, host."""
+        return [
+            {"rank": rank, **{k: node[k] for k in ("node_id", "node_ip", "hostname")}}
+            for rank, node in enumerate(self._nodes)
+        ]
+
+    def process_pids(self) -> dict[str, int | None]:
+        return {ENGINE_CORE: os.getpid()}  # the ranks' processes are on their nodes
+
+    def kill(self) -> None:
+        """Kill every rank's actor now (fatal paths)."""
+        self._stopping = True
+        for actor in self._actors:
+            with contextlib.suppress(Exception):
+                self._ray.kill(actor, no_restart=True)
+
+    def shutdown(self, *, graceful: bool = True) -> None:
+        """Ask the ranks to stop (their `run` returns), then kill what is left, remove the
+        placement group and leave the cluster: nothing of this engine stays in it."""
+        self._stopping = True
+        if graceful and self._failure is None and self._runs:
+            stop = self._requests.encode(StopWorker())
+            for socket in self._inputs:
+                socket.setsockopt(zmq.SNDTIMEO, int(1000 * STOP_SEND_TIMEOUT_S))
+                with contextlib.suppress(zmq.ZMQError):
+                    socket.send(stop)
+            timeout = min(self.config.timeouts.shutdown_timeout, GRACEFUL_WORKER_STOP_MAX_S)
+            with contextlib.suppress(Exception):
+                self._ray.wait(self._runs, num_returns=len(self._runs), timeout=timeout)
+        self.kill()
+        if self._group is not None:
+            with contextlib.suppress(Exception):
+                self._ray.util.remove_placement_group(self._group)
+        if self._monitor is not None:
+            self._monitor.join(timeout=MONITOR_JOIN_S)
+        for socket in [*self._inputs, self._results]:
+            socket.close(linger=0)
+        self._context.term()
+        with contextlib.suppress(Exception):
+            if self._ray.is_initialized():
+                self._ray.shutdown()

@@ -1,0 +1,279 @@
+"""Tensor parallel across machines on Ray: `--distributed-executor-backend ray` against Ray's
+own multi-node test cluster on this machine (`ray.cluster_utils.Cluster`: a head and a worker
+node, one CPU each, so TP=2 puts one rank on each node), all on the loopback address.
+
+What must hold is the local executor's promise: the same greedy output; spans of the remote
+ranks in the request's trace; a remote rank that raises, whose process is SIGKILLed, whose
+node goes away, or that hangs ends every client with an error naming the rank and its node,
+one crash dump (with where each rank ran), exit code 1 and nothing left in the Ray cluster;
+a cluster that cannot hold the ranks is a one-line startup failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.failures.crowd import run_crowd
+from tests.helpers.otlp_receiver import OtlpReceiver
+from tests.helpers.procs import ServerProcess
+
+pytestmark = pytest.mark.slow
+
+# Ray on the loopback address only (tests never touch the network beyond 127.0.0.1): read by
+# Ray when it is imported, so set before this module imports it, and passed to every serve.
+LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "GLOO_SOCKET_IFNAME": "lo"}
+os.environ.update(LOOPBACK_ENV)
+ray = pytest.importorskip("ray", reason="pip install 'otel-engine[ray]' (make install does)")
+from ray.cluster_utils import Cluster  # noqa: E402
+
+PROMPTS = ["The engine core", "A worker on another node", "Tensor parallel ranks"]
+FAULT_STEP = 30
+DETECTION_S = 10.0  # the fault (or kill) to the last client's error
+EXIT_S = 30.0  # the last client's error to the server's exit
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 1, "include_dashboard": False, "node_ip_address": "127.0.0.1"},
+    )
+    cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1")
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, namespace="otel-engine-tests", log_to_driver=False)
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()
+
+
+def serve(
+    model: str, cluster: Cluster, log: Path, *args: str, env: dict[str, str] | None = None
+) -> ServerProcess:
+    flags = ["--model", model, "--tensor-parallel-size", "2", "--dtype", "float32"]
+    flags += ["--distributed-executor-backend", "ray", "--ray-address", cluster.address]
+    flags += ["--engine-ready-timeout", "120", *args]
+    return ServerProcess(flags, env={**LOOPBACK_ENV, **(env or {})}, log_path=log).start()
+
+
+def greedy(base_url: str) -> list[str]:
+    with httpx.Client(base_url=base_url, timeout=60, trust_env=False) as client:
+        texts = []
+        for prompt in PROMPTS:
+            body = {"prompt": prompt, "max_tokens": 12, "temperature": 0}
+            response = client.post("/v1/completions", json=body)
+            assert 200 == response.status_code, response.text
+            texts.append(response.json()["choices"][0]["text"])
+        return texts
+
+
+def placed(server: ServerProcess) -> list[dict[str, Any]]:
+    """Where each rank runs, from the engine core's `ray.ranks_placed` log line."""
+    (line,) = [r for r in server.json_lines() if r.get("event") == "ray.ranks_placed"]
+    return list(line["ranks"])
+
+
+def assert_nothing_left() -> None:
+    """No actor of any engine alive, every placement group removed."""
+    deadline = time.monotonic() + 15
+    while True:
+        alive = ray._private.state.actors(actor_state_name="ALIVE")
+        groups = {k: v["state"] for k, v in ray.util.placement_group_table().items()}
+        if not alive and all(state == "REMOVED" for state in groups.values()):
+            return
+        assert time.monotonic() < deadline, f"left in the cluster: {alive}, {groups}"
+        time.sleep(0.2)
+
+
+def drill(server: ServerProcess, on_flowing: Any = None) -> list[Any]:
+    """A crowd into the fault; every client failed with engine_dead; exit 1; one dump with
+    the placement; nothing left in the cluster. Returns the client results."""
+    server.wait_healthy(180)
+    results = asyncio.run(run_crowd(server.base_url, 8, on_flowing=on_flowing))
+    code = server.wait(60)
+    for result in results:
+        assert not result.hung, result
+        assert result.error is not None, (result.status, result.body, result.events[-1:])
+        assert "engine_dead" == result.error["code"], result.error
+    assert 1 == code, server.tail()
+    dumps = [r for r in server.json_lines() if r.get("event") == "engine_crash_dump"]
+    assert 1 == len(dumps), f"{len(dumps)} dumps"
+    dump = dumps[0]
+    assert "ray" == dump["engine_config"]["distributed_executor_backend"]
+    placement = dump["placement"]
+    assert [0, 1] == [entry["rank"] for entry in placement]
+    assert {"node_id", "node_ip", "hostname", "rank"} == set(placement[1])
+    server.cleanup()
+    assert_nothing_left()
+    return results
+
+
+def test_greedy_output_equals_the_local_executors_and_remote_spans_join_the_trace(
+    tiny_model_dir: str, cluster: Cluster, tmp_path: Path
+) -> None:
+    local = ServerProcess(
+        ["--model", tiny_model_dir, "--tensor-parallel-size", "2", "--dtype", "float32"],
+        log_path=tmp_path / "local.log",
+    ).start()
+    try:
+        local.wait_healthy(120)
+        expected = greedy(local.base_url)
+    finally:
+        local.terminate()
+        local.wait(60)
+        local.cleanup()
+
+    with OtlpReceiver("grpc") as receiver:
+        server = serve(
+            tiny_model_dir,
+            cluster,
+            tmp_path / "ray.log",
+            "--otlp-endpoint",
+            receiver.endpoint,
+            env={"OTEL_BSP_SCHEDULE_DELAY": "100"},
+        )
+        try:
+            server.wait_healthy(180)
+            assert expected == greedy(server.base_url)
+            ranks = placed(server)
+            assert 2 == len({rank["node_id"] for rank in ranks}), "both ranks on one node"
+
+            def remote_spans_in_step_traces(r: OtlpReceiver) -> list[dict[str, Any]]:
+                spans = r.spans()
+                steps = {s["trace_id"] for s in spans if s["name"] == "engine_core.step"}
+                remote = [
+                    s
+                    for s in spans
+                    if s["name"] == "worker.execute"
+                    and s["attributes"].get("otel_engine.worker.rank") == 1
+                ]
+                return remote if remote and {s["trace_id"] for s in remote} <= steps else []
+
+            spans = receiver.wait_for(remote_spans_in_step_traces, timeout=20)
+            assert spans, "rank 1's spans did not reach the receiver in the steps' traces"
+            assert "worker" == spans[0]["resource"].get("otel_engine.role", "worker")
+            server.terminate()
+            assert 0 == server.wait(60), server.tail()
+        finally:
+            server.cleanup()
+    assert_nothing_left()
+
+
+def test_a_remote_rank_that_raises(tiny_model_dir: str, cluster: Cluster, tmp_path: Path) -> None:
+    server = serve(
+        tiny_model_dir,
+        cluster,
+        tmp_path / "serve.log",
+        env={"OTEL_ENGINE_FAULT": f"worker:raise:rank=1:step={FAULT_STEP}"},
+    )
+    results = drill(server)
+    message = results[0].error["message"]
+    assert "InjectedFault in otel-worker-1: rank 1 on 127.0.0.1 (node " in message, message
+
+
+def test_a_remote_ranks_process_killed(
+    tiny_model_dir: str, cluster: Cluster, tmp_path: Path
+) -> None:
+    server = serve(tiny_model_dir, cluster, tmp_path / "serve.log")
+    killed: list[float] = []
+
+    def kill() -> None:
+        killed.append(time.time())
+        os.kill(placed(server)[1]["pid"], signal.SIGKILL)
+
+    results = drill(server, on_flowing=kill)
+    message = results[0].error["message"]
+    assert "WorkerDied in otel-worker-1: rank 1 on 127.0.0.1 (node " in message, message
+    assert "its process died" in message, message
+    assert max(r.ended_at for r in results) - killed[0] < DETECTION_S
+
+
+def test_a_remote_ranks_node_removed(tiny_model_dir: str, cluster: Cluster, tmp_path: Path) -> None:
+    """The worker node (not the head, which this test's driver needs) goes, with the rank on
+    it."""
+    server = serve(tiny_model_dir, cluster, tmp_path / "serve.log")
+    removed: list[float] = []
+    lost: list[int] = []
+
+    def remove_node() -> None:
+        head = cluster.head_node.node_id
+        ((rank, node_id),) = [
+            (r["rank"], r["node_id"]) for r in placed(server) if r["node_id"] != head
+        ]
+        (node,) = [n for n in cluster.list_all_nodes() if n.node_id == node_id]
+        lost.append(rank)
+        removed.append(time.time())
+        cluster.remove_node(node, allow_graceful=False)
+
+    try:
+        results = drill(server, on_flowing=remove_node)
+    finally:
+        if len(cluster.list_all_nodes()) < 2:
+            cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1")
+            cluster.wait_for_nodes()
+    message = results[0].error["message"]
+    expected = f"WorkerDied in otel-worker-{lost[0]}: rank {lost[0]} on 127.0.0.1 (node "
+    assert expected in message, message
+    assert max(r.ended_at for r in results) - removed[0] < DETECTION_S
+
+
+def test_a_remote_rank_that_hangs_is_named(
+    tiny_model_dir: str, cluster: Cluster, tmp_path: Path
+) -> None:
+    server = serve(
+        tiny_model_dir,
+        cluster,
+        tmp_path / "serve.log",
+        "--step-timeout",
+        "3",
+        env={"OTEL_ENGINE_FAULT": f"worker:hang:rank=1:step={FAULT_STEP}"},
+    )
+    results = drill(server)
+    message = results[0].error["message"]
+    assert "StepTimeout" in message, message
+    assert "rank 1 on 127.0.0.1 (node " in message, message
+    assert "hung in maybe_inject" in message, message
+
+
+def test_a_cluster_too_small_is_a_one_line_startup_failure(
+    tiny_model_dir: str, cluster: Cluster, tmp_path: Path
+) -> None:
+    """Two ranks of two CPUs on two one-CPU nodes: refused at once, not waited on."""
+    started = time.monotonic()
+    server = serve(tiny_model_dir, cluster, tmp_path / "serve.log", "--ray-cpus-per-rank", "2")
+    try:
+        code = server.wait(120)
+    finally:
+        server.cleanup()
+    assert 1 == code
+    assert time.monotonic() - started < 60
+    (line,) = [line for line in server.lines() if line.startswith("otel-engine: error:")]
+    assert "cannot place 2 ranks of {'CPU': 2.0} each (PACK): its 2 nodes hold 0" in line, line
+    assert_nothing_left()
+
+
+def test_no_cluster_to_join_is_a_one_line_startup_failure(
+    tiny_model_dir: str, tmp_path: Path
+) -> None:
+    from tests.helpers.procs import free_port
+
+    address = f"127.0.0.1:{free_port()}"
+    flags = ["--model", tiny_model_dir, "--tensor-parallel-size", "2"]
+    flags += ["--distributed-executor-backend", "ray", "--ray-address", address]
+    flags += ["--engine-ready-timeout", "60"]
+    server = ServerProcess(flags, env=LOOPBACK_ENV, log_path=tmp_path / "serve.log").start()
+    try:
+        code = server.wait(120)
+    finally:
+        server.cleanup()
+    assert 1 == code
+    (line,) = [line for line in server.lines() if line.startswith("otel-engine: error:")]
+    assert f"cannot join the Ray cluster at {address!r}" in line, line
