@@ -104,6 +104,8 @@ def death_reason(error: BaseException) -> str:
         return "its node died"
     if "ray.kill" in text:
         return "it was killed (ray.kill)"
+    if type(error).__name__ == "ActorUnavailableError":
+        return "it is unreachable (its node is gone, or its process is)"
     return type(error).__name__
 
 
