@@ -81,6 +81,22 @@ def failures() -> dict[str, Any]:
                 red_from=1,
             ),
             single_stat(
+                "Which replicas failed",
+                "One value per instance: 1 if its engine was dead at some scrape in the time "
+                "range, else 0. In a fleet this names the replica whose crash dump to read "
+                "(Crash dumps below, filtered by instance); the router should have stopped "
+                "sending it requests (docs/operations.md, 'Running a fleet').",
+                "short",
+                [
+                    target(
+                        "max by (instance) (max_over_time(otel_engine_engine_health_state"
+                        f'{{{SEL}, state="dead"}}[$__range]))',
+                        "{{instance}}",
+                    )
+                ],
+                red_from=1,
+            ),
+            single_stat(
                 "Process restarts",
                 "Changes of otel_engine_process_start_time_seconds over the time range: "
                 "how often an api_server process was restarted (by the orchestrator after "

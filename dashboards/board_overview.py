@@ -290,10 +290,66 @@ def overview() -> dict[str, Any]:
             ),
         ],
     )
+    fleet = row(
+        "Fleet: each replica",
+        [
+            graph(
+                "Requests per second by replica",
+                "Finished and failed requests per second of each instance. Behind a router "
+                "the replicas should carry similar shares; one far above the others: the "
+                "router's policy or its health checks favour it; one at zero with traffic: "
+                "the router took it out (unhealthy), or it is dead (see the Engine & failures "
+                "dashboard, 'Which replicas failed').",
+                "reqps",
+                [
+                    target(
+                        rate_sum("otel_engine_request_success_total", by="instance"),
+                        "finished {{instance}}",
+                    ),
+                    target(
+                        rate_sum("otel_engine_request_errors_total", by="instance"),
+                        "failed {{instance}}",
+                    ),
+                ],
+                width=8,
+            ),
+            graph(
+                "Time to first token p95 by replica",
+                "The 95th percentile of time to first token of each instance. One replica "
+                "slower than the others at the same load: a slower machine, a noisy "
+                "neighbour, or more queueing there; check Running and waiting requests, and "
+                "open an exemplar's trace.",
+                "s",
+                [
+                    target(
+                        "histogram_quantile(0.95, sum by (instance, le) (rate("
+                        f"otel_engine_time_to_first_token_seconds_bucket{{{SEL}}}{RATE})))",
+                        "{{instance}}",
+                        exemplar=True,
+                    )
+                ],
+                width=8,
+            ),
+            graph(
+                "Output tokens per second by replica",
+                "Generated tokens per second of each instance: what each replica adds to the "
+                "fleet's throughput. All replicas near their single-server numbers "
+                "(bench/throughput.py) and waiting requests growing: add replicas.",
+                "short",
+                [
+                    target(
+                        rate_sum("otel_engine_generation_tokens_total", by="instance"),
+                        "{{instance}}",
+                    )
+                ],
+                width=8,
+            ),
+        ],
+    )
     return dashboard(
         "otel-engine-overview",
         "otel-engine / Serving overview",
         "Traffic, errors, latency (with exemplars linking to traces), tokens and capacity of "
         "otel-engine. Engine internals and crashes: otel-engine / Engine & failures.",
-        [traffic, latency, capacity, structured],
+        [traffic, latency, capacity, structured, fleet],
     )
