@@ -249,3 +249,25 @@ def test_no_cluster_to_join_is_a_one_line_startup_failure(
     assert 1 == code
     (line,) = [line for line in server.lines() if line.startswith("otel-engine: error:")]
     assert f"cannot join the Ray cluster at {address!r}" in line, line
+
+
+def test_a_rank_that_fails_to_start_on_its_node_is_one_line(
+    tiny_model_dir: str, cluster: Any, tmp_path: Path
+) -> None:
+    """Rank 1 raises while loading (as a model path missing on its node would): the server
+    says which rank, on which node, and why, in one line, and exits 1."""
+    server = serve(
+        tiny_model_dir,
+        cluster,
+        tmp_path / "serve.log",
+        env={"OTEL_ENGINE_FAULT": "worker:raise:rank=1:phase=load"},
+    )
+    try:
+        code = server.wait(120)
+    finally:
+        server.cleanup()
+    assert 1 == code
+    (line,) = [line for line in server.lines() if line.startswith("otel-engine: error:")]
+    assert "otel-worker-1 on 127.0.0.1 (node " in line, line
+    assert "failed to start: InjectedFault" in line, line
+    wait_nothing_left()

@@ -402,3 +402,20 @@ def test_vllm_names_are_not_exported_over_otlp() -> None:
     assert "otel_engine_requests_waiting" in exported
     assert not [name for name in exported if name.startswith("vllm:")]
     assert "vllm:num_requests_waiting" in metrics.render()[0].decode()
+
+
+def test_the_docs_list_every_vllm_name_and_what_it_copies() -> None:
+    """docs/observability.md's table of vLLM's names is VLLM_NAMES, row for row."""
+    import re
+
+    from tests.helpers.paths import REPO_ROOT
+
+    text = (REPO_ROOT / "docs" / "observability.md").read_text(encoding="utf-8")
+    rows = re.findall(
+        r"^\| `(vllm:[a-z0-9_]+)` \| `(otel_engine_[a-z0-9_]+)` \|(.*)\|$", text, re.M
+    )
+    documented = {
+        source: (name, dict(re.findall(r"`(\w+)` as `(\w+)`", renames)))
+        for name, source, renames in rows
+    }
+    assert VLLM_NAMES == documented
