@@ -174,7 +174,7 @@ class RayExecutor(MultiprocExecutor):
                 )
                 for rank, actor in enumerate(self._actors)
             ]
-            ready = [self._get(ref, deadline, rank=rank) for rank, ref in enumerate(starts)]
+            ready = self._wait_started(starts, deadline)
         except BaseException:
             self.shutdown(graceful=False)
             raise
@@ -310,6 +310,25 @@ class RayExecutor(MultiprocExecutor):
                 f"{name}{self._node_of(rank)} died while starting: {death_reason(error)}",
                 failed_process=name,
             ) from error
+
+    def _wait_started(self, starts: list[Any], deadline: float) -> list[Any]:
+        """Every rank's `start` result, in rank order; the first that fails ends the wait
+        (its peers would wait for it in the process group until the timeout)."""
+        pending = {ref: rank for rank, ref in enumerate(starts)}
+        results: dict[int, Any] = {}
+        while pending:
+            done, _ = self._ray.wait(list(pending), num_returns=1, timeout=self._left(deadline))
+            if not done:
+                names = ", ".join(process_title("worker", r) for r in sorted(pending.values()))
+                raise EngineStartupError(
+                    f"{names} did not start within --engine-ready-timeout "
+                    f"({self.config.timeouts.engine_ready_timeout:g} s)",
+                    failed_process=process_title("worker", min(pending.values())),
+                )
+            for ref in done:
+                rank = pending.pop(ref)
+                results[rank] = self._get(ref, deadline, rank=rank)
+        return [results[rank] for rank in range(len(starts))]
 
     def _node_of(self, rank: int) -> str:
         """` on <node>` for `rank`, asked of Ray while its actor still answers ("" if not)."""

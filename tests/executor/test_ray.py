@@ -271,3 +271,21 @@ def test_a_rank_that_fails_to_start_on_its_node_is_one_line(
     assert "otel-worker-1 on 127.0.0.1 (node " in line, line
     assert "failed to start: InjectedFault" in line, line
     wait_nothing_left()
+
+
+def test_an_engine_core_killed_leaves_nothing_in_the_cluster(
+    tiny_model_dir: str, cluster: Any, tmp_path: Path
+) -> None:
+    """SIGKILL of the engine core (the Ray driver): no shutdown runs, yet Ray removes its
+    actors and its placement group with it, and the server exits 1."""
+    from tests.failures.conftest import title
+
+    server = serve(tiny_model_dir, cluster, tmp_path / "serve.log")
+    try:
+        server.wait_healthy(180)
+        (core,) = [p for p in server.descendants() if title(p) == "otel-engine-core"]
+        core.kill()
+        assert 1 == server.wait(60), server.tail()
+    finally:
+        server.cleanup()
+    wait_nothing_left(timeout=60)
