@@ -18,6 +18,7 @@ import random
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -57,6 +58,13 @@ def start_benchmark(model: str | None) -> int:
     from otel_engine.model.loader import prepare_model_dir
 
     return load_model_arch(prepare_model_dir(model)).vocab_size
+
+
+def tiny_model() -> str:
+    """The tiny test model (random weights), written to a new temporary directory."""
+    from tests.helpers.tiny_model import write_tiny_llama
+
+    return write_tiny_llama(Path(tempfile.mkdtemp(prefix="otel-bench-tiny-")))
 
 
 def write_json(path: str | None, results: Any) -> None:

@@ -19,8 +19,6 @@ import asyncio
 import json
 import os
 import signal
-import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -30,7 +28,7 @@ from typing import Any
 
 import httpx
 import psutil
-from common import ServerProcess, fmt, free_port, is_alive, print_table, quantile
+from common import ServerProcess, fmt, free_port, is_alive, print_table, quantile, tiny_model
 
 PROMPT = "When a worker process dies, the engine core notices within a second."
 DETECTION_EVENTS = (
@@ -257,13 +255,6 @@ def _summary(
     }
 
 
-def _tiny_model() -> str:
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from tests.helpers.tiny_model import write_tiny_llama
-
-    return write_tiny_llama(Path(tempfile.mkdtemp(prefix="otel-bench-tiny-")))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", help="HF directory or .gguf (default: the tiny test model)")
@@ -277,7 +268,7 @@ def main() -> None:
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    model = args.model or _tiny_model()
+    model = args.model or tiny_model()
     how = f"OTEL_ENGINE_FAULT={args.fault}" if args.fault else f"SIGKILL {args.kill}"
     print(
         f"fault: {how}; TP={args.tensor_parallel_size}; cpus={os.cpu_count()}; "

@@ -25,11 +25,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
-from common import fmt, print_table
+from common import fmt, print_table, tiny_model
 
 from tests.helpers.fleet import (
     ROUTER_HEALTH_ARGS,
@@ -40,12 +39,6 @@ from tests.helpers.fleet import (
 )
 
 POLICIES = ("round_robin", "power_of_two", "cache_aware")
-
-
-def _tiny_model() -> str:
-    from tests.helpers.tiny_model import write_tiny_llama
-
-    return write_tiny_llama(Path(tempfile.mkdtemp(prefix="otel-bench-tiny-")))
 
 
 def hit_rates(model: str, replicas: int) -> dict[str, float]:
@@ -86,7 +79,7 @@ def main() -> None:
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    model = args.model or _tiny_model()
+    model = args.model or tiny_model()
     print(f"replicas={args.replicas}; cpus={os.cpu_count()}; load={os.getloadavg()[0]:.2f}")
 
     rates = hit_rates(model, args.replicas)

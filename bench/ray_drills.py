@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import fmt, print_table
+from common import fmt, print_table, tiny_model
 
 from tests.failures.crowd import run_crowd
 from tests.helpers.ray_cluster import (
@@ -37,12 +37,6 @@ from tests.helpers.ray_cluster import (
 )
 
 DRILLS = ("raise", "sigkill", "node_removed", "hang")
-
-
-def _tiny_model() -> str:
-    from tests.helpers.tiny_model import write_tiny_llama
-
-    return write_tiny_llama(Path(tempfile.mkdtemp(prefix="otel-bench-tiny-")))
 
 
 def run_drill(cluster: Any, model: str, kind: str, clients: int, log_dir: Path) -> dict[str, Any]:
@@ -97,7 +91,7 @@ def main() -> None:
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    model = args.model or _tiny_model()
+    model = args.model or tiny_model()
     log_dir = Path(tempfile.mkdtemp(prefix="otel-bench-ray-"))
     cluster = start_cluster()
     try:

@@ -151,22 +151,25 @@ class UniprocExecutor:
 class MultiprocExecutor:
     """`tensor_parallel_size` worker processes, rank 0 samples."""
 
+    config: EngineConfig
+    tp_size: int
+    _requests: Codec[WorkerRequest]
+    _responses: Codec[WorkerResponse]
+    _context: zmq.Context[zmq.Socket[bytes]]
+    _inputs: list[zmq.Socket[bytes]]
+    _results: zmq.Socket[bytes]
+    _probe_addresses: list[str]
+    workers: list[ChildProcess]
+    fast_paths: dict[str, Any] | None
+    _failure: ErrorInfo | None
+    _died: ErrorInfo | None
+    _died_code: int | None
+    _root: ErrorInfo | None
+    _stopping: bool
+    _monitor: threading.Thread | None
+
     def __init__(self, config: EngineConfig, model_dir: str, ipc_dir: IpcDir) -> None:
-        self.config = config
-        self.tp_size = config.parallel.tensor_parallel_size
-        self._requests: Codec[WorkerRequest] = Codec(WorkerRequest)
-        self._responses: Codec[WorkerResponse] = Codec(WorkerResponse)
-        self._context = zmq.Context(io_threads=1)
-        self._inputs = []
-        self.workers: list[ChildProcess] = []
-        self._failure: ErrorInfo | None = None
-        self.fast_paths: dict[str, Any] | None = None  # rank 0's, once the workers are ready
-        self._died: ErrorInfo | None = None  # a worker that exited, as the monitor saw it
-        self._died_code: int | None = None
-        self._root: ErrorInfo | None = None  # the cause, once decided
-        self._stopping = False
-        self._monitor: threading.Thread | None = None
-        self._results = self._context.socket(zmq.PULL)
+        self._init_state(config)
         self._results.bind(ipc_dir.address("worker-out"))
         self._probe_addresses = [ipc_dir.address(f"worker-probe-{r}") for r in range(self.tp_size)]
         store_path = ipc_dir.file("dist-store-port")  # rank 0 publishes its store's port
@@ -204,6 +207,25 @@ class MultiprocExecutor:
             target=self._watch_workers, name="worker-monitor", daemon=True
         )
         self._monitor.start()
+
+    def _init_state(self, config: EngineConfig) -> None:
+        """What the step path needs, before any rank exists (the Ray executor's too)."""
+        self.config = config
+        self.tp_size = config.parallel.tensor_parallel_size
+        self._requests = Codec(WorkerRequest)
+        self._responses = Codec(WorkerResponse)
+        self._context = zmq.Context(io_threads=1)
+        self._inputs = []
+        self.workers = []  # local processes (none on Ray)
+        self._failure = None
+        self.fast_paths = None  # rank 0's, once the workers are ready
+        self._died = None  # a worker that exited, as the monitor saw it
+        self._died_code = None
+        self._root = None  # the cause, once decided
+        self._stopping = False
+        self._monitor = None
+        self._results = self._context.socket(zmq.PULL)
+        self._probe_addresses = []
 
     def _watch_workers(self) -> None:
         died, exit_code = worker_death(self.workers)

@@ -34,13 +34,10 @@ from otel_engine.config import EngineConfig
 from otel_engine.errors import EngineStartupError, FailureCause
 from otel_engine.executor.executor import MultiprocExecutor
 from otel_engine.executor.responder import flight_recorder_env
-from otel_engine.ipc.codec import Codec
 from otel_engine.ipc.messages import (
     ErrorInfo,
     StopWorker,
     WorkerFailure,
-    WorkerRequest,
-    WorkerResponse,
 )
 from otel_engine.ipc.process import ENGINE_CORE, process_title
 from otel_engine.observability.faults import ENV_VAR as FAULT_ENV
@@ -128,27 +125,12 @@ class RayExecutor(MultiprocExecutor):
 
     def __init__(self, config: EngineConfig, model_dir: str) -> None:
         ray = import_ray()
-        self.config = config
-        self.tp_size = config.parallel.tensor_parallel_size
-        self._requests: Codec[WorkerRequest] = Codec(WorkerRequest)
-        self._responses: Codec[WorkerResponse] = Codec(WorkerResponse)
-        self._context = zmq.Context(io_threads=1)
-        self._inputs = []
-        self.workers = []  # no local processes
-        self._failure: ErrorInfo | None = None
-        self.fast_paths: dict[str, Any] | None = None
-        self._died: ErrorInfo | None = None
-        self._died_code: int | None = None
-        self._root: ErrorInfo | None = None
-        self._stopping = False
-        self._monitor: threading.Thread | None = None
+        self._init_state(config)
         self._ray = ray
         self._actors: list[Any] = []
         self._runs: list[Any] = []
         self._nodes: list[dict[str, Any]] = []
         self._group: Any = None
-        self._results = self._context.socket(zmq.PULL)
-        self._probe_addresses: list[str] = []
         deadline = time.monotonic() + config.timeouts.engine_ready_timeout
         try:
             self._join_cluster()
@@ -354,14 +336,7 @@ class RayExecutor(MultiprocExecutor):
             how = "stopped serving"
         except Exception as error:  # what Ray says of the death
             how, said = death_reason(error), str(error)
-        node = describe_node(self._nodes[rank])
-        died = ErrorInfo(
-            type=FailureCause.WORKER_DIED,
-            message=f"{name} on {node} died: {how}",
-            process=name,
-            rank=rank,
-            location=f"rank {rank} on {node}: {how}",
-        )
+        died = self._rank_died(rank, how)
         logger.error(
             "worker.died",
             extra={
@@ -389,15 +364,7 @@ class RayExecutor(MultiprocExecutor):
             reporters = {f.rank for f in failures} | {root.rank}
             silent = self._silent_rank(reporters)
             if silent is not None:
-                rank, how = silent
-                name, node = process_title("worker", rank), describe_node(self._nodes[rank])
-                root = ErrorInfo(
-                    type=FailureCause.WORKER_DIED,
-                    message=f"{name} on {node} died: {how}",
-                    process=name,
-                    rank=rank,
-                    location=f"rank {rank} on {node}: {how}",
-                )
+                root = self._rank_died(*silent)
         if root.rank is not None and root.rank < len(self._nodes) and "node" not in root.location:
             node = describe_node(self._nodes[root.rank])
             where = f"rank {root.rank} on {node}"
@@ -406,6 +373,17 @@ class RayExecutor(MultiprocExecutor):
             )
         self._root = root
         return root
+
+    def _rank_died(self, rank: int, how: str) -> ErrorInfo:
+        """`WorkerDied` of `rank`, naming its node and `how` (also client-safe: `location`)."""
+        name, node = process_title("worker", rank), describe_node(self._nodes[rank])
+        return ErrorInfo(
+            type=FailureCause.WORKER_DIED,
+            message=f"{name} on {node} died: {how}",
+            process=name,
+            rank=rank,
+            location=f"rank {rank} on {node}: {how}",
+        )
 
     def _silent_rank(self, reporters: set[int | None]) -> tuple[int, str] | None:
         """The first rank outside `reporters` that does not answer a ping (dead, or on a

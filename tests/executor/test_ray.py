@@ -64,6 +64,17 @@ def serve(
     return serve_on(cluster, model, log, *args, env=env)
 
 
+def startup_error(server: ServerProcess) -> str:
+    """The one error line of a server that failed to start, once it exited 1."""
+    try:
+        code = server.wait(120)
+    finally:
+        server.cleanup()
+    assert 1 == code, server.tail()
+    (line,) = [line for line in server.lines() if line.startswith("otel-engine: error:")]
+    return line
+
+
 def greedy(base_url: str) -> list[str]:
     with httpx.Client(base_url=base_url, timeout=60, trust_env=False) as client:
         texts = []
@@ -221,13 +232,8 @@ def test_a_cluster_too_small_is_a_one_line_startup_failure(
     """Two ranks of two CPUs on two one-CPU nodes: refused at once, not waited on."""
     started = time.monotonic()
     server = serve(tiny_model_dir, cluster, tmp_path / "serve.log", "--ray-cpus-per-rank", "2")
-    try:
-        code = server.wait(120)
-    finally:
-        server.cleanup()
-    assert 1 == code
+    line = startup_error(server)
     assert time.monotonic() - started < 60
-    (line,) = [line for line in server.lines() if line.startswith("otel-engine: error:")]
     assert "cannot place 2 ranks of {'CPU': 2.0} each (PACK): its 2 nodes hold 0" in line, line
     wait_nothing_left()
 
@@ -242,12 +248,7 @@ def test_no_cluster_to_join_is_a_one_line_startup_failure(
     flags += ["--distributed-executor-backend", "ray", "--ray-address", address]
     flags += ["--engine-ready-timeout", "60"]
     server = ServerProcess(flags, env=LOOPBACK_ENV, log_path=tmp_path / "serve.log").start()
-    try:
-        code = server.wait(120)
-    finally:
-        server.cleanup()
-    assert 1 == code
-    (line,) = [line for line in server.lines() if line.startswith("otel-engine: error:")]
+    line = startup_error(server)
     assert f"cannot join the Ray cluster at {address!r}" in line, line
 
 
@@ -262,12 +263,7 @@ def test_a_rank_that_fails_to_start_on_its_node_is_one_line(
         tmp_path / "serve.log",
         env={"OTEL_ENGINE_FAULT": "worker:raise:rank=1:phase=load"},
     )
-    try:
-        code = server.wait(120)
-    finally:
-        server.cleanup()
-    assert 1 == code
-    (line,) = [line for line in server.lines() if line.startswith("otel-engine: error:")]
+    line = startup_error(server)
     assert "otel-worker-1 on 127.0.0.1 (node " in line, line
     assert "failed to start: InjectedFault" in line, line
     wait_nothing_left()
