@@ -62,6 +62,12 @@ EXTRA_FLAGS = {
     "--max-prompt-chars",
     "--api-key-file",
     "--allow-special-tokens-in-content",
+    "--vllm-metric-names",
+    # tensor parallel across machines (docs/operations.md, "Tensor parallel across machines")
+    "--distributed-executor-backend",
+    "--ray-address",
+    "--ray-placement-strategy",
+    "--ray-cpus-per-rank",
 }
 # the post-mortem flags (docs/operations.md, "Reading a crash")
 POST_MORTEM_FLAGS = {"--crash-dump-dir", "--crash-history-steps"}
