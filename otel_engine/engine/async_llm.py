@@ -319,8 +319,14 @@ def _pump_outputs(ref: weakref.ref[AsyncLLM], client: MPClient, stopped: threadi
             # The core's own watchdog did not fire (the process is frozen): give up on it.
             output = EngineDead(error=_stalled(llm.config.timeouts.step_timeout))
             client.kill(output.error)
-        if output is not None and llm._loop is not None:
-            llm._hand_over(output)
+        if output is not None:
+            if llm._loop is not None:
+                llm._hand_over(output)
+            elif isinstance(output, EngineDead):
+                # No request has run yet, so nothing waits in an event loop: the engine is
+                # dead from here on (`is_dead`, /health, the server's exit), not only once a
+                # first request binds a loop.
+                llm._fail_all(output)
             if isinstance(output, EngineDead):
                 return
         del llm

@@ -48,6 +48,22 @@ def test_sigkill_of_api_server_leaves_no_children(
     assert not os.path.exists(ipc_dirs[0])
 
 
+def test_an_idle_engine_core_killed_ends_the_server(
+    start_server: Callable[..., tuple[ServerProcess, ProcessWatch]],
+) -> None:
+    """SIGKILL of the engine core before any request: the server does not keep answering
+    /health 200 over a dead engine; it exits 1 with the crash dump, as under load."""
+    server, watch = start_server()
+    core = watch.find("otel-engine-core")
+    killed_at = time.monotonic()
+    core.kill()
+    assert 1 == server.wait(STOP_LIMIT_S), server.tail()
+    print(f"server exited {time.monotonic() - killed_at:.2f} s after SIGKILL of an idle core")
+    events = [r.get("event") for r in server.json_lines()]
+    assert {"engine_core.died", "engine_crash_dump", "engine.dead"} <= set(events)
+    watch.assert_all_gone(ORPHAN_LIMIT_S)
+
+
 def _wait_for_log(server: ServerProcess, event: str, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
