@@ -33,6 +33,7 @@ import zmq
 from otel_engine.config import EngineConfig
 from otel_engine.errors import EngineStartupError, FailureCause
 from otel_engine.executor.executor import MultiprocExecutor
+from otel_engine.executor.ray_worker import RayWorker, describe_node
 from otel_engine.executor.responder import flight_recorder_env
 from otel_engine.ipc.messages import (
     ErrorInfo,
@@ -42,7 +43,13 @@ from otel_engine.ipc.messages import (
 from otel_engine.ipc.process import ENGINE_CORE, process_title
 from otel_engine.observability.faults import ENV_VAR as FAULT_ENV
 from otel_engine.observability.setup import child_env
-from otel_engine.timing import GRACEFUL_WORKER_STOP_MAX_S, MONITOR_JOIN_S, STOP_SEND_TIMEOUT_S
+from otel_engine.timing import (
+    GRACEFUL_WORKER_STOP_MAX_S,
+    MONITOR_JOIN_S,
+    RAY_PING_TIMEOUT_S,
+    RAY_REACH_TIMEOUT_S,
+    STOP_SEND_TIMEOUT_S,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -57,10 +64,7 @@ PASSED_VARIABLES = (
 )
 # Not passed: the engine core's own OTLP endpoint variables (child_env carries the engine's).
 NOT_PASSED = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_PROTOCOL")
-REACH_TIMEOUT_S = 5.0  # to open a TCP connection to the cluster's address
-PING_TIMEOUT_S = 3.0  # a living rank's actor answers `node()` in milliseconds
 RAY_ERROR_CHARS = 2000  # of Ray's own account of a death, in the worker.died log line
-NODE_ID_CHARS = 12  # enough of a Ray node id to find it in `ray status` / `ray list nodes`
 
 
 def import_ray() -> Any:
@@ -86,11 +90,6 @@ def actor_env(config: EngineConfig) -> dict[str, str]:
     return env
 
 
-def describe_node(node: dict[str, Any]) -> str:
-    """`127.0.0.1 (node 3f2a9c1d4e5b)`: the address and the start of the Ray node id."""
-    return f"{node.get('node_ip', '?')} (node {str(node.get('node_id', '?'))[:NODE_ID_CHARS]})"
-
-
 def death_reason(error: BaseException) -> str:
     """Why Ray says an actor died, in a few words (its own message has ids and advice, and
     goes to the `worker.died` log line whole)."""
@@ -113,10 +112,21 @@ def unreachable(address: str) -> str:
     if not sep or not port.isdigit() or "/" in host:
         return ""
     try:
-        with socket.create_connection((host, int(port)), timeout=REACH_TIMEOUT_S):
+        with socket.create_connection((host, int(port)), timeout=RAY_REACH_TIMEOUT_S):
             return ""
     except OSError as error:
         return f"nothing answers there ({error.strerror or type(error).__name__})"
+
+
+def bundles_held(per_node: list[dict[str, float]], bundle: dict[str, float], strategy: str) -> int:
+    """How many of `bundle` the nodes' total resources hold under `strategy`: every node's
+    share (PACK, SPREAD), at most one per node (STRICT_SPREAD), one node's (STRICT_PACK)."""
+    shares = [int(min(res.get(k, 0.0) / v for k, v in bundle.items())) for res in per_node]
+    if strategy == "STRICT_SPREAD":
+        return sum(1 for share in shares if share >= 1)
+    if strategy == "STRICT_PACK":
+        return max(shares, default=0)
+    return sum(shares)
 
 
 class RayExecutor(MultiprocExecutor):
@@ -213,12 +223,7 @@ class RayExecutor(MultiprocExecutor):
         bundle = self._bundle()
         strategy = self.config.parallel.ray_placement_strategy
         nodes = [n for n in self._ray.nodes() if n.get("Alive")]
-        per_node = [n.get("Resources", {}) for n in nodes]
-        fits = sum(int(min(res.get(k, 0.0) / v for k, v in bundle.items())) for res in per_node)
-        if strategy.startswith("STRICT_SPREAD"):
-            fits = sum(
-                1 for res in per_node if all(res.get(k, 0.0) >= v for k, v in bundle.items())
-            )
+        fits = bundles_held([n.get("Resources", {}) for n in nodes], bundle, strategy)
         if fits < self.tp_size:
             raise EngineStartupError(
                 f"the Ray cluster cannot place {self.tp_size} ranks of {bundle} each "
@@ -241,8 +246,6 @@ class RayExecutor(MultiprocExecutor):
 
     def _create_actors(self) -> list[Any]:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        from otel_engine.executor.ray_worker import RayWorker
 
         remote = self._ray.remote(RayWorker)
         bundle = self._bundle()
@@ -395,9 +398,12 @@ class RayExecutor(MultiprocExecutor):
         }
         for rank, ref in pings.items():
             try:
-                self._ray.get(ref, timeout=PING_TIMEOUT_S)
+                self._ray.get(ref, timeout=RAY_PING_TIMEOUT_S)
             except self._ray.exceptions.GetTimeoutError:
-                return rank, f"it did not answer within {PING_TIMEOUT_S:g} s (its node is gone?)"
+                return (
+                    rank,
+                    f"it did not answer within {RAY_PING_TIMEOUT_S:g} s (its node is gone?)",
+                )
             except Exception as error:
                 return rank, death_reason(error)
         return None

@@ -19,27 +19,35 @@ import os
 import socket
 import threading
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
-import torch
-import torch.distributed as dist
 import zmq
 
 from otel_engine.config import EngineConfig
-from otel_engine.executor.model_runner import ModelRunner
 from otel_engine.executor.responder import Responder
-from otel_engine.executor.worker import busy_loop
 from otel_engine.ipc.paths import listening_socket
 from otel_engine.observability.faults import maybe_inject
 from otel_engine.observability.setup import setup_process
 from otel_engine.observability.tracing import shutdown_telemetry
 from otel_engine.timing import TELEMETRY_FLUSH_S, WORKER_EXIT_LINGER_S
 
+if TYPE_CHECKING:  # torch only where a rank runs: the engine core imports this module too
+    import torch.distributed as dist
+
+    from otel_engine.executor.model_runner import ModelRunner
+
+NODE_ID_CHARS = 12  # enough of a Ray node id to find it in `ray status` / `ray list nodes`
+
 
 def node_ip() -> str:
     """This node's address in the Ray cluster."""
     return str(ray.util.get_node_ip_address())
+
+
+def describe_node(node: dict[str, Any]) -> str:
+    """`127.0.0.1 (node 3f2a9c1d4e5b)`: the address and the start of the Ray node id."""
+    return f"{node.get('node_ip', '?')} (node {str(node.get('node_id', '?'))[:NODE_ID_CHARS]})"
 
 
 class RayWorker:
@@ -66,6 +74,8 @@ class RayWorker:
     def open_store(self, world_size: int, timeout_s: float) -> tuple[str, int]:
         """Rank 0: serve torch.distributed's store on this node's address (a socket bound
         and listening before its port is handed out); return where the others find it."""
+        import torch.distributed as dist
+
         host = node_ip()
         listener = listening_socket(host)
         port = int(listener.getsockname()[1])
@@ -91,6 +101,11 @@ class RayWorker:
     ) -> dict[str, Any]:
         """Join the process group, load this rank's shard, connect to the engine core and
         open the probe socket; return what the core needs (fast paths, probe address, node)."""
+        import torch
+        import torch.distributed as dist
+
+        from otel_engine.executor.model_runner import ModelRunner
+
         config = EngineConfig.decode(config_bytes)
         tp_size = config.parallel.tensor_parallel_size
         torch.set_num_threads(max(1, int(config.parallel.ray_cpus_per_rank)))
@@ -112,8 +127,6 @@ class RayWorker:
         outputs = self._context.socket(zmq.PUSH)
         outputs.connect(output_address)
         self._sockets = (inputs, outputs)
-        from otel_engine.executor.ray_executor import describe_node
-
         self._responder = Responder(self.rank, f"tcp://{node_ip()}:*", describe_node(self.node()))
         return {
             "fast_paths": self._runner.model.fast_paths.summary(),
@@ -124,6 +137,10 @@ class RayWorker:
     def run(self) -> None:
         """The busy loop until `StopWorker`; a failed step reports and exits the actor's
         process (as a local worker does), which fails this call for the core."""
+        import torch.distributed as dist
+
+        from otel_engine.executor.worker import busy_loop
+
         if self._runner is None or self._sockets is None or self._responder is None:
             raise RuntimeError("RayWorker.run before start")
         assert self._context is not None

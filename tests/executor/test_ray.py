@@ -285,3 +285,66 @@ def test_an_engine_core_killed_leaves_nothing_in_the_cluster(
     finally:
         server.cleanup()
     wait_nothing_left(timeout=60)
+
+
+def test_which_clusters_hold_the_ranks_by_strategy() -> None:
+    """Two one-CPU nodes hold two one-CPU ranks, except on one node (STRICT_PACK)."""
+    from otel_engine.executor.ray_executor import bundles_held
+
+    nodes = [{"CPU": 1.0}, {"CPU": 1.0}, {"GPU": 1.0}]
+    cpu = {"CPU": 1.0}
+    assert [2, 2, 2, 1] == [
+        bundles_held(nodes, cpu, s) for s in ("PACK", "SPREAD", "STRICT_SPREAD", "STRICT_PACK")
+    ]
+    assert 0 == bundles_held(nodes, {"CPU": 1.0, "GPU": 1.0}, "PACK")
+    assert 3 == bundles_held([{"CPU": 3.5}], cpu, "STRICT_PACK")
+
+
+def test_a_strict_pack_no_node_holds_is_refused_at_once(
+    tiny_model_dir: str, cluster: Any, tmp_path: Path
+) -> None:
+    server = serve(
+        tiny_model_dir, cluster, tmp_path / "serve.log", "--ray-placement-strategy", "STRICT_PACK"
+    )
+    line = startup_error(server)
+    assert "cannot place 2 ranks of {'CPU': 1.0} each (STRICT_PACK): its 2 nodes hold 1" in line
+    wait_nothing_left()
+
+
+def test_a_placement_group_that_waits_past_the_ready_timeout_is_one_line(
+    tiny_model_dir: str, cluster: Any, tmp_path: Path
+) -> None:
+    """The cluster could hold the ranks, but another engine has taken its CPUs: the second
+    one waits for its placement group until --engine-ready-timeout, then says why."""
+    first = serve(tiny_model_dir, cluster, tmp_path / "first.log")
+    try:
+        first.wait_healthy(180)
+        second = serve(
+            tiny_model_dir, cluster, tmp_path / "second.log", "--engine-ready-timeout", "8"
+        )
+        line = startup_error(second)
+        assert "placement group of 2 ranks" in line, line
+        assert "was not placed within --engine-ready-timeout (8 s)" in line, line
+    finally:
+        first.terminate()
+        first.wait(60)
+        first.cleanup()
+    wait_nothing_left()
+
+
+def test_a_rank_that_never_finishes_starting_is_named(
+    tiny_model_dir: str, cluster: Any, tmp_path: Path
+) -> None:
+    """Rank 1 hangs while loading: the start is given up at --engine-ready-timeout with the
+    rank named, not waited on forever."""
+    server = serve(
+        tiny_model_dir,
+        cluster,
+        tmp_path / "serve.log",
+        "--engine-ready-timeout",
+        "10",
+        env={"OTEL_ENGINE_FAULT": "worker:hang:rank=1:phase=load"},
+    )
+    line = startup_error(server)
+    assert "otel-worker-1 did not start within --engine-ready-timeout (10 s)" in line, line
+    wait_nothing_left()
