@@ -45,7 +45,7 @@ EXPOSE 8000
 
 # slim has no curl. While the model loads the port is closed (start period); afterwards a
 # 503 (draining, engine dead or stalled) makes urlopen raise and the check fail.
-HEALTHCHECK --interval=15s --timeout=5s --start-period=600s --start-interval=5s --retries=3 \
+HEALTHCHECK --interval=15s --timeout=5s --start-period=610s --start-interval=5s --retries=3 \
     CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=4)"]
 
 ENTRYPOINT ["/usr/bin/tini", "--"]

@@ -22,6 +22,11 @@ FAILURE_GRACE_S = 0.3  # after one rank fails, other ranks' reports are collecte
 RANK_REPORT_WAIT_S = (
     0.3  # after a step timeout at TP > 1, every worker has this long to say where it is
 )
+# Ray (--distributed-executor-backend ray): after a rank's report, the ranks that said nothing
+# are pinged (a living actor answers in milliseconds; a gone node never does), so the cause
+# is named at most this much later; a cluster address is first tried with a TCP connection.
+RAY_PING_TIMEOUT_S = 3.0
+RAY_REACH_TIMEOUT_S = 5.0
 FAILED_REPORT_WAIT_S = 1.5  # a rank that exited with code 1 reported first: wait for it
 CRASH_FLUSH_S = 1.0  # the crash dump's telemetry flush before EngineDead is sent
 STALL_GRACE_S = 5.0  # a frozen core (no watchdog report) is given up this much after the timeout
@@ -39,6 +44,10 @@ DRAIN_CANCEL_GRACE_S = 5.0  # requests cancelled at the drain deadline send thei
 # reachable collector takes milliseconds; an unreachable or silent one would hold every exit
 # for the exporters' retries (10 s each), and workers, engine core and api_server exit in turn.
 TELEMETRY_FLUSH_S = 1.0
+# The engine core's own waits for its ranks start after the front end's wait for the core,
+# with the same --engine-ready-timeout: the front end waits this much longer, so that the
+# core's account of what was not ready (which rank, the placement group) is what is reported.
+STARTUP_REPORT_GRACE_S = 5.0
 FLUSH_WHEN_FAILING_S = 0.2  # the last flush of a process whose exports already failed
 CRASH_FILE_WRITE_S = 1.0  # a --crash-dump-dir file not written by then is given up
 CORE_SEND_RETRY_S = 0.05  # a full input queue to a live engine core: look again this often
@@ -120,3 +129,8 @@ def hang_to_exit_text(example: TimeoutConfig) -> str:
         + f": {hang_to_exit_s(example):g} s for `--step-timeout {example.step_timeout:g}`"
         f" and `--shutdown-timeout {example.shutdown_timeout:g}`."
     )
+
+
+def front_end_ready_s(timeouts: TimeoutConfig) -> float:
+    """How long the front end waits for the engine core to be ready before giving up on it."""
+    return timeouts.engine_ready_timeout + STARTUP_REPORT_GRACE_S

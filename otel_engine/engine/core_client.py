@@ -55,6 +55,7 @@ from otel_engine.timing import (
     CORE_SEND_RETRY_S,
     MONITOR_JOIN_S,
     THREAD_JOIN_S,
+    front_end_ready_s,
 )
 
 logger = logging.getLogger(__name__)
@@ -110,7 +111,7 @@ class InprocClient:
         try:
             self.core: EngineCore = self._steps.call(
                 lambda: build_engine_core(config, model_dir, self.ipc_dir),
-                config.timeouts.engine_ready_timeout,
+                front_end_ready_s(config.timeouts),
             )
         except EngineStartupError:
             self._steps.stop(wait=True)
@@ -223,7 +224,7 @@ class MPClient:
             fault_dir=self.ipc_dir.path,
         )
         try:
-            ready = self.core.wait_ready(time.monotonic() + config.timeouts.engine_ready_timeout)
+            ready = self.core.wait_ready(time.monotonic() + front_end_ready_s(config.timeouts))
         except BaseException:
             self.shutdown(graceful=False)  # a core still starting never reads Shutdown
             raise

@@ -25,6 +25,7 @@ import yaml
 from otel_engine.cli import build_parser
 from otel_engine.config import EngineConfig
 from otel_engine.observability.crash_dump import MAX_DUMP_BYTES
+from otel_engine.timing import STARTUP_REPORT_GRACE_S, front_end_ready_s
 from tests.helpers.paths import REPO_ROOT
 from tests.helpers.tools import prometheus_tool
 
@@ -567,7 +568,8 @@ def container_port(spec: dict[str, Any], port: str | int) -> int:
 
 
 def ready_timeout() -> float:
-    return EngineConfig().timeouts.engine_ready_timeout
+    """How long a server may take to start before it fails (the front end's wait)."""
+    return front_end_ready_s(EngineConfig().timeouts)
 
 
 def test_kustomization_lists_existing_files() -> None:
@@ -630,7 +632,8 @@ def test_k8s_engine_probes_use_health_on_the_container_port() -> None:
 def test_k8s_engine_startup_probe_allows_the_whole_model_load() -> None:
     startup = engine_container()["startupProbe"]
     budget = startup["failureThreshold"] * startup["periodSeconds"]
-    timeout = engine_k8s_args().engine_ready_timeout or ready_timeout()
+    configured = engine_k8s_args().engine_ready_timeout
+    timeout = ready_timeout() if configured is None else configured + STARTUP_REPORT_GRACE_S
     assert budget >= timeout >= 600
 
 

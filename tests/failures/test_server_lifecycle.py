@@ -64,6 +64,26 @@ def test_an_idle_engine_core_killed_ends_the_server(
     watch.assert_all_gone(ORPHAN_LIMIT_S)
 
 
+def test_a_worker_that_never_gets_ready_is_the_one_named(
+    start_server: Callable[..., tuple[ServerProcess, ProcessWatch]],
+) -> None:
+    """Worker 1 hangs while loading (TP=2): the start fails at --engine-ready-timeout naming
+    otel-worker-1, the engine core's account, not "otel-engine-core was not ready" (the
+    front end's own wait, which started first)."""
+    server, watch = start_server(
+        "--tensor-parallel-size",
+        "2",
+        "--engine-ready-timeout",
+        "8",
+        fault="worker:hang:phase=load:rank=1",
+        wait_healthy=False,
+    )
+    assert 1 == server.wait(60), server.tail()
+    (line,) = [line for line in server.lines() if line.startswith("otel-engine: error:")]
+    assert "otel-worker-1 failed to start: StartupTimeout: not ready in time" in line, line
+    watch.assert_all_gone(ORPHAN_LIMIT_S)
+
+
 def _wait_for_log(server: ServerProcess, event: str, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
