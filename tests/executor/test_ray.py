@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -348,3 +349,27 @@ def test_a_rank_that_never_finishes_starting_is_named(
     line = startup_error(server)
     assert "otel-worker-1 did not start within --engine-ready-timeout (10 s)" in line, line
     wait_nothing_left()
+
+
+def test_a_rank_whose_process_dies_while_starting_is_one_line(
+    tiny_model_dir: str, cluster: Any, tmp_path: Path
+) -> None:
+    """Rank 1's process exits while loading (as an OOM kill would end it)."""
+    server = serve(
+        tiny_model_dir,
+        cluster,
+        tmp_path / "serve.log",
+        env={"OTEL_ENGINE_FAULT": "worker:exit:rank=1:phase=load"},
+    )
+    line = startup_error(server)
+    assert "otel-worker-1 died while starting: its process died" in line, line
+    wait_nothing_left()
+
+
+def test_without_ray_the_backend_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    from otel_engine.errors import EngineStartupError
+    from otel_engine.executor.ray_executor import import_ray
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
+    with pytest.raises(EngineStartupError, match=r"pip install 'otel-engine\[ray\]'"):
+        import_ray()
