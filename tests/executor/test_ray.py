@@ -253,23 +253,6 @@ def test_no_cluster_to_join_is_a_one_line_startup_failure(
     assert f"cannot join the Ray cluster at {address!r}" in line, line
 
 
-def test_a_rank_that_fails_to_start_on_its_node_is_one_line(
-    tiny_model_dir: str, cluster: Any, tmp_path: Path
-) -> None:
-    """Rank 1 raises while loading (as a model path missing on its node would): the server
-    says which rank, on which node, and why, in one line, and exits 1."""
-    server = serve(
-        tiny_model_dir,
-        cluster,
-        tmp_path / "serve.log",
-        env={"OTEL_ENGINE_FAULT": "worker:raise:rank=1:phase=load"},
-    )
-    line = startup_error(server)
-    assert "otel-worker-1 on 127.0.0.1 (node " in line, line
-    assert "failed to start: InjectedFault" in line, line
-    wait_nothing_left()
-
-
 def test_an_engine_core_killed_leaves_nothing_in_the_cluster(
     tiny_model_dir: str, cluster: Any, tmp_path: Path
 ) -> None:
@@ -333,39 +316,6 @@ def test_a_placement_group_that_waits_past_the_ready_timeout_is_one_line(
     wait_nothing_left()
 
 
-def test_a_rank_that_never_finishes_starting_is_named(
-    tiny_model_dir: str, cluster: Any, tmp_path: Path
-) -> None:
-    """Rank 1 hangs while loading: the start is given up at --engine-ready-timeout with the
-    rank named, not waited on forever."""
-    server = serve(
-        tiny_model_dir,
-        cluster,
-        tmp_path / "serve.log",
-        "--engine-ready-timeout",
-        "10",
-        env={"OTEL_ENGINE_FAULT": "worker:hang:rank=1:phase=load"},
-    )
-    line = startup_error(server)
-    assert "otel-worker-1 did not start within --engine-ready-timeout (10 s)" in line, line
-    wait_nothing_left()
-
-
-def test_a_rank_whose_process_dies_while_starting_is_one_line(
-    tiny_model_dir: str, cluster: Any, tmp_path: Path
-) -> None:
-    """Rank 1's process exits while loading (as an OOM kill would end it)."""
-    server = serve(
-        tiny_model_dir,
-        cluster,
-        tmp_path / "serve.log",
-        env={"OTEL_ENGINE_FAULT": "worker:exit:rank=1:phase=load"},
-    )
-    line = startup_error(server)
-    assert "otel-worker-1 died while starting: its process died" in line, line
-    wait_nothing_left()
-
-
 def test_without_ray_the_backend_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
     from otel_engine.errors import EngineStartupError
     from otel_engine.executor.ray_executor import import_ray
@@ -373,3 +323,39 @@ def test_without_ray_the_backend_says_how_to_install_it(monkeypatch: pytest.Monk
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
     with pytest.raises(EngineStartupError, match=r"pip install 'otel-engine\[ray\]'"):
         import_ray()
+
+
+@pytest.mark.parametrize(
+    ("fault", "args", "expected"),
+    [
+        # raises while loading, as a model path missing on its node would
+        ("raise", (), ["otel-worker-1 on 127.0.0.1 (node ", "failed to start: InjectedFault"]),
+        # its process exits while loading, as an OOM kill would end it
+        ("exit", (), ["otel-worker-1 died while starting: its process died"]),
+        # hangs while loading: given up at the ready timeout, not waited on forever
+        (
+            "hang",
+            ("--engine-ready-timeout", "10"),
+            ["otel-worker-1 did not start within --engine-ready-timeout (10 s)"],
+        ),
+    ],
+)
+def test_a_rank_that_fails_to_start_is_one_line_naming_it(
+    fault: str,
+    args: tuple[str, ...],
+    expected: list[str],
+    tiny_model_dir: str,
+    cluster: Any,
+    tmp_path: Path,
+) -> None:
+    server = serve(
+        tiny_model_dir,
+        cluster,
+        tmp_path / "serve.log",
+        *args,
+        env={"OTEL_ENGINE_FAULT": f"worker:{fault}:rank=1:phase=load"},
+    )
+    line = startup_error(server)
+    for part in expected:
+        assert part in line, line
+    wait_nothing_left()
