@@ -15,6 +15,7 @@ described by what its faulthandler wrote: "died of SIGSEGV in <function> at <fil
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import logging
 import os
@@ -142,7 +143,8 @@ class ChildProcess:
         if code is None or code >= 0 or -code not in native_fault.FAULT_SIGNALS:
             return None
         report = native_fault.read_report(self.fault_path) if self.fault_path else None
-        return FaultReport(native_fault.signal_name(-code), report.frames if report else ())
+        name = native_fault.signal_name(-code)  # the exit status's, whatever the file says
+        return dataclasses.replace(report, signal=name) if report else FaultReport(name)
 
     def death_error(self, cause: str, subject: str, process: str) -> ErrorInfo:
         """The error of this child's unreported death: "<subject> <how>", and for a native

@@ -13,8 +13,15 @@ import pytest
 
 from otel_engine.errors import FailureCause
 from otel_engine.ipc.messages import StackFrame
-from otel_engine.ipc.native_fault import FaultReport, location, parse_report, short_path
+from otel_engine.ipc.native_fault import (
+    KERNELS_FILE,
+    FaultReport,
+    location,
+    parse_report,
+    short_path,
+)
 from otel_engine.ipc.process import ChildProcess, spawn
+from otel_engine.model import kernels
 
 TARGETS = "tests.ipc.targets"
 # A fault two calls deep, with a second thread alive: its stack must not be taken for the
@@ -35,6 +42,19 @@ FAULTING_SCRIPT = textwrap.dedent(
     outer()
     """
 )
+
+
+KERNEL_CALL_SCRIPT = Path(__file__).with_name("kernel_call_fault.py")
+
+
+def _kernel_call_report(tmp_path: Path, thread: str) -> tuple[int, str]:
+    """Run kernel_call_fault.py (`thread`: "caller" or "thread"); its exit code and report."""
+    path = tmp_path / "fault.txt"
+    argv = [str(KERNEL_CALL_SCRIPT), str(path), kernels.__file__, thread]
+    code = subprocess.run(
+        [sys.executable, *argv], check=False, capture_output=True, timeout=30
+    ).returncode
+    return code, path.read_text()
 
 
 def _real_report(tmp_path: Path, script: str = FAULTING_SCRIPT) -> tuple[int, str]:
@@ -62,6 +82,82 @@ def test_parser_takes_the_signal_and_the_faulting_threads_frames_innermost_first
     assert ["string_at", "inner", "outer", "<module>"] == [f.function for f in report.frames]
     assert "ctypes/__init__.py" == report.frames[0].file
     assert report.frames[0].line > 0
+
+
+def test_parser_takes_the_thread_blocked_in_a_kernel_when_a_native_thread_faulted(
+    tmp_path: Path,
+) -> None:
+    """A signal on a thread C started: faulthandler marks no thread current, and the report
+    is the Python thread waiting in the kernel call (not the bystander): the kernel is its
+    innermost frame, in kernels.py, and the place the first frame outside it."""
+    code, text = _kernel_call_report(tmp_path, "thread")
+    assert -11 == code
+    assert "Current thread" not in text
+
+    report = parse_report(text)
+
+    assert report is not None
+    assert ("SIGSEGV", True) == (report.signal, report.is_native_thread)
+    functions = [f.function for f in report.frames]
+    assert ["decode_attention_bf16", "forward", "main", "<module>"] == functions
+    assert (KERNELS_FILE, "decode_attention_bf16") == (report.frames[0].file, report.kernel)
+    assert report.describe().startswith(
+        "died of SIGSEGV on a non-Python thread in kernel decode_attention_bf16, "
+        "called from forward at "
+    )
+
+
+def test_parser_names_the_kernel_that_faulted_on_the_calling_thread(tmp_path: Path) -> None:
+    """A kernel that faults on the thread that called it: the current thread's frames, the
+    kernel named the same way."""
+    code, text = _kernel_call_report(tmp_path, "caller")
+    assert -11 == code
+
+    report = parse_report(text)
+
+    assert report is not None
+    assert ("SIGSEGV", False) == (report.signal, report.is_native_thread)
+    functions = [f.function for f in report.frames]
+    assert ["decode_attention_bf16", "forward", "main", "<module>"] == functions
+    assert report.describe().startswith(
+        "died of SIGSEGV in kernel decode_attention_bf16, called from forward at "
+    )
+
+
+def test_native_thread_fault_outside_a_kernel_call_has_no_frames() -> None:
+    """No thread current and none in a kernel call: the signal alone, said to be on a
+    non-Python thread, never another thread's frames."""
+    text = (
+        "Fatal Python error: Bus error\n\n"
+        "Thread 0x00007f0000000001 (most recent call first):\n"
+        '  File "/usr/lib/python3.11/threading.py", line 320 in wait\n\n'
+        "Thread 0x00007f0000000002 (most recent call first):\n"
+        '  File "/srv/otel_engine/executor/worker.py", line 110 in busy_loop\n'
+    )
+
+    report = parse_report(text)
+
+    assert report == FaultReport("SIGBUS", (), is_native_thread=True)
+    assert "died of SIGBUS on a non-Python thread" == report.describe()
+
+
+def test_kernel_and_caller_are_named_from_the_frames() -> None:
+    """The kernel is the innermost frame's function when it is in kernels.py; the place is
+    the first frame outside it."""
+    wrapper = StackFrame(KERNELS_FILE, 80, "quant_linear_bf16")
+    caller = StackFrame("otel_engine/model/quant.py", 52, "__call__")
+    outer = StackFrame("otel_engine/model/llama.py", 300, "forward")
+
+    said = FaultReport("SIGFPE", (wrapper, caller, outer)).describe()
+
+    assert (
+        "died of SIGFPE in kernel quant_linear_bf16, called from __call__ at "
+        "otel_engine/model/quant.py:52"
+    ) == said
+    assert "" == FaultReport("SIGFPE", (caller, wrapper)).kernel
+    assert (
+        "died of SIGFPE in kernel quant_linear_bf16" == FaultReport("SIGFPE", (wrapper,)).describe()
+    )
 
 
 def test_parser_reads_an_abort_without_other_threads(tmp_path: Path) -> None:
