@@ -20,6 +20,7 @@
  *   block_tables          [batch, max_blocks] int32; seq_lens [batch] int32
  */
 #include <math.h>
+#include <omp.h>
 #include <stdlib.h>
 #include <stdint.h>
 #include <string.h>
@@ -134,6 +135,13 @@ static inline vec keep(vec x, int64_t n) { (void)n; return x; }
 #endif
 
 /* Layout constants that kernels.py mirrors (checked at load: otel_kernels_contract). */
+/* What every exported function returns: a closed set, named here once; the contract string
+ * lists the names in code order and kernels.py maps each to its exception's reason. */
+#define STATUS_LIST(X)                                                                           \
+    X(OK, ok) X(BAD_TYPE, bad_type) X(NO_MEMORY, no_memory) X(BAD_ARGUMENT, bad_argument)
+#define STATUS_ENUM(E, name) STATUS_##E,
+enum { STATUS_LIST(STATUS_ENUM) STATUS_COUNT };
+
 #define MAX_BLOCK_SIZE 256 /* the largest block size decode_attention takes */
 #define Q4_GROUP 32        /* weights per scale and offset of the 4-bit formats */
 #define PANEL_BLOCKS 3     /* blocks of 16 columns per bfloat16 panel */
@@ -2001,6 +2009,39 @@ void decoder_stack_bf16(bf16 *hidden, bf16 *out, const int64_t *layers, const in
 }
 #endif
 
+/* ---- fault drill ---------------------------------------------------------------------------
+ *
+ * The faults a broken kernel makes, on purpose, for the engine's fault injector: inside an
+ * OpenMP region of two threads, thread `thread` (0: the calling thread, 1: an OpenMP worker)
+ * makes fault `kind` while the other waits at the region's end. kind 1: SIGSEGV (a write to
+ * address 16); kind 2: SIGFPE (an integer division by zero); kind 3: SIGBUS (a read of
+ * `target`, which the caller points into a file mapping past the file's end). Returns
+ * STATUS_OK when nothing faulted (a region that got one thread), STATUS_BAD_ARGUMENT for
+ * another kind or thread. Exported in every build. */
+enum { DRILL_SEGV = 1, DRILL_FPE = 2, DRILL_BUS = 3 };
+
+int fault_drill(int64_t kind, int64_t thread, const void *target) {
+    if (kind < DRILL_SEGV || kind > DRILL_BUS || thread < 0 || thread > 1) return STATUS_BAD_ARGUMENT;
+    if (kind == DRILL_BUS && !target) return STATUS_BAD_ARGUMENT;
+    volatile int64_t sink = 0;
+    _Pragma("omp parallel num_threads(2)")
+    {
+        if (omp_get_thread_num() == thread) {
+            if (kind == DRILL_SEGV) {
+                int *volatile invalid = (int *)(intptr_t)16;
+                *(volatile int *)invalid = 1;
+            } else if (kind == DRILL_FPE) {
+                volatile int64_t one = 1, zero = 0; /* both unknown: a real division */
+                sink = one / zero;
+            } else {
+                sink = *(const volatile uint8_t *)target;
+            }
+        }
+    }
+    (void)sink;
+    return STATUS_OK;
+}
+
 /* ---- the contract with kernels.py ------------------------------------------------------------
  *
  * OTEL_KERNELS_ABI changes whenever an exported function's arguments, the stack's fields or
@@ -2034,5 +2075,6 @@ const char *otel_kernels_contract(void) {
            ";max_block_size=" STRINGIFY(MAX_BLOCK_SIZE) ";int4_group=" STRINGIFY(Q4_GROUP)
            ";panel_blocks=" STRINGIFY(PANEL_BLOCKS) ";prefill_tile_keys=" STRINGIFY(PREFILL_KEYS)
            ";prefill_max_head_dim=" STRINGIFY(PREFILL_MAX_HD)
-           ";stack_fields=" STACK_FIELD_LIST(NAME_ITEM) ";stack_dims=" STACK_DIM_LIST(NAME_ITEM);
+           ";stack_fields=" STACK_FIELD_LIST(NAME_ITEM) ";stack_dims=" STACK_DIM_LIST(NAME_ITEM)
+           ";statuses=" STATUS_LIST(NAME_ITEM);
 }

@@ -105,6 +105,9 @@ SIGNATURES: dict[str, tuple[tuple[str, type], ...]] = {
 # Exported once, not per element type.
 PLAIN_SIGNATURES: dict[str, tuple[tuple[str, type], ...]] = {
     "gguf_dequantize_f32": (("out", _P), ("w", _P), ("type", _I), ("n", _I), ("k", _I)),
+    # the faults a broken kernel makes (1 SIGSEGV, 2 SIGFPE, 3 SIGBUS: a read of `target`),
+    # on the calling thread (0) or an OpenMP worker (1), for the fault injector
+    "fault_drill": (("kind", _I), ("thread", _I), ("target", _P)),
 }  # fmt: skip
 _QUANT_LINEAR = (
     ("out", _P), ("x", _P), ("w", _P), ("type", _I), ("rows", _I), ("n", _I), ("k", _I),
@@ -187,19 +190,21 @@ class Contract:
     abi: int
     isa: str
     values: dict[str, int]  # layout constants
+    statuses: tuple[str, ...]  # what the functions return, by code
     stack_fields: tuple[str, ...]  # decoder_stack_bf16's per-layer addresses, in order
     stack_dims: tuple[str, ...]  # and its dims
 
     @classmethod
     def parse(cls, text: str) -> Contract:
         pairs = dict(item.split("=", 1) for item in text.split(";") if item)
-        names = {"stack_fields", "stack_dims", "isa", "abi"}
+        names = {"stack_fields", "stack_dims", "statuses", "isa", "abi"}
         return cls(
             abi=int(pairs["abi"]),
             isa=pairs["isa"],
             values={k: int(v) for k, v in pairs.items() if k not in names},
             stack_fields=tuple(n for n in pairs["stack_fields"].split(",") if n),
             stack_dims=tuple(n for n in pairs["stack_dims"].split(",") if n),
+            statuses=tuple(n for n in pairs.get("statuses", "").split(",") if n),
         )
 
     def mismatches(self) -> list[str]:
@@ -337,6 +342,7 @@ def load(isa: str | None = None) -> KernelLibrary | None:
     for name, params in OPTIONAL_SIGNATURES.items():
         if hasattr(cdll, name):
             _declare(getattr(cdll, name), params)
+    cdll.fault_drill.restype = ctypes.c_int
     if hasattr(cdll, "amx_ready"):  # int amx_ready(void): whether Linux lends the tiles
         cdll.amx_ready.argtypes = []
         cdll.amx_ready.restype = ctypes.c_int

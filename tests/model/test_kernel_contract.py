@@ -8,6 +8,9 @@ from __future__ import annotations
 import ctypes
 import re
 import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,18 +25,20 @@ from otel_engine.model.kernels import (
 )
 from tests.helpers.isa import require_isa
 
-_PROTOTYPE = re.compile(r"^void ([a-z0-9_]+(?:##SUFFIX)?)\(([^)]*)\)", re.MULTILINE)
+_PROTOTYPE = re.compile(r"^(?:void|int) ([a-z0-9_]+(?:##SUFFIX)?)\(([^)]*)\)", re.MULTILINE)
 _KINDS = {"float": ctypes.c_float, "int64_t": ctypes.c_int64}
 
 
 def _c_prototypes() -> dict[str, list[tuple[str, type]]]:
-    """Every exported `void name(...)` of the C source (macro line continuations removed;
-    `name_##SUFFIX` as `name_`), its parameters as (name, ctypes kind): pointers c_void_p."""
+    """Every exported `void name(...)` or `int name(...)` of the C source (macro line
+    continuations removed; `name_##SUFFIX` as `name_`), its parameters as (name, ctypes
+    kind): pointers c_void_p."""
     text = SOURCE.read_text().replace("\\\n", "\n")
     found = {}
     for match in _PROTOTYPE.finditer(text):
         params = []
-        for declaration in " ".join(match.group(2).split()).split(","):
+        declarations = " ".join(match.group(2).split())
+        for declaration in [] if declarations == "void" else declarations.split(","):
             words = declaration.replace("*", " * ").split()
             kind = ctypes.c_void_p if "*" in words else _KINDS[words[-2]]
             params.append((words[-1], kind))
@@ -49,6 +54,7 @@ def test_every_signature_matches_the_c_prototype() -> None:
         **{f"{n}_": p for n, p in SIGNATURES.items()},
         **PLAIN_SIGNATURES,
         **OPTIONAL_SIGNATURES,
+        "amx_ready": (),
     }
 
     for name, params in declared.items():
@@ -224,3 +230,46 @@ def test_a_build_that_is_not_its_target_is_never_loaded(
         kernels.load.cache_clear()
 
     assert library is None
+
+
+_DRILL = """
+import ctypes, mmap, os, sys, tempfile
+from otel_engine.model import kernels
+library = kernels.load()
+kind, thread = int(sys.argv[1]), int(sys.argv[2])
+with tempfile.TemporaryFile() as file:
+    file.write(bytes(mmap.PAGESIZE))
+    file.flush()
+    mapping = mmap.mmap(file.fileno(), mmap.PAGESIZE)
+    target = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
+    os.ftruncate(file.fileno(), 0)  # the mapping now lies past the file's end
+    print("returned", library.fault_drill(kind, thread, target), flush=True)
+"""
+
+
+@pytest.mark.parametrize(
+    ("kind", "thread", "signal_number"),
+    [(1, 1, signal.SIGSEGV), (1, 0, signal.SIGSEGV), (2, 1, signal.SIGFPE), (3, 1, signal.SIGBUS)],
+)
+def test_the_fault_drill_makes_its_signal_on_the_chosen_thread(
+    library: kernels.KernelLibrary, kind: int, thread: int, signal_number: int
+) -> None:
+    """fault_drill(kind, thread) ends the process with the kind's signal, made on the calling
+    thread (0) or an OpenMP worker (1)."""
+    result = subprocess.run(
+        [sys.executable, "-c", _DRILL, str(kind), str(thread)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+    assert -signal_number == result.returncode, result.stdout + result.stderr
+
+
+def test_the_fault_drill_refuses_an_unknown_kind(library: kernels.KernelLibrary) -> None:
+    """A kind or thread outside the drill's set makes no fault: the bad-argument status."""
+    bad_argument = library.contract.statuses.index("bad_argument")
+
+    assert bad_argument == library.fault_drill(4, 1, None)
+    assert bad_argument == library.fault_drill(1, 2, None)
