@@ -28,11 +28,13 @@ from otel_engine.entrypoints.protocol import (  # noqa: E402
     ChatCompletionRequest,
     CompletionRequest,
 )
+from otel_engine.observability.faults import FaultKind  # noqa: E402
 
 DOC = ROOT / "docs" / "configuration.md"
 OPERATIONS = ROOT / "docs" / "operations.md"
 HANG_BLOCK = re.compile(r"(<!-- hang-to-exit: [^\n]*-->\n)(.*?)(\n<!-- end hang-to-exit -->)", re.S)
 HANG_EXAMPLE = TimeoutConfig(step_timeout=3.0)
+FAULT_KINDS = "\\|".join(FaultKind)  # a table cell's "|"
 HEADER = """\
 # Configuration: every flag and environment variable
 
@@ -81,7 +83,7 @@ ENVIRONMENT: list[tuple[str, str, str]] = [
         "`OTEL_ENGINE_FAULT`",
         EVERY,
         "fault injection for drills and tests: `<worker\\|engine_core>:"
-        "<raise\\|oom\\|exit\\|hang\\|segfault>[:rank=R][:step=S][:when=KEY>=N]"
+        f"<{FAULT_KINDS}>[:rank=R][:step=S][:when=KEY>=N]"
         "[:phase=run\\|load]` "
         "(see operations.md)",
     ),

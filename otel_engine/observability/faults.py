@@ -1,8 +1,8 @@
 """Fault injection for tests and chaos drills: `OTEL_ENGINE_FAULT`.
 
 `OTEL_ENGINE_FAULT="<where>:<kind>[:rank=R][:step=S][:when=KEY>=N][:phase=P]"` with where
-in {worker, engine_core}, kind in {raise, oom, exit, hang, segfault}, phase in {run, load},
-and KEY in {num_requests, num_tokens} (scheduled in the step): `when` fires at the first
+in {worker, engine_core}, kind a `FaultKind`, phase in {run, load}, and KEY in
+{num_requests, num_tokens} (scheduled in the step): `when` fires at the first
 step whose batch is at least that large (with `step=` too: only at that step, if it is). Read from
 the environment by every process when it sets itself up (`configure()`: the spawn
 trampoline for children, the engine's set-up in the caller's process), never at import, so a
@@ -10,21 +10,69 @@ bad value is a clear startup error; nothing else can set it.
 
 `segfault` is a real invalid memory access in native code (ctypes reads address 0), as a
 broken kernel would make: the process dies of SIGSEGV, its faulthandler writes the stack.
+The kernel faults (`KERNEL_FAULTS`) happen inside a compiled kernel, the kernels library's
+`fault_drill`, called where the fault fires: SIGSEGV, SIGFPE or SIGBUS on an OpenMP worker
+thread (`native_thread_*`) or on the calling thread (`kernel_*`).
 """
 
 from __future__ import annotations
 
 import ctypes
+import enum
 import logging
+import mmap
 import os
+import tempfile
 import time
 from dataclasses import dataclass
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
 ENV_VAR = "OTEL_ENGINE_FAULT"
 WHERE = ("worker", "engine_core")
-KINDS = ("raise", "oom", "exit", "hang", "segfault")
+
+
+class FaultKind(enum.StrEnum):
+    """What the fault does (docs/operations.md, "The fault injector")."""
+
+    RAISE = "raise"
+    OOM = "oom"
+    EXIT = "exit"
+    HANG = "hang"
+    SEGFAULT = "segfault"
+    NATIVE_THREAD_SEGFAULT = "native_thread_segfault"
+    NATIVE_THREAD_FPE = "native_thread_fpe"
+    NATIVE_THREAD_BUS_ERROR = "native_thread_bus_error"
+    KERNEL_SEGFAULT = "kernel_segfault"
+    KERNEL_FPE = "kernel_fpe"
+    KERNEL_BUS_ERROR = "kernel_bus_error"
+
+
+class DrillSignal(enum.IntEnum):
+    """`fault_drill`'s kind (cpu_kernels.c): what the kernel does wrong."""
+
+    SIGSEGV = 1  # writes an invalid address
+    SIGFPE = 2  # divides an integer by zero
+    SIGBUS = 3  # reads `target`, a mapped page past its file's end
+
+
+class DrillThread(enum.IntEnum):
+    """`fault_drill`'s thread: which thread of its OpenMP region faults."""
+
+    CALLER = 0  # the Python thread that called the kernel
+    OPENMP_WORKER = 1  # a thread Python does not run
+
+
+KERNEL_FAULTS: dict[FaultKind, tuple[DrillSignal, DrillThread]] = {
+    FaultKind.NATIVE_THREAD_SEGFAULT: (DrillSignal.SIGSEGV, DrillThread.OPENMP_WORKER),
+    FaultKind.NATIVE_THREAD_FPE: (DrillSignal.SIGFPE, DrillThread.OPENMP_WORKER),
+    FaultKind.NATIVE_THREAD_BUS_ERROR: (DrillSignal.SIGBUS, DrillThread.OPENMP_WORKER),
+    FaultKind.KERNEL_SEGFAULT: (DrillSignal.SIGSEGV, DrillThread.CALLER),
+    FaultKind.KERNEL_FPE: (DrillSignal.SIGFPE, DrillThread.CALLER),
+    FaultKind.KERNEL_BUS_ERROR: (DrillSignal.SIGBUS, DrillThread.CALLER),
+}
+KINDS = tuple(FaultKind)
 PHASES = ("run", "load")
 WHEN_KEYS = ("num_requests", "num_tokens")
 
@@ -40,7 +88,7 @@ class InjectedOutOfMemoryError(RuntimeError):
 @dataclass(frozen=True, slots=True)
 class Fault:
     where: str
-    kind: str
+    kind: FaultKind
     rank: int = 0
     step: int | None = 1  # None: any step (with `when`)
     phase: str = "run"
@@ -78,7 +126,7 @@ class Fault:
                 raise ValueError(f"{ENV_VAR}={text!r}: when must be <{'|'.join(WHEN_KEYS)}>>=N")
             when = (key, int(minimum))
         step = int(options["step"]) if "step" in options else (None if when else 1)
-        return cls(parts[0], parts[1], int(options.get("rank", 0)), step, phase, when)
+        return cls(parts[0], FaultKind(parts[1]), int(options.get("rank", 0)), step, phase, when)
 
 
 def configured_fault() -> Fault | None:
@@ -112,16 +160,46 @@ def maybe_inject(
     logger.warning(
         "fault.injected", extra={"where": where, "kind": fault.kind, "rank": rank, "step": step}
     )
-    if fault.kind == "raise":
+    if fault.kind is FaultKind.RAISE:
         raise InjectedFault(f"injected fault in {where} rank {rank} ({phase} step {step})")
-    if fault.kind == "oom":
+    if fault.kind is FaultKind.OOM:
         raise InjectedOutOfMemoryError(f"injected out-of-memory in {where} rank {rank}")
-    if fault.kind == "exit":
+    if fault.kind is FaultKind.EXIT:
         os._exit(137)
-    if fault.kind == "segfault":
+    if fault.kind is FaultKind.SEGFAULT:
         ctypes.string_at(0)  # reads address 0: SIGSEGV
+    if fault.kind in KERNEL_FAULTS:
+        library, arguments = _kernel_drill(*KERNEL_FAULTS[fault.kind])
+        status = library.fault_drill(**arguments)  # the process dies here
+        raise InjectedFault(f"fault_drill returned {status} without a {fault.kind}")
     while True:  # hang
         time.sleep(3600)
 
 
+def _kernel_drill(signal: DrillSignal, thread: DrillThread) -> tuple[Any, dict[str, Any]]:
+    """The kernels library and `fault_drill`'s arguments for this fault (InjectedFault when
+    this process has no kernels library to fault in)."""
+    from otel_engine.model import kernels  # torch: only in a process that drills a kernel
+
+    library = kernels.load()
+    if library is None:
+        raise InjectedFault("no compiled kernels library to inject a kernel fault into")
+    target = _unbacked_page() if signal is DrillSignal.SIGBUS else None
+    return library, {"kind": int(signal), "thread": int(thread), "target": target}
+
+
+def _unbacked_page() -> int:
+    """The address of a mapped page past its file's end: reading it is SIGBUS. The mapping
+    lives as long as the process."""
+    size = 2 * mmap.PAGESIZE
+    with tempfile.TemporaryFile(prefix="otel-engine-fault-") as file:
+        file.truncate(size)
+        mapping = mmap.mmap(file.fileno(), size)
+        file.truncate(0)
+    view = ctypes.c_char.from_buffer(mapping)  # holds the mapping (and itself, below) open
+    _KEPT.append(view)
+    return ctypes.addressof(view) + mmap.PAGESIZE
+
+
 _FAULT: Fault | None = None  # set by configure()
+_KEPT: list[Any] = []  # what a drill's target address points into

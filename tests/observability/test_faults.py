@@ -1,10 +1,17 @@
-"""The fault grammar of OTEL_ENGINE_FAULT, `when=` shape conditions included."""
+"""The fault grammar of OTEL_ENGINE_FAULT, `when=` shape conditions and kernel faults
+included."""
 
 from __future__ import annotations
 
 import pytest
 
-from otel_engine.observability.faults import Fault
+from otel_engine.observability.faults import (
+    KERNEL_FAULTS,
+    DrillSignal,
+    DrillThread,
+    Fault,
+    FaultKind,
+)
 
 
 def test_step_and_when_conditions() -> None:
@@ -39,3 +46,20 @@ def test_step_and_when_conditions() -> None:
 def test_malformed_faults_are_refused(text: str) -> None:
     with pytest.raises(ValueError, match="OTEL_ENGINE_FAULT"):
         Fault.parse(text)
+
+
+@pytest.mark.parametrize("where", ["worker", "engine_core"])
+def test_kernel_faults_parse_to_a_signal_and_a_thread_of_fault_drill(where: str) -> None:
+    """Each kernel fault kind names what `fault_drill` does and on which thread."""
+    on_a_worker = Fault.parse(f"{where}:native_thread_segfault:rank=1:step=200")
+    on_the_caller = Fault.parse(f"{where}:kernel_bus_error")
+
+    assert (FaultKind.NATIVE_THREAD_SEGFAULT, 1, 200) == (
+        on_a_worker.kind,
+        on_a_worker.rank,
+        on_a_worker.step,
+    )
+    assert (DrillSignal.SIGSEGV, DrillThread.OPENMP_WORKER) == KERNEL_FAULTS[on_a_worker.kind]
+    assert (DrillSignal.SIGBUS, DrillThread.CALLER) == KERNEL_FAULTS[on_the_caller.kind]
+    every = {(signal, thread) for signal in DrillSignal for thread in DrillThread}
+    assert every == set(KERNEL_FAULTS.values())  # each once: no two kinds do the same
