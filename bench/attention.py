@@ -48,6 +48,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
 
+    import dataclasses
+
     import torch
 
     from otel_engine.model import fast_paths
@@ -60,15 +62,14 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for head_dim in (int(d) for d in args.head_dims.split(",")):
         for heads, kv_heads in SHAPES[head_dim]:
+            shape = fast_paths.ModelShape(head_dim=head_dim, rotary_dim=head_dim, tp_size=1)
             plan = fast_paths.choose(
                 kernels_flag="auto",
                 int4_flag="auto",
                 device=cpu,
                 dtype=dtype,
-                head_dim=head_dim,
-                rotary_dim=head_dim,
+                shape=shape,
                 block_size=BLOCK_SIZE,
-                tp_size=1,
             )
             rotary = RotaryEmbedding(head_dim, 8192, 10000.0, None, dtype, cpu)
             kernel = make_layer_ops(
@@ -82,9 +83,10 @@ def main() -> None:
             )
             if not isinstance(kernel, KernelOps):
                 raise SystemExit(f"no compiled kernels here: {plan.summary()}")
-            without = [name for name, c in plan.choices.items() if c.enabled]
-            without = [name for name in without if name != "prefill_kernel"]
-            sdpa = KernelOps(plan.library, heads, kv_heads, head_dim, rotary, dtype, paths=without)
+            # the same plan with prompts in torch's fused attention
+            without = dataclasses.replace(plan, choices=dict(plan.choices))
+            without.decide(fast_paths.Path.PREFILL_KERNEL, False, "measured against")
+            sdpa = KernelOps(without, heads, kv_heads, head_dim, rotary, dtype)
             ops = {
                 "kernel": kernel,
                 "sdpa": sdpa,

@@ -104,8 +104,7 @@ def load_model_arch(model_dir: str) -> ModelArch:
     if ARCHITECTURE_FAMILIES[architecture] in ("gemma2", "gemma3"):
         config = _gemma_config(config, ARCHITECTURE_FAMILIES[architecture])
     rope = config.get("rope_parameters") or {}
-    scaling = config.get("rope_scaling") or {k: v for k, v in rope.items() if k != "rope_theta"}
-    rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
+    scaling, partial = _rope_scaling(config, architecture)
     heads = config["num_attention_heads"]
     has_bias = architecture == "Qwen2ForCausalLM" or config.get("attention_bias", False)
     family = ARCHITECTURE_FAMILIES[architecture]
@@ -113,14 +112,6 @@ def load_model_arch(model_dir: str) -> ModelArch:
     window = config.get("sliding_window")
     if config.get("use_sliding_window") is False:  # Qwen2/Qwen3 carry a window they do not use
         window = None
-    partial = float(scaling.pop("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)))
-    if not 0.0 < partial <= 1.0:
-        raise ValueError(f"{architecture}: partial_rotary_factor {partial} is not in (0, 1]")
-    if rope_type == "longrope":  # its factor comes from the two context lengths
-        scaling.setdefault(
-            "original_max_position_embeddings", config.get("original_max_position_embeddings")
-        )
-        scaling.setdefault("max_position_embeddings", config.get("max_position_embeddings"))
     return ModelArch(
         architecture=architecture,
         vocab_size=config["vocab_size"],
@@ -132,7 +123,7 @@ def load_model_arch(model_dir: str) -> ModelArch:
         head_dim=config.get("head_dim") or config["hidden_size"] // heads,
         rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
         rope_theta=float(config.get("rope_theta") or rope.get("rope_theta") or 10000.0),
-        rope_scaling=None if rope_type == "default" else {**scaling, "rope_type": rope_type},
+        rope_scaling=scaling,
         max_position_embeddings=config.get("max_position_embeddings", 2048),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         attention_bias=bool(has_bias),
@@ -160,6 +151,22 @@ def load_model_arch(model_dir: str) -> ModelArch:
         final_logit_softcapping=config.get("final_logit_softcapping"),
         attn_logit_softcapping=config.get("attn_logit_softcapping"),
     )
+
+
+def _rope_scaling(config: dict[str, Any], architecture: str) -> tuple[dict[str, Any] | None, float]:
+    """The RoPE scaling (None: plain RoPE) and the share of each head that RoPE rotates."""
+    rope = config.get("rope_parameters") or {}
+    scaling = config.get("rope_scaling") or {k: v for k, v in rope.items() if k != "rope_theta"}
+    rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
+    partial = float(scaling.pop("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)))
+    if not 0.0 < partial <= 1.0:
+        raise ValueError(f"{architecture}: partial_rotary_factor {partial} is not in (0, 1]")
+    if rope_type == "longrope":  # its factor comes from the two context lengths
+        scaling.setdefault(
+            "original_max_position_embeddings", config.get("original_max_position_embeddings")
+        )
+        scaling.setdefault("max_position_embeddings", config.get("max_position_embeddings"))
+    return (None if rope_type == "default" else {**scaling, "rope_type": rope_type}), partial
 
 
 def _gemma_config(config: dict[str, Any], family: str) -> dict[str, Any]:

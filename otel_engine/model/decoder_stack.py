@@ -9,8 +9,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from otel_engine.model.attention import AttentionMetadata
+from otel_engine.model.fast_paths import Form
 from otel_engine.model.int4 import INT4_MAX_ROWS
 from otel_engine.model.layer_ops import KernelOps
+from otel_engine.model.matrix import Int4Matrix
+from otel_engine.model.projections import DOWN, GATE_UP, O_PROJ, QKV
 from otel_engine.model.weights import INT4_GROUP
 
 if TYPE_CHECKING:
@@ -39,7 +42,9 @@ class DecoderStack:
             addresses = _layer_addresses(layer, caches)
             fields += [addresses[name] for name in ops.stack_layout.stack_fields]
         self._layers = torch.tensor(fields, dtype=torch.int64)
-        self._has_panels = all(layer.qkv4.panels is not None for layer in model.layers)  # type: ignore[union-attr]
+        self._has_panels = all(
+            m.form is Form.INT4_PANELS for layer in model.layers for m in layer.matrices.values()
+        )
         k_cache = kv_caches[0][0]
         self._cache_dims = (k_cache.shape[2], k_cache.shape[1] * k_cache.shape[2])
         # the widest k of the four matrices: hidden (q/k/v, gate/up), heads (o), intermediate
@@ -123,9 +128,10 @@ def _layer_addresses(
         "k_cache": caches[0].data_ptr(),
         "v_cache": caches[1].data_ptr(),
     }
-    matrices = {"qkv": layer.qkv4, "o": layer.o_proj4, "gate_up": layer.gate_up4}
-    for name, weight in {**matrices, "down": layer.down4}.items():
-        assert weight is not None
+    for projection, name in _FIELD_NAMES.items():
+        matrix = layer.matrices[projection]
+        assert isinstance(matrix, Int4Matrix), "the plan runs the stack on 4-bit layers only"
+        weight = matrix.int4
         addresses[f"{name}_packed"] = weight.packed.data_ptr()
         addresses[f"{name}_params"] = weight.params.data_ptr()
         # none where larger steps run tiles instead (`DecoderStack.runs`): never read
@@ -134,3 +140,4 @@ def _layer_addresses(
 
 
 _NO_CHUNKS = torch.zeros((0, 4), dtype=torch.int64)
+_FIELD_NAMES = {QKV: "qkv", O_PROJ: "o", GATE_UP: "gate_up", DOWN: "down"}  # C's prefixes

@@ -1,67 +1,109 @@
-"""Which fast path a model runs, decided once from what this CPU, this torch and the kernel
-build can run: the one place that turns `--kernels` and `--int4` into paths.
+"""Which fast path a model runs, decided once per rank from what this CPU, this torch, the
+kernel build and the checkpoint's metadata allow: the one place that turns `--kernels`,
+`--int4` and `--quant-activations` into paths, sub-choices and each matrix's stored form.
+The model, its matrices and the layer ops only read the plan.
 
   compiled_kernels  RMSNorm, rotary + cache write, decode attention, SiLU and argmax in
                     cpu_kernels.c (else torch ops): CPU, float32 or bfloat16, a kernels
                     build where it pays off (`kernels_pay_off`)
-  onednn_packing    weights prepacked for oneDNN (else `F.linear`): CPU, float32, or
+  onednn_packing    dense weights prepacked for oneDNN (else `F.linear`): CPU, float32, or
                     bfloat16 where oneDNN has a bfloat16 path on this CPU
-  int4_kernels      a 4-bit checkpoint multiplied by its own weights (else their bfloat16
-                    copies): bfloat16, a build for AVX-512 BF16; steps of more than 16 rows
-                    by tiles of the blocks where torch's matmul runs on AMX (`int4_tiles`),
-                    else by bfloat16 panels
+  int4_kernels      Q4_0/Q4_1 matrices multiplied by their own 4-bit weights (else another
+                    form): bfloat16, a build for AVX-512 BF16; steps of more than 16 rows by
+                    tiles of the blocks where torch's matmul runs on AMX (`int4_larger`
+                    TILES), else by bfloat16 panels
   quant_kernels     a GGUF file's Q8_0, Q4_K, Q5_K and Q6_K matrices (and Q4_0/Q4_1 ones the
                     4-bit kernels do not take), and then its embedding and LM head, multiplied
-                    from their blocks (else their bfloat16 copies): bfloat16, a build for
-                    AVX-512 BF16 (and VNNI); steps of up to 8 rows with x quantized to 8
-                    bits (`quant_activations` int8, the default) or as it is (bfloat16);
-                    where the CPU has AMX steps of up to 48 rows in AMX tiles of the blocks
-                    (`amx_tiles`, also for the 4-bit kernels' larger steps)
+                    from their blocks (else their dense copies): bfloat16, a build for AVX-512
+                    BF16 (and VNNI); steps of up to 8 rows with x in 8 bits or bfloat16
+                    (`activations`); larger ones in AMX tiles up to 48 rows where the CPU has
+                    AMX (`blocks_larger` AMX), else tiles through torch's matmul
   prefill_kernel    prompt attention in cpu_kernels.c (else torch's fused attention):
                     bfloat16, head size 64 or 128, a build for AVX-512 BF16; where torch's
                     matmul runs on AMX only steps whose chunks are all of at most 32 tokens
                     (`prefill_kernel_max_query`)
-  decoder_stack     a whole model's layers in one call (else the per-layer loop): the 4-bit
-                    kernels on every layer, one rank, head size 64
+  decoder_stack     a whole model's layers in one call (else the per-layer loop): every
+                    matrix of every layer in the 4-bit kernels, one rank, head size 64
 
 Each is on only where it can run; otherwise the next correct path runs (in brackets). The
 decisions and their reasons are logged once at start (`kernels.selected`), go into the crash
 dump's engine config and reach the API server (`GET /v1/models` and the
 `otel_engine_fast_path_info` metric).
-
-The compiled kernels' loops are vectorized by hand for AVX-512 only; built for a lower level
-they run one element at a time as far as the compiler leaves them. With torch capped at the
-same level (`ATEN_CPU_CAPABILITY`, `ONEDNN_MAX_CPU_ISA`; bench/kernel_isa.py) they still beat
-torch ops in bfloat16, but not in float32: that is the rule `kernels_pay_off` states.
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from otel_engine.model import kernels
+from otel_engine.model.checkpoint import Checkpoint
 from otel_engine.model.kernels import KernelLibrary
+from otel_engine.model.projections import Projection, Split
 from otel_engine.model.quant import AMX_MAX_ROWS
+from otel_engine.model.weights import INT4_GROUP, INT4_TYPES
 
-PATHS = (
-    "compiled_kernels",
-    "onednn_packing",
-    "int4_kernels",
-    "quant_kernels",
-    "prefill_kernel",
-    "decoder_stack",
-)
-BF16_ISA = "avx512bf16"  # the 4-bit matmuls, prefill attention and the decoder stack
+BF16_ISA = "avx512bf16"  # the 4-bit matmuls, GGUF blocks, prefill attention, the stack
 PREFILL_KERNEL_HEAD_DIMS = (64, 128)  # prefill attention in cpu_kernels.c
 STACK_HEAD_DIM = 64  # the decoder stack's one head size
 # Where torch's fused attention packs its bfloat16 matmuls for AMX, it is faster than the
 # compiled prefill attention on chunks longer than this (bench/attention.py: 2.3-4x at 1,024
 # tokens, even at 32); those run there, the shorter ones in the kernel.
 PREFILL_KERNEL_MAX_QUERY_AMX = 32
+# Where x is quantized to 8 bits, a file whose Q4_0/Q4_1 layer matrices are larger than this
+# runs them from their blocks like every other format, not in the 4-bit kernels' own layout
+# (0.75 bytes a weight beside the blocks). Measured on a CPU with AMX, one after the other:
+# SmolLM2-135M (Q4_1 layers, 66 MB) 121 / 339 / 447 tok/s offline at batch 1 / 8 / 32 in
+# the 4-bit kernels, 111 / 303 / 442 from its blocks; a Llama-3.2-1B shape as Q4_0 (554 MB)
+# 21.3 / 54.1 tok/s at 1 / 16 streams in the 4-bit kernels (engine core 2,878 MB resident),
+# 23.1 / 66.9 from its blocks (1,677 MB).
+INT4_KERNELS_MAX_BYTES = 256 << 20
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+class Path(enum.Enum):
+    COMPILED_KERNELS = "compiled_kernels"
+    ONEDNN_PACKING = "onednn_packing"
+    INT4_KERNELS = "int4_kernels"
+    QUANT_KERNELS = "quant_kernels"
+    PREFILL_KERNEL = "prefill_kernel"
+    DECODER_STACK = "decoder_stack"
+
+
+class Activations(enum.Enum):
+    """What x is in when it meets GGUF blocks in small steps."""
+
+    INT8 = "int8"  # quantized per block, integer dot products (as llama.cpp)
+    BFLOAT16 = "bfloat16"  # as it is, by the exact weights
+
+
+class Larger(enum.Enum):
+    """How steps of more rows than the small-step kernels take are multiplied."""
+
+    PANELS = "panels"  # 4-bit: bfloat16 panels built once at load
+    TILES = "tiles"  # the blocks dequantized a tile at a time for torch's matmul
+    AMX = "amx"  # blocks: up to AMX_MAX_ROWS rows in AMX tiles, beyond that TILES
+
+
+class Form(enum.Enum):
+    """How one matrix is stored and multiplied (`matrix.py` has a class for each)."""
+
+    DENSE = "dense"  # the model dtype, F.linear
+    PACKED = "packed"  # the model dtype, reordered once for oneDNN
+    INT4_PANELS = "int4_panels"  # 4-bit kernels; larger steps by bfloat16 panels
+    INT4_TILES = "int4_tiles"  # 4-bit kernels; larger steps by tiles of the file's blocks
+    BLOCKS = "blocks"  # the file's GGUF blocks
+
+
+INT4_FORMS = (Form.INT4_PANELS, Form.INT4_TILES)
+
+_QUANT_X = {
+    Activations.INT8: "x in 8 bits per block (integer dot products, as llama.cpp's)",
+    Activations.BFLOAT16: "x in bfloat16 by the exact weights",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,41 +112,69 @@ class Choice:
     reason: str
 
 
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    """What the plan needs to know of the model on this rank."""
+
+    head_dim: int
+    rotary_dim: int
+    tp_size: int
+    # each layer's projections (a layer with experts has no MLP projections)
+    layers: tuple[tuple[Projection, ...], ...] = ()
+    # why the decoder stack cannot run this family's layers (biases, q/k norms, experts)
+    stack_blocker: str | None = None
+    # why this family never runs the compiled kernels or prepacked weights (None: it may)
+    kernels_blocker: str | None = None
+
+
 @dataclass
 class FastPaths:
     """The decisions for one model on one rank. `library` is the kernels build the enabled
     compiled paths call (None when none is)."""
 
     cpu_isa: str
-    kernel_isa: str | None
-    library: KernelLibrary | None
-    choices: dict[str, Choice] = field(default_factory=dict)
+    kernel_isa: str | None = None
+    library: KernelLibrary | None = None
+    choices: dict[Path, Choice] = field(default_factory=dict)
+    activations: Activations = Activations.INT8
+    int4_larger: Larger = Larger.PANELS
+    blocks_larger: Larger = Larger.TILES
     # the longest prefill chunk the compiled prefill attention takes (None: any)
     prefill_kernel_max_query: int | None = None
-    # 4-bit matrices in steps of more than int4.INT4_MAX_ROWS rows: tiles of the file's blocks
-    # through torch's matmul (AMX), else bfloat16 panels (which then are built at load)
-    int4_tiles: bool = False
-    # how x meets GGUF blocks in the fused kernel: "int8" (quant_linear_q8_bf16) or "bfloat16"
-    quant_activations: str = "int8"
-    # steps of 9-48 rows of GGUF blocks in AMX tiles (quant_linear_amx_bf16): a build with it,
-    # a CPU with AMX and Linux lending this process the tile registers
-    amx_tiles: bool = False
+    # each layer's matrices by projection name, and the LM head's and embedding's forms
+    forms: list[dict[Projection, Form]] = field(default_factory=list)
+    lm_head: Form = Form.DENSE
+    embedding: Form = Form.DENSE
 
-    def is_on(self, name: str) -> bool:
-        return self.choices[name].enabled
+    def is_on(self, path: Path) -> bool:
+        return self.choices[path].enabled
 
-    def decide(self, name: str, enabled: bool, reason: str) -> None:
-        """Record (or, once the checkpoint is known, revise) one path's decision."""
-        assert name in PATHS, name
-        self.choices[name] = Choice(enabled, reason)
+    def decide(self, path: Path, enabled: bool, reason: str) -> None:
+        """Record one decision: called by `choose` alone (tests hold this)."""
+        self.choices[path] = Choice(enabled, reason)
 
     def summary(self) -> dict[str, Any]:
         """Plain data for the start log, the crash dump and the API server."""
+        counts: dict[str, int] = {}
+        for form in (f for layer in self.forms for f in layer.values()):
+            counts[form.value] = counts.get(form.value, 0) + 1
         return {
             "cpu_isa": self.cpu_isa,
             "kernel_isa": self.kernel_isa,
             "paths": {
-                name: {"enabled": c.enabled, "reason": c.reason} for name, c in self.choices.items()
+                path.value: {"enabled": c.enabled, "reason": c.reason}
+                for path, c in self.choices.items()
+            },
+            "choices": {
+                "activations": self.activations.value,
+                "int4_larger": self.int4_larger.value,
+                "blocks_larger": self.blocks_larger.value,
+                "prefill_kernel_max_query": self.prefill_kernel_max_query,
+            },
+            "matrices": {
+                **counts,
+                "lm_head": self.lm_head.value,
+                "embedding": self.embedding.value,
             },
         }
 
@@ -114,25 +184,40 @@ def choose(
     kernels_flag: str,
     int4_flag: str,
     device: torch.device,
-    quant_activations: str = "int8",
     dtype: torch.dtype,
-    head_dim: int,
-    rotary_dim: int,
+    shape: ModelShape,
     block_size: int,
-    tp_size: int,
-    blocker: str | None = None,
+    quant_activations: str = "int8",
+    checkpoint: Checkpoint | None = None,
 ) -> FastPaths:
-    """Every path's decision that the config and the machine settle; `int4_kernels` and
-    `decoder_stack` are settled once the checkpoint is loaded (`LlamaModel.load_int4`), and
-    `quant_kernels` by `LlamaModel.load_weights`.
-    `blocker`: why the model family runs neither the kernels nor prepacked weights."""
-    plan = FastPaths(
-        cpu_isa=_cpu_isa(device),
-        kernel_isa=None,
-        library=None,
-        quant_activations=quant_activations,
-    )
-    reason = blocker or _kernel_blocker(kernels_flag, device, dtype, rotary_dim, head_dim)
+    """Every decision for a model of `shape` with `checkpoint`'s weights on this rank."""
+    checkpoint = checkpoint or Checkpoint()
+    plan = FastPaths(cpu_isa=_cpu_isa(device), activations=Activations(quant_activations))
+    _decide_kernels(plan, kernels_flag, device, dtype, shape, block_size)
+    blocker = shape.kernels_blocker or _packing_blocker(kernels_flag, device, dtype)
+    plan.decide(Path.ONEDNN_PACKING, blocker is None, blocker or "oneDNN prepacked weights")
+    has_bf16 = plan.kernel_isa == BF16_ISA and dtype == torch.bfloat16
+    needs = "needs the kernels for avx512bf16 and bfloat16"
+    if not plan.is_on(Path.COMPILED_KERNELS):
+        needs = f"needs the compiled kernels (off: {plan.choices[Path.COMPILED_KERNELS].reason})"
+    larger = _larger_way(plan, _decide_larger_steps(plan, has_bf16))
+    _decide_matrices(plan, int4_flag, has_bf16, needs, shape, checkpoint, larger)
+    _decide_prefill(plan, has_bf16, needs, shape.head_dim)
+    _decide_stack(plan, shape)
+    return plan
+
+
+def _decide_kernels(
+    plan: FastPaths,
+    kernels_flag: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    shape: ModelShape,
+    block_size: int,
+) -> None:
+    reason = shape.kernels_blocker or _cpu_blocker(kernels_flag, device, dtype)
+    if reason is None and shape.rotary_dim != shape.head_dim:
+        reason = "partial rotary embedding (the kernels rotate whole heads)"
     target = kernels.target_isa() if reason is None else None
     if target is not None and not kernels_pay_off(target, dtype):
         reason = f"{_name(dtype)} on {target}: torch ops are as fast (bench/kernel_isa.py)"
@@ -145,68 +230,165 @@ def choose(
             plan.library = None
     if plan.library is not None:
         plan.kernel_isa = plan.library.isa
-    plan.decide("compiled_kernels", reason is None, reason or f"built for {plan.kernel_isa}")
-    packing = blocker or _packing_blocker(kernels_flag, device, dtype)
-    plan.decide("onednn_packing", packing is None, packing or "oneDNN prepacked weights")
-    has_bf16 = plan.kernel_isa == BF16_ISA and dtype == torch.bfloat16
-    needs = "needs the kernels for avx512bf16 and bfloat16"
-    if reason is not None:
-        needs = f"needs the compiled kernels (off: {reason})"
-    _decide_weight_paths(plan, int4_flag, has_bf16, needs)
-    if has_bf16 and head_dim not in PREFILL_KERNEL_HEAD_DIMS:
-        plan.decide("prefill_kernel", False, f"head size {head_dim} (the kernel takes 64, 128)")
-    else:
-        reason = f"bfloat16, head size {head_dim}" if has_bf16 else needs
-        if has_bf16 and _torch_has_amx():
-            plan.prefill_kernel_max_query = PREFILL_KERNEL_MAX_QUERY_AMX
-            reason += (
-                f"; chunks over {PREFILL_KERNEL_MAX_QUERY_AMX} tokens in torch's fused attention"
-                " (AMX)"
-            )
-        plan.decide("prefill_kernel", has_bf16, reason)
-    if tp_size != 1:
-        plan.decide("decoder_stack", False, f"{tp_size} ranks (the stack runs on one)")
-    elif head_dim != STACK_HEAD_DIM:
-        plan.decide("decoder_stack", False, f"head size {head_dim} (the stack takes 64)")
-    else:
-        on = plan.is_on("int4_kernels") and plan.is_on("prefill_kernel")
-        plan.decide(
-            "decoder_stack",
-            on,
-            "every layer in 4 bits" if on else "needs the 4-bit and prefill kernels",
-        )
-    return plan
+    plan.decide(Path.COMPILED_KERNELS, reason is None, reason or f"built for {plan.kernel_isa}")
 
 
-def _decide_weight_paths(plan: FastPaths, int4_flag: str, has_bf16: bool, needs: str) -> None:
-    """The two paths that multiply a GGUF file's matrices as stored (both off with --int4 off),
-    before the checkpoint is known."""
-    plan.int4_tiles = has_bf16 and _torch_has_amx()
-    amx = _amx_blocker(plan) if plan.int4_tiles else "no AMX"
-    plan.amx_tiles = amx is None
+def _decide_larger_steps(plan: FastPaths, has_bf16: bool) -> str | None:
+    """Larger steps of 4-bit matrices: tiles of their blocks where torch's matmul runs on AMX,
+    else panels; of GGUF blocks: the AMX kernel where it runs, else tiles. Returns why the
+    AMX kernel does not run (None: it does)."""
+    if not (has_bf16 and _torch_has_amx()):
+        return "no AMX"
+    plan.int4_larger = Larger.TILES
+    reason = _amx_blocker(plan)
+    if reason is None:
+        plan.blocks_larger = Larger.AMX
+    return reason
+
+
+def _larger_way(plan: FastPaths, amx_blocker: str | None) -> str:
     tiles = "tiles of the blocks in torch's matmul (AMX)"
-    if plan.amx_tiles:
-        tiles = f"up to {AMX_MAX_ROWS} rows in AMX tiles of the blocks, beyond in " + tiles
-    elif plan.int4_tiles:
-        tiles += f"; not the AMX kernel: {amx}"
-    larger = tiles if plan.int4_tiles else "panels"
-    ways = {
-        "int4_kernels": f"the checkpoint's 4-bit weights; larger steps: {larger}",
-        "quant_kernels": "GGUF blocks; "
-        + _QUANT_X[plan.quant_activations]
-        + ("; larger steps: " + tiles if plan.int4_tiles else ""),
-    }
-    for name, way in ways.items():
-        if int4_flag == "off":
-            plan.decide(name, False, "--int4 off")
-        else:
-            plan.decide(name, has_bf16, way if has_bf16 else needs)
+    if plan.blocks_larger is Larger.AMX:
+        return f"up to {AMX_MAX_ROWS} rows in AMX tiles of the blocks, beyond in " + tiles
+    if plan.int4_larger is Larger.TILES:
+        return tiles + f"; not the AMX kernel: {amx_blocker}"
+    return "tiles of the blocks in torch's matmul"
 
 
-_QUANT_X = {
-    "int8": "x in 8 bits per block (integer dot products, as llama.cpp's)",
-    "bfloat16": "x in bfloat16 by the exact weights",
-}
+def _decide_matrices(
+    plan: FastPaths,
+    int4_flag: str,
+    has_bf16: bool,
+    needs: str,
+    shape: ModelShape,
+    checkpoint: Checkpoint,
+    larger: str,
+) -> None:
+    """Each matrix's form, and from them the int4_kernels and quant_kernels paths."""
+    dense = Form.PACKED if plan.is_on(Path.ONEDNN_PACKING) else Form.DENSE
+    blocker = "--int4 off" if int4_flag == "off" else None if has_bf16 else needs
+    too_large = _int4_too_large(plan, checkpoint)
+    int4 = blocker is None and too_large is None
+    for index, projections in enumerate(shape.layers):
+        plan.forms.append(
+            {
+                p: _form(plan, p, index, shape.tp_size, checkpoint, blocker, int4, dense)
+                for p in projections
+            }
+        )
+    forms = [form for layer in plan.forms for form in layer.values()]
+    quant = Form.BLOCKS in forms
+    head = checkpoint.blocks.get("lm_head.weight") or checkpoint.blocks.get(
+        "model.embed_tokens.weight"
+    )
+    embed = checkpoint.blocks.get("model.embed_tokens.weight")
+    plan.lm_head = Form.BLOCKS if quant and head is not None else dense
+    plan.embedding = Form.BLOCKS if quant and embed is not None else Form.DENSE
+    if blocker is not None:
+        plan.decide(Path.INT4_KERNELS, False, blocker)
+        plan.decide(Path.QUANT_KERNELS, False, blocker)
+        return
+    int4_on = any(form in INT4_FORMS for form in forms)
+    reason = too_large or "the checkpoint has no 4-bit weights"
+    if int4_on:
+        reason = "the checkpoint's 4-bit weights; larger steps: " + (
+            larger if plan.int4_larger is Larger.TILES else "panels"
+        )
+    plan.decide(Path.INT4_KERNELS, int4_on, reason)
+    reason = "no matrix in GGUF blocks that the 4-bit kernels do not take"
+    if quant:
+        reason = f"GGUF blocks; {_QUANT_X[plan.activations]}; larger steps: {larger}"
+    plan.decide(Path.QUANT_KERNELS, quant, reason)
+
+
+def _int4_too_large(plan: FastPaths, checkpoint: Checkpoint) -> str | None:
+    """Why Q4_0/Q4_1 layers may not run in the 4-bit kernels' layout (None: they may): with x
+    in 8 bits, they are more than INT4_KERNELS_MAX_BYTES (then from their blocks)."""
+    if plan.activations is not Activations.INT8:
+        return None
+    size = sum(
+        b.rows * b.cols // INT4_GROUP * (18 if b.kind == "Q4_0" else 20)
+        for name, b in checkpoint.blocks.items()
+        if b.kind in INT4_TYPES and name.startswith("model.layers.")
+    )
+    if size <= INT4_KERNELS_MAX_BYTES:
+        return None
+    return (
+        f"{size >> 20} MiB of Q4_0/Q4_1 layers (over {INT4_KERNELS_MAX_BYTES >> 20}): "
+        "from their blocks with x in 8 bits"
+    )
+
+
+def _form(
+    plan: FastPaths,
+    projection: Projection,
+    layer: int,
+    tp_size: int,
+    checkpoint: Checkpoint,
+    blocker: str | None,
+    int4: bool,
+    dense: Form,
+) -> Form:
+    """One matrix's form: its 4-bit weights where they fit the kernel's layout, else its
+    blocks where this rank's shard holds whole blocks, else dense."""
+    names = projection.weight_names(layer)
+    parts = [checkpoint.blocks.get(name) for name in names]
+    if blocker is not None or any(part is None for part in parts):
+        return dense
+    blocks = [part for part in parts if part is not None]
+    by_columns = projection.split is Split.COLUMNS
+    rows = sum(b.rows for b in blocks) // (1 if by_columns else tp_size)
+    cols = blocks[0].cols // (tp_size if by_columns else 1)
+    whole_blocks = all(_shard_holds_whole_blocks(b, tp_size, by_columns) for b in blocks)
+    same_width = len({b.cols for b in blocks}) == 1
+    fits = rows % 16 == 0 and cols % INT4_GROUP == 0  # the 4-bit kernels' layout
+    if int4 and same_width and fits and all(b.kind in INT4_TYPES for b in blocks):
+        tiles = plan.int4_larger is Larger.TILES and whole_blocks
+        return Form.INT4_TILES if tiles else Form.INT4_PANELS
+    return Form.BLOCKS if whole_blocks and same_width else dense
+
+
+def _shard_holds_whole_blocks(blocks: Any, tp_size: int, by_columns: bool) -> bool:
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    if not by_columns:
+        return blocks.rows % tp_size == 0
+    width = GGML_QUANT_SIZES[GGMLQuantizationType[blocks.kind]][0]
+    return blocks.cols % tp_size == 0 and (blocks.cols // tp_size) % width == 0
+
+
+def _decide_prefill(plan: FastPaths, has_bf16: bool, needs: str, head_dim: int) -> None:
+    if has_bf16 and head_dim not in PREFILL_KERNEL_HEAD_DIMS:
+        plan.decide(Path.PREFILL_KERNEL, False, f"head size {head_dim} (the kernel takes 64, 128)")
+        return
+    reason = f"bfloat16, head size {head_dim}" if has_bf16 else needs
+    if has_bf16 and _torch_has_amx():
+        plan.prefill_kernel_max_query = PREFILL_KERNEL_MAX_QUERY_AMX
+        reason += (
+            f"; chunks over {PREFILL_KERNEL_MAX_QUERY_AMX} tokens in torch's fused attention (AMX)"
+        )
+    plan.decide(Path.PREFILL_KERNEL, has_bf16, reason)
+
+
+def _decide_stack(plan: FastPaths, shape: ModelShape) -> None:
+    """The compiled stack runs one rank's layers whose matrices are all 4-bit, without
+    biases, q/k norms or experts, with head size 64."""
+    if shape.tp_size != 1:
+        reason: str | None = f"{shape.tp_size} ranks (the stack runs on one)"
+    elif shape.head_dim != STACK_HEAD_DIM:
+        reason = f"head size {shape.head_dim} (the stack takes 64)"
+    elif not (plan.is_on(Path.INT4_KERNELS) and plan.is_on(Path.PREFILL_KERNEL)):
+        reason = "needs the 4-bit and prefill kernels"
+    else:
+        reason = shape.stack_blocker or _stack_forms_blocker(plan)
+    plan.decide(Path.DECODER_STACK, reason is None, reason or "every layer in 4 bits")
+
+
+def _stack_forms_blocker(plan: FastPaths) -> str | None:
+    for index, layer in enumerate(plan.forms):
+        if any(form not in INT4_FORMS for form in layer.values()):
+            return f"layer {index} is not all 4-bit"
+    return None
 
 
 def _amx_blocker(plan: FastPaths) -> str | None:
@@ -226,15 +408,6 @@ def _torch_has_amx() -> bool:
 
 def _cpu_isa(device: torch.device) -> str:
     return kernels.cpu_isa() if device.type == "cpu" else "generic"
-
-
-def _kernel_blocker(
-    kernels_flag: str, device: torch.device, dtype: torch.dtype, rotary_dim: int, head_dim: int
-) -> str | None:
-    reason = _cpu_blocker(kernels_flag, device, dtype)
-    if reason is None and rotary_dim != head_dim:
-        reason = "partial rotary embedding (the kernels rotate whole heads)"
-    return reason
 
 
 def _packing_blocker(kernels_flag: str, device: torch.device, dtype: torch.dtype) -> str | None:

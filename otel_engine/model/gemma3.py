@@ -13,15 +13,14 @@ kernels attend to every cached token.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 
 from otel_engine.model.attention import AttentionMetadata
 from otel_engine.model.layer_ops import LayerOps, TorchOps
 from otel_engine.model.layers import RotaryEmbedding, rms_norm_f32, soft_cap_
-from otel_engine.model.llama import LlamaLayer, LlamaModel
+from otel_engine.model.llama import LlamaLayer, LlamaModel, Take
+from otel_engine.model.projections import DOWN, GATE_UP, O_PROJ, QKV
 
 
 class Gemma3Layer(LlamaLayer):
@@ -65,9 +64,9 @@ class Gemma3Model(LlamaModel):
     def _norm_weight(self, weight: torch.Tensor) -> torch.Tensor:
         return (1.0 + weight.float()).to(self.device)
 
-    def _load_mlp(self, take: Callable[[str], torch.Tensor], layer: LlamaLayer, index: int) -> None:
+    def _load_extras(self, take: Take, layer: LlamaLayer, index: int) -> None:
         assert isinstance(layer, Gemma3Layer)
-        super()._load_mlp(take, layer, index)
+        super()._load_extras(take, layer, index)
         layer.pre_ff_norm = self._norm_weight(take("pre_feedforward_layernorm.weight"))
         layer.post_ff_norm = self._norm_weight(take("post_feedforward_layernorm.weight"))
 
@@ -81,22 +80,21 @@ class Gemma3Model(LlamaModel):
         eps = self.arch.rms_norm_eps
         ops = self.ops
         assert isinstance(ops, TorchOps)
-        hidden = F.embedding(input_ids, self.embed) * self.embed_scale
+        hidden = self.embedding(input_ids) * self.embed_scale
         for index, (layer, (k_cache, v_cache)) in enumerate(
             zip(self.layers, kv_caches, strict=True)
         ):
             assert isinstance(layer, Gemma3Layer)
-            qkv = self._linear(rms_norm_f32(hidden, layer.input_norm, eps), layer.qkv, None)
+            weights = layer.matrices
+            qkv = weights[QKV](rms_norm_f32(hidden, layer.input_norm, eps))
             if self.arch.qk_norm:
                 self._norm_qk(qkv, layer)
             attn = ops.attend(qkv, k_cache, v_cache, meta, sliding=index in self.sliding)
-            out = self._all_reduce(self._linear(attn, layer.o_proj, None))
+            out = self._all_reduce(weights[O_PROJ](attn))
             hidden = hidden + rms_norm_f32(out, layer.post_norm, eps)
             x = rms_norm_f32(hidden, layer.pre_ff_norm, eps)
-            gate, up = self._linear(x, layer.gate_up, None).chunk(2, dim=-1)
-            out = self._all_reduce(
-                self._linear(F.gelu(gate, approximate="tanh") * up, layer.down, None)
-            )
+            gate, up = weights[GATE_UP](x).chunk(2, dim=-1)
+            out = self._all_reduce(weights[DOWN](F.gelu(gate, approximate="tanh") * up))
             hidden = hidden + rms_norm_f32(out, layer.post_ff_norm, eps)
         return rms_norm_f32(hidden, self.norm, eps)
 

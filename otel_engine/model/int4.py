@@ -23,14 +23,6 @@ from otel_engine.model.weights import INT4_GROUP, Int4Tensor
 # matrices of a layer at 32 / 64 / 256 rows: panels 1.30 / 2.45 / 9.28 ms, tiles 1.33 / 1.63
 # / 2.61; fast_paths.int4_tiles), and no panels are built.
 INT4_MAX_ROWS = 16
-# A GGUF file's Q4_0/Q4_1 layers up to this many bytes run in these kernels (and the decoder
-# stack); larger ones from their blocks like the other formats, where x is quantized to 8 bits
-# (`quant_activations` int8, llama.LlamaModel._leave_4_bits_to_blocks). Measured on a CPU with
-# AMX, one after the other: SmolLM2-135M (Q4_1 layers, 66 MB) 121 / 339 / 447 tok/s offline
-# at batch 1 / 8 / 32 in these kernels, 111 / 303 / 442 from its blocks; a Llama-3.2-1B shape
-# as Q4_0 (554 MB) 21.3 / 54.1 tok/s at 1 / 16 streams in these kernels (engine core 2,878 MB
-# resident), 23.1 / 66.9 from its blocks (1,677 MB).
-INT4_KERNELS_MAX_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)

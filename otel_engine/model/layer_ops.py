@@ -14,7 +14,7 @@ residual `delta` into `hidden` in place (the residual stream is owned by the for
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -30,8 +30,8 @@ from otel_engine.model.attention import (
     sdpa_prefill,
     write_cache,
 )
-from otel_engine.model.fast_paths import PREFILL_KERNEL_HEAD_DIMS, STACK_HEAD_DIM, FastPaths
-from otel_engine.model.kernels import PREFILL_TILE_KEYS, KernelLibrary
+from otel_engine.model.fast_paths import FastPaths, Path
+from otel_engine.model.kernels import PREFILL_TILE_KEYS
 from otel_engine.model.layers import RotaryEmbedding, rms_norm
 
 
@@ -66,15 +66,6 @@ class TorchOps:
 
     # prefill masks for `sdpa_prefill` (boolean) rather than `prefill_attention` (additive)
     prefill_sdpa = False
-    # the compiled 4-bit matmul (`LlamaModel.load_int4`), where there is one
-    q4_linear: Callable[..., None] | None = None
-    # the same weights as bfloat16 panels (built once), for steps of more rows
-    q4_build_panels: Callable[..., None] | None = None
-    panel_linear: Callable[..., None] | None = None
-    # matrices in GGUF blocks (model/quant.py): the fused kernel, and the tile dequantizer
-    quant_linear: Callable[..., None] | None = None
-    quant_linear_amx: Callable[..., None] | None = None  # steps of 9-48 rows (AMX)
-    gguf_dequantize: Callable[..., None] | None = None
     # argmax(out, logits, rows, vocab): each row's greedy token (`LlamaModel.greedy_tokens`)
     argmax: Callable[..., None] | None = None
 
@@ -204,29 +195,17 @@ class KernelOps(TorchOps):
 
     def __init__(
         self,
-        library: KernelLibrary,
+        plan: FastPaths,
         num_heads: int,
         num_kv_heads: int,
         head_dim: int,
         rotary: RotaryEmbedding,
         dtype: torch.dtype,
-        *,
-        paths: Collection[str] = (
-            "int4_kernels",
-            "quant_kernels",
-            "prefill_kernel",
-            "decoder_stack",
-        ),
-        prefill_kernel_max_query: int | None = None,
-        quant_activations: str = "int8",
-        amx_tiles: bool = False,
     ) -> None:
-        """`paths`: which of the optional fast paths (`fast_paths.PATHS`) to offer, where the
-        library has them (a build for AVX-512 BF16) and they apply (bfloat16; head size 64).
-        `quant_activations`: int8 multiplies GGUF blocks by x quantized to 8 bits
-        (`quant_linear_q8_bf16`), bfloat16 by x as it is (`quant_linear_bf16`). `amx_tiles`:
-        steps of more rows multiply GGUF blocks in AMX tiles (`quant_linear_amx_bf16`)."""
+        """The kernels `plan` (fast_paths.choose) enabled, from its library."""
         super().__init__(num_heads, num_kv_heads, head_dim, rotary, torch.device("cpu"))
+        library = plan.library
+        assert library is not None
         suffix = _SUFFIX[dtype]
         self._add_rms_norm = getattr(library, f"add_rms_norm_{suffix}")
         self._rope_and_cache = getattr(library, f"rope_and_cache_{suffix}")
@@ -234,28 +213,16 @@ class KernelOps(TorchOps):
         self._silu_mul = getattr(library, f"silu_mul_{suffix}")
         self.argmax = getattr(library, f"argmax_{suffix}")
         self._prefill_attention = None
-        self.decoder_stack = None  # a whole 4-bit model's layers in one call (llama.py)
+        if plan.is_on(Path.PREFILL_KERNEL):
+            self._prefill_attention = library.prefill_attention_bf16
+        # a whole 4-bit model's layers in one call (model/decoder_stack.py)
+        self.decoder_stack = None
+        if plan.is_on(Path.DECODER_STACK):
+            self.decoder_stack = library.decoder_stack_bf16
         self.stack_layout = library.contract  # the order of decoder_stack's fields and dims
-        if dtype == torch.bfloat16:
-            if "int4_kernels" in paths:
-                self.q4_linear = getattr(library, "q4_linear_bf16", None)
-                self.q4_build_panels = getattr(library, "q4_build_panels_bf16", None)
-                self.panel_linear = getattr(library, "panel_linear_bf16", None)
-            if "quant_kernels" in paths:
-                name = (
-                    "quant_linear_q8_bf16" if quant_activations == "int8" else "quant_linear_bf16"
-                )
-                self.quant_linear = getattr(library, name, None)
-            if amx_tiles and ("quant_kernels" in paths or "int4_kernels" in paths):
-                self.quant_linear_amx = getattr(library, "quant_linear_amx_bf16", None)
-                self.gguf_dequantize = getattr(library, "gguf_dequantize_bf16", None)
-            if head_dim in PREFILL_KERNEL_HEAD_DIMS and "prefill_kernel" in paths:
-                self._prefill_attention = getattr(library, "prefill_attention_bf16", None)
-            if head_dim == STACK_HEAD_DIM and "decoder_stack" in paths:
-                self.decoder_stack = getattr(library, "decoder_stack_bf16", None)
         # the longest chunk the kernel takes (None: any); longer ones run in torch's fused
         # attention, as does the whole step's prefill then (fast_paths.PREFILL_KERNEL_MAX_QUERY_AMX)
-        self.prefill_kernel_max_query = prefill_kernel_max_query
+        self.prefill_kernel_max_query = plan.prefill_kernel_max_query
         self._prefill_scratch = torch.empty(0, dtype=dtype)  # its packed keys and values
         half = head_dim // 2
         # [max_positions, head_dim] float32: cos of each frequency, then its sin
@@ -352,17 +319,27 @@ class KernelOps(TorchOps):
         if meta.prefill_tables is not None:
             self._prefill(out, qkv, k_cache, v_cache, meta)
         elif meta.prefills:
-            q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-            q = qkv[:, :q_size].view(-1, num_heads, head_dim)
-            k = qkv[:, q_size : q_size + kv_size].view(-1, num_kv_heads, head_dim)
-            v = qkv[:, q_size + kv_size :].view(-1, num_kv_heads, head_dim)
-            heads = out.view(-1, num_heads, head_dim)
-            for seq in meta.prefills:
-                rows = slice(seq.query_start, seq.query_end)
-                heads[rows] = sdpa_prefill(
-                    q[rows], k[rows], v[rows], k_cache, v_cache, seq, self.scale
-                )
+            self._prefill_sdpa(out, qkv, k_cache, v_cache, meta)
         return out
+
+    def _prefill_sdpa(
+        self,
+        out: torch.Tensor,
+        qkv: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> None:
+        """Each prefill chunk's attention in torch's fused attention."""
+        num_heads, num_kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
+        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        q = qkv[:, :q_size].view(-1, num_heads, head_dim)
+        k = qkv[:, q_size : q_size + kv_size].view(-1, num_kv_heads, head_dim)
+        v = qkv[:, q_size + kv_size :].view(-1, num_kv_heads, head_dim)
+        heads = out.view(-1, num_heads, head_dim)
+        for seq in meta.prefills:
+            rows = slice(seq.query_start, seq.query_end)
+            heads[rows] = sdpa_prefill(q[rows], k[rows], v[rows], k_cache, v_cache, seq, self.scale)
 
     def _prefill(
         self,
@@ -435,18 +412,6 @@ def make_layer_ops(
     device: torch.device,
 ) -> LayerOps:
     """The compiled kernels where `plan` (fast_paths.choose) enabled them, else torch ops."""
-    if plan.library is None or not plan.is_on("compiled_kernels"):
+    if plan.library is None or not plan.is_on(Path.COMPILED_KERNELS):
         return TorchOps(num_heads, num_kv_heads, head_dim, rotary, device)
-    paths = [name for name, choice in plan.choices.items() if choice.enabled]
-    return KernelOps(
-        plan.library,
-        num_heads,
-        num_kv_heads,
-        head_dim,
-        rotary,
-        dtype,
-        paths=paths,
-        prefill_kernel_max_query=plan.prefill_kernel_max_query,
-        quant_activations=plan.quant_activations,
-        amx_tiles=plan.amx_tiles,
-    )
+    return KernelOps(plan, num_heads, num_kv_heads, head_dim, rotary, dtype)

@@ -3,15 +3,12 @@ experts' `w1` gate, `w3` up, `w2` down; top-k weights always renormalized)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-import torch
-
-from otel_engine.model.llama import LlamaLayer, LlamaModel
+from otel_engine.model.llama import LlamaLayer, LlamaModel, Take
 
 
 class MixtralModel(LlamaModel):
-    def _load_mlp(self, take: Callable[[str], torch.Tensor], layer: LlamaLayer, index: int) -> None:
+    def _load_extras(self, take: Take, layer: LlamaLayer, index: int) -> None:
+        super()._load_extras(take, layer, index)
         prefix = "block_sparse_moe.experts"
         experts = [
             tuple(take(f"{prefix}.{e}.{name}.weight") for name in ("w1", "w3", "w2"))

@@ -17,6 +17,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from otel_engine.model.arch import ModelArch
+from otel_engine.model.projections import Split
+
 
 @dataclass(slots=True)
 class MoeWeights:
@@ -27,6 +30,27 @@ class MoeWeights:
     down: torch.Tensor  # [experts, hidden, intermediate / tp]
     top_k: int
     normalize: bool  # renormalize the top-k routing weights to sum to 1
+
+
+def shard_experts(
+    router: torch.Tensor,
+    experts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    shard: Callable[[torch.Tensor, Split], torch.Tensor],
+    place: Callable[[torch.Tensor], torch.Tensor],
+    arch: ModelArch,
+) -> MoeWeights:
+    """A layer's experts from each one's full (gate, up, down), this rank's slice of each:
+    gate and up by rows, down by columns, as a dense MLP is split (`shard`)."""
+    gate_up = [
+        torch.cat([shard(gate, Split.ROWS), shard(up, Split.ROWS)]) for gate, up, _ in experts
+    ]
+    return MoeWeights(
+        router=place(router),
+        gate_up=place(torch.stack(gate_up)),
+        down=place(torch.stack([shard(down, Split.COLUMNS) for _, _, down in experts])),
+        top_k=arch.num_experts_per_tok,
+        normalize=arch.norm_topk_prob,
+    )
 
 
 def route(x: torch.Tensor, moe: MoeWeights) -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,17 +3,13 @@ in every layer but those `mlp_only_layers` / `decoder_sparse_step` keep dense.""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-import torch
-
-from otel_engine.model.llama import LlamaLayer, LlamaModel
+from otel_engine.model.llama import LlamaLayer, LlamaModel, Take
 
 
 class Qwen3MoeModel(LlamaModel):
-    def _load_mlp(self, take: Callable[[str], torch.Tensor], layer: LlamaLayer, index: int) -> None:
+    def _load_extras(self, take: Take, layer: LlamaLayer, index: int) -> None:
+        super()._load_extras(take, layer, index)
         if index in self.dense_layers:
-            super()._load_mlp(take, layer, index)
             return
         experts = [
             tuple(take(f"mlp.experts.{e}.{p}_proj.weight") for p in ("gate", "up", "down"))

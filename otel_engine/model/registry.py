@@ -5,7 +5,10 @@ layers.py or moe.py), plus a line here and one in the loader's table."""
 
 from __future__ import annotations
 
-from otel_engine.model.arch import ModelArch
+from typing import Any
+
+from otel_engine.model.arch import ModelArch, load_model_arch
+from otel_engine.model.checkpoint import Checkpoint
 from otel_engine.model.gemma3 import Gemma3Model
 from otel_engine.model.llama import LlamaModel
 from otel_engine.model.mixtral import MixtralModel
@@ -25,3 +28,18 @@ MODEL_CLASSES: dict[str, type[LlamaModel]] = {
 
 def model_class(arch: ModelArch) -> type[LlamaModel]:
     return MODEL_CLASSES[arch.family]
+
+
+def load_model(model_dir: str, arch: ModelArch | None = None, **options: Any) -> LlamaModel:
+    """`model_dir`'s model on this rank: its plan decided from the checkpoint's metadata,
+    its weights loaded in the forms the plan chose (`options`: the model's keyword
+    arguments), its GGUF blocks moved off the file's mapping."""
+    from otel_engine.model.weights import iter_weights
+
+    arch = arch or load_model_arch(model_dir)
+    model = model_class(arch)(arch, checkpoint=Checkpoint.read(model_dir), **options)
+    # matrices in GGUF blocks arrive as they are: the model keeps or dequantizes each as its
+    # plan says (exactly, in float32, before the model dtype)
+    model.load_weights(iter_weights(model_dir, keep_quantized=True))
+    model.place_blocks()
+    return model

@@ -17,6 +17,7 @@ import pytest
 from otel_engine import LLM, AsyncLLM, RequestOutput, SamplingParams
 from otel_engine.engine.core_client import InprocClient
 from otel_engine.ipc.messages import StepOutputs
+from otel_engine.model.fast_paths import Form
 from otel_engine.sched.scheduler import Scheduler, SchedulerOutput
 from tests.helpers.tiny_model import hf_greedy
 
@@ -116,7 +117,8 @@ def test_inprocess_matches_transformers(
     with LLM(tiny_model_dir, kernels=kernels, **SMALL_CACHE) as llm:
         client = llm._frontend.client
         assert isinstance(client, InprocClient)
-        assert (kernels == "auto") == client.core.executor.runner.model.is_packed  # type: ignore[union-attr]
+        model = client.core.executor.runner.model  # type: ignore[union-attr]
+        assert (kernels == "auto") == (Form.PACKED is model.lm_head.form)
         scheduler = inprocess_scheduler(llm)
         batches = record_schedules(scheduler, monkeypatch)
 

@@ -12,14 +12,16 @@ import pytest
 import torch
 
 from otel_engine.model.arch import load_model_arch
-from otel_engine.model.fast_paths import BF16_ISA
+from otel_engine.model.checkpoint import Checkpoint
+from otel_engine.model.fast_paths import BF16_ISA, Form, Path
 from otel_engine.model.int4 import INT4_MAX_ROWS
 from otel_engine.model.llama import LlamaModel
 from otel_engine.model.loader import prepare_model_dir
-from otel_engine.model.weights import INT4_GROUP, Int4Tensor, iter_int4, iter_weights
+from otel_engine.model.projections import O_PROJ
+from otel_engine.model.registry import load_model
 from tests.helpers.isa import require_isa
 from tests.helpers.paged import step_metadata
-from tests.helpers.tiny_model import write_tiny_llama
+from tests.helpers.tiny_model import write_tiny_gguf, write_tiny_llama
 
 pytestmark = pytest.mark.slow  # loads the default model
 
@@ -36,44 +38,32 @@ BATCHES = {
 }
 
 
-def _quantized(weight: torch.Tensor) -> Int4Tensor:
-    """A matrix in 4 bits per group of 32 along its rows (min-max, as Q4_1 stores it)."""
-    groups = weight.float().view(weight.shape[0], -1, INT4_GROUP)
-    low, high = groups.amin(dim=-1), groups.amax(dim=-1)
-    scale = ((high - low) / 15).clamp(min=1e-4).to(torch.float16)
-    offset = low.to(torch.float16)
-    q = ((groups - offset.float()[..., None]) / scale.float()[..., None]).round().clamp(0, 15)
-    return Int4Tensor(q.to(torch.uint8).view(weight.shape), scale, offset)
-
-
-def _load(model_dir: str, int4: dict[str, Int4Tensor]) -> LlamaModel:
+def _load(model_dir: str) -> LlamaModel:
     require_isa(BF16_ISA)
-    arch = load_model_arch(model_dir)
-    model = LlamaModel(arch, dtype=torch.bfloat16, device=torch.device("cpu"), max_positions=1024)
-    model.load_weights(iter_weights(model_dir))
-    model.load_int4(int4)
-    assert model.fast_paths.is_on("decoder_stack"), model.fast_paths.choices["decoder_stack"]
+    model = load_model(
+        model_dir, dtype=torch.bfloat16, device=torch.device("cpu"), max_positions=1024
+    )
+    plan = model.fast_paths
+    assert plan.is_on(Path.DECODER_STACK), plan.choices[Path.DECODER_STACK]
     return model
 
 
 @pytest.fixture(scope="module", params=["default", "wide heads"])
 def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> LlamaModel:
-    """The default model with its own 4-bit weights; and a tiny Llama, its weights put in 4
-    bits here, whose 4 heads of 64 are wider than its hidden size of 128 (o_proj's input is
-    wider than the residual stream)."""
+    """The default model with its own 4-bit weights; and a tiny Llama written as a GGUF file
+    of Q4_1 matrices, whose 4 heads of 64 are wider than its hidden size of 128 (o_proj's
+    input is wider than the residual stream)."""
     if request.param == "default":
-        model_dir = prepare_model_dir(None)
-        return _load(model_dir, iter_int4(model_dir))
+        return _load(prepare_model_dir(None))
     path = tmp_path_factory.mktemp("tiny-llama-wide-heads")
     model_dir = write_tiny_llama(
         path, hidden=128, heads=4, kv_heads=2, head_dim=64, intermediate=160, context=1024
     )
-    matrices = {
-        name.removesuffix(".weight"): _quantized(tensor)
-        for name, tensor in iter_weights(model_dir)
-        if name.startswith("model.layers.") and "_proj." in name
-    }
-    return _load(model_dir, matrices)
+    projections = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    gguf = write_tiny_gguf(
+        model_dir, path / "model.gguf", "llama", dict.fromkeys(projections, "Q4_1")
+    )
+    return _load(prepare_model_dir(gguf))
 
 
 def _step(model: LlamaModel, batch: str) -> tuple[torch.Tensor, dict[str, object]]:
@@ -121,10 +111,9 @@ def test_stack_gives_the_layer_loop_s_bits(model: LlamaModel, batch: str) -> Non
 
 
 def test_the_stack_applies_only_to_a_4bit_model_on_one_rank(model: LlamaModel) -> None:
-    """Loading settles the `decoder_stack` fast path (every layer's four matrices in 4 bits,
-    one rank); the stack is then built once per set of caches."""
-    assert model.fast_paths.is_on("decoder_stack")
-    assert model._stack_blocker() is None
+    """The plan runs the stack where every layer's four matrices are in 4 bits on one rank
+    (decided from the checkpoint's metadata); it is then built once per set of caches."""
+    assert model.fast_paths.is_on(Path.DECODER_STACK)
     caches = _caches(model)
     model._stack = None
     assert model._decoder_stack(caches) is not None
@@ -133,14 +122,19 @@ def test_the_stack_applies_only_to_a_4bit_model_on_one_rank(model: LlamaModel) -
     assert model._decoder_stack(other) is not None
     assert model._stack is not None
     assert model._stack.kv_caches is other  # rebuilt for them
-    qkv4 = model.layers[-1].qkv4
-    model.layers[-1].qkv4 = None  # one matrix without a 4-bit form: the loop
-    try:
-        assert "is not all 4-bit" in (model._stack_blocker() or "")
-    finally:
-        model.layers[-1].qkv4 = qkv4
-    model.tp_size = 2
-    try:
-        assert model._stack_blocker() is not None
-    finally:
-        model.tp_size = 1
+
+
+def test_a_layer_not_all_in_4_bits_keeps_the_loop() -> None:
+    """One matrix stored otherwise (here: dense) and the plan keeps the layer loop."""
+    require_isa(BF16_ISA)
+    model_dir = prepare_model_dir(None)
+    checkpoint = Checkpoint.read(model_dir)
+    blocks = dict(checkpoint.blocks)
+    del blocks["model.layers.29.self_attn.o_proj.weight"]
+    arch = load_model_arch(model_dir)
+    options = {"dtype": torch.bfloat16, "device": torch.device("cpu")}
+    model = LlamaModel(arch, checkpoint=Checkpoint(blocks), **options)  # type: ignore[arg-type]
+    choice = model.fast_paths.choices[Path.DECODER_STACK]
+    assert not choice.enabled
+    assert "layer 29 is not all 4-bit" == choice.reason
+    assert model.fast_paths.forms[29][O_PROJ] is Form.PACKED

@@ -11,12 +11,13 @@ import torch
 from otel_engine import LLM, SamplingParams
 from otel_engine.engine.core_client import InprocClient
 from otel_engine.model import kernels
-from otel_engine.model.arch import load_model_arch
-from otel_engine.model.fast_paths import BF16_ISA
+from otel_engine.model.fast_paths import BF16_ISA, Larger, Path
 from otel_engine.model.int4 import INT4_MAX_ROWS, Int4Weight, pack_int4
 from otel_engine.model.kernels import KernelLibrary
-from otel_engine.model.llama import LlamaModel
 from otel_engine.model.loader import prepare_model_dir
+from otel_engine.model.matrix import Int4Matrix
+from otel_engine.model.projections import PROJECTIONS, QKV
+from otel_engine.model.registry import load_model
 from otel_engine.model.weights import INT4_GROUP, Int4Tensor, iter_int4, iter_weights
 from otel_engine.outputs import CompletionOutput
 from tests.helpers.isa import require_isa
@@ -86,14 +87,14 @@ def _q4_linear(x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
     out = torch.empty((x.shape[0], weight.rows), dtype=torch.bfloat16)
     sums = torch.empty(x.shape[0] * weight.cols // INT4_GROUP)
     library.q4_linear_bf16(
-        out.data_ptr(),
-        x.data_ptr(),
-        weight.packed.data_ptr(),
-        weight.params.data_ptr(),
-        sums.data_ptr(),
-        x.shape[0],
-        weight.rows,
-        weight.cols,
+        out=out,
+        x=x,
+        w=weight.packed,
+        params=weight.params,
+        sums=sums,
+        rows=x.shape[0],
+        n=weight.rows,
+        k=weight.cols,
     )
     return out
 
@@ -144,7 +145,7 @@ def test_int4_kernel_shapes_rows_and_non_finite_input() -> None:
 def _panel_linear(x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
     out = torch.empty((x.shape[0], weight.rows), dtype=torch.bfloat16)
     _library().panel_linear_bf16(
-        out.data_ptr(), x.data_ptr(), weight.panels.data_ptr(), x.shape[0], weight.rows, weight.cols
+        out=out, x=x, panels=weight.panels, rows=x.shape[0], n=weight.rows, k=weight.cols
     )
     return out
 
@@ -200,26 +201,24 @@ def test_int4_shards_of_the_ranks_match_their_bfloat16_shards(model_dir: str, tp
     matmul runs on AMX, tiles of the shard's Q4_1 blocks and no panels), with their bfloat16
     copies dropped."""
     require_isa(BF16_ISA)
-    arch = load_model_arch(model_dir)
-    model = LlamaModel(
-        arch, dtype=torch.bfloat16, device=torch.device("cpu"), tp_rank=tp_rank, tp_size=3
-    )
-    model.load_weights(iter_weights(model_dir))
-    dense = {name: getattr(model.layers[7], name) for name in ("qkv", "o_proj", "gate_up", "down")}
-    model.load_int4(iter_int4(model_dir))
-    assert model.fast_paths.is_on("int4_kernels"), model.fast_paths.choices["int4_kernels"]
-    layer = model.layers[7]
-    for name, weight in dense.items():
-        int4 = getattr(layer, name + "4")
-        assert int4 is not None
-        assert (int4.panels is None) == (int4.blocks is not None) == model.fast_paths.int4_tiles
+    options = {"dtype": torch.bfloat16, "device": torch.device("cpu"), "tp_rank": tp_rank}
+    model = load_model(model_dir, tp_size=3, **options)
+    dense = load_model(model_dir, tp_size=3, int4="off", **options)
+    plan = model.fast_paths
+    assert plan.is_on(Path.INT4_KERNELS), plan.choices[Path.INT4_KERNELS]
+    for projection in PROJECTIONS:
+        matrix = model.layers[7].matrices[projection]
+        reference = dense.layers[7].matrices[projection]
+        assert isinstance(matrix, Int4Matrix)
+        int4 = matrix.int4
+        tiles = plan.int4_larger is Larger.TILES
+        assert (int4.panels is None) == (int4.blocks is not None) == tiles
         for rows in (1, INT4_MAX_ROWS, INT4_MAX_ROWS + 1, 40):
             x = torch.randn(rows, int4.cols).to(torch.bfloat16)
-            reference = model.linear(x, weight, None).double()
-            out = model._linear(x, weight, int4).double()
-            relative = (out - reference).norm() / reference.norm()
-            assert relative < 0.01, (name, rows, float(relative))
-        assert getattr(layer, name).numel() == 0  # the bfloat16 copy is dropped
+            expected = reference(x).double()
+            out = matrix(x).double()
+            relative = (out - expected).norm() / expected.norm()
+            assert relative < 0.01, (projection.name, rows, float(relative))
 
 
 def _greedy(int4: str) -> list[CompletionOutput]:
@@ -227,7 +226,7 @@ def _greedy(int4: str) -> list[CompletionOutput]:
         client = llm._frontend.client
         assert isinstance(client, InprocClient)
         model = client.core.executor.runner.model  # type: ignore[union-attr]
-        assert (int4 == "auto") == (model.layers[0].qkv4 is not None)
+        assert (int4 == "auto") == isinstance(model.layers[0].matrices[QKV], Int4Matrix)
         chats = [
             llm.tokenizer.encode(
                 llm.tokenizer.apply_chat_template(
