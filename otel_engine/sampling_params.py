@@ -217,6 +217,22 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
         return self.temperature < GREEDY_TEMPERATURE
 
 
+class LogitsProcessing(msgspec.Struct, frozen=True, array_like=True):
+    """One sampled row's logits processing, as the sampler applies it (`SamplingParams` has
+    the definitions), with the token history its penalties need: output ids for any penalty,
+    prompt ids for the repetition penalty. `banned_token_ids`: EOS and stop token ids while
+    the request is below its `min_tokens`. Travels in `ModelInput.processing`."""
+
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: list[tuple[int, float]] = []
+    banned_token_ids: list[int] = []
+    output_token_ids: list[int] = []
+    prompt_token_ids: list[int] = []
+
+
 def shown(value: int) -> str:
     """`value` as an error message may quote it: its digits, unless there are too many."""
     if abs(value) < 10**MAX_SHOWN_DIGITS:

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from otel_engine.engine.structured_output import RequestGrammar, fill_bitmasks
-from otel_engine.ipc.messages import LogitsProcessing, ModelInput, PromptLogprobsChunk
+from otel_engine.ipc.messages import ModelInput, PromptLogprobsChunk
+from otel_engine.sampling_params import LogitsProcessing
 from otel_engine.sched.request import Request
 from otel_engine.sched.scheduler import ScheduledChunk
 

@@ -27,12 +27,12 @@ from otel_engine.engine.validation import check_request
 from otel_engine.errors import ErrorCode, RequestError
 from otel_engine.executor.executor import Executor, failure_info
 from otel_engine.executor.hang import hang_error, ranks_part
+from otel_engine.executor.rank_plans import runs_kernels
 from otel_engine.ipc.messages import (
     AbortRequests,
     AddRequest,
     CoreRequest,
     EngineDead,
-    EngineLimits,
     ErrorInfo,
     ModelInput,
     ModelOutput,
@@ -46,6 +46,7 @@ from otel_engine.ipc.messages import (
 )
 from otel_engine.ipc.process import ENGINE_CORE
 from otel_engine.model.arch import ModelArch
+from otel_engine.model.limits import EngineLimits
 from otel_engine.observability import crash_delivery, crash_dump
 from otel_engine.observability.faults import maybe_inject
 from otel_engine.observability.step_history import StepHistory
@@ -90,7 +91,7 @@ class EngineCore:
             max_model_len=self.limits.max_model_len,
         )
         self.executor = executor
-        self.fast_paths = executor.fast_paths  # what the model runs (rank 0's choice)
+        self.fast_paths = executor.fast_paths  # every rank's plan (`executor/rank_plans.py`)
         # Structured-output requests wait here, outside the scheduler, for their grammar.
         self.grammars = GrammarCompiler(model_dir, arch.vocab_size, arch.eos_token_ids)
         if model_dir:
@@ -447,7 +448,7 @@ class EngineCore:
                     self.current_output,
                     self.current_model_input,
                     self.config.model.device,
-                    kernels=_runs_kernels(self.fast_paths),
+                    kernels=runs_kernels(self.fast_paths),
                 ),
                 "engine_config": lambda: crash_dump.engine_config_part(
                     self.config, self.arch, self.limits, self.fast_paths
@@ -478,12 +479,6 @@ class EngineCore:
     def shutdown(self, *, graceful: bool = True) -> None:
         self.grammars.shutdown()
         self.executor.shutdown(graceful=graceful)
-
-
-def _runs_kernels(fast_paths: dict[str, Any] | None) -> bool:
-    """Whether the fast-path summary says the compiled kernels run the model."""
-    paths = (fast_paths or {}).get("paths") or {}
-    return bool((paths.get("compiled_kernels") or {}).get("enabled"))
 
 
 def _logprobs_by_request(output: SchedulerOutput, result: ModelOutput) -> dict[str, Any]:

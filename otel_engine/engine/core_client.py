@@ -35,7 +35,6 @@ from otel_engine.ipc.messages import (
     CoreOutput,
     CoreRequest,
     EngineDead,
-    EngineLimits,
     ErrorInfo,
     Heartbeat,
     PauseRequests,
@@ -46,6 +45,7 @@ from otel_engine.ipc.messages import (
 from otel_engine.ipc.native_fault import enable_on_stderr
 from otel_engine.ipc.paths import IpcDir
 from otel_engine.ipc.process import ENGINE_CORE, spawn, wait_for_death
+from otel_engine.model.limits import EngineLimits
 from otel_engine.observability import crash_delivery, crash_dump
 from otel_engine.observability.setup import spawn_env
 from otel_engine.observability.tracing import get_tracer, inject_context, is_tracing
@@ -231,7 +231,7 @@ class MPClient:
         assert ready.limits is not None, "the engine core's Ready carries its limits"
         self.limits = ready.limits
         self.max_model_len = ready.limits.max_model_len
-        self.fast_paths = ready.fast_paths  # the paths the model runs (`kernels.selected`)
+        self.fast_paths = ready.fast_paths  # every rank's plan (`executor/rank_plans.py`)
         self._heard_at = time.monotonic()
         self._monitor = threading.Thread(target=self._watch_core, name="core-monitor", daemon=True)
         self._monitor.start()

@@ -58,11 +58,12 @@ FAILED_EXIT_CODE = 1
 
 
 def build_engine_core(config: EngineConfig, model_dir: str, ipc_dir: IpcDir) -> EngineCore:
-    """The model's limits, the executor (its workers started and ready), and the core."""
+    """The model's limits (resolved here, once, for every rank), the executor (its workers
+    started and ready), and the core."""
     arch = load_model_arch(model_dir)
     limits = resolve_limits(config, arch)
     maybe_inject(ENGINE_CORE, phase="load")
-    executor = make_executor(config, model_dir, ipc_dir)
+    executor = make_executor(config, model_dir, limits, ipc_dir)
     return EngineCore(config, arch, limits, executor, model_dir)
 
 

@@ -680,6 +680,24 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class RankDifference(BaseModel):
+    key: str = Field(description="dotted, e.g. `paths.int4_kernels.enabled`")
+    values: list[Any] = Field(description="each rank's value, by rank (null: the rank has none)")
+
+
+class FastPathPlans(BaseModel):
+    """Each rank's fast-path plan (`executor/rank_plans.py`), and where the ranks differ."""
+
+    ranks: list[dict[str, Any]] = Field(
+        description="each rank's plan, by rank: cpu_isa, kernel_isa, paths (each enabled or "
+        "not, and why), choices; what that rank's start log said (kernels.selected)"
+    )
+    ranks_differ: bool = Field(description="not every rank runs the same plan")
+    differences: list[RankDifference] = Field(
+        description="each key whose value is not the same on every rank"
+    )
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"]
@@ -689,10 +707,8 @@ class ModelCard(BaseModel):
     sampling_defaults: dict[str, float] = Field(
         description="what a request that omits these fields gets (--generation-config)"
     )
-    fast_paths: dict[str, Any] | None = Field(
-        default=None,
-        description="the fast paths the model runs on this machine, each enabled or not and "
-        "why (cpu_isa, kernel_isa, paths); the start log's kernels.selected",
+    fast_paths: FastPathPlans | None = Field(
+        default=None, description="the fast paths the model runs, on each rank"
     )
 
 

@@ -21,6 +21,7 @@ import zmq
 from otel_engine.config import EngineConfig
 from otel_engine.errors import FailureCause
 from otel_engine.executor.hang import ask_ranks
+from otel_engine.executor.rank_plans import collect
 from otel_engine.executor.responder import flight_recorder_env
 from otel_engine.ipc.codec import Codec, error_info
 from otel_engine.ipc.messages import (
@@ -42,6 +43,7 @@ from otel_engine.ipc.process import (
     stop_all,
     wait_for_death,
 )
+from otel_engine.model.limits import EngineLimits
 from otel_engine.observability.faults import maybe_inject
 from otel_engine.observability.setup import spawn_env
 from otel_engine.timing import (
@@ -109,12 +111,12 @@ def worker_death(workers: list[ChildProcess]) -> tuple[ErrorInfo, int | None]:
 class UniprocExecutor:
     """The model runs right here (TP=1)."""
 
-    def __init__(self, config: EngineConfig, model_dir: str) -> None:
+    def __init__(self, config: EngineConfig, model_dir: str, limits: EngineLimits) -> None:
         from otel_engine.executor.model_runner import ModelRunner  # torch: only where it runs
 
         maybe_inject("worker", phase="load", rank=0)
-        self.runner = ModelRunner(config, model_dir, rank=0)
-        self.fast_paths: dict[str, Any] | None = self.runner.model.fast_paths.summary()
+        self.runner = ModelRunner(config, model_dir, limits, rank=0)
+        self.fast_paths: dict[str, Any] | None = collect([self.runner.model.fast_paths.summary()])
 
     def execute(self, step: ModelInput) -> ModelOutput:
         maybe_inject(
@@ -168,7 +170,9 @@ class MultiprocExecutor:
     _stopping: bool
     _monitor: threading.Thread | None
 
-    def __init__(self, config: EngineConfig, model_dir: str, ipc_dir: IpcDir) -> None:
+    def __init__(
+        self, config: EngineConfig, model_dir: str, limits: EngineLimits, ipc_dir: IpcDir
+    ) -> None:
         self._init_state(config)
         self._results.bind(ipc_dir.address("worker-out"))
         self._probe_addresses = [ipc_dir.address(f"worker-probe-{r}") for r in range(self.tp_size)]
@@ -186,6 +190,7 @@ class MultiprocExecutor:
                         "otel_engine.executor.worker:run_worker",
                         config.encode(),
                         model_dir,
+                        limits.encode(),
                         rank,
                         store_path,
                         ipc_dir.address(f"worker-in-{rank}"),
@@ -199,7 +204,7 @@ class MultiprocExecutor:
                 )
             deadline = time.monotonic() + config.timeouts.engine_ready_timeout
             ready = [worker.wait_ready(deadline) for worker in self.workers]
-            self.fast_paths = ready[0].fast_paths  # rank 0's: every rank chooses alike
+            self.fast_paths = collect([r.fast_paths or {} for r in ready])
         except BaseException:
             self.shutdown(graceful=False)
             raise
@@ -218,7 +223,7 @@ class MultiprocExecutor:
         self._inputs = []
         self.workers = []  # local processes (none on Ray)
         self._failure = None
-        self.fast_paths = None  # rank 0's, once the workers are ready
+        self.fast_paths = None  # every rank's plan (`rank_plans`), once they are ready
         self._died = None  # a worker that exited, as the monitor saw it
         self._died_code = None
         self._root = None  # the cause, once decided
@@ -357,11 +362,15 @@ class MultiprocExecutor:
 Executor = UniprocExecutor | MultiprocExecutor
 
 
-def make_executor(config: EngineConfig, model_dir: str, ipc_dir: IpcDir) -> Executor:
+def make_executor(
+    config: EngineConfig, model_dir: str, limits: EngineLimits, ipc_dir: IpcDir
+) -> Executor:
+    """The executor `config` asks for, its ranks started with `limits` (resolved once, by
+    the caller) and ready."""
     if config.parallel.distributed_executor_backend == "ray":
         from otel_engine.executor.ray_executor import RayExecutor  # ray: only when asked for
 
-        return RayExecutor(config, model_dir)
+        return RayExecutor(config, model_dir, limits)
     if config.parallel.tensor_parallel_size == 1:
-        return UniprocExecutor(config, model_dir)
-    return MultiprocExecutor(config, model_dir, ipc_dir)
+        return UniprocExecutor(config, model_dir, limits)
+    return MultiprocExecutor(config, model_dir, limits, ipc_dir)

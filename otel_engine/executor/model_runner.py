@@ -16,7 +16,7 @@ from otel_engine.ipc.messages import ModelInput, ModelOutput, PromptLogprobsChun
 from otel_engine.memory import huge_page_region, return_freed_memory
 from otel_engine.model.arch import load_model_arch
 from otel_engine.model.attention import AttentionMetadata
-from otel_engine.model.limits import dtype_name, resolve_limits
+from otel_engine.model.limits import EngineLimits, dtype_name, resolve_limits
 from otel_engine.model.registry import model_class
 from otel_engine.model.sampler import Sampler, logprobs_of
 from otel_engine.model.weights import iter_int4, iter_weights
@@ -29,13 +29,22 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 class ModelRunner:
-    """One rank's model, KV cache and (on rank 0) sampler."""
+    """One rank's model, KV cache and (on rank 0) sampler. `limits` are the engine's
+    (resolved once, in the engine core); None resolves them here, for a runner outside an
+    engine (tests, benchmarks)."""
 
-    def __init__(self, config: EngineConfig, model_dir: str, *, rank: int = 0) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_dir: str,
+        limits: EngineLimits | None = None,
+        *,
+        rank: int = 0,
+    ) -> None:
         self.config = config
         self.rank = rank
         self.arch = load_model_arch(model_dir)
-        self.limits = resolve_limits(config, self.arch)
+        self.limits = limits if limits is not None else resolve_limits(config, self.arch)
         self.device = torch.device(
             config.model.device if config.model.device == "cpu" else f"cuda:{rank}"
         )

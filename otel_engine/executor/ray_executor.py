@@ -33,6 +33,7 @@ import zmq
 from otel_engine.config import EngineConfig
 from otel_engine.errors import EngineStartupError, FailureCause
 from otel_engine.executor.executor import MultiprocExecutor
+from otel_engine.executor.rank_plans import collect
 from otel_engine.executor.ray_worker import RayWorker, describe_node
 from otel_engine.executor.responder import flight_recorder_env
 from otel_engine.ipc.messages import (
@@ -41,6 +42,7 @@ from otel_engine.ipc.messages import (
     WorkerFailure,
 )
 from otel_engine.ipc.process import ENGINE_CORE, process_title
+from otel_engine.model.limits import EngineLimits
 from otel_engine.observability.faults import ENV_VAR as FAULT_ENV
 from otel_engine.observability.setup import child_env
 from otel_engine.timing import (
@@ -133,7 +135,7 @@ class RayExecutor(MultiprocExecutor):
     """`tensor_parallel_size` ranks as Ray actors; rank 0 samples. The step path (`execute`,
     `check_health`, failure reports, `ask_ranks`) is `MultiprocExecutor`'s."""
 
-    def __init__(self, config: EngineConfig, model_dir: str) -> None:
+    def __init__(self, config: EngineConfig, model_dir: str, limits: EngineLimits) -> None:
         ray = import_ray()
         self._init_state(config)
         self._ray = ray
@@ -162,7 +164,12 @@ class RayExecutor(MultiprocExecutor):
             )
             starts = [
                 actor.start.remote(
-                    config.encode(), model_dir, *store, input_addresses[rank], results_address
+                    config.encode(),
+                    model_dir,
+                    limits.encode(),
+                    *store,
+                    input_addresses[rank],
+                    results_address,
                 )
                 for rank, actor in enumerate(self._actors)
             ]
@@ -172,7 +179,7 @@ class RayExecutor(MultiprocExecutor):
             raise
         self._probe_addresses = [r["probe_address"] for r in ready]
         self._nodes = [{k: r[k] for k in ("node_id", "node_ip", "hostname", "pid")} for r in ready]
-        self.fast_paths = ready[0]["fast_paths"]
+        self.fast_paths = collect([r["fast_paths"] for r in ready])
         self._runs = [actor.run.remote() for actor in self._actors]
         logger.info(
             "ray.ranks_placed",

@@ -27,6 +27,7 @@ import zmq
 from otel_engine.config import EngineConfig
 from otel_engine.executor.responder import Responder
 from otel_engine.ipc.paths import listening_socket
+from otel_engine.model.limits import EngineLimits
 from otel_engine.observability.faults import maybe_inject
 from otel_engine.observability.setup import setup_process
 from otel_engine.observability.tracing import shutdown_telemetry
@@ -94,6 +95,7 @@ class RayWorker:
         self,
         config_bytes: bytes,
         model_dir: str,
+        limits_bytes: bytes,
         store_host: str,
         store_port: int,
         input_address: str,
@@ -120,7 +122,8 @@ class RayWorker:
             backend, store=store, rank=self.rank, world_size=tp_size, timeout=timeout
         )
         maybe_inject("worker", phase="load", rank=self.rank)
-        self._runner = ModelRunner(config, model_dir, rank=self.rank)
+        limits = EngineLimits.decode(limits_bytes)
+        self._runner = ModelRunner(config, model_dir, limits, rank=self.rank)
         self._context = zmq.Context(io_threads=1)
         inputs = self._context.socket(zmq.PULL)
         inputs.connect(input_address)

@@ -31,6 +31,7 @@ from otel_engine.ipc.messages import (
 )
 from otel_engine.ipc.paths import LOOPBACK, listening_socket, publish, wait_for
 from otel_engine.ipc.process import ReadyChannel, process_title
+from otel_engine.model.limits import EngineLimits
 from otel_engine.observability.faults import maybe_inject
 from otel_engine.observability.tracing import (
     extract_context,
@@ -47,6 +48,7 @@ def run_worker(
     channel: ReadyChannel,
     config_bytes: bytes,
     model_dir: str,
+    limits_bytes: bytes,
     rank: int,
     store_path: str,
     input_address: str,
@@ -64,7 +66,7 @@ def run_worker(
     store = _rendezvous_store(rank, tp_size, store_path, timeout)
     dist.init_process_group(backend, store=store, rank=rank, world_size=tp_size, timeout=timeout)
     maybe_inject("worker", phase="load", rank=rank)
-    runner = ModelRunner(config, model_dir, rank=rank)
+    runner = ModelRunner(config, model_dir, EngineLimits.decode(limits_bytes), rank=rank)
     context = zmq.Context(io_threads=1)
     inputs = context.socket(zmq.PULL)
     inputs.connect(input_address)

@@ -3,7 +3,9 @@
 Frames between the front end (api_server / LLM) and the engine core, between the engine
 core and its workers, and the ready handshake every child sends its parent. A fatal
 failure anywhere becomes one `EngineDead` frame to the front end; a worker reports its own
-failure as `WorkerFailure`.
+failure as `WorkerFailure`. Value types with a home of their own travel inside these frames
+and are imported from it: `SamplingParams` and `LogitsProcessing` (sampling_params.py),
+`EngineLimits` (model/limits.py), `TokenLogprobs` (outputs.py).
 """
 
 from __future__ import annotations
@@ -12,8 +14,9 @@ from typing import Any
 
 import msgspec
 
+from otel_engine.model.limits import EngineLimits
 from otel_engine.outputs import TokenLogprobs
-from otel_engine.sampling_params import SamplingParams
+from otel_engine.sampling_params import LogitsProcessing, SamplingParams
 
 # ---- Handshake: every child to its parent, once -------------------------------------------
 
@@ -43,20 +46,10 @@ class ErrorInfo(msgspec.Struct, frozen=True):
     rank: int | None = None  # the worker's rank, when a worker failed
 
 
-class EngineLimits(msgspec.Struct, frozen=True, array_like=True):
-    """Sizes resolved once from the config and the model (`model/limits.py`), the same in
-    every process: what the front end checks requests against."""
-
-    num_kv_blocks: int
-    max_model_len: int
-    # What set max_model_len: "model" (max_position_embeddings), "max_model_len" (the
-    # flag), "sliding_window", or "kv_cache" (the KV budget holds fewer tokens).
-    limited_by: str = "model"
-
-
 class Ready(msgspec.Struct, frozen=True, tag="ready", array_like=True):
-    """The child finished starting. The engine core says what its limits are; a process that
-    runs the model, which fast paths it chose (`FastPaths.summary()`, plain data)."""
+    """The child finished starting. The engine core says what its limits are and every
+    rank's fast-path plan (`executor/rank_plans.py`); a worker, the plan it chose
+    (`FastPaths.summary()`, plain data)."""
 
     process: str
     pid: int
@@ -182,22 +175,6 @@ class Heartbeat(msgspec.Struct, frozen=True, tag="heartbeat", array_like=True):
 CoreOutput = StepOutputs | EngineDead | Heartbeat
 
 # ---- Engine core -> workers (tensor parallel) ---------------------------------------------
-
-
-class LogitsProcessing(msgspec.Struct, frozen=True, array_like=True):
-    """One sampled row's logits processing (`SamplingParams` has the definitions), with the
-    token history its penalties need: output ids for any penalty, prompt ids for the
-    repetition penalty. `banned_token_ids`: EOS and stop token ids while the request is
-    below its `min_tokens`."""
-
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_p: float = 0.0
-    logit_bias: list[tuple[int, float]] = []
-    banned_token_ids: list[int] = []
-    output_token_ids: list[int] = []
-    prompt_token_ids: list[int] = []
 
 
 class PromptLogprobsChunk(msgspec.Struct, frozen=True, array_like=True):

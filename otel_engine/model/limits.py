@@ -1,15 +1,36 @@
-"""What a model and a config allow, resolved once and the same in every process: the KV
-cache's size, the context length, the dtype, whether the heads split across the ranks.
-No torch here: the engine core process uses it without loading torch (at TP > 1 it runs no
-model)."""
+"""What a model and a config allow: the KV cache's size, the context length, the dtype,
+whether the heads split across the ranks. The limits are resolved once, in the engine core
+(`resolve_limits`), and handed to every rank's runner and to the front end, so every process
+runs with the same ones. No torch here: the engine core process uses it without loading
+torch (at TP > 1 it runs no model)."""
 
 from __future__ import annotations
 
+import msgspec
+
 from otel_engine.config import EngineConfig
-from otel_engine.ipc.messages import EngineLimits
 from otel_engine.model.arch import ModelArch
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+class EngineLimits(msgspec.Struct, frozen=True, array_like=True):
+    """Sizes resolved once from the config and the model (`resolve_limits`), the same in
+    every process: what the runners size their KV caches by and the front end checks
+    requests against."""
+
+    num_kv_blocks: int
+    max_model_len: int
+    # What set max_model_len: "model" (max_position_embeddings), "max_model_len" (the
+    # flag), "sliding_window", or "kv_cache" (the KV budget holds fewer tokens).
+    limited_by: str = "model"
+
+    def encode(self) -> bytes:
+        return msgspec.msgpack.encode(self)
+
+    @staticmethod
+    def decode(data: bytes) -> EngineLimits:
+        return msgspec.msgpack.decode(data, type=EngineLimits)
 
 
 def dtype_name(config: EngineConfig, arch: ModelArch) -> str:

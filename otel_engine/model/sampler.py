@@ -18,8 +18,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from otel_engine.ipc.messages import LogitsProcessing
 from otel_engine.outputs import TokenLogprobs
+from otel_engine.sampling_params import LogitsProcessing
 
 _SEED_MIX = 0x9E3779B97F4A7C15
 # What a grammar adds to the logit of a token it does not allow: far below any real logit

@@ -115,7 +115,8 @@ def engine_config_part(
     config: Any, arch: Any = None, limits: Any = None, fast_paths: Any = None
 ) -> dict[str, Any]:
     """Model, dtype, device, parallelism, cache and scheduler limits, timeouts, versions, and
-    the fast paths the model runs (`FastPaths.summary()`: levels, booleans and reasons)."""
+    the fast paths the model runs: each rank's plan and where the ranks differ
+    (`executor/rank_plans.py`)."""
     model = config.model
     part: dict[str, Any] = {
         "model": os.path.basename(os.path.normpath(model.model)) if model.model else "default",

@@ -406,9 +406,9 @@ class EngineMetrics:
         )
         self.fast_path = Gauge(
             "otel_engine_fast_path_info",
-            "1 per fast path the model could run (model/fast_paths.py), labelled with whether "
-            "it runs on this machine and the CPU's and the kernel build's instruction sets.",
-            ["path", "enabled", "cpu_isa", "kernel_isa"],
+            "1 per fast path the model could run (model/fast_paths.py) and rank, labelled with "
+            "whether that rank runs it and its CPU's and kernel build's instruction sets.",
+            ["path", "rank", "enabled", "cpu_isa", "kernel_isa"],
             registry=r,
         )
         self.health_state = Gauge(
@@ -540,14 +540,13 @@ class EngineMetrics:
         """The server closed a connection to keep within its limits (connections.py)."""
         self._closed[reason].inc()
 
-    def set_fast_paths(self, summary: dict[str, Any] | None) -> None:
-        """The engine's fast-path decisions (`FastPaths.summary()`), once at start."""
-        if not summary:
-            return
-        cpu, build = str(summary.get("cpu_isa")), str(summary.get("kernel_isa") or "none")
-        for path, choice in summary.get("paths", {}).items():
-            enabled = "true" if choice.get("enabled") else "false"
-            self.fast_path.labels(path, enabled, cpu, build).set(1)
+    def set_fast_paths(self, plans: dict[str, Any] | None) -> None:
+        """Every rank's fast-path decisions (`executor/rank_plans.py`), once at start."""
+        for rank, summary in enumerate((plans or {}).get("ranks") or []):
+            cpu, build = str(summary.get("cpu_isa")), str(summary.get("kernel_isa") or "none")
+            for path, choice in summary.get("paths", {}).items():
+                enabled = "true" if choice.get("enabled") else "false"
+                self.fast_path.labels(path, str(rank), enabled, cpu, build).set(1)
 
     def set_cache_config(self, *, block_size: int, num_blocks: int, prefix_caching: bool) -> None:
         """The KV cache's shape, once at start (`otel_engine_cache_config_info`)."""

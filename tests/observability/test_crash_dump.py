@@ -29,6 +29,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from otel_engine.config import EngineConfig
 from otel_engine.engine.batch import prepare_model_input
 from otel_engine.engine.structured_output import from_response_format
+from otel_engine.executor.rank_plans import rank_plans
 from otel_engine.ipc.messages import ErrorInfo
 from otel_engine.observability import crash_dump, redaction
 from otel_engine.observability.crash_delivery import failure_summary, report_crash
@@ -329,16 +330,22 @@ def test_engine_config_part_names_model_parallelism_limits_and_versions() -> Non
 
 
 def test_engine_config_part_says_which_fast_paths_ran() -> None:
-    """The fast-path decisions the model ran with (which kernels a native fault was in)."""
+    """Each rank's fast-path decisions the model ran with (which kernels a native fault was
+    in), and where the ranks differ."""
     summary = {
         "cpu_isa": "avx512bf16",
         "kernel_isa": "avx512bf16",
         "paths": {"int4_kernels": {"enabled": True, "reason": "the checkpoint's 4-bit weights"}},
     }
+    plans = rank_plans([summary, {**summary, "cpu_isa": "avx2"}])
 
-    part = engine_config_part(EngineConfig(), fast_paths=summary)
+    part = engine_config_part(EngineConfig(), fast_paths=plans)
 
-    assert summary == part["fast_paths"]
+    assert [summary, {**summary, "cpu_isa": "avx2"}] == part["fast_paths"]["ranks"]
+    assert (True, [{"key": "cpu_isa", "values": ["avx512bf16", "avx2"]}]) == (
+        part["fast_paths"]["ranks_differ"],
+        part["fast_paths"]["differences"],
+    )
     assert "fast_paths" not in engine_config_part(EngineConfig())
 
 

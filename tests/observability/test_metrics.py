@@ -6,6 +6,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from otel_engine.config import ObservabilityConfig
+from otel_engine.executor.rank_plans import rank_plans
 from otel_engine.ipc.messages import StepOutputs
 from otel_engine.observability.metrics import TTFT_BUCKETS, VLLM_NAMES, EngineMetrics
 from otel_engine.observability.otlp_metrics import registry_to_metrics, start_otlp_metrics
@@ -49,14 +50,26 @@ FAMILIES = {
 }
 
 
-FAST_PATHS = {  # a FastPaths.summary(), as the engine reports it at start
-    "cpu_isa": "avx2",
-    "kernel_isa": None,
-    "paths": {
-        "compiled_kernels": {"enabled": False, "reason": "float32 on avx2"},
-        "onednn_packing": {"enabled": True, "reason": "oneDNN prepacked weights"},
-    },
-}
+FAST_PATHS = rank_plans(  # every rank's FastPaths.summary(), as the engine reports them
+    [
+        {
+            "cpu_isa": "avx2",
+            "kernel_isa": None,
+            "paths": {
+                "compiled_kernels": {"enabled": False, "reason": "float32 on avx2"},
+                "onednn_packing": {"enabled": True, "reason": "oneDNN prepacked weights"},
+            },
+        },
+        {
+            "cpu_isa": "avx512bf16",
+            "kernel_isa": "avx512bf16",
+            "paths": {
+                "compiled_kernels": {"enabled": True, "reason": None},
+                "onednn_packing": {"enabled": True, "reason": "oneDNN prepacked weights"},
+            },
+        },
+    ]
+)
 
 
 class Step:
@@ -202,19 +215,22 @@ def test_errors_are_counted_by_type() -> None:
 
 
 def test_fast_path_decisions_are_one_sample_each() -> None:
-    """Each path of the start-up decision is one sample of value 1 whose labels say whether
-    it runs and on which instruction sets."""
+    """Each path of each rank's start-up decision is one sample of value 1 whose labels say
+    the rank, whether it runs there and on which instruction sets."""
     metrics = EngineMetrics()
     metrics.set_fast_paths(FAST_PATHS)
 
     found = {
-        dict(labels)["path"]: (dict(labels)["enabled"], dict(labels)["cpu_isa"], value)
-        for (name, labels), value in samples(metrics).items()
+        (labels["path"], labels["rank"]): (labels["enabled"], labels["cpu_isa"], value)
+        for (name, label_items), value in samples(metrics).items()
         if name == "otel_engine_fast_path_info"
+        for labels in [dict(label_items)]
     }
     assert {
-        "compiled_kernels": ("false", "avx2", 1.0),
-        "onednn_packing": ("true", "avx2", 1.0),
+        ("compiled_kernels", "0"): ("false", "avx2", 1.0),
+        ("onednn_packing", "0"): ("true", "avx2", 1.0),
+        ("compiled_kernels", "1"): ("true", "avx512bf16", 1.0),
+        ("onednn_packing", "1"): ("true", "avx512bf16", 1.0),
     } == found
 
 
