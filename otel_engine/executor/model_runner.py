@@ -17,9 +17,8 @@ from otel_engine.memory import huge_page_region, return_freed_memory
 from otel_engine.model.arch import load_model_arch
 from otel_engine.model.attention import AttentionMetadata
 from otel_engine.model.limits import EngineLimits, dtype_name, resolve_limits
-from otel_engine.model.registry import model_class
+from otel_engine.model.registry import load_model
 from otel_engine.model.sampler import Sampler, logprobs_of
-from otel_engine.model.weights import iter_int4, iter_weights
 from otel_engine.outputs import TokenLogprobs
 
 logger = logging.getLogger(__name__)
@@ -50,7 +49,8 @@ class ModelRunner:
         )
         self.dtype = _DTYPES[dtype_name(config, self.arch)]
         self.block_size = config.cache.block_size
-        self.model = model_class(self.arch)(
+        self.model = load_model(
+            model_dir,
             self.arch,
             dtype=self.dtype,
             device=self.device,
@@ -62,10 +62,7 @@ class ModelRunner:
             quant_activations=config.model.quant_activations,
             block_size=self.block_size,
         )
-        keep = self.model.fast_paths.is_on("quant_kernels")
-        self.model.load_weights(iter_weights(model_dir, keep_quantized=keep))
-        self._load_int4(model_dir)
-        self.model.place_blocks()  # out of the file's mapping, onto 2 MiB pages
+        logger.info("kernels.selected", extra={**self.model.fast_paths.summary(), "rank": rank})
         return_freed_memory()  # the staged checkpoint, and bfloat16 copies the 4-bit replaced
         shape = (
             self.model.num_kv_heads,
@@ -75,13 +72,6 @@ class ModelRunner:
         )
         self.kv_caches = _kv_caches(shape, self.dtype, self.device, self.arch.num_hidden_layers)
         self.sampler = Sampler(self.device, config.model.seed) if rank == 0 else None
-
-    def _load_int4(self, model_dir: str) -> None:
-        """The checkpoint's 4-bit weights where the fast paths take them (--int4); then the
-        paths this rank runs, logged once (`kernels.selected`)."""
-        model = self.model
-        model.load_int4(iter_int4(model_dir) if model.fast_paths.is_on("int4_kernels") else {})
-        logger.info("kernels.selected", extra={**model.fast_paths.summary(), "rank": self.rank})
 
     def forward_inputs(self, step: ModelInput) -> tuple[torch.Tensor, AttentionMetadata]:
         """The step's token ids as a tensor and its attention metadata (for every layer)."""

@@ -21,7 +21,7 @@ from otel_engine.model.weights import INT4_GROUP, Int4Tensor
 # oneDNN 8.8 / 422), measured on a CPU without AMX. Where torch's matmul runs on AMX, tiles of
 # the blocks dequantized for it beat the panels beyond 16 rows (the default model's four
 # matrices of a layer at 32 / 64 / 256 rows: panels 1.30 / 2.45 / 9.28 ms, tiles 1.33 / 1.63
-# / 2.61; fast_paths.int4_tiles), and no panels are built.
+# / 2.61; `fast_paths.Form.INT4_TILES`), and no panels are built.
 INT4_MAX_ROWS = 16
 
 

@@ -35,7 +35,7 @@ QUANT_MAX_ROWS = 8
 # tiles 12.3 / 23.2 / 70.8 ms, 1 MiB 9.9 / 18.9 / 44.2, 4 MiB 9.1 / 12.4 / 30.5, 16 MiB
 # 7.3 / 9.3 / 28.2 (the buffer is one per model).
 TILE_BYTES = 16 << 20
-# Where the CPU has AMX (fast_paths.FastPaths.amx_tiles), steps of more than QUANT_MAX_ROWS
+# Where the CPU has AMX (`fast_paths.Larger.AMX`), steps of more than QUANT_MAX_ROWS
 # and at most this many rows run `quant_linear_amx_bf16` (one pass of dequantization into
 # tiles in L1 per 48 rows: cpu_kernels.c AMX_PASS_ROWS), larger ones the tiles above. A Q4_K
 # matrix of 14,336 x 4,096 read from memory at 16 / 32 / 48 / 64 / 128 rows: AMX 7.7 / 9.1 /
