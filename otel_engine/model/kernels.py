@@ -22,6 +22,7 @@ model then runs on torch ops alone (the same results within rounding, slower).
 from __future__ import annotations
 
 import ctypes
+import enum
 import functools
 import hashlib
 import logging
@@ -31,6 +32,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -142,7 +144,14 @@ OPTIONAL_SIGNATURES: dict[str, tuple[tuple[str, type], ...]] = {
         ("eps", _F), ("scale", _F),
     ),
 }  # fmt: skip
+# Built only for AMX targets; these return a value, not a status.
+QUERIES: dict[str, tuple[tuple[str, type], ...]] = {
+    "amx_ready": (),  # 1 if Linux lends this process the AMX tiles (asked once), else 0
+}
 _TAG = re.compile(rb"otel-kernels-build:abi=(\d+);isa=([a-z0-9]+);")
+# The switch for the call sites: True once every one passes its arguments by name; until
+# then a wrapper also takes them in SIGNATURES order.
+KEYWORDS_ONLY = False
 
 
 def cpu_isa() -> str:
@@ -181,6 +190,40 @@ def check_runnable(isa: str, detected: str, *, source: str) -> None:
         return
     if ISA_LEVELS.index(isa) > ISA_LEVELS.index(detected):
         raise ValueError(f"{source} is above what this CPU runs ({detected})")
+
+
+class KernelStatus(enum.IntEnum):
+    """What every kernel returns, by code: cpu_kernels.c's STATUS_LIST in its order (the
+    contract's `statuses` names them, and load() compares)."""
+
+    OK = 0
+    BAD_TYPE = 1
+    NO_MEMORY = 2
+    BAD_ARGUMENT = 3
+
+    @property
+    def reason(self) -> str:
+        """What the status says went wrong, as KernelError states it."""
+        return _REASONS[self]
+
+
+_REASONS = {
+    KernelStatus.OK: "ok",
+    KernelStatus.BAD_TYPE: "unknown GGML type id",
+    KernelStatus.NO_MEMORY: "out of memory (an allocation failed)",
+    KernelStatus.BAD_ARGUMENT: "an argument outside what the kernel takes",
+}
+
+
+class KernelError(RuntimeError):
+    """A kernel refused its input (its status was not OK): `kernel` names the C entry point,
+    `reason` says why."""
+
+    def __init__(self, kernel: str, status: KernelStatus, reason: str) -> None:
+        super().__init__(f"kernel {kernel}: {reason}")
+        self.kernel = kernel
+        self.status = status
+        self.reason = reason
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,21 +268,25 @@ class Contract:
 
 
 class KernelLibrary:
-    """A loaded kernels library: its typed functions (as attributes, optional ones absent
-    where the build has none), its target and its contract."""
+    """A loaded kernels library: its functions as attributes (optional ones absent where the
+    build has none), each a wrapper made once at load (`_wrap`): arguments by the names in
+    SIGNATURES, tensors or None for pointers, a status that is not OK raised as KernelError;
+    its target and its contract."""
 
     def __init__(self, cdll: ctypes.CDLL, path: Path, contract: Contract) -> None:
-        self._cdll = cdll
         self.path = path
         self.contract = contract
         self.isa = contract.isa
         self.max_block_size = contract.values["max_block_size"]
+        self._functions = _wrappers(cdll)
+        for name, wrapper in self._functions.items():
+            setattr(self, name, wrapper)
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._cdll, name)
+        raise AttributeError(f"the kernels library built for {self.isa} has no {name}")
 
     def has(self, name: str) -> bool:
-        return hasattr(self._cdll, name)
+        return name in self._functions
 
 
 def _cache_dir() -> Path:
@@ -334,21 +381,79 @@ def load(isa: str | None = None) -> KernelLibrary | None:
     except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as error:
         logger.warning("kernels.unavailable", extra={"reason": f"{type(error).__name__}: {error}"})
         return None
-    for name, params in SIGNATURES.items():
-        for suffix in SUFFIXES:
-            _declare(getattr(cdll, f"{name}_{suffix}"), params)
-    for name, params in PLAIN_SIGNATURES.items():
-        _declare(getattr(cdll, name), params)
-    for name, params in OPTIONAL_SIGNATURES.items():
-        if hasattr(cdll, name):
-            _declare(getattr(cdll, name), params)
-    cdll.fault_drill.restype = ctypes.c_int
-    if hasattr(cdll, "amx_ready"):  # int amx_ready(void): whether Linux lends the tiles
-        cdll.amx_ready.argtypes = []
-        cdll.amx_ready.restype = ctypes.c_int
     return KernelLibrary(cdll, path, contract)
 
 
-def _declare(function: Any, params: tuple[tuple[str, type], ...]) -> None:
-    function.argtypes = [kind for _, kind in params]
-    function.restype = None
+def _exported(cdll: ctypes.CDLL) -> dict[str, tuple[tuple[str, type], ...]]:
+    """Every function this build exports, by name, with its parameters."""
+    exported = {f"{n}_{suffix}": p for n, p in SIGNATURES.items() for suffix in SUFFIXES}
+    exported.update(PLAIN_SIGNATURES)
+    optional = {**OPTIONAL_SIGNATURES, **QUERIES}
+    exported.update({n: p for n, p in optional.items() if hasattr(cdll, n)})
+    return exported
+
+
+def _wrappers(cdll: ctypes.CDLL) -> dict[str, Callable[..., Any]]:
+    import torch
+
+    wrappers = {}
+    for name, params in _exported(cdll).items():
+        function = getattr(cdll, name)
+        function.argtypes = [kind for _, kind in params]
+        function.restype = ctypes.c_int if name in _RETURNS_STATUS or name in QUERIES else None
+        wrappers[name] = _wrap(name, function, params, torch.Tensor)
+    return wrappers
+
+
+_RETURNS_STATUS = {"fault_drill"}
+
+# The wrapper of a kernel, made from its SIGNATURES entry and compiled as if it stood on this
+# template's lines, named as the C function (a faulthandler traceback of a thread inside the
+# kernel shows `File ".../kernels.py", line N in <kernel>`). Pointers: a tensor's data_ptr(),
+# an address (int) or None.
+_WRAPPER = """\
+def {name}({parameters}):
+    status = _function({arguments})
+    if status:
+        raise _failure({name!r}, status, {{{scalars}}})
+"""
+_QUERY = """\
+def {name}():
+    return _function()
+"""
+_WRAPPER_LINE = Path(__file__).read_text().splitlines().index("def {name}({parameters}):")
+_QUERY_LINE = Path(__file__).read_text().splitlines().index("def {name}():")
+
+
+def _wrap(
+    name: str, function: Any, params: tuple[tuple[str, type], ...], tensor: type
+) -> Callable[..., Any]:
+    """`function` called by its parameters' names (or, unless KEYWORDS_ONLY, in order)."""
+    if name in QUERIES:
+        source = "\n" * _QUERY_LINE + _QUERY.format(name=name)
+    else:
+        names = [n for n, _ in params]
+        pointer = "{0}.data_ptr() if isinstance({0}, _Tensor) else {0}"
+        arguments = [pointer.format(n) if kind is _P else n for n, kind in params]
+        scalars = [f"{n!r}: {n}" for n, kind in params if kind is not _P]
+        source = "\n" * _WRAPPER_LINE + _WRAPPER.format(
+            name=name,
+            parameters=", ".join(["*", *names] if KEYWORDS_ONLY and names else names),
+            arguments=", ".join(arguments),
+            scalars=", ".join(scalars),
+        )
+    namespace = {"_function": function, "_Tensor": tensor, "_failure": _failure}
+    exec(compile(source, __file__, "exec"), namespace)
+    wrapper = namespace[name]
+    wrapper.c_function = function
+    return wrapper  # type: ignore[no-any-return]
+
+
+def _failure(name: str, code: int, scalars: dict[str, Any]) -> KernelError:
+    """The error of kernel `name`, whose status was `code`; its scalar arguments shown."""
+    try:
+        status = KernelStatus(code)
+    except ValueError:
+        return KernelError(name, KernelStatus.BAD_ARGUMENT, f"unknown status {code}")
+    shown = ", ".join(f"{key}={value}" for key, value in scalars.items())
+    return KernelError(name, status, f"{status.reason} ({shown})" if shown else status.reason)

@@ -7,6 +7,7 @@ ranks, head size 64 and 128, and a Q4_K_M-like mix of formats within a layer."""
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Any
 
@@ -61,8 +62,9 @@ def test_dequantized_values_are_gguf_py_s_bit_for_bit(name: str, rows: int, cols
     raw = random_blocks(name, rows, cols, seed=rows * cols)
     out = np.empty((rows, cols), dtype=np.float32)
     _library().gguf_dequantize_f32(
-        out.ctypes.data, raw.ctypes.data, GGMLQuantizationType[name].value, rows, cols
-    )
+        out=out.ctypes.data, w=raw.ctypes.data, type=GGMLQuantizationType[name].value, n=rows,
+        k=cols,
+    )  # fmt: skip
     assert np.array_equal(out.view(np.uint32), _reference(raw, name).view(np.uint32))
 
 
@@ -73,7 +75,7 @@ def test_bfloat16_dequantization_is_the_rounded_float32(name: str) -> None:
     raw = random_blocks(name, rows, cols, seed=7)
     out = torch.empty((rows, cols), dtype=torch.bfloat16)
     _library().gguf_dequantize_bf16(
-        out.data_ptr(), raw.ctypes.data, GGMLQuantizationType[name].value, rows, cols
+        out=out, w=raw.ctypes.data, type=GGMLQuantizationType[name].value, n=rows, k=cols
     )
     expected = torch.from_numpy(_reference(raw, name)).to(torch.bfloat16)
     assert torch.equal(out.view(torch.int16), expected.view(torch.int16))
@@ -153,9 +155,8 @@ def test_8_bit_activations_are_exact_where_quantizing_x_is(name: str) -> None:
         for rows in range(1, QUANT_MAX_ROWS + 2):
             out = torch.empty((rows, 40), dtype=torch.bfloat16)
             library.quant_linear_q8_bf16(
-                out.data_ptr(), x.data_ptr(), tensor.raw.data_ptr(), tensor.type_id, rows, 40,
-                cols, 40,
-            )  # fmt: skip
+                out=out, x=x, w=tensor.raw, type=tensor.type_id, rows=rows, n=40, k=cols, ldo=40
+            )
             error = (out.double() - exact[:rows]).abs()
             bound = 2**-8 * exact[:rows].abs() + 1e-5
             assert (error <= bound).all(), (cols, rows, error.max())
@@ -205,9 +206,8 @@ def test_amx_tiles_multiply_by_the_bfloat16_weights(name: str) -> None:
         for rows in (1, 9, 16, 17, 48, 49, 100):
             out = torch.full((rows, n), float("nan"), dtype=torch.bfloat16)
             library.quant_linear_amx_bf16(
-                out.data_ptr(), x.data_ptr(), tensor.raw.data_ptr(), tensor.type_id, rows, n,
-                cols, n,
-            )  # fmt: skip
+                out=out, x=x, w=tensor.raw, type=tensor.type_id, rows=rows, n=n, k=cols, ldo=n
+            )
             error = (out.double() - expected[:rows]).abs()
             assert (error <= 2**-8 * expected[:rows].abs() + 1e-4).all(), (n, rows, error.max())
 
@@ -219,9 +219,10 @@ def test_steps_of_9_to_48_rows_run_in_amx_tiles() -> None:
     calls: list[tuple[str, int]] = []
 
     def counted(name: str, function: Any) -> Any:
-        def call(*args: Any) -> None:
-            calls.append((name, args[4]))
-            function(*args)
+        def call(*args: Any, **kwargs: Any) -> None:
+            arguments = inspect.signature(function).bind(*args, **kwargs).arguments
+            calls.append((name, list(arguments.values())[4]))
+            function(*args, **kwargs)
 
         return call
 

@@ -6,6 +6,7 @@ loaded."""
 from __future__ import annotations
 
 import ctypes
+import inspect
 import re
 import shutil
 import signal
@@ -14,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from otel_engine.model import kernels
 from otel_engine.model.kernels import (
@@ -94,16 +96,81 @@ def test_the_stack_fields_are_named_in_c_order(library: kernels.KernelLibrary) -
     assert len(set(library.contract.stack_dims)) == len(library.contract.stack_dims) == 12
 
 
+def _declared(library: kernels.KernelLibrary) -> dict[str, tuple[tuple[str, type], ...]]:
+    """Every function of SIGNATURES that this build has, by its exported name."""
+    declared = {f"{n}_{suffix}": p for n, p in SIGNATURES.items() for suffix in SUFFIXES}
+    declared.update(PLAIN_SIGNATURES)
+    declared.update({n: p for n, p in OPTIONAL_SIGNATURES.items() if library.has(n)})
+    return declared
+
+
 def test_every_declared_function_is_typed(library: kernels.KernelLibrary) -> None:
     """load() gives each present function its argtypes (ctypes would otherwise pass
     Python ints as C ints and floats not at all)."""
-    for name, params in SIGNATURES.items():
-        for suffix in SUFFIXES:
-            function = getattr(library, f"{name}_{suffix}")
-            assert [k for _, k in params] == function.argtypes
-    for name, params in OPTIONAL_SIGNATURES.items():
-        if library.has(name):
-            assert [k for _, k in params] == getattr(library, name).argtypes
+    for name, params in _declared(library).items():
+        assert [k for _, k in params] == getattr(library, name).c_function.argtypes, name
+
+
+def test_each_wrapper_is_named_as_its_kernel(library: kernels.KernelLibrary) -> None:
+    """A function of the library is a wrapper whose Python name is the C entry point's, in
+    kernels.py (a faulthandler traceback of a thread inside the kernel names it), and whose
+    parameters are SIGNATURES' names in order."""
+    for name, params in _declared(library).items():
+        wrapper = getattr(library, name)
+
+        assert (name, name, name) == (
+            wrapper.__name__,
+            wrapper.__qualname__,
+            wrapper.__code__.co_name,
+        )
+        assert str(SOURCE.with_name("kernels.py")) == wrapper.__code__.co_filename
+        assert [n for n, _ in params] == list(inspect.signature(wrapper).parameters)
+
+
+def test_a_wrong_or_missing_argument_name_is_a_type_error_naming_the_kernel(
+    library: kernels.KernelLibrary,
+) -> None:
+    """Arguments go by name: one the kernel does not have, or one left out, is refused
+    before the kernel runs."""
+    out, gate_up = torch.empty(1, 8), torch.empty(1, 16)
+
+    with pytest.raises(TypeError, match=r"silu_mul_f32.*'widht'"):
+        library.silu_mul_f32(out=out, gate_up=gate_up, rows=1, widht=8)
+    with pytest.raises(TypeError, match=r"silu_mul_f32.*'width'"):
+        library.silu_mul_f32(out=out, gate_up=gate_up, rows=1)
+
+
+def test_a_wrapper_takes_tensors_addresses_and_none_for_pointers(
+    library: kernels.KernelLibrary,
+) -> None:
+    """A pointer parameter takes a tensor (its data_ptr()), an address or None (NULL)."""
+    hidden = torch.randn(2, 16)
+    weight = torch.rand(16)
+    by_tensor, by_address = torch.empty(2, 16), torch.empty(2, 16)
+
+    library.add_rms_norm_f32(
+        hidden=hidden, delta=None, weight=weight, out=by_tensor, rows=2, width=16, eps=1e-6
+    )
+    library.add_rms_norm_f32(
+        hidden=hidden.data_ptr(), delta=None, weight=weight.data_ptr(),
+        out=by_address.data_ptr(), rows=2, width=16, eps=1e-6,
+    )  # fmt: skip
+
+    assert torch.equal(by_tensor, by_address)
+    assert torch.allclose(by_tensor, torch.rms_norm(hidden, (16,), weight, 1e-6))
+
+
+def test_a_status_that_is_not_ok_is_a_kernel_error(library: kernels.KernelLibrary) -> None:
+    """A kernel that refuses its input raises KernelError naming the kernel and the reason,
+    the scalar arguments shown."""
+    with pytest.raises(kernels.KernelError) as caught:
+        library.fault_drill(kind=4, thread=1, target=None)
+
+    assert "fault_drill" == caught.value.kernel
+    assert kernels.KernelStatus.BAD_ARGUMENT == caught.value.status
+    assert caught.value.reason.startswith(kernels.KernelStatus.BAD_ARGUMENT.reason)
+    assert str(caught.value).startswith("kernel fault_drill: ")
+    assert "kind=4, thread=1" in str(caught.value)
 
 
 def _fresh_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -233,8 +300,9 @@ def test_a_build_that_is_not_its_target_is_never_loaded(
 
 
 _DRILL = """
-import ctypes, mmap, os, sys, tempfile
+import ctypes, faulthandler, mmap, os, sys, tempfile
 from otel_engine.model import kernels
+faulthandler.enable()
 library = kernels.load()
 kind, thread = int(sys.argv[1]), int(sys.argv[2])
 with tempfile.TemporaryFile() as file:
@@ -243,7 +311,8 @@ with tempfile.TemporaryFile() as file:
     mapping = mmap.mmap(file.fileno(), mmap.PAGESIZE)
     target = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
     os.ftruncate(file.fileno(), 0)  # the mapping now lies past the file's end
-    print("returned", library.fault_drill(kind, thread, target), flush=True)
+    library.fault_drill(kind=kind, thread=thread, target=target)
+    print("returned", flush=True)
 """
 
 
@@ -255,7 +324,8 @@ def test_the_fault_drill_makes_its_signal_on_the_chosen_thread(
     library: kernels.KernelLibrary, kind: int, thread: int, signal_number: int
 ) -> None:
     """fault_drill(kind, thread) ends the process with the kind's signal, made on the calling
-    thread (0) or an OpenMP worker (1)."""
+    thread (0) or an OpenMP worker (1); faulthandler's traceback of the thread that called
+    names the kernel in kernels.py."""
     result = subprocess.run(
         [sys.executable, "-c", _DRILL, str(kind), str(thread)],
         capture_output=True,
@@ -265,11 +335,12 @@ def test_the_fault_drill_makes_its_signal_on_the_chosen_thread(
     )
 
     assert -signal_number == result.returncode, result.stdout + result.stderr
+    assert re.search(r'File ".*/kernels\.py", line \d+ in fault_drill\n', result.stderr)
 
 
 def test_the_fault_drill_refuses_an_unknown_kind(library: kernels.KernelLibrary) -> None:
     """A kind or thread outside the drill's set makes no fault: the bad-argument status."""
-    bad_argument = library.contract.statuses.index("bad_argument")
-
-    assert bad_argument == library.fault_drill(4, 1, None)
-    assert bad_argument == library.fault_drill(1, 2, None)
+    for kind, thread in ((4, 1), (0, 0), (1, 2)):
+        with pytest.raises(kernels.KernelError) as caught:
+            library.fault_drill(kind=kind, thread=thread, target=None)
+        assert kernels.KernelStatus.BAD_ARGUMENT == caught.value.status

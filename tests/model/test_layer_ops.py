@@ -127,7 +127,7 @@ def test_argmax_is_torch_s_max_index(
         logits[2, vocab // 2] = float("nan")
     out = torch.empty(rows, dtype=torch.int64)
     assert kernel_ops.argmax is not None
-    kernel_ops.argmax(out.data_ptr(), logits.data_ptr(), rows, vocab)
+    kernel_ops.argmax(out=out, logits=logits, rows=rows, vocab=vocab)
 
     assert torch.equal(out, logits.float().max(dim=-1).indices)
 
