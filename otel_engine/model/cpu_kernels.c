@@ -4,7 +4,10 @@
  *
  * Compiled by kernels.py for the instruction set that the engine's own process detects
  * (explicit -march flags, never -march=native; the target is in the library's build tag and
- * its cache key) and called through ctypes with raw pointers. The element-wise ops, decode
+ * its cache key) and called through ctypes with raw pointers. Every exported function
+ * returns a status (STATUS_LIST: OK, or why it refused its input: never an uninitialized
+ * output, never a signal on an input it could check), which kernels.py raises as an
+ * exception naming the kernel and the failed check. The element-wise ops, decode
  * attention and argmax exist for float32 (suffix _f32) and bfloat16 (_bf16, stored as
  * uint16); arithmetic is float32 throughout, rounded once on store (round to nearest even, as
  * torch does). With AVX-512 the loops run 16 lanes at a time (masked tails, any length);
@@ -135,12 +138,37 @@ static inline vec keep(vec x, int64_t n) { (void)n; return x; }
 #endif
 
 /* Layout constants that kernels.py mirrors (checked at load: otel_kernels_contract). */
-/* What every exported function returns: a closed set, named here once; the contract string
- * lists the names in code order and kernels.py maps each to its exception's reason. */
+/* What every exported function returns (amx_ready and the contract aside): a closed set,
+ * named here once; the contract string lists the names in code order and kernels.py
+ * (KernelStatus) says what each means. BAD_TYPE: a GGML type id none of the kernels takes;
+ * NO_MEMORY: an allocation failed; BAD_ARGUMENT: a precondition of the kernel's (a size, a
+ * head size, a multiple of a block) does not hold; UNAVAILABLE: this process may not use the
+ * kernel's instructions (Linux did not lend the AMX tiles). A function that fails writes no
+ * defined output; kernels.py raises KernelError. */
 #define STATUS_LIST(X)                                                                           \
-    X(OK, ok) X(BAD_TYPE, bad_type) X(NO_MEMORY, no_memory) X(BAD_ARGUMENT, bad_argument)
+    X(OK, ok) X(BAD_TYPE, bad_type) X(NO_MEMORY, no_memory) X(BAD_ARGUMENT, bad_argument)        \
+    X(UNAVAILABLE, unavailable)
 #define STATUS_ENUM(E, name) STATUS_##E,
 enum { STATUS_LIST(STATUS_ENUM) STATUS_COUNT };
+
+/* The check that failed last on this thread, as its source text (kernels.py adds it to the
+ * error's reason): the calling thread's, so a failure inside a parallel region is recorded in
+ * a shared status and returned, with its check, after the region. */
+static _Thread_local const char *last_failure = "";
+static int failed(int status, const char *check) {
+    last_failure = check;
+    return status;
+}
+const char *otel_kernels_failure(void) { return last_failure; }
+#define REQUIRE(condition)                                                                       \
+    do {                                                                                         \
+        if (!(condition)) return failed(STATUS_BAD_ARGUMENT, #condition);                        \
+    } while (0)
+#define CHECKED(call)                                                                            \
+    do {                                                                                         \
+        const int status_ = (call);                                                              \
+        if (status_) return status_;                                                             \
+    } while (0)
 
 #define MAX_BLOCK_SIZE 256 /* the largest block size decode_attention takes */
 #define Q4_GROUP 32        /* weights per scale and offset of the 4-bit formats */
@@ -217,9 +245,11 @@ ARGMAX_ROW(bf16)
 #define DEFINE_KERNELS(T, SUFFIX)                                                                \
                                                                                                  \
 /* hidden += delta (when delta is given); out = weight * normalize(hidden), RMSNorm. */          \
-void add_rms_norm_##SUFFIX(T *restrict hidden, const T *restrict delta,                          \
-                           const T *restrict weight, T *restrict out, int64_t rows,              \
-                           int64_t width, float eps) {                                           \
+int add_rms_norm_##SUFFIX(T *restrict hidden, const T *restrict delta,                           \
+                          const T *restrict weight, T *restrict out, int64_t rows,               \
+                          int64_t width, float eps) {                                            \
+    REQUIRE(rows >= 0);                                                                          \
+    REQUIRE(width > 0);                                                                          \
     _Pragma("omp parallel for if (rows > 8)")                                                    \
     for (int64_t r = 0; r < rows; r++) {                                                         \
         T *h = hidden + r * width;                                                               \
@@ -241,15 +271,20 @@ void add_rms_norm_##SUFFIX(T *restrict hidden, const T *restrict delta,         
             store_##SUFFIX(o + i, MUL(load_##SUFFIX(weight + i, n), load_##SUFFIX(o + i, n)), n); \
         }                                                                                        \
     }                                                                                            \
+    return STATUS_OK;                                                                            \
 }                                                                                                \
                                                                                                  \
 /* Rotary embedding (rotate-half layout) on the q and k heads of qkv, in place, then the k   */  \
 /* and v heads written to their cache slots.                                                 */  \
-void rope_and_cache_##SUFFIX(T *restrict qkv, const float *restrict cos_sin,                     \
-                             const int64_t *restrict positions,                                  \
-                             const int64_t *restrict slots, T *restrict k_cache,                 \
-                             T *restrict v_cache, int64_t tokens, int64_t num_heads,             \
-                             int64_t num_kv_heads, int64_t head_dim, int64_t num_slots) {        \
+int rope_and_cache_##SUFFIX(T *restrict qkv, const float *restrict cos_sin,                      \
+                            const int64_t *restrict positions,                                   \
+                            const int64_t *restrict slots, T *restrict k_cache,                  \
+                            T *restrict v_cache, int64_t tokens, int64_t num_heads,              \
+                            int64_t num_kv_heads, int64_t head_dim, int64_t num_slots) {         \
+    REQUIRE(tokens >= 0);                                                                        \
+    REQUIRE(num_heads > 0 && num_kv_heads > 0);                                                  \
+    REQUIRE(head_dim > 0 && head_dim % 2 == 0);                                                  \
+    REQUIRE(num_slots > 0);                                                                      \
     const int64_t half = head_dim / 2;                                                           \
     const int64_t width = (num_heads + 2 * num_kv_heads) * head_dim;                             \
     const int64_t rotated = num_heads + num_kv_heads;                                            \
@@ -272,9 +307,10 @@ void rope_and_cache_##SUFFIX(T *restrict qkv, const float *restrict cos_sin,    
             memcpy(k_cache + (h * num_slots + slot) * head_dim,                                  \
                    row + (num_heads + h) * head_dim, head_dim * sizeof(T));                      \
             memcpy(v_cache + (h * num_slots + slot) * head_dim,                                  \
-                   row + (rotated + h) * head_dim, head_dim * sizeof(T));                        \
+                   row + (rotated + h) * head_dim, head_dim * sizeof(T));                      \
         }                                                                                        \
     }                                                                                            \
+    return STATUS_OK;                                                                            \
 }                                                                                                \
                                                                                                  \
 /* One (sequence, KV head) of decode attention; head_dim is a constant where it is called  */  \
@@ -342,13 +378,20 @@ static inline __attribute__((always_inline)) void decode_item_##SUFFIX(         
                                                                                                  \
 /* One query token per sequence against its cached keys and values (paged), every query   */    \
 /* head of a group sharing its KV head: online softmax, one pass over the cache.          */    \
-void decode_attention_##SUFFIX(T *restrict out, const T *restrict qkv,                           \
-                               const T *restrict k_cache, const T *restrict v_cache,             \
-                               const int32_t *restrict block_tables,                             \
-                               const int32_t *restrict seq_lens, int64_t batch,                  \
-                               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,        \
-                               int64_t block_size, int64_t max_blocks, int64_t num_slots,        \
-                               int64_t qkv_width, float scale) {                                 \
+int decode_attention_##SUFFIX(T *restrict out, const T *restrict qkv,                            \
+                              const T *restrict k_cache, const T *restrict v_cache,              \
+                              const int32_t *restrict block_tables,                              \
+                              const int32_t *restrict seq_lens, int64_t batch,                   \
+                              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,         \
+                              int64_t block_size, int64_t max_blocks, int64_t num_slots,         \
+                              int64_t qkv_width, float scale) {                                  \
+    REQUIRE(batch >= 0);                                                                         \
+    REQUIRE(num_kv_heads > 0 && num_heads > 0 && num_heads % num_kv_heads == 0);                 \
+    REQUIRE(head_dim > 0);                                                                       \
+    REQUIRE(block_size > 0 && block_size <= MAX_BLOCK_SIZE);                                     \
+    REQUIRE((block_size & (block_size - 1)) == 0); /* a power of two */                          \
+    REQUIRE(max_blocks >= 0 && num_slots > 0);                                                   \
+    REQUIRE(qkv_width >= (num_heads + 2 * num_kv_heads) * head_dim);                             \
     const int64_t group = num_heads / num_kv_heads;                                              \
     _Pragma("omp parallel for schedule(dynamic) if (batch * num_kv_heads > 1)")                  \
     for (int64_t work = 0; work < batch * num_kv_heads; work++) {                                \
@@ -364,20 +407,26 @@ void decode_attention_##SUFFIX(T *restrict out, const T *restrict qkv,          
                                  group, head_dim, block_size, num_slots, qkv_width, scale);      \
         }                                                                                        \
     }                                                                                            \
+    return STATUS_OK;                                                                            \
 }                                                                                                \
                                                                                                  \
 /* out[r] = the index of row r's first greatest logit (its first NaN if any): greedy      */  \
 /* sampling straight from the LM head's output, in its own type.                         */  \
-void argmax_##SUFFIX(int64_t *restrict out, const T *restrict logits, int64_t rows,             \
-                     int64_t vocab) {                                                            \
+int argmax_##SUFFIX(int64_t *restrict out, const T *restrict logits, int64_t rows,              \
+                    int64_t vocab) {                                                             \
+    REQUIRE(rows >= 0);                                                                          \
+    REQUIRE(vocab > 0);                                                                          \
     _Pragma("omp parallel for if (rows > 1)")                                                    \
     for (int64_t r = 0; r < rows; r++) out[r] = argmax_row_##SUFFIX(logits + r * vocab, vocab);  \
+    return STATUS_OK;                                                                            \
 }                                                                                                \
                                                                                                  \
 /* out[r] = silu(gate[r]) * up[r], with gate_up[r] = [gate | up] (the fused projection);    */  \
 /* the activation is rounded to T before the product, as torch does.                       */  \
-void silu_mul_##SUFFIX(T *restrict out, const T *restrict gate_up, int64_t rows,                 \
-                       int64_t width) {                                                          \
+int silu_mul_##SUFFIX(T *restrict out, const T *restrict gate_up, int64_t rows,                  \
+                      int64_t width) {                                                           \
+    REQUIRE(rows >= 0);                                                                          \
+    REQUIRE(width > 0);                                                                          \
     _Pragma("omp parallel for if (rows > 8)")                                                    \
     for (int64_t r = 0; r < rows; r++) {                                                         \
         const T *gate = gate_up + r * 2 * width, *up = gate + width;                             \
@@ -393,6 +442,7 @@ void silu_mul_##SUFFIX(T *restrict out, const T *restrict gate_up, int64_t rows,
             store_##SUFFIX(o + i, MUL(load_##SUFFIX(o + i, n), load_##SUFFIX(up + i, n)), n);    \
         }                                                                                        \
     }                                                                                            \
+    return STATUS_OK;                                                                            \
 }
 
 #ifdef __AVX512F__
@@ -711,9 +761,12 @@ static void q4_rows(int64_t rows, int blocks, const bf16 *x, const float *sums, 
 }
 
 /* sums: scratch for rows * k / 32 floats (each group's sum of x) */
-void q4_linear_bf16(bf16 *restrict out, const bf16 *restrict x, const uint8_t *restrict w,
-                    const float *restrict params, float *restrict sums, int64_t rows, int64_t n,
-                    int64_t k) {
+int q4_linear_bf16(bf16 *restrict out, const bf16 *restrict x, const uint8_t *restrict w,
+                   const float *restrict params, float *restrict sums, int64_t rows, int64_t n,
+                   int64_t k) {
+    REQUIRE(rows >= 0);
+    REQUIRE(n > 0 && n % 16 == 0);
+    REQUIRE(k > 0 && k % Q4_GROUP == 0);
     const int64_t groups = k / Q4_GROUP, blocks = n / 16, pairs = (blocks + 1) / 2;
     for (int64_t r = 0; r < rows; r++)
         for (int64_t g = 0; g < groups; g++) {
@@ -726,6 +779,7 @@ void q4_linear_bf16(bf16 *restrict out, const bf16 *restrict x, const uint8_t *r
         q4_rows(rows, block + 1 < blocks ? 2 : 1, x, sums, k, w + block * groups * 256,
                 params + block * groups * 32, out + block * 16, n);
     }
+    return STATUS_OK;
 }
 
 /* ---- the same weights for steps of more rows: bfloat16 panels -------------------------------
@@ -778,8 +832,10 @@ static void q4_dequantize_panel(bf16 *restrict panel, const uint8_t *restrict w,
 
 /* A 4-bit matrix [n, k] in q4_linear_bf16's layout as bfloat16 panels: n / 48 rounded up
  * panels of k * 48 bfloat16 (a last panel of fewer blocks is padded). */
-void q4_build_panels_bf16(bf16 *restrict panels, const uint8_t *restrict w,
-                          const float *restrict params, int64_t n, int64_t k) {
+int q4_build_panels_bf16(bf16 *restrict panels, const uint8_t *restrict w,
+                         const float *restrict params, int64_t n, int64_t k) {
+    REQUIRE(n > 0 && n % 16 == 0);
+    REQUIRE(k > 0 && k % Q4_GROUP == 0);
     const int64_t groups = k / Q4_GROUP, blocks = n / 16;
     const int64_t count = (blocks + PANEL_BLOCKS - 1) / PANEL_BLOCKS;
     _Pragma("omp parallel for schedule(static)")
@@ -789,6 +845,7 @@ void q4_build_panels_bf16(bf16 *restrict panels, const uint8_t *restrict w,
                             params + block * groups * 32, groups,
                             blocks - block < PANEL_BLOCKS ? (int)(blocks - block) : PANEL_BLOCKS);
     }
+    return STATUS_OK;
 }
 
 /* ROWS rows of x by BLOCKS blocks (constants where called); fetches `ahead + 64 * pair`. */
@@ -836,8 +893,12 @@ static void panel_rows(int64_t rows, int blocks, const bf16 *x, int64_t k, const
 }
 
 /* out [rows, n] = x [rows, k] @ W.T, W as q4_build_panels_bf16 built it. */
-void panel_linear_bf16(bf16 *restrict out, const bf16 *restrict x, const bf16 *restrict panels,
-                       int64_t rows, int64_t n, int64_t k) {
+int panel_linear_bf16(bf16 *restrict out, const bf16 *restrict x, const bf16 *restrict panels,
+                      int64_t rows, int64_t n, int64_t k) {
+    REQUIRE(rows >= 0);
+    REQUIRE(n > 0 && n % 16 == 0);
+    REQUIRE(k > 0 && k % Q4_GROUP == 0);
+    if (!rows) return STATUS_OK; /* (panel_rows divides by its tiles) */
     const int64_t blocks = n / 16, count = (blocks + PANEL_BLOCKS - 1) / PANEL_BLOCKS;
     const int64_t size = k * PANEL_BLOCKS * 16;
     _Pragma("omp parallel for schedule(static) if (count > 1)")
@@ -849,6 +910,7 @@ void panel_linear_bf16(bf16 *restrict out, const bf16 *restrict x, const bf16 *r
         panel_rows(rows, blocks - block < PANEL_BLOCKS ? (int)(blocks - block) : PANEL_BLOCKS, x,
                    k, panel, out + block * 16, n, next);
     }
+    return STATUS_OK;
 }
 #endif
 
@@ -982,6 +1044,15 @@ static void dequantize_block(int64_t type, const uint8_t *restrict b, float *res
     }
 }
 
+/* The checks of every kernel that takes a GGUF matrix [n, k] of `type` (times `rows` rows of
+ * x; dequantization: 1). */
+static int check_blocks(int64_t type, int64_t rows, int64_t n, int64_t k) {
+    if (!quant_block_weights(type)) return failed(STATUS_BAD_TYPE, ""); /* its value is shown */
+    REQUIRE(rows >= 0 && n >= 0);
+    REQUIRE(k > 0 && k % quant_block_weights(type) == 0);
+    return STATUS_OK;
+}
+
 /* One row of k weights as float32. */
 static void dequantize_row(int64_t type, const uint8_t *restrict row, float *restrict y,
                            int64_t k) {
@@ -990,12 +1061,13 @@ static void dequantize_row(int64_t type, const uint8_t *restrict row, float *res
 }
 
 /* out [n, k] float32 = the matrix w of `type` (rows of k / weights-per-block blocks). */
-void gguf_dequantize_f32(float *restrict out, const uint8_t *restrict w, int64_t type, int64_t n,
-                         int64_t k) {
-    if (!quant_block_weights(type)) return; /* kernels.py passes only the formats above */
+int gguf_dequantize_f32(float *restrict out, const uint8_t *restrict w, int64_t type, int64_t n,
+                        int64_t k) {
+    CHECKED(check_blocks(type, 1, n, k));
     const int64_t row_bytes = k / quant_block_weights(type) * quant_block_bytes(type);
     _Pragma("omp parallel for schedule(static) if (n * k > 65536)")
     for (int64_t r = 0; r < n; r++) dequantize_row(type, w + r * row_bytes, out + r * k, k);
+    return STATUS_OK;
 }
 
 /* ---- GGUF blocks times bfloat16 activations (AVX-512 BF16) -----------------------------------
@@ -1159,12 +1231,13 @@ static void dequantize_row_bf16(int64_t type, const uint8_t *restrict row, bf16 
 
 /* out [n, k] bfloat16 = the matrix w of `type`: gguf_dequantize_f32's values, rounded
  * (a tile of a matrix, for a matmul of many rows). */
-void gguf_dequantize_bf16(bf16 *restrict out, const uint8_t *restrict w, int64_t type, int64_t n,
-                          int64_t k) {
-    if (!quant_block_weights(type)) return;
+int gguf_dequantize_bf16(bf16 *restrict out, const uint8_t *restrict w, int64_t type, int64_t n,
+                         int64_t k) {
+    CHECKED(check_blocks(type, 1, n, k));
     const int64_t row_bytes = k / quant_block_weights(type) * quant_block_bytes(type);
     _Pragma("omp parallel for schedule(static) if (n > 1)")
     for (int64_t r = 0; r < n; r++) dequantize_row_bf16(type, w + r * row_bytes, out + r * k, k);
+    return STATUS_OK;
 }
 
 /* ROWS rows of x (constant where called) against one row of W as bfloat16 */
@@ -1270,8 +1343,11 @@ static int is_kquant(int64_t type) {
     return type == GGML_Q4_K || type == GGML_Q5_K || type == GGML_Q6_K;
 }
 
-void quant_linear_bf16(bf16 *restrict out, const bf16 *restrict x, const uint8_t *restrict w,
-                       int64_t type, int64_t rows, int64_t n, int64_t k, int64_t ldo) {
+int quant_linear_bf16(bf16 *restrict out, const bf16 *restrict x, const uint8_t *restrict w,
+                      int64_t type, int64_t rows, int64_t n, int64_t k, int64_t ldo) {
+    CHECKED(check_blocks(type, rows, n, k));
+    REQUIRE(ldo >= n); /* out's row stride */
+    if (!rows || !n) return STATUS_OK;
     const int64_t row_bytes = k / quant_block_weights(type) * quant_block_bytes(type);
     if (is_kquant(type)) {
         /* bfloat16 bits of 0..31 (small) and of -32..-1 (below: Q6_K's q - 32 below 0) */
@@ -1285,6 +1361,7 @@ void quant_linear_bf16(bf16 *restrict out, const bf16 *restrict x, const uint8_t
         const __m512i small = _mm512_loadu_si512(values), below = _mm512_loadu_si512(values + 32);
         const int64_t groups = k / 32;
         float *xsums = malloc((size_t)(rows * groups) * sizeof(float)); /* each 32's sum of x */
+        if (!xsums) return failed(STATUS_NO_MEMORY, "malloc(rows * k / 32 floats)");
         for (int64_t r = 0; r < rows; r++)
             for (int64_t g = 0; g < groups; g++) {
                 const bf16 *at = x + r * k + g * 32;
@@ -1305,13 +1382,19 @@ void quant_linear_bf16(bf16 *restrict out, const bf16 *restrict x, const uint8_t
                 }
             }
         free(xsums);
-        return;
+        return STATUS_OK;
     }
+    int status = STATUS_OK; /* the threads' first failure */
     _Pragma("omp parallel if (n > 16)")
     {
         bf16 *row = aligned_alloc(64, (size_t)k * sizeof(bf16));
+        if (!row) {
+            _Pragma("omp atomic write")
+            status = STATUS_NO_MEMORY;
+        }
         _Pragma("omp for schedule(static)")
         for (int64_t j = 0; j < n; j++) {
+            if (!row) continue;
             dequantize_row_bf16(type, w + j * row_bytes, row, k);
             for (int64_t r = 0; r < rows; r += QUANT_TILE_ROWS) {
                 const bf16 *xr = x + r * k;
@@ -1326,6 +1409,7 @@ void quant_linear_bf16(bf16 *restrict out, const bf16 *restrict x, const uint8_t
         }
         free(row);
     }
+    return status ? failed(status, "aligned_alloc(64, k bfloat16) of a thread's row") : STATUS_OK;
 }
 
 /* ---- GGUF blocks times 8-bit activations (AVX-512 VNNI) --------------------------------------
@@ -1585,9 +1669,20 @@ static inline __attribute__((always_inline)) void small_row_q8(
     for (int r = 0; r < ROWS; r++) store1_bf16(out + r * ldo, HSUM(acc[r]) + tail[r]);
 }
 
-void quant_linear_q8_bf16(bf16 *restrict out, const bf16 *restrict x, const uint8_t *restrict w,
-                          int64_t type, int64_t rows, int64_t n, int64_t k, int64_t ldo) {
-    if (!quant_block_weights(type)) return;
+static void free_quantized_x(quantized_x *qx) {
+    free(qx->q);
+    free(qx->scale);
+    free(qx->offset);
+    free(qx->lane_scale);
+    free(qx->lane_sum);
+    free(qx->sums);
+}
+
+int quant_linear_q8_bf16(bf16 *restrict out, const bf16 *restrict x, const uint8_t *restrict w,
+                         int64_t type, int64_t rows, int64_t n, int64_t k, int64_t ldo) {
+    CHECKED(check_blocks(type, rows, n, k));
+    REQUIRE(ldo >= n); /* out's row stride */
+    if (!rows || !n) return STATUS_OK;
     const int64_t row_bytes = k / quant_block_weights(type) * quant_block_bytes(type);
     const int has_sums = type == GGML_Q4_K || type == GGML_Q5_K || type == GGML_Q4_1;
     quantized_x qx = {
@@ -1598,6 +1693,11 @@ void quant_linear_q8_bf16(bf16 *restrict out, const bf16 *restrict x, const uint
         .lane_sum = type == GGML_Q4_1 ? malloc((size_t)(rows * (k / 4)) * sizeof(float)) : NULL,
         .sums = has_sums ? malloc((size_t)(rows * (k / 32)) * sizeof(float)) : NULL,
     };
+    if (!qx.q || !qx.scale || (q8_offset(type) && !qx.offset) || (!is_kquant(type) && !qx.lane_scale) ||
+        (type == GGML_Q4_1 && !qx.lane_sum) || (has_sums && !qx.sums)) {
+        free_quantized_x(&qx);
+        return failed(STATUS_NO_MEMORY, "malloc of x quantized to 8 bits");
+    }
     quantize_x(&qx, type, x, rows, k);
     const int kquant = is_kquant(type);
     _Pragma("omp parallel for schedule(static) if (n > 16)")
@@ -1619,12 +1719,8 @@ void quant_linear_q8_bf16(bf16 *restrict out, const bf16 *restrict x, const uint
             }
 #undef QI8_CASE
         }
-    free(qx.q);
-    free(qx.scale);
-    free(qx.offset);
-    free(qx.lane_scale);
-    free(qx.lane_sum);
-    free(qx.sums);
+    free_quantized_x(&qx);
+    return STATUS_OK;
 }
 #endif
 
@@ -1727,12 +1823,16 @@ static inline __attribute__((always_inline)) void amx_rows(
                 store1_bf16(out + ((chunk0 + chunk) * 16 + m) * ldo + j0 + r, c[chunk * 256 + r * 16 + m]);
 }
 
-void quant_linear_amx_bf16(bf16 *restrict out, const bf16 *restrict x, const uint8_t *restrict w,
-                           int64_t type, int64_t rows, int64_t n, int64_t k, int64_t ldo) {
-    if (!quant_block_weights(type) || !amx_ready()) return;
+int quant_linear_amx_bf16(bf16 *restrict out, const bf16 *restrict x, const uint8_t *restrict w,
+                          int64_t type, int64_t rows, int64_t n, int64_t k, int64_t ldo) {
+    CHECKED(check_blocks(type, rows, n, k));
+    REQUIRE(ldo >= n); /* out's row stride */
+    if (!amx_ready()) return failed(STATUS_UNAVAILABLE, "amx_ready()");
+    if (!rows || !n) return STATUS_OK;
     const int64_t row_bytes = k / quant_block_weights(type) * quant_block_bytes(type);
     const int64_t chunks = (rows + 15) / 16;
     bf16 *xt = aligned_alloc(64, (size_t)(k / 32 * chunks * 512) * sizeof(bf16));
+    if (!xt) return failed(STATUS_NO_MEMORY, "aligned_alloc of x in tiles");
     amx_layout_x(xt, x, rows, k, chunks);
     _Pragma("omp parallel")
     {
@@ -1760,6 +1860,7 @@ void quant_linear_amx_bf16(bf16 *restrict out, const bf16 *restrict x, const uin
         _tile_release();
     }
     free(xt);
+    return STATUS_OK;
 }
 #endif
 
@@ -1902,20 +2003,26 @@ static inline __attribute__((always_inline)) void prefill_chunk(
     }
 }
 
-/* head_dim: 64 or 128 (fast_paths.PREFILL_KERNEL_HEAD_DIMS); any other does nothing */
-void prefill_attention_bf16(bf16 *restrict out, const bf16 *restrict qkv,
-                            const bf16 *restrict k_cache, const bf16 *restrict v_cache,
-                            const int32_t *restrict table, bf16 *restrict scratch,
-                            int64_t query_start, int64_t num_query, int64_t num_keys,
-                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                            int64_t block_size, int64_t num_slots, int64_t qkv_width,
-                            float scale) {
+/* head_dim: 64 or 128 (fast_paths.PREFILL_KERNEL_HEAD_DIMS) */
+int prefill_attention_bf16(bf16 *restrict out, const bf16 *restrict qkv,
+                           const bf16 *restrict k_cache, const bf16 *restrict v_cache,
+                           const int32_t *restrict table, bf16 *restrict scratch,
+                           int64_t query_start, int64_t num_query, int64_t num_keys,
+                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                           int64_t block_size, int64_t num_slots, int64_t qkv_width,
+                           float scale) {
+    REQUIRE(head_dim == 64 || head_dim == PREFILL_MAX_HD);
+    REQUIRE(num_kv_heads > 0 && num_heads > 0 && num_heads % num_kv_heads == 0);
+    REQUIRE(query_start >= 0 && num_query >= 0 && num_query <= num_keys);
+    REQUIRE(block_size > 0 && num_slots > 0);
+    REQUIRE(qkv_width >= (num_heads + 2 * num_kv_heads) * head_dim);
 #define PREFILL_CHUNK(HD)                                                                        \
     prefill_chunk(HD, out, qkv, k_cache, v_cache, table, scratch, query_start, num_query,        \
                   num_keys, num_heads, num_kv_heads, block_size, num_slots, qkv_width, scale)
     if (head_dim == 64) PREFILL_CHUNK(64);
-    else if (head_dim == 128) PREFILL_CHUNK(128);
+    else PREFILL_CHUNK(128);
 #undef PREFILL_CHUNK
+    return STATUS_OK;
 }
 #endif
 
@@ -1928,9 +2035,9 @@ void prefill_attention_bf16(bf16 *restrict out, const bf16 *restrict qkv,
  * layer (0.8 ms a step of the default model's 30 layers, whatever the batch).
  *
  * layers[l * STACK_FIELDS + f]: the addresses of layer l's tensors (enum below; a matrix's
- * 4-bit bytes, parameters and panels). dims: see STACK_DIMS. prefills[i * 4 + ...]:
- * query_start, num_query, num_keys, block table address (int32) of the step's i-th prefill
- * chunk. hidden [tokens, hidden_size] is the residual stream (updated); out receives the final
+ * 4-bit bytes, parameters and panels). dims: see STACK_DIMS. prefills[i * PREFILL_CHUNK_FIELDS
+ * + ...]: query_start, num_query, num_keys, block table address (int32) of the step's i-th
+ * prefill chunk (PREFILL_CHUNK_LIST). hidden [tokens, hidden_size] is the residual stream (updated); out receives the final
  * norm's output. The buffers x, delta [tokens, hidden_size], attn [tokens, heads * 64], qkv
  * [tokens, qkv width], gate_up [tokens, 2 * intermediate], act [tokens, intermediate], sums
  * (the 4-bit kernel's, int4_max_rows * k / 32 floats for the widest k) and prefill_scratch
@@ -1955,57 +2062,67 @@ void prefill_attention_bf16(bf16 *restrict out, const bf16 *restrict qkv,
 #define DIM_ENUM(E, name) DIM_##E,
 enum { STACK_FIELD_LIST(STACK_ENUM) STACK_FIELDS };
 enum { STACK_DIM_LIST(DIM_ENUM) STACK_DIMS };
+#define STACK_HEAD_DIM 64 /* the only head size the stack takes */
+/* A prefill chunk's row of prefills[]: int64 fields, in order. */
+#define PREFILL_CHUNK_LIST(X)                                                                    \
+    X(QUERY_START, query_start) X(NUM_QUERY, num_query) X(NUM_KEYS, num_keys) X(TABLE, table)
+#define CHUNK_ENUM(E, name) CHUNK_##E,
+enum { PREFILL_CHUNK_LIST(CHUNK_ENUM) PREFILL_CHUNK_FIELDS };
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 /* As LlamaModel._linear: the exact 4-bit kernel up to max_rows rows, the panels beyond. */
-static void stack_linear(bf16 *out, const bf16 *x, const int64_t *layer, int field, float *sums,
-                         int64_t rows, int64_t max_rows, int64_t n, int64_t k) {
-    if (rows > max_rows) {
-        panel_linear_bf16(out, x, (const bf16 *)(intptr_t)layer[field + 2], rows, n, k);
-        return;
-    }
-    q4_linear_bf16(out, x, (const uint8_t *)(intptr_t)layer[field],
-                   (const float *)(intptr_t)layer[field + 1], sums, rows, n, k);
+static int stack_linear(bf16 *out, const bf16 *x, const int64_t *layer, int field, float *sums,
+                        int64_t rows, int64_t max_rows, int64_t n, int64_t k) {
+    if (rows > max_rows)
+        return panel_linear_bf16(out, x, (const bf16 *)(intptr_t)layer[field + 2], rows, n, k);
+    return q4_linear_bf16(out, x, (const uint8_t *)(intptr_t)layer[field],
+                          (const float *)(intptr_t)layer[field + 1], sums, rows, n, k);
 }
 
-void decoder_stack_bf16(bf16 *hidden, bf16 *out, const int64_t *layers, const int64_t *dims,
-                        const bf16 *final_norm, const float *cos_sin, const int64_t *positions,
-                        const int64_t *slots, const int32_t *decode_tables,
-                        const int32_t *decode_lens, const int64_t *prefills, bf16 *x, bf16 *qkv,
-                        bf16 *attn, bf16 *delta, bf16 *gate_up, bf16 *act, float *sums,
-                        bf16 *prefill_scratch, float eps, float scale) {
+int decoder_stack_bf16(bf16 *hidden, bf16 *out, const int64_t *layers, const int64_t *dims,
+                       const bf16 *final_norm, const float *cos_sin, const int64_t *positions,
+                       const int64_t *slots, const int32_t *decode_tables,
+                       const int32_t *decode_lens, const int64_t *prefills, bf16 *x, bf16 *qkv,
+                       bf16 *attn, bf16 *delta, bf16 *gate_up, bf16 *act, float *sums,
+                       bf16 *prefill_scratch, float eps, float scale) {
     const int64_t tokens = dims[DIM_TOKENS], size = dims[DIM_HIDDEN];
     const int64_t inter = dims[DIM_INTERMEDIATE], heads = dims[DIM_HEADS];
     const int64_t kv_heads = dims[DIM_KV_HEADS], block_size = dims[DIM_BLOCK_SIZE];
     const int64_t num_slots = dims[DIM_NUM_SLOTS], max_rows = dims[DIM_INT4_MAX_ROWS];
-    const int64_t qkv_width = (heads + 2 * kv_heads) * 64;
+    const int64_t hd = STACK_HEAD_DIM, qkv_width = (heads + 2 * kv_heads) * hd;
+    REQUIRE(dims[DIM_LAYERS] >= 0 && dims[DIM_DECODES] >= 0 && dims[DIM_PREFILLS] >= 0);
+    REQUIRE(max_rows >= 0);
     for (int64_t l = 0; l < dims[DIM_LAYERS]; l++) {
         const int64_t *layer = layers + l * STACK_FIELDS;
         bf16 *k_cache = (bf16 *)(intptr_t)layer[STACK_K_CACHE];
         bf16 *v_cache = (bf16 *)(intptr_t)layer[STACK_V_CACHE];
-        add_rms_norm_bf16(hidden, l ? delta : NULL, (const bf16 *)(intptr_t)layer[STACK_INPUT_NORM],
-                          x, tokens, size, eps);
-        stack_linear(qkv, x, layer, STACK_QKV, sums, tokens, max_rows, qkv_width, size);
-        rope_and_cache_bf16(qkv, cos_sin, positions, slots, k_cache, v_cache, tokens, heads,
-                            kv_heads, 64, num_slots);
+        CHECKED(add_rms_norm_bf16(hidden, l ? delta : NULL,
+                                  (const bf16 *)(intptr_t)layer[STACK_INPUT_NORM], x, tokens, size,
+                                  eps));
+        CHECKED(stack_linear(qkv, x, layer, STACK_QKV, sums, tokens, max_rows, qkv_width, size));
+        CHECKED(rope_and_cache_bf16(qkv, cos_sin, positions, slots, k_cache, v_cache, tokens,
+                                    heads, kv_heads, hd, num_slots));
         if (dims[DIM_DECODES])
-            decode_attention_bf16(attn, qkv, k_cache, v_cache, decode_tables, decode_lens,
-                                  dims[DIM_DECODES], heads, kv_heads, 64, block_size,
-                                  dims[DIM_MAX_BLOCKS], num_slots, qkv_width, scale);
+            CHECKED(decode_attention_bf16(attn, qkv, k_cache, v_cache, decode_tables, decode_lens,
+                                          dims[DIM_DECODES], heads, kv_heads, hd, block_size,
+                                          dims[DIM_MAX_BLOCKS], num_slots, qkv_width, scale));
         for (int64_t i = 0; i < dims[DIM_PREFILLS]; i++) {
-            const int64_t *chunk = prefills + 4 * i;
-            prefill_attention_bf16(attn, qkv, k_cache, v_cache, (const int32_t *)(intptr_t)chunk[3],
-                                   prefill_scratch, chunk[0], chunk[1], chunk[2], heads, kv_heads,
-                                   64, block_size, num_slots, qkv_width, scale);
+            const int64_t *chunk = prefills + PREFILL_CHUNK_FIELDS * i;
+            CHECKED(prefill_attention_bf16(
+                attn, qkv, k_cache, v_cache, (const int32_t *)(intptr_t)chunk[CHUNK_TABLE],
+                prefill_scratch, chunk[CHUNK_QUERY_START], chunk[CHUNK_NUM_QUERY],
+                chunk[CHUNK_NUM_KEYS], heads, kv_heads, hd, block_size, num_slots, qkv_width,
+                scale));
         }
-        stack_linear(delta, attn, layer, STACK_O, sums, tokens, max_rows, size, heads * 64);
-        add_rms_norm_bf16(hidden, delta, (const bf16 *)(intptr_t)layer[STACK_POST_NORM], x, tokens,
-                          size, eps);
-        stack_linear(gate_up, x, layer, STACK_GATE_UP, sums, tokens, max_rows, 2 * inter, size);
-        silu_mul_bf16(act, gate_up, tokens, inter);
-        stack_linear(delta, act, layer, STACK_DOWN, sums, tokens, max_rows, size, inter);
+        CHECKED(stack_linear(delta, attn, layer, STACK_O, sums, tokens, max_rows, size, heads * hd));
+        CHECKED(add_rms_norm_bf16(hidden, delta, (const bf16 *)(intptr_t)layer[STACK_POST_NORM], x,
+                                  tokens, size, eps));
+        CHECKED(stack_linear(gate_up, x, layer, STACK_GATE_UP, sums, tokens, max_rows, 2 * inter,
+                             size));
+        CHECKED(silu_mul_bf16(act, gate_up, tokens, inter));
+        CHECKED(stack_linear(delta, act, layer, STACK_DOWN, sums, tokens, max_rows, size, inter));
     }
-    add_rms_norm_bf16(hidden, delta, final_norm, out, tokens, size, eps);
+    return add_rms_norm_bf16(hidden, delta, final_norm, out, tokens, size, eps);
 }
 #endif
 
@@ -2021,8 +2138,9 @@ void decoder_stack_bf16(bf16 *hidden, bf16 *out, const int64_t *layers, const in
 enum { DRILL_SEGV = 1, DRILL_FPE = 2, DRILL_BUS = 3 };
 
 int fault_drill(int64_t kind, int64_t thread, const void *target) {
-    if (kind < DRILL_SEGV || kind > DRILL_BUS || thread < 0 || thread > 1) return STATUS_BAD_ARGUMENT;
-    if (kind == DRILL_BUS && !target) return STATUS_BAD_ARGUMENT;
+    REQUIRE(kind >= DRILL_SEGV && kind <= DRILL_BUS);
+    REQUIRE(thread == 0 || thread == 1);
+    REQUIRE(kind != DRILL_BUS || target);
     volatile int64_t sink = 0;
     _Pragma("omp parallel num_threads(2)")
     {
@@ -2049,7 +2167,7 @@ int fault_drill(int64_t kind, int64_t thread, const void *target) {
  * or target differs from what it expects. otel_kernels_build_tag is read from the file
  * before it is loaded (a library built for another CPU is never run); otel_kernels_contract()
  * says the rest as key=value pairs, the stack's field and dim names in their order. */
-#define OTEL_KERNELS_ABI 5
+#define OTEL_KERNELS_ABI 6
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) &&                  \
     defined(__AVX512VL__) && defined(__AVX512BF16__)
 #define OTEL_KERNELS_ISA "avx512bf16"

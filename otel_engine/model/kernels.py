@@ -44,7 +44,7 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 _BUILD_TIMEOUT_S = 120
-ABI_VERSION = 5  # cpu_kernels.c OTEL_KERNELS_ABI
+ABI_VERSION = 6  # cpu_kernels.c OTEL_KERNELS_ABI
 
 # Instruction-set levels of x86-64, lowest first, and the flags that target each: the
 # x86-64 psABI levels (v3: AVX2 and FMA; v4: AVX-512 F/BW/CD/DQ/VL), plus AVX-512 BF16
@@ -200,6 +200,7 @@ class KernelStatus(enum.IntEnum):
     BAD_TYPE = 1
     NO_MEMORY = 2
     BAD_ARGUMENT = 3
+    UNAVAILABLE = 4
 
     @property
     def reason(self) -> str:
@@ -212,6 +213,7 @@ _REASONS = {
     KernelStatus.BAD_TYPE: "unknown GGML type id",
     KernelStatus.NO_MEMORY: "out of memory (an allocation failed)",
     KernelStatus.BAD_ARGUMENT: "an argument outside what the kernel takes",
+    KernelStatus.UNAVAILABLE: "this process may not use the kernel's instructions",
 }
 
 
@@ -264,6 +266,9 @@ class Contract:
         for key, value in expected.items():
             if self.values.get(key) != value:
                 wrong.append(f"{key} {self.values.get(key)} (expected {value})")
+        statuses = tuple(status.name.lower() for status in KernelStatus)
+        if self.statuses != statuses:
+            wrong.append(f"statuses {','.join(self.statuses)} (expected {','.join(statuses)})")
         return wrong
 
 
@@ -396,16 +401,18 @@ def _exported(cdll: ctypes.CDLL) -> dict[str, tuple[tuple[str, type], ...]]:
 def _wrappers(cdll: ctypes.CDLL) -> dict[str, Callable[..., Any]]:
     import torch
 
+    failed_check = cdll.otel_kernels_failure  # the check that failed last on this thread
+    failed_check.argtypes = []
+    failed_check.restype = ctypes.c_char_p
+    namespace = {"_Tensor": torch.Tensor, "_failure": _failure, "_failed_check": failed_check}
     wrappers = {}
     for name, params in _exported(cdll).items():
         function = getattr(cdll, name)
         function.argtypes = [kind for _, kind in params]
-        function.restype = ctypes.c_int if name in _RETURNS_STATUS or name in QUERIES else None
-        wrappers[name] = _wrap(name, function, params, torch.Tensor)
+        function.restype = ctypes.c_int
+        wrappers[name] = _wrap(name, function, params, namespace)
     return wrappers
 
-
-_RETURNS_STATUS = {"fault_drill"}
 
 # The wrapper of a kernel, made from its SIGNATURES entry and compiled as if it stood on this
 # template's lines, named as the C function (a faulthandler traceback of a thread inside the
@@ -415,7 +422,7 @@ _WRAPPER = """\
 def {name}({parameters}):
     status = _function({arguments})
     if status:
-        raise _failure({name!r}, status, {{{scalars}}})
+        raise _failure({name!r}, status, _failed_check(), {{{scalars}}})
 """
 _QUERY = """\
 def {name}():
@@ -426,7 +433,7 @@ _QUERY_LINE = Path(__file__).read_text().splitlines().index("def {name}():")
 
 
 def _wrap(
-    name: str, function: Any, params: tuple[tuple[str, type], ...], tensor: type
+    name: str, function: Any, params: tuple[tuple[str, type], ...], namespace: dict[str, Any]
 ) -> Callable[..., Any]:
     """`function` called by its parameters' names (or, unless KEYWORDS_ONLY, in order)."""
     if name in QUERIES:
@@ -442,18 +449,22 @@ def _wrap(
             arguments=", ".join(arguments),
             scalars=", ".join(scalars),
         )
-    namespace = {"_function": function, "_Tensor": tensor, "_failure": _failure}
+    namespace = {**namespace, "_function": function}
     exec(compile(source, __file__, "exec"), namespace)
     wrapper = namespace[name]
     wrapper.c_function = function
     return wrapper  # type: ignore[no-any-return]
 
 
-def _failure(name: str, code: int, scalars: dict[str, Any]) -> KernelError:
-    """The error of kernel `name`, whose status was `code`; its scalar arguments shown."""
+def _failure(name: str, code: int, check: bytes, scalars: dict[str, Any]) -> KernelError:
+    """The error of kernel `name`, whose status was `code`: the status's reason, the check
+    that failed (as the C source states it) and the scalar arguments."""
     try:
         status = KernelStatus(code)
     except ValueError:
         return KernelError(name, KernelStatus.BAD_ARGUMENT, f"unknown status {code}")
-    shown = ", ".join(f"{key}={value}" for key, value in scalars.items())
-    return KernelError(name, status, f"{status.reason} ({shown})" if shown else status.reason)
+    details = [f"{key}={value}" for key, value in scalars.items()]
+    if check:
+        details.insert(0, f"failed: {check.decode()}")
+    reason = f"{status.reason} ({', '.join(details)})" if details else status.reason
+    return KernelError(name, status, reason)

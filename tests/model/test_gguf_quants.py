@@ -420,15 +420,6 @@ def test_large_4_bit_layers_run_from_their_blocks(
     _assert_same_but_near_ties(native, reference, tops)
 
 
-def test_unknown_format_dequantizes_to_nothing() -> None:
-    """The C side leaves the output alone for a format it does not read (kernels.py never
-    passes one: `weights.QUANT_TYPES`)."""
-    out = np.full((1, 32), 7.0, dtype=np.float32)
-    raw = np.zeros((1, 34), dtype=np.uint8)
-    _library().gguf_dequantize_f32(out.ctypes.data, raw.ctypes.data, 99, 1, 32)
-    assert (out == 7.0).all()
-
-
 def test_parts_of_different_widths_are_not_fused() -> None:
     """A fused group whose parts disagree on the width is left to the bfloat16 loaders."""
     assert pack_quant([_tensor("Q4_K", 16, 512, 1), _tensor("Q4_K", 16, 256, 2)]) is None

@@ -267,6 +267,7 @@ def test_a_contract_that_disagrees_is_reported() -> None:
     text = (
         "abi=1;isa=avx2;max_block_size=256;int4_group=32;panel_blocks=4;"
         "prefill_tile_keys=32;prefill_max_head_dim=128;stack_fields=a,b,;stack_dims=c,;"
+        "statuses=ok,bad_type,no_memory,bad_argument,unavailable,;"
     )
 
     contract = kernels.Contract.parse(text)
