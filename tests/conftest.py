@@ -1,4 +1,5 @@
-"""Shared fixtures: offline environment, the tiny Llama checkpoint, prompts, and GPU skipping."""
+"""Shared fixtures: offline environment, the tiny Llama checkpoint, prompts, GPU skipping, and
+the CPU levels summary."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from tests.helpers.paths import REPO_ROOT
 from tests.helpers.tiny_model import CORPUS, write_tiny_llama
 
 PROMPT_LENGTHS = (3, 5, 8, 13, 21, 34, 55, 89, 120)
+# the "CPU levels" summary: which instruction-set levels the run tested, and how
+pytest_plugins = ("tests.helpers.cpu_levels",)
 
 
 def _set_default_env() -> None:

@@ -5,6 +5,7 @@ answer to a chat question."""
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +19,7 @@ from otel_engine.sched.scheduler import Scheduler
 
 SAMPLED: dict[str, Any] = {"temperature": 1.0, "top_p": 0.9, "top_k": 50}
 SMALL_CACHE: dict[str, Any] = {"block_size": 4, "num_kv_blocks": 40, "max_num_batched_tokens": 24}
+ANSWER_START = "The capital of France is"
 
 
 @pytest.fixture(scope="module")
@@ -243,16 +245,22 @@ def test_invalid_sampling_params_are_rejected(llm: LLM, tiny_prompts: list[list[
 
 @pytest.mark.slow
 def test_default_model_knows_the_capital_of_france() -> None:
-    """SmolLM2-135M-Instruct, greedy, answers the chat question with Paris."""
+    """SmolLM2-135M-Instruct, its answer begun as "The capital of France is", puts " Paris"
+    next with more than half the probability (measured: 0.95, the runner-up 4.7 nats below,
+    on AVX-512 BF16 and AVX2 alike). Its free answer opens on a near tie instead ("The" or
+    "L'", one bfloat16 step apart), which each CPU level's rounding decides its own way."""
     with LLM() as llm:
         messages = [{"role": "user", "content": "What is the capital of France?"}]
         prompt = llm.tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, tokenize=False
         )
+        params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=5)
 
-        (output,) = llm.generate([prompt], SamplingParams(max_tokens=20, temperature=0.0))
+        (output,) = llm.generate([prompt + ANSWER_START], params)
 
-    assert "Paris" in output.outputs[0].text
+    completion = output.outputs[0]
+    assert " Paris" == completion.text
+    assert completion.logprobs[0].logprob > math.log(0.5)
 
 
 def _unseeded_outputs(model_dir: str, prompts: list[list[int]], **options: Any) -> list[list[int]]:
