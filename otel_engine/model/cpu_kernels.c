@@ -929,7 +929,11 @@ int panel_linear_bf16(bf16 *restrict out, const bf16 *restrict x, const bf16 *re
  * `gguf_dequantize_f32` computes each weight in float32 as gguf-py's dequantize does, bit for
  * bit: every product of a scale and q is exact in float32 (at most 24 significant bits), so a
  * fused multiply-add rounds exactly where numpy's multiply then add does. */
-enum { GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q8_0 = 8, GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14 };
+/* The formats' ggml type ids (gguf-py's GGMLQuantizationType), stated in the contract. */
+#define GGML_TYPE_LIST(X)                                                                        \
+    X(Q4_0, 2) X(Q4_1, 3) X(Q8_0, 8) X(Q4_K, 12) X(Q5_K, 13) X(Q6_K, 14)
+#define GGML_ENUM(name, id) GGML_##name = id,
+enum { GGML_TYPE_LIST(GGML_ENUM) };
 
 static inline float half_to_float(const uint8_t *p) {
     const uint32_t h = (uint32_t)p[0] | ((uint32_t)p[1] << 8);
@@ -2037,11 +2041,12 @@ int prefill_attention_bf16(bf16 *restrict out, const bf16 *restrict qkv,
  * layers[l * STACK_FIELDS + f]: the addresses of layer l's tensors (enum below; a matrix's
  * 4-bit bytes, parameters and panels). dims: see STACK_DIMS. prefills[i * PREFILL_CHUNK_FIELDS
  * + ...]: query_start, num_query, num_keys, block table address (int32) of the step's i-th
- * prefill chunk (PREFILL_CHUNK_LIST). hidden [tokens, hidden_size] is the residual stream (updated); out receives the final
- * norm's output. The buffers x, delta [tokens, hidden_size], attn [tokens, heads * 64], qkv
- * [tokens, qkv width], gate_up [tokens, 2 * intermediate], act [tokens, intermediate], sums
- * (the 4-bit kernel's, int4_max_rows * k / 32 floats for the widest k) and prefill_scratch
- * (prefill_attention_bf16's, for the longest chunk) are the caller's. */
+ * prefill chunk (PREFILL_CHUNK_LIST). hidden [tokens, hidden_size] is the residual stream
+ * (updated); out receives the final norm's output. The buffers x, delta [tokens,
+ * hidden_size], attn [tokens, heads * 64], qkv [tokens, qkv width], gate_up [tokens, 2 *
+ * intermediate], act [tokens, intermediate], sums (the 4-bit kernel's, int4_max_rows * k / 32
+ * floats for the widest k) and prefill_scratch (prefill_attention_bf16's, for the longest
+ * chunk) are the caller's. */
 /* The fields of layers[] and dims[], in order: the one list that both this file and kernels.py
  * (which reads the names from otel_kernels_contract) build them from. A matrix is three
  * consecutive fields: its 4-bit bytes, its parameters, its panels (stack_linear reads field + 1
@@ -2162,12 +2167,14 @@ int fault_drill(int64_t kind, int64_t thread, const void *target) {
 
 /* ---- the contract with kernels.py ------------------------------------------------------------
  *
- * OTEL_KERNELS_ABI changes whenever an exported function's arguments, the stack's fields or
- * dims, or a layout constant below change meaning; kernels.py refuses a library whose number
+ * OTEL_KERNELS_ABI changes whenever an exported function's arguments, the stack's fields,
+ * dims or head size, the prefill chunks' fields, the GGML ids, the statuses or a layout
+ * constant below change meaning; kernels.py refuses a library whose number
  * or target differs from what it expects. otel_kernels_build_tag is read from the file
  * before it is loaded (a library built for another CPU is never run); otel_kernels_contract()
- * says the rest as key=value pairs, the stack's field and dim names in their order. */
-#define OTEL_KERNELS_ABI 6
+ * says the rest as key=value pairs, the stack's field and dim names, the prefill chunks'
+ * fields and the status names in their order, the GGML types as name:id. */
+#define OTEL_KERNELS_ABI 7
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) &&                  \
     defined(__AVX512VL__) && defined(__AVX512BF16__)
 #define OTEL_KERNELS_ISA "avx512bf16"
@@ -2184,6 +2191,7 @@ int fault_drill(int64_t kind, int64_t thread, const void *target) {
 #define STRINGIFY_(x) #x
 #define STRINGIFY(x) STRINGIFY_(x)
 #define NAME_ITEM(E, name) #name ","
+#define TYPE_ITEM(name, id) #name ":" #id ","
 
 __attribute__((used)) const char otel_kernels_build_tag[] =
     "otel-kernels-build:abi=" STRINGIFY(OTEL_KERNELS_ABI) ";isa=" OTEL_KERNELS_ISA ";";
@@ -2194,5 +2202,7 @@ const char *otel_kernels_contract(void) {
            ";panel_blocks=" STRINGIFY(PANEL_BLOCKS) ";prefill_tile_keys=" STRINGIFY(PREFILL_KEYS)
            ";prefill_max_head_dim=" STRINGIFY(PREFILL_MAX_HD)
            ";stack_fields=" STACK_FIELD_LIST(NAME_ITEM) ";stack_dims=" STACK_DIM_LIST(NAME_ITEM)
-           ";statuses=" STATUS_LIST(NAME_ITEM);
+           ";stack_head_dim=" STRINGIFY(STACK_HEAD_DIM)
+           ";prefill_chunk_fields=" PREFILL_CHUNK_LIST(NAME_ITEM)
+           ";ggml_types=" GGML_TYPE_LIST(TYPE_ITEM) ";statuses=" STATUS_LIST(NAME_ITEM);
 }

@@ -1,7 +1,7 @@
 """A .gguf file converted once into a Hugging Face checkpoint directory under the cache root
 (`otel_engine.cache`): the header and metadata read, config.json written from them, the
 tensors renamed to Hugging Face names and llama.cpp's q/k row permutation undone: the layer
-matrices of the formats the kernels read (`weights.QUANT_TYPES`) kept in their blocks
+matrices of the formats the kernels read (`weights.GgmlType`) kept in their blocks
 (`weights.QUANT_FILE`), everything else dequantized to bfloat16.
 The gguf package and torch are imported by the functions that need them."""
 
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from otel_engine.cache import cache_root
 from otel_engine.memory import return_freed_memory
 from otel_engine.model.arch import unique_ids
-from otel_engine.model.weights import QUANT_FILE, QUANT_TYPES
+from otel_engine.model.weights import QUANT_FILE, GgmlType
 
 if TYPE_CHECKING:
     import torch
@@ -359,7 +359,7 @@ def _hf_tensor_name(name: str, arch: str) -> str:
     )
 
 
-# The Hugging Face matrices kept in their GGUF blocks when stored in a `QUANT_TYPES` format:
+# The Hugging Face matrices kept in their GGUF blocks when stored in a `GgmlType` format:
 # the layers' projections, the embedding and the LM head
 _QUANT_MATRIX = re.compile(
     r"model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight|model\.embed_tokens\.weight"
@@ -375,7 +375,7 @@ def _gguf_weights(
     num_experts: int = 0,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, tuple[str, int]]]:
     """Tensors with HF names, q/k rows back in HF order if permuted: dequantized to bfloat16,
-    except layer matrices in a `QUANT_TYPES` format, kept in their blocks (uint8 [rows, row
+    except layer matrices in a `GgmlType` format, kept in their blocks (uint8 [rows, row
     bytes]) with their format and width (`weights.iter_quant` reads them back)."""
     import numpy as np
     import torch
@@ -400,7 +400,7 @@ def _gguf_weights(
                     weights[expert_name] = stacked[index].contiguous()
             continue
         hf_name = _hf_tensor_name(name, arch)
-        keep = qtype.name in QUANT_TYPES and bool(_QUANT_MATRIX.fullmatch(hf_name))
+        keep = qtype.name in GgmlType.__members__ and bool(_QUANT_MATRIX.fullmatch(hf_name))
         if keep:
             tensor = torch.from_numpy(np.array(raw))  # rows of blocks: permuted like weights
         else:

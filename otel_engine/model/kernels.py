@@ -44,7 +44,7 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 _BUILD_TIMEOUT_S = 120
-ABI_VERSION = 6  # cpu_kernels.c OTEL_KERNELS_ABI
+ABI_VERSION = 7  # cpu_kernels.c OTEL_KERNELS_ABI
 
 # Instruction-set levels of x86-64, lowest first, and the flags that target each: the
 # x86-64 psABI levels (v3: AVX2 and FMA; v4: AVX-512 F/BW/CD/DQ/VL), plus AVX-512 BF16
@@ -78,6 +78,10 @@ PANEL_BLOCKS = 3  # blocks of 16 output columns per bfloat16 panel
 PANEL_COLUMNS = PANEL_BLOCKS * 16
 PREFILL_TILE_KEYS = 32  # keys per packed tile of prefill attention
 PREFILL_MAX_HEAD_DIM = 128  # prefill attention takes head sizes 64 and 128
+STACK_HEAD_DIM = 64  # the one head size decoder_stack_bf16 takes
+# A prefill chunk's int64 row in decoder_stack_bf16's `prefills` [chunks, 4], in order: its
+# first query row of the step, its number of queries and of keys, its block table's address.
+PREFILL_CHUNK_FIELDS = ("query_start", "num_query", "num_keys", "table")
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
@@ -234,41 +238,55 @@ class Contract:
 
     abi: int
     isa: str
-    values: dict[str, int]  # layout constants
+    values: dict[str, int]  # layout constants, the stack's head size
     statuses: tuple[str, ...]  # what the functions return, by code
     stack_fields: tuple[str, ...]  # decoder_stack_bf16's per-layer addresses, in order
     stack_dims: tuple[str, ...]  # and its dims
+    prefill_chunk_fields: tuple[str, ...]  # a row of its prefills, in order
+    ggml_types: dict[str, int]  # the GGUF formats the kernels take, by name: ggml type id
 
     @classmethod
     def parse(cls, text: str) -> Contract:
         pairs = dict(item.split("=", 1) for item in text.split(";") if item)
-        names = {"stack_fields", "stack_dims", "statuses", "isa", "abi"}
+        lists = {
+            name: tuple(n for n in pairs.pop(name, "").split(",") if n)
+            for name in ("stack_fields", "stack_dims", "prefill_chunk_fields", "statuses")
+        }
+        types = (item.split(":") for item in pairs.pop("ggml_types", "").split(",") if item)
         return cls(
-            abi=int(pairs["abi"]),
-            isa=pairs["isa"],
-            values={k: int(v) for k, v in pairs.items() if k not in names},
-            stack_fields=tuple(n for n in pairs["stack_fields"].split(",") if n),
-            stack_dims=tuple(n for n in pairs["stack_dims"].split(",") if n),
-            statuses=tuple(n for n in pairs.get("statuses", "").split(",") if n),
+            abi=int(pairs.pop("abi")),
+            isa=pairs.pop("isa"),
+            ggml_types={name: int(type_id) for name, type_id in types},
+            values={k: int(v) for k, v in pairs.items()},
+            **lists,
         )
 
     def mismatches(self) -> list[str]:
         """Where the library disagrees with this module's constants (empty: none)."""
-        from otel_engine.model.weights import INT4_GROUP
+        from otel_engine.model.weights import INT4_GROUP, GgmlType
 
         expected = {
             "int4_group": INT4_GROUP,
             "panel_blocks": PANEL_BLOCKS,
             "prefill_tile_keys": PREFILL_TILE_KEYS,
             "prefill_max_head_dim": PREFILL_MAX_HEAD_DIM,
+            "stack_head_dim": STACK_HEAD_DIM,
         }
         wrong = [f"abi {self.abi} (expected {ABI_VERSION})"] if self.abi != ABI_VERSION else []
         for key, value in expected.items():
             if self.values.get(key) != value:
                 wrong.append(f"{key} {self.values.get(key)} (expected {value})")
-        statuses = tuple(status.name.lower() for status in KernelStatus)
-        if self.statuses != statuses:
-            wrong.append(f"statuses {','.join(self.statuses)} (expected {','.join(statuses)})")
+        named = {
+            "statuses": (self.statuses, tuple(s.name.lower() for s in KernelStatus)),
+            "prefill_chunk_fields": (self.prefill_chunk_fields, PREFILL_CHUNK_FIELDS),
+            "ggml_types": (
+                tuple(f"{n}:{i}" for n, i in self.ggml_types.items()),
+                tuple(f"{t.name}:{t.value}" for t in GgmlType),
+            ),
+        }
+        for key, (found, want) in named.items():
+            if found != want:
+                wrong.append(f"{key} {','.join(found)} (expected {','.join(want)})")
         return wrong
 
 
@@ -359,7 +377,10 @@ def _built(compiler: str, isa: str) -> Path:
     logger.info("kernels.built", extra={"path": str(path), "isa": isa})
     tag = build_tag(path)
     if tag != (ABI_VERSION, isa):
-        raise RuntimeError(f"the build for {isa} says it is {tag}: the compiler ignored the flags")
+        raise RuntimeError(
+            f"the build for {isa} says it is {tag} (abi, isa), not ({ABI_VERSION}, {isa!r}): the"
+            " compiler ignored the flags, or ABI_VERSION is not the C file's OTEL_KERNELS_ABI"
+        )
     return path
 
 

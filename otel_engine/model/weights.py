@@ -6,6 +6,7 @@ need it."""
 
 from __future__ import annotations
 
+import enum
 import glob
 import json
 import os
@@ -23,16 +24,26 @@ QUANT_FILE = os.path.join("quant", "weights.safetensors")
 INT4_GROUP = 32  # weights per scale and offset in the 4-bit formats
 
 
-# The GGUF formats kept in their blocks (ggml type ids): the kernels read every one of them
-# (cpu_kernels.c, "GGUF block formats"); Q4_0 and Q4_1 also feed the 4-bit kernels.
-QUANT_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
-INT4_TYPES = frozenset({"Q4_0", "Q4_1"})
+class GgmlType(enum.IntEnum):
+    """The GGUF formats kept in their blocks, by ggml type id (gguf-py's GGMLQuantizationType
+    values): the kernels read every one of them (cpu_kernels.c, "GGUF block formats", states
+    the same ids in its contract, which kernels.load() compares with these)."""
+
+    Q4_0 = 2
+    Q4_1 = 3
+    Q8_0 = 8
+    Q4_K = 12
+    Q5_K = 13
+    Q6_K = 14
+
+
+INT4_TYPES = frozenset({GgmlType.Q4_0.name, GgmlType.Q4_1.name})  # also the 4-bit kernels'
 
 
 @dataclass(frozen=True, slots=True)
 class QuantTensor:
     """A matrix [rows, cols] in its GGUF blocks: `raw` uint8 [rows, row bytes], each row
-    cols / block weights-per-block blocks of format `kind` (a `QUANT_TYPES` name)."""
+    cols / block weights-per-block blocks of format `kind` (a `GgmlType` name)."""
 
     raw: torch.Tensor
     kind: str
@@ -43,8 +54,8 @@ class QuantTensor:
         return int(self.raw.shape[0])
 
     @property
-    def type_id(self) -> int:
-        return QUANT_TYPES[self.kind]
+    def type_id(self) -> GgmlType:
+        return GgmlType[self.kind]
 
     def dequantize(self) -> torch.Tensor:
         """The matrix as float32, as gguf-py's dequantize computes it."""

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType
 
 from otel_engine.model import kernels
 from otel_engine.model.kernels import (
@@ -25,6 +26,7 @@ from otel_engine.model.kernels import (
     SOURCE,
     SUFFIXES,
 )
+from otel_engine.model.weights import GgmlType
 from tests.helpers.isa import require_isa
 
 _PROTOTYPE = re.compile(r"^(?:void|int) ([a-z0-9_]+(?:##SUFFIX)?)\(([^)]*)\)", re.MULTILINE)
@@ -261,21 +263,54 @@ def test_the_build_flags_name_the_target_never_native() -> None:
     assert "-march=x86-64-v3" in kernels.build_flags("avx2")
 
 
-def test_a_contract_that_disagrees_is_reported() -> None:
-    """A library whose ABI or layout constants differ from kernels.py's is named as such
-    (load() then refuses it: torch ops run, never a mismatched kernel)."""
-    text = (
-        "abi=1;isa=avx2;max_block_size=256;int4_group=32;panel_blocks=4;"
-        "prefill_tile_keys=32;prefill_max_head_dim=128;stack_fields=a,b,;stack_dims=c,;"
-        "statuses=ok,bad_type,no_memory,bad_argument,unavailable,;"
-    )
+_CONTRACT = (
+    "abi={abi};isa=avx2;max_block_size=256;int4_group=32;panel_blocks=3;prefill_tile_keys=32;"
+    "prefill_max_head_dim=128;stack_fields=a,b,;stack_dims=c,;stack_head_dim=64;"
+    "prefill_chunk_fields=query_start,num_query,num_keys,table,;"
+    "ggml_types=Q4_0:2,Q4_1:3,Q8_0:8,Q4_K:12,Q5_K:13,Q6_K:14,;"
+    "statuses=ok,bad_type,no_memory,bad_argument,unavailable,;"
+)
 
-    contract = kernels.Contract.parse(text)
 
+def test_a_contract_that_agrees_is_parsed_whole() -> None:
+    """Every part of the contract is read: the lists in order, the GGML types by name."""
+    contract = kernels.Contract.parse(_CONTRACT.format(abi=kernels.ABI_VERSION))
+
+    assert [] == contract.mismatches()
     assert ("a", "b") == contract.stack_fields
-    assert [f"abi 1 (expected {kernels.ABI_VERSION})", "panel_blocks 4 (expected 3)"] == (
-        contract.mismatches()
-    )
+    assert kernels.PREFILL_CHUNK_FIELDS == contract.prefill_chunk_fields
+    assert 12 == contract.ggml_types["Q4_K"]
+    assert kernels.STACK_HEAD_DIM == contract.values["stack_head_dim"]
+
+
+@pytest.mark.parametrize(
+    ("change", "mismatch"),
+    [
+        (("abi=" + str(kernels.ABI_VERSION), "abi=1"), f"abi 1 (expected {kernels.ABI_VERSION})"),
+        (("panel_blocks=3", "panel_blocks=4"), "panel_blocks 4 (expected 3)"),
+        (("stack_head_dim=64", "stack_head_dim=128"), "stack_head_dim 128 (expected 64)"),
+        (("Q5_K:13", "Q5_K:15"), "ggml_types Q4_0:2,Q4_1:3,Q8_0:8,Q4_K:12,Q5_K:15,Q6_K:14"),
+        (("num_query,num_keys", "num_keys,num_query"), "prefill_chunk_fields query_start,num_k"),
+        (("no_memory,bad_argument", "bad_argument,no_memory"), "statuses ok,bad_type,bad_arg"),
+    ],
+)
+def test_a_contract_that_disagrees_is_reported(change: tuple[str, str], mismatch: str) -> None:
+    """A library whose ABI, layout constants, stack head size, prefill chunk fields, GGML
+    type ids or status names differ from the Python side's is named as such (load() then
+    refuses it: torch ops run, never a mismatched kernel)."""
+    text = _CONTRACT.format(abi=kernels.ABI_VERSION).replace(*change)
+
+    wrong = kernels.Contract.parse(text).mismatches()
+
+    assert 1 == len(wrong)
+    assert wrong[0].startswith(mismatch)
+
+
+def test_the_ggml_type_ids_are_gguf_py_s() -> None:
+    """weights.GgmlType, the one Python home of the ids (the C side's are compared at load),
+    gives each format gguf-py's GGMLQuantizationType value."""
+    for ggml_type in GgmlType:
+        assert GGMLQuantizationType[ggml_type.name].value == ggml_type.value
 
 
 @pytest.mark.slow  # compiles the kernels
