@@ -72,5 +72,5 @@ def pack_int4(
         assert (blocks.rows, blocks.cols) == (rows, cols)
         return Int4Weight(packed, params, rows, cols, None, blocks)
     panels = torch.empty(-(-rows // PANEL_COLUMNS) * PANEL_COLUMNS * cols, dtype=torch.bfloat16)
-    build_panels(panels.data_ptr(), packed.data_ptr(), params.data_ptr(), rows, cols)
+    build_panels(panels=panels, w=packed, params=params, n=rows, k=cols)
     return Int4Weight(packed, params, rows, cols, panels)

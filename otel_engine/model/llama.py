@@ -332,7 +332,7 @@ class LlamaModel:
             return None
         logits = self.lm_head(hidden)
         tokens = torch.empty(logits.shape[0], dtype=torch.int64)
-        argmax(tokens.data_ptr(), logits.data_ptr(), logits.shape[0], logits.shape[1])
+        argmax(out=tokens, logits=logits, rows=logits.shape[0], vocab=logits.shape[1])
         return tokens.tolist()
 
     def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:

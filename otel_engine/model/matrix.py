@@ -139,9 +139,7 @@ class Int4Matrix(Matrix):
     """Up to INT4_MAX_ROWS rows the exact 4-bit kernel; more by the panels or, where the
     plan chose tiles, by the file's blocks a tile at a time."""
 
-    def __init__(
-        self, int4: Int4Weight, kernels: MatrixKernels, bias: torch.Tensor | None
-    ) -> None:
+    def __init__(self, int4: Int4Weight, kernels: MatrixKernels, bias: torch.Tensor | None) -> None:
         self.int4 = int4
         self.form = Form.INT4_PANELS if int4.panels is not None else Form.INT4_TILES
         self.rows, self.cols = int4.rows, int4.cols
@@ -156,12 +154,12 @@ class Int4Matrix(Matrix):
         if rows <= INT4_MAX_ROWS:
             sums = kernels.sums(rows * (int4.cols // INT4_GROUP))
             kernels.q4_linear(
-                out.data_ptr(), x.data_ptr(), int4.packed.data_ptr(), int4.params.data_ptr(),
-                sums.data_ptr(), rows, int4.rows, int4.cols,
+                out=out, x=x, w=int4.packed, params=int4.params, sums=sums, rows=rows,
+                n=int4.rows, k=int4.cols,
             )  # fmt: skip
         elif int4.panels is not None:
             kernels.panel_linear(
-                out.data_ptr(), x.data_ptr(), int4.panels.data_ptr(), rows, int4.rows, int4.cols
+                out=out, x=x, panels=int4.panels, rows=rows, n=int4.rows, k=int4.cols
             )
         else:
             assert self.blocks is not None
@@ -222,7 +220,7 @@ class Embedding:
         rows = self.blocks.raw.index_select(0, input_ids.to(self.blocks.raw.device))
         out = torch.empty((rows.shape[0], self.blocks.cols), dtype=torch.bfloat16)
         self.kernels.dequantize(
-            out.data_ptr(), rows.data_ptr(), self.blocks.type_id, rows.shape[0], out.shape[1]
+            out=out, w=rows, type=self.blocks.type_id, n=rows.shape[0], k=out.shape[1]
         )
         return out
 

@@ -123,8 +123,8 @@ class QuantLinear:
         column = 0
         for part in weight.parts:
             run(
-                out.data_ptr() + 2 * column, x.data_ptr(), part.raw.data_ptr(),
-                part.type_id, rows, part.rows, k, weight.rows,
+                out=out.data_ptr() + 2 * column, x=x, w=part.raw, type=part.type_id, rows=rows,
+                n=part.rows, k=k, ldo=weight.rows,
             )  # fmt: skip
             column += part.rows
         return out
@@ -146,8 +146,8 @@ class QuantLinear:
                 count = min(tile_rows, part.rows - first)
                 tile = self._tile[: count * k].view(count, k)
                 self._dequantize(
-                    tile.data_ptr(), part.raw.data_ptr() + first * row_bytes, part.type_id,
-                    count, k,
+                    out=tile, w=part.raw.data_ptr() + first * row_bytes, type=part.type_id,
+                    n=count, k=k,
                 )  # fmt: skip
                 out[:, column + first : column + first + count] = F.linear(x, tile)
             column += part.rows
