@@ -8,7 +8,10 @@ elsewhere, an emulator, a shared cache). The C file is compiled once per target 
 system's C compiler (`cc -O3 -fopenmp` and those flags) into `$OTEL_ENGINE_CACHE_DIR/kernels/`
 (else ~/.cache/otel-engine/kernels/), named by the target and a hash of the source, the
 flags and the compiler, and renamed into place atomically, so concurrent engines share one
-build; a build takes about 3 s.
+build; one build per cache directory runs at a time (`BUILD_LOCK`), so processes that start
+together (the ranks of a TP group) wait for one compile instead of each running it. A build
+takes one core 6 s (baseline) to 14 s (avx512bf16) with GCC 12 on this project's AMD EPYC
+(`bench/kernel_build.py` measures it per level; its numbers are in bench/README.md).
 
 The library says what it was built for and which layout it has (`cpu_kernels.c`, "the
 contract with kernels.py"): its build tag is read from the file before the file is loaded,
@@ -17,12 +20,19 @@ machine) is rebuilt, never run; its contract string is compared with this module
 constants and gives the decoder stack's field order. `load()` returns None, with the reason
 logged, when there is no compiler, the build fails or the contract does not match: the
 model then runs on torch ops alone (the same results within rounding, slower).
+
+Each function of a `KernelLibrary` is a wrapper made once at load from its SIGNATURES entry,
+named as its C entry point: arguments by name, tensors or None for pointers, and a status
+that is not OK (`KernelStatus`: an unknown GGML type, a failed allocation, an unmet
+precondition) raised as `KernelError` naming the kernel, the reason and the failed check.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import enum
+import fcntl
 import functools
 import hashlib
 import logging
@@ -32,7 +42,8 @@ import re
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,7 +54,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
-_BUILD_TIMEOUT_S = 120
+_BUILD_TIMEOUT_S = 120  # about 9x the slowest build measured (bench/kernel_build.py)
 ABI_VERSION = 7  # cpu_kernels.c OTEL_KERNELS_ABI
 
 # Instruction-set levels of x86-64, lowest first, and the flags that target each: the
@@ -68,6 +79,10 @@ TARGET_FLAGS: dict[str, tuple[str, ...]] = {
     ),
     "generic": (),
 }
+BUILD_LOCK = ".build.lock"  # in the cache directory, beside the builds
+# Waiting for the lock: at worst one build of every target is ahead (a waiter that gets the
+# lock finds a build of its own target done and builds nothing).
+_BUILD_LOCK_WAIT_S = _BUILD_TIMEOUT_S * len(TARGET_FLAGS)
 # Build for a lower level than the CPU's (tests, or to rule out a kernel on a suspect host);
 # a level above what the CPU runs is refused.
 ISA_ENV = "OTEL_ENGINE_KERNEL_ISA"
@@ -344,6 +359,28 @@ def build_tag(path: Path) -> tuple[int, str] | None:
     return (int(match.group(1)), match.group(2).decode()) if match else None
 
 
+@contextlib.contextmanager
+def _build_lock(directory: Path) -> Iterator[None]:
+    """Held while this process builds (an exclusive flock on `BUILD_LOCK` in the cache
+    directory, released when the process exits, however it exits). A process waits for it at
+    most `_BUILD_LOCK_WAIT_S`: what one build for each target takes at its longest."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / BUILD_LOCK, "w") as lock:
+        deadline = time.monotonic() + _BUILD_LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"another process held {directory / BUILD_LOCK} for over "
+                        f"{_BUILD_LOCK_WAIT_S} s"
+                    ) from None
+                time.sleep(0.05)
+        yield
+
+
 def _build(compiler: str, isa: str, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=target.parent)
@@ -366,15 +403,22 @@ def _build(compiler: str, isa: str, target: Path) -> None:
 
 def _built(compiler: str, isa: str) -> Path:
     """The library for `isa`, built if the cache has none or has one whose build tag is not
-    this source's ABI and target (a copied or stale cache: rebuilt, never loaded)."""
+    this source's ABI and target (a copied or stale cache: rebuilt, never loaded). One build
+    per cache directory at a time (`_build_lock`): processes that start together (the ranks of
+    a TP group) wait for one compile and load its library."""
     path = library_path(compiler, isa)
-    if path.exists():
+    if build_tag(path) == (ABI_VERSION, isa):
+        return path
+    with _build_lock(path.parent):
         if build_tag(path) == (ABI_VERSION, isa):
-            return path
-        logger.warning("kernels.rebuilt", extra={"path": str(path), "found": build_tag(path)})
-        path.unlink(missing_ok=True)
-    _build(compiler, isa, path)
-    logger.info("kernels.built", extra={"path": str(path), "isa": isa})
+            return path  # built by another process while this one waited
+        if path.exists():
+            logger.warning("kernels.rebuilt", extra={"path": str(path), "found": build_tag(path)})
+            path.unlink(missing_ok=True)
+        started = time.monotonic()
+        _build(compiler, isa, path)
+        seconds = round(time.monotonic() - started, 1)
+    logger.info("kernels.built", extra={"path": str(path), "isa": isa, "seconds": seconds})
     tag = build_tag(path)
     if tag != (ABI_VERSION, isa):
         raise RuntimeError(
@@ -474,7 +518,7 @@ def _wrap(
     exec(compile(source, __file__, "exec"), namespace)
     wrapper = namespace[name]
     wrapper.c_function = function
-    return wrapper  # type: ignore[no-any-return]
+    return wrapper
 
 
 def _failure(name: str, code: int, check: bytes, scalars: dict[str, Any]) -> KernelError:

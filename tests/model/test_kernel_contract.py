@@ -5,13 +5,16 @@ loaded."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import inspect
+import os
 import re
 import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -40,7 +43,7 @@ def _c_prototypes() -> dict[str, list[tuple[str, type]]]:
     text = SOURCE.read_text().replace("\\\n", "\n")
     found = {}
     for match in _PROTOTYPE.finditer(text):
-        params = []
+        params: list[tuple[str, type]] = []
         declarations = " ".join(match.group(2).split())
         for declaration in [] if declarations == "void" else declarations.split(","):
             words = declaration.replace("*", " * ").split()
@@ -380,3 +383,83 @@ def test_the_fault_drill_refuses_an_unknown_kind(library: kernels.KernelLibrary)
         with pytest.raises(kernels.KernelError) as caught:
             library.fault_drill(kind=kind, thread=thread, target=None)
         assert kernels.KernelStatus.BAD_ARGUMENT == caught.value.status
+
+
+def test_concurrent_loads_build_once(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Threads that find the cache cold together (as TP ranks starting at once do) wait for
+    the one that holds the build lock, then find its library: one build."""
+    monkeypatch.setenv("OTEL_ENGINE_CACHE_DIR", str(tmp_path))
+    builds: list[str] = []
+
+    def slow_build(compiler: str, isa: str, target: Path) -> None:
+        builds.append(isa)
+        time.sleep(0.5)  # every other thread is waiting by now
+        tag = f"otel-kernels-build:abi={kernels.ABI_VERSION};isa={isa};"
+        target.write_bytes(b"\x7fELF " + tag.encode())
+
+    monkeypatch.setattr(kernels, "_build", slow_build)
+    compiler = kernels._compiler()
+    assert compiler is not None
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        paths = set(pool.map(lambda _: kernels._built(compiler, "baseline"), range(4)))
+
+    assert ["baseline"] == builds
+    assert {kernels.library_path(compiler, "baseline")} == paths
+    assert (tmp_path / "kernels" / kernels.BUILD_LOCK).exists()
+
+
+_LOAD = """
+from otel_engine.model import kernels
+library = kernels.load()
+print(library.isa if library is not None else "none")
+"""
+
+
+@pytest.mark.slow  # compiles the kernels
+def test_processes_that_start_together_on_a_cold_cache_compile_once(tmp_path: Path) -> None:
+    """Three processes loading the kernels at once with an empty cache run the compiler
+    once (a compiler wrapper counts the builds) and all load the library it built."""
+    log = tmp_path / "builds.log"
+    wrapper = tmp_path / "cc"
+    real = kernels._compiler()
+    assert real is not None
+    wrapper.write_text(
+        f'#!/bin/sh\ncase " $* " in *" -o "*) echo build >> "{log}";; esac\nexec {real} "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    env = {
+        **os.environ,
+        "CC": str(wrapper),
+        "OTEL_ENGINE_CACHE_DIR": str(tmp_path / "cache"),
+        kernels.ISA_ENV: "baseline",  # the quickest build
+    }
+    processes = [
+        subprocess.Popen([sys.executable, "-c", _LOAD], env=env, stdout=subprocess.PIPE, text=True)
+        for _ in range(3)
+    ]
+    outputs = [process.communicate(timeout=600)[0].split() for process in processes]
+
+    assert [["baseline"]] * 3 == outputs
+    assert ["build"] == log.read_text().split()
+
+
+def _measured_build_seconds() -> dict[str, float]:
+    """bench/README.md's table of bench/kernel_build.py's numbers: best seconds per level."""
+    readme = Path(__file__).parents[2] / "bench" / "README.md"
+    section = readme.read_text().split("## Kernel build time", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| (\w+) \| ([\d.]+) \|", section, re.MULTILINE)
+    return {level: float(best) for level, best in rows}
+
+
+def test_the_stated_build_time_is_the_benchmark_s() -> None:
+    """The build time kernels.py and docs/architecture.md state is bench/kernel_build.py's,
+    as bench/README.md records it, for every level."""
+    measured = _measured_build_seconds()
+    fastest, slowest = round(measured["baseline"]), round(measured["avx512bf16"])
+    architecture = Path(__file__).parents[2] / "docs" / "architecture.md"
+
+    assert set(kernels.ISA_LEVELS) == set(measured)
+    assert f"{fastest} s (baseline) to {slowest} s (avx512bf16)" in " ".join(
+        (kernels.__doc__ or "").split()
+    )
+    assert f"{fastest}-{slowest} s of one core" in architecture.read_text()

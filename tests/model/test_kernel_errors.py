@@ -35,7 +35,7 @@ def library() -> KernelLibrary:
 def _kernel(library: KernelLibrary, name: str) -> Callable[..., None]:
     if not library.has(name):
         pytest.skip(f"{name} is not in the {library.isa} build")
-    return getattr(library, name)  # type: ignore[no-any-return]
+    return getattr(library, name)
 
 
 def _pointers(name: str) -> dict[str, None]:
