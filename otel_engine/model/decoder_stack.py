@@ -11,6 +11,7 @@ import torch
 from otel_engine.model.attention import AttentionMetadata
 from otel_engine.model.fast_paths import Form
 from otel_engine.model.int4 import INT4_MAX_ROWS
+from otel_engine.model.kernels import PREFILL_CHUNK_FIELDS
 from otel_engine.model.layer_ops import KernelOps
 from otel_engine.model.matrix import Int4Matrix
 from otel_engine.model.projections import DOWN, GATE_UP, O_PROJ, QKV
@@ -139,5 +140,5 @@ def _layer_addresses(
     return addresses
 
 
-_NO_CHUNKS = torch.zeros((0, 4), dtype=torch.int64)
+_NO_CHUNKS = torch.zeros((0, len(PREFILL_CHUNK_FIELDS)), dtype=torch.int64)
 _FIELD_NAMES = {QKV: "qkv", O_PROJ: "o", GATE_UP: "gate_up", DOWN: "down"}  # C's prefixes

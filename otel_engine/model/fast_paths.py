@@ -41,14 +41,13 @@ import torch
 
 from otel_engine.model import kernels
 from otel_engine.model.checkpoint import Checkpoint
-from otel_engine.model.kernels import KernelLibrary
+from otel_engine.model.kernels import STACK_HEAD_DIM, KernelLibrary
 from otel_engine.model.projections import Projection, Split
 from otel_engine.model.quant import AMX_MAX_ROWS
 from otel_engine.model.weights import INT4_GROUP, INT4_TYPES
 
 BF16_ISA = "avx512bf16"  # the 4-bit matmuls, GGUF blocks, prefill attention, the stack
 PREFILL_KERNEL_HEAD_DIMS = (64, 128)  # prefill attention in cpu_kernels.c
-STACK_HEAD_DIM = 64  # the decoder stack's one head size
 # Where torch's fused attention packs its bfloat16 matmuls for AMX, it is faster than the
 # compiled prefill attention on chunks longer than this (bench/attention.py: 2.3-4x at 1,024
 # tokens, even at 32); those run there, the shorter ones in the kernel.
@@ -376,7 +375,7 @@ def _decide_stack(plan: FastPaths, shape: ModelShape) -> None:
     if shape.tp_size != 1:
         reason: str | None = f"{shape.tp_size} ranks (the stack runs on one)"
     elif shape.head_dim != STACK_HEAD_DIM:
-        reason = f"head size {shape.head_dim} (the stack takes 64)"
+        reason = f"head size {shape.head_dim} (the stack takes {STACK_HEAD_DIM})"
     elif not (plan.is_on(Path.INT4_KERNELS) and plan.is_on(Path.PREFILL_KERNEL)):
         reason = "needs the 4-bit and prefill kernels"
     else:

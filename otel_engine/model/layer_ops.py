@@ -31,7 +31,7 @@ from otel_engine.model.attention import (
     write_cache,
 )
 from otel_engine.model.fast_paths import FastPaths, Path
-from otel_engine.model.kernels import PREFILL_TILE_KEYS
+from otel_engine.model.kernels import PREFILL_CHUNK_FIELDS, PREFILL_TILE_KEYS
 from otel_engine.model.layers import RotaryEmbedding, rms_norm
 
 
@@ -344,17 +344,14 @@ class KernelOps(TorchOps):
         assert self._prefill_attention is not None
         num_slots = k_cache.shape[1] * k_cache.shape[2]
         chunks, scratch = self.prefill_chunks(meta)
-        for query_start, num_query, num_keys, table in chunks.tolist():
+        for row in chunks.tolist():  # the chunk's fields are the kernel's parameters
             self._prefill_attention(
+                **dict(zip(PREFILL_CHUNK_FIELDS, row, strict=True)),
                 out=out,
                 qkv=qkv,
                 k_cache=k_cache,
                 v_cache=v_cache,
-                table=table,
                 scratch=scratch,
-                query_start=query_start,
-                num_query=num_query,
-                num_keys=num_keys,
                 num_heads=self.num_heads,
                 num_kv_heads=self.num_kv_heads,
                 head_dim=self.head_dim,
@@ -365,20 +362,28 @@ class KernelOps(TorchOps):
             )
 
     def prefill_chunks(self, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step's prefill chunks as `prefill_attention_bf16` takes them, int64 [chunks,
-        4]: query_start, num_query, num_keys, the address of the block table (int32); and
-        the scratch that the longest needs for its packed keys and values."""
+        """The step's prefill chunks as the compiled stack takes them, int64 [chunks,
+        fields] in the contract's order (`kernels.PREFILL_CHUNK_FIELDS`: query_start,
+        num_query, num_keys, the address of the block table, int32); and the scratch that the
+        longest needs for its packed keys and values."""
         assert meta.prefill_tables is not None
         rows, tiles = [], 0
         for seq, table in zip(meta.prefills, meta.prefill_tables, strict=True):
             num_query = seq.query_end - seq.query_start
             num_keys = num_query if seq.slots is None else seq.slots.numel()
-            rows.append((seq.query_start, num_query, num_keys, table.data_ptr()))
+            fields = {
+                "query_start": seq.query_start,
+                "num_query": num_query,
+                "num_keys": num_keys,
+                "table": table.data_ptr(),
+            }
+            rows.append(tuple(fields[name] for name in PREFILL_CHUNK_FIELDS))
             tiles = max(tiles, -(-num_keys // PREFILL_TILE_KEYS))
         need = 2 * self.num_kv_heads * tiles * PREFILL_TILE_KEYS * self.head_dim
         if self._prefill_scratch.numel() < need:
             self._prefill_scratch = torch.empty(need, dtype=self._prefill_scratch.dtype)
-        return torch.tensor(rows, dtype=torch.int64).view(-1, 4), self._prefill_scratch
+        chunks = torch.tensor(rows, dtype=torch.int64).view(-1, len(PREFILL_CHUNK_FIELDS))
+        return chunks, self._prefill_scratch
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         rows, width = gate_up.shape[0], gate_up.shape[1] // 2
