@@ -181,7 +181,7 @@ def _kernel_drill(signal: DrillSignal, thread: DrillThread) -> tuple[Any, dict[s
     this process has no kernels library to fault in)."""
     from otel_engine.model import kernels  # torch: only in a process that drills a kernel
 
-    library = kernels.load()
+    library = kernels.load(kernels.target_isa())  # the one the model loaded: never a rebuild
     if library is None:
         raise InjectedFault("no compiled kernels library to inject a kernel fault into")
     target = _unbacked_page() if signal is DrillSignal.SIGBUS else None

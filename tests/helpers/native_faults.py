@@ -95,7 +95,7 @@ class Outcome:
         for index, result in enumerate(self.results):
             message = (result.error or {}).get("message", "")
             if expected not in message:
-                wrong.append(f"client {index}: {message or result}")
+                wrong.append(f"client {index}: {message or _summary(result)}")
         return wrong
 
     def dump_mismatches(self) -> list[str]:
@@ -120,6 +120,14 @@ class Outcome:
         ):
             wrong.append("the log line's signal and frames differ from the file's")
         return wrong
+
+
+def _summary(result: ClientResult) -> str:
+    """A client that got no error, without the text it streamed."""
+    return (
+        f"no error: status {result.status}, {len(result.events)} events, hung {result.hung}, "
+        f"transport error {result.transport_error}"
+    )
 
 
 def run_case(case: Case, model_dir: str, work_dir: Path) -> Outcome:
