@@ -145,6 +145,23 @@ def test_a_wrong_or_missing_argument_name_is_a_type_error_naming_the_kernel(
         library.silu_mul_f32(out=out, gate_up=gate_up, rows=1)
 
 
+def test_with_keywords_only_a_positional_call_is_refused(
+    library: kernels.KernelLibrary, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """kernels.KEYWORDS_ONLY makes every wrapper take its arguments by name alone (argument
+    order is then never trusted); the same call by name runs."""
+    monkeypatch.setattr(kernels, "KEYWORDS_ONLY", True)
+    c_function = library.silu_mul_f32.c_function
+    namespace = library.silu_mul_f32.__globals__
+    strict = kernels._wrap("silu_mul_f32", c_function, SIGNATURES["silu_mul"], namespace)
+    out, gate_up = torch.zeros(1, 8), torch.ones(1, 16)
+
+    with pytest.raises(TypeError, match="silu_mul_f32"):
+        strict(out, gate_up, 1, 8)
+    strict(out=out, gate_up=gate_up, rows=1, width=8)
+    assert torch.allclose(torch.nn.functional.silu(torch.ones(1, 8)), out)
+
+
 def test_a_wrapper_takes_tensors_addresses_and_none_for_pointers(
     library: kernels.KernelLibrary,
 ) -> None:
