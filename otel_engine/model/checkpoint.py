@@ -14,7 +14,7 @@ from otel_engine.model.weights import QUANT_FILE
 
 @dataclass(frozen=True, slots=True)
 class Blocks:
-    """A matrix [rows, cols] stored in GGUF blocks of format `kind` (`weights.QUANT_TYPES`)."""
+    """A matrix [rows, cols] stored in GGUF blocks of format `kind` (`weights.GgmlType`)."""
 
     kind: str
     rows: int

@@ -168,9 +168,9 @@ QUERIES: dict[str, tuple[tuple[str, type], ...]] = {
     "amx_ready": (),  # 1 if Linux lends this process the AMX tiles (asked once), else 0
 }
 _TAG = re.compile(rb"otel-kernels-build:abi=(\d+);isa=([a-z0-9]+);")
-# The switch for the call sites: True once every one passes its arguments by name; until
-# then a wrapper also takes them in SIGNATURES order.
-KEYWORDS_ONLY = False
+# Every call site passes a kernel's arguments by name, so a wrapper refuses them in order
+# (argument order is checked against SIGNATURES, never assumed).
+KEYWORDS_ONLY = True
 
 
 def cpu_isa() -> str:

@@ -19,9 +19,11 @@ from gguf.quants import dequantize
 
 from otel_engine import LLM, SamplingParams
 from otel_engine.engine.core_client import InprocClient
-from otel_engine.model import kernels
-from otel_engine.model.fast_paths import BF16_ISA
+from otel_engine.model import fast_paths, kernels
+from otel_engine.model.fast_paths import BF16_ISA, Form
 from otel_engine.model.kernels import KernelLibrary
+from otel_engine.model.matrix import BlockMatrix, Int4Matrix
+from otel_engine.model.projections import DOWN, GATE_UP, O_PROJ, QKV
 from otel_engine.model.quant import (
     AMX_MAX_ROWS,
     QUANT_MAX_ROWS,
@@ -305,16 +307,17 @@ def _greedy(model: str, int4: str, tp: int) -> tuple[list[list[int]], list[dict[
         client = llm._frontend.client
         runner = getattr(client.core.executor, "runner", None)  # type: ignore[union-attr]
         if isinstance(client, InprocClient) and runner is not None:  # one rank, in process
-            layer = runner.model.layers[0]
-            assert (int4 == "auto") == (layer.qkv_q is not None)
-            if int4 == "auto":  # no bfloat16 copy of any matrix kept in blocks
-                assert layer.qkv.numel() == layer.down.numel() == 0
-                model = runner.model
-                assert model.embed_q is not None
-                assert model.lm_head_q is not None
-                assert model.embed.numel() == model.lm_head.numel() == 0
+            model = runner.model
+            qkv = model.layers[0].matrices[QKV]
+            assert (int4 == "auto") == isinstance(qkv, BlockMatrix)
+            if int4 == "auto":  # every matrix in its blocks, no dense copy
+                assert isinstance(model.layers[0].matrices[DOWN], BlockMatrix)
+                assert isinstance(model.lm_head, BlockMatrix)
+                assert model.embedding.blocks is not None
+                assert model.embedding.weight is None
                 # copied out of the checkpoint file's mapping into anonymous memory
-                for raw in (model.embed_q.raw, layer.qkv_q.parts[0].raw):
+                assert qkv.blocks is not None
+                for raw in (model.embedding.blocks.raw, qkv.blocks.parts[0].raw):
                     assert _mapping_of(raw.data_ptr()) == ""
         params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=5)
         outputs = [o.outputs[0] for o in llm.generate([list(p) for p in PROMPTS], params)]
@@ -378,16 +381,10 @@ def test_native_greedy_output_at_two_ranks(tmp_path: Path) -> None:
 
 
 def _loaded(model_dir: str, tp_size: int = 1, **options: str) -> Any:
-    from otel_engine.model.arch import load_model_arch
-    from otel_engine.model.registry import model_class
-    from otel_engine.model.weights import iter_weights
+    from otel_engine.model.registry import load_model
 
-    arch = load_model_arch(model_dir)
-    model = model_class(arch)(
-        arch, dtype=torch.bfloat16, device=torch.device("cpu"), tp_size=tp_size, **options
-    )
-    model.load_weights(iter_weights(model_dir, keep_quantized=True))
-    return model
+    cpu = torch.device("cpu")
+    return load_model(model_dir, dtype=torch.bfloat16, device=cpu, tp_size=tp_size, **options)
 
 
 @pytest.mark.parametrize("name", ["Q4_0", "Q4_1"])
@@ -399,22 +396,21 @@ def test_large_4_bit_layers_run_from_their_blocks(
     reason, and give the reference path's greedy output but for near ties; with x in
     bfloat16 they stay in the 4-bit kernels."""
     require_isa(BF16_ISA)
-    from otel_engine.model import llama
     from otel_engine.model.loader import prepare_model_dir
 
     formats = dict.fromkeys((*PROJECTIONS, "embed_tokens", "lm_head"), name)
     path = _gguf(tmp_path, 64, formats)
     model_dir = prepare_model_dir(path)
     kept = _loaded(model_dir, quant_activations="bfloat16")
-    assert kept.fast_paths.is_on("int4_kernels")
-    assert kept.layers[0].qkv_q is None  # left to the 4-bit kernels
-    monkeypatch.setattr(llama, "INT4_KERNELS_MAX_BYTES", 0)
+    assert kept.fast_paths.is_on(fast_paths.Path.INT4_KERNELS)
+    assert isinstance(kept.layers[0].matrices[QKV], Int4Matrix)  # the 4-bit kernels
+    monkeypatch.setattr(fast_paths, "INT4_KERNELS_MAX_BYTES", 0)
     model = _loaded(model_dir)
-    choice = model.fast_paths.choices["int4_kernels"]
+    choice = model.fast_paths.choices[fast_paths.Path.INT4_KERNELS]
     assert not choice.enabled
     assert "from their blocks with x in 8 bits" in choice.reason
-    assert model.layers[0].qkv_q is not None
-    assert model.layers[0].down_q is not None
+    assert isinstance(model.layers[0].matrices[QKV], BlockMatrix)
+    assert isinstance(model.layers[0].matrices[DOWN], BlockMatrix)
     native, _ = _greedy(path, "auto", 1)
     reference, tops = _greedy(path, "off", 1)
     _assert_same_but_near_ties(native, reference, tops)
@@ -430,21 +426,15 @@ def test_a_shard_that_splits_blocks_falls_back_to_bfloat16(tmp_path: Path) -> No
     projection's columns: it loads as a bfloat16 shard (dequantized), while q/k/v and gate/up
     keep their rows in blocks and down (512 columns) a whole block per rank."""
     require_isa(BF16_ISA)
-    from otel_engine.model.arch import load_model_arch
     from otel_engine.model.loader import prepare_model_dir
-    from otel_engine.model.registry import model_class
-    from otel_engine.model.weights import iter_weights
 
     model_dir = prepare_model_dir(_gguf(tmp_path, 128, dict.fromkeys(PROJECTIONS, "Q4_K")))
-    arch = load_model_arch(model_dir)
-    model = model_class(arch)(arch, dtype=torch.bfloat16, device=torch.device("cpu"), tp_size=2)
-    model.load_weights(iter_weights(model_dir, keep_quantized=True))
-    layer = model.layers[0]
+    model = _loaded(model_dir, tp_size=2)
+    matrices = model.layers[0].matrices
 
-    assert layer.qkv_q is not None
-    assert layer.gate_up_q is not None
-    assert layer.down_q is not None
-    assert layer.down_q.cols == 256
-    assert layer.o_proj_q is None
-    assert layer.o_proj.numel() == 256 * 128  # this rank's columns, as bfloat16
-    assert model.fast_paths.is_on("quant_kernels")
+    for projection in (QKV, GATE_UP, DOWN):
+        assert isinstance(matrices[projection], BlockMatrix)
+    assert 256 == matrices[DOWN].cols
+    assert Form.PACKED == matrices[O_PROJ].form
+    assert (256, 128) == (matrices[O_PROJ].rows, matrices[O_PROJ].cols)  # this rank's columns
+    assert model.fast_paths.is_on(fast_paths.Path.QUANT_KERNELS)

@@ -16,9 +16,11 @@ from otel_engine.config import EngineConfig
 from otel_engine.engine.batch import prepare_model_input
 from otel_engine.executor.model_runner import ModelRunner
 from otel_engine.model import kernels
+from otel_engine.model.fast_paths import PREFILL_KERNEL_HEAD_DIMS, FastPaths, Form, Path
 from otel_engine.model.kernels import KernelLibrary
 from otel_engine.model.layer_ops import KernelOps, TorchOps
 from otel_engine.model.layers import RotaryEmbedding
+from otel_engine.model.projections import QKV
 from otel_engine.sampling_params import SamplingParams
 from otel_engine.sched.request import Request
 from otel_engine.sched.scheduler import ScheduledChunk
@@ -68,8 +70,26 @@ def both(
     rotary = _rotary(head_dim, dtype)
     return (
         TorchOps(heads, kv_heads, head_dim, rotary, CPU),
-        KernelOps(library, heads, kv_heads, head_dim, rotary, dtype),
+        KernelOps(kernels_plan(library, dtype, head_dim), heads, kv_heads, head_dim, rotary, dtype),
     )
+
+
+def kernels_plan(
+    library: KernelLibrary, dtype: torch.dtype, head_dim: int, max_query: int | None = None
+) -> FastPaths:
+    """A plan that runs `library`'s layer kernels, its prefill attention where it applies
+    (chunks of at most `max_query` tokens), and no decoder stack."""
+    plan = FastPaths(cpu_isa=library.isa, kernel_isa=library.isa, library=library)
+    plan.prefill_kernel_max_query = max_query
+    plan.decide(Path.COMPILED_KERNELS, True, "the build under test")
+    prefill = (
+        library.has("prefill_attention_bf16")
+        and dtype == torch.bfloat16
+        and head_dim in PREFILL_KERNEL_HEAD_DIMS
+    )
+    plan.decide(Path.PREFILL_KERNEL, prefill, "where it applies")
+    plan.decide(Path.DECODER_STACK, False, "layer ops alone")
+    return plan
 
 
 def assert_close(expected: torch.Tensor, actual: torch.Tensor, dtype: torch.dtype) -> None:
@@ -271,9 +291,8 @@ def test_chunks_over_the_kernel_s_limit_run_in_torch_s_fused_attention(
     dtype, heads, kv_heads, block_size = torch.bfloat16, 8, 2, 16
     rotary = _rotary(head_dim, dtype)
     torch_ops = TorchOps(heads, kv_heads, head_dim, rotary, CPU)
-    kernel_ops = KernelOps(
-        library, heads, kv_heads, head_dim, rotary, dtype, prefill_kernel_max_query=8
-    )
+    plan = kernels_plan(library, dtype, head_dim, max_query=8)
+    kernel_ops = KernelOps(plan, heads, kv_heads, head_dim, rotary, dtype)
     steps = [([1, 8, 3], [20, 30, 3], True), ([1, 9, 3], [20, 30, 3], False)]
     for query_lens, seq_lens, in_kernel in steps:
         metadata = step_metadata(query_lens, seq_lens, block_size, 32, head_dim)
@@ -320,8 +339,8 @@ def test_model_logits_agree_between_the_paths(
     logit (bfloat16: both paths round at every op, at different places) and the greedy
     tokens are the same."""
     runners = [_runner(tiny_model_dir, dtype, choice) for choice in ("auto", "torch")]
-    assert runners[0].model.is_packed
-    assert not runners[1].model.is_packed
+    assert Form.PACKED is runners[0].model.layers[0].matrices[QKV].form
+    assert Form.DENSE is runners[1].model.layers[0].matrices[QKV].form
     a, b, c = (list(p) for p in tiny_prompts[2:5])  # 8, 13 and 21 tokens
     blocks = {"a": list(range(10)), "b": list(range(10, 20)), "c": list(range(20, 30))}
     requests = {
