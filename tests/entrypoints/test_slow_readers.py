@@ -3,7 +3,10 @@ after --stream-write-timeout; a normal client is served meanwhile."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import math
 import re
 import socket
 import time
@@ -21,6 +24,15 @@ pytestmark = pytest.mark.slow  # starts servers or engine processes
 NUM_STALLED = 64
 # Small socket buffers, so a client that stops reading is noticed after a few kilobytes.
 SMALL_BUFFERS = {"send_buffer_bytes": 4096, "write_buffer_bytes": 4096}
+STALLED_PROMPT = "Once upon a time"
+# what a never-reading client's 4 KiB buffer and the 2 KiB left unsent hold of a completion
+# stream, with a margin (docs/operations.md, "Hostile clients": about 35)
+TOKENS_BEFORE_PAUSE = 40
+# a normal request behind never-reading streams may wait this many times the rounds that
+# pause them (measured beside other work, at TP 1 and 2, natively and with torch and the
+# kernels capped at AVX2: waits of up to 3 rounds behind 200 streams, where 5 are counted, and
+# of 1.6 behind 64, where 2 are)
+ROUNDS_SLACK = 2
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +56,7 @@ def _stalled_reader(served: Served, max_tokens: int = 4000, **fields: object) ->
     sock.connect((host, int(port)))
     body = json.dumps(
         {
-            "prompt": "Once upon a time",
+            "prompt": STALLED_PROMPT,
             "max_tokens": max_tokens,
             "ignore_eos": True,
             "stream": True,
@@ -125,15 +137,47 @@ def default_engine(
     llm.shutdown()
 
 
+def _round_s(served: Served, num_streams: int) -> float:
+    """Seconds for `num_streams` streams that are read, each of the tokens a never-reading
+    stream runs before it is paused: one round of what such streams cost on this machine."""
+    client = served.async_openai()
+
+    async def one() -> None:
+        stream = await client.completions.create(
+            model=served.model,
+            prompt=STALLED_PROMPT,
+            max_tokens=TOKENS_BEFORE_PAUSE,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        async for _ in stream:
+            pass
+
+    async def all_of_them() -> None:
+        await asyncio.gather(*(one() for _ in range(num_streams)))
+        await client.close()
+
+    started = time.monotonic()
+    asyncio.run(all_of_them())
+    return time.monotonic() - started
+
+
 @pytest.mark.parametrize("num_stalled", [64, 200])
-def test_a_normal_request_is_served_within_2s_of_never_reading_streams(
+def test_a_normal_request_is_served_once_never_reading_streams_are_paused(
     server_loop: ServerLoop, default_engine: AsyncLLM, num_stalled: int
 ) -> None:
     """Issue 23 item 2: with the default limits and slots, each stream whose client never
     reads (a 4 KiB receive buffer) is paused a few chunks after that buffer filled, so a
-    normal request sent right after all of them is served within 2 s; they all end up
-    paused, holding no slot, and closing them leaves nothing in the engine."""
+    normal request sent right after all of them waits only for the rounds that pause them
+    (each stream for the tokens that fill its buffer, --max-num-seqs at a time), never for
+    their 4000 tokens; they all end up paused, holding no slot, and closing them leaves
+    nothing in the engine. A round is timed here, with streams that are read: the bound
+    holds on any CPU level and load (bench/slow_readers.py has the seconds)."""
     served = _serve(server_loop, default_engine)
+    slots = default_engine.config.scheduler.max_num_seqs
+    rounds = math.ceil(num_stalled / slots) + 1  # and the normal request's own
+    round_s = _round_s(served, slots)
+    bound_s = ROUNDS_SLACK * rounds * round_s
     stalled = [_stalled_reader(served) for _ in range(num_stalled)]
     try:
         started = time.monotonic()
@@ -141,9 +185,11 @@ def test_a_normal_request_is_served_within_2s_of_never_reading_streams(
             model=served.model, prompt="Hello", max_tokens=4, extra_body={"ignore_eos": True}
         )
         elapsed = time.monotonic() - started
-        print(f"{num_stalled} never-reading streams: a normal request took {elapsed:.2f} s")
+        print(f"{num_stalled} never-reading streams: a normal request took {elapsed:.2f} s,")
+        print(f"{elapsed / round_s:.2f} rounds of {slots} read streams ({round_s:.2f} s)")
         assert _wait_for(
-            lambda: served.metric("otel_engine_requests_paused") == num_stalled, timeout=60
+            lambda: served.metric("otel_engine_requests_paused") == num_stalled,
+            timeout=60 + bound_s,
         )
         assert served.metric("otel_engine_requests_running") == 0
     finally:
@@ -151,7 +197,7 @@ def test_a_normal_request_is_served_within_2s_of_never_reading_streams(
             sock.close()
 
     assert 4 == completion.usage.completion_tokens
-    assert elapsed < 2.0
+    assert elapsed < bound_s
     assert _wait_for(lambda: default_engine.num_tracked == 0, timeout=30)
     assert _wait_for(lambda: served.metric("otel_engine_requests_paused") == 0, timeout=10)
     server_loop.stop(served.server)
@@ -160,31 +206,28 @@ def test_a_normal_request_is_served_within_2s_of_never_reading_streams(
 def test_a_slow_reader_is_held_and_released_and_gets_its_whole_stream(
     server_loop: ServerLoop, long_engine: AsyncLLM
 ) -> None:
-    """A client that reads, but slower than the engine writes (2 KiB every 50 ms through a
-    4 KiB receive buffer), is held in the engine whenever its socket backs up and released
-    when it caught up: its stream still ends with every token and [DONE], no error."""
+    """A client that reads nothing until its stream is held in the engine (its socket backed
+    up), then reads 2 KiB every 50 ms through a 4 KiB receive buffer, is released when it
+    caught up: its stream still ends with every token and [DONE], no error."""
     served = _serve(server_loop, long_engine)
     paused_before = served.metric("otel_engine_requests_paused")
     sock = _stalled_reader(served, max_tokens=600, stream_options={"include_usage": True})
-    data, saw_paused = b"", False
-    deadline = time.monotonic() + 120
+    data = b""
     try:
+        assert _wait_for(
+            lambda: served.metric("otel_engine_requests_paused") > paused_before, timeout=60
+        )
         sock.settimeout(0.05)
+        deadline = time.monotonic() + 120
         while not data.endswith(b"\r\n0\r\n\r\n") and time.monotonic() < deadline:
-            try:
-                chunk = sock.recv(2048)
-            except TimeoutError:
-                chunk = b""
-            data += chunk
-            if not saw_paused and served.metric("otel_engine_requests_paused") > paused_before:
-                saw_paused = True
+            with contextlib.suppress(TimeoutError):
+                data += sock.recv(2048)
             time.sleep(0.05)
     finally:
         sock.close()
 
     events = [json.loads(e) for e in re.findall(rb"data: (\{.*?\})\n\n", data)]  # chunked
     assert b"data: [DONE]\n\n" in data
-    assert saw_paused
     assert not any("error" in event for event in events)
     assert "length" == events[-2]["choices"][0]["finish_reason"]
     assert 600 == events[-1]["usage"]["completion_tokens"]  # every token reached the client

@@ -16,6 +16,7 @@ import pytest
 
 from tests.engine.test_structured_output import BOUNDED, schema_format
 from tests.entrypoints.conftest import Served, ServerLoop
+from tests.helpers.budgets import REQUEST_TIMEOUT_S
 
 pytestmark = pytest.mark.slow  # starts engine processes
 
@@ -256,7 +257,7 @@ def test_default_model_answers_twenty_schema_requests_with_valid_json(
     """20 concurrent chat requests with a schema of nested objects, arrays and enums, at
     the model's default sampling: every answer validates."""
 
-    client = default_served.async_openai()
+    client = default_served.async_openai().with_options(timeout=REQUEST_TIMEOUT_S)
 
     async def ask(index: int) -> tuple[str | None, str]:
         chat = await client.chat.completions.create(
@@ -279,7 +280,7 @@ def test_default_model_answers_twenty_schema_requests_with_valid_json(
 
 
 def test_default_model_json_object_parses(default_served: Served) -> None:
-    chat = default_served.openai().chat.completions.create(
+    chat = default_served.openai(timeout=REQUEST_TIMEOUT_S).chat.completions.create(
         model=default_served.model,
         messages=[
             {

@@ -17,6 +17,7 @@ import openai
 import pytest
 
 from tests.entrypoints.conftest import Served, ServerLoop, serving_model
+from tests.helpers.budgets import REQUEST_TIMEOUT_S
 
 pytestmark = pytest.mark.slow  # starts engine processes
 
@@ -66,6 +67,12 @@ def tool_served(
         yield served
 
 
+def _client(served: Served) -> Any:
+    """The official client, waiting as long as the test may: the default model answers a
+    600-token call at whatever speed this CPU level has."""
+    return served.openai(timeout=REQUEST_TIMEOUT_S)
+
+
 def _calls(message: Any) -> list[tuple[str, dict[str, Any]]]:
     return [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or ()]
 
@@ -86,7 +93,7 @@ def test_the_format_is_read_from_the_template(tool_served: Served) -> None:
 )
 def test_forced_calls_parse_and_validate(tool_served: Served, tool_choice: Any) -> None:
     before = tool_served.metric("otel_engine_tool_calls_total", outcome="parsed")
-    chat = tool_served.openai().chat.completions.create(
+    chat = _client(tool_served).chat.completions.create(
         model=tool_served.model,
         messages=MESSAGES,
         tools=TOOLS,
@@ -113,7 +120,7 @@ def test_forced_calls_parse_and_validate(tool_served: Served, tool_choice: Any) 
 
 def test_streamed_calls_equal_the_non_streamed(tool_served: Served) -> None:
     """The client's stream helper reassembles the same calls as the whole answer."""
-    client = tool_served.openai()
+    client = _client(tool_served)
     options: dict[str, Any] = {
         "model": tool_served.model,
         "messages": MESSAGES,
@@ -143,7 +150,7 @@ def test_streamed_calls_equal_the_non_streamed(tool_served: Served) -> None:
 
 
 def test_one_call_without_parallel_tool_calls(tool_served: Served) -> None:
-    chat = tool_served.openai().chat.completions.create(
+    chat = _client(tool_served).chat.completions.create(
         model=tool_served.model,
         messages=MESSAGES,
         tools=TOOLS,
@@ -159,7 +166,7 @@ def test_one_call_without_parallel_tool_calls(tool_served: Served) -> None:
 def test_a_round_trip_of_call_result_and_answer(tool_served: Served) -> None:
     """The call, its result in the history (rendered by the template or as the generic
     format writes it), and an answer in text once the tools are off."""
-    client = tool_served.openai()
+    client = _client(tool_served)
     first = client.chat.completions.create(
         model=tool_served.model,
         messages=MESSAGES,
@@ -190,7 +197,7 @@ def test_a_round_trip_of_call_result_and_answer(tool_served: Served) -> None:
 
 
 def test_responses_with_tools_and_a_round_trip(tool_served: Served) -> None:
-    client = tool_served.openai()
+    client = _client(tool_served)
     tools: list[Any] = [{"type": "function", **tool["function"]} for tool in TOOLS]
     options: dict[str, Any] = {
         "model": tool_served.model,
@@ -238,7 +245,7 @@ def test_responses_with_tools_and_a_round_trip(tool_served: Served) -> None:
 
 
 def test_responses_text_streams_and_json_schema(tool_served: Served) -> None:
-    client = tool_served.openai()
+    client = _client(tool_served)
     stream = client.responses.create(
         model=tool_served.model, input="Say hello.", max_output_tokens=8, stream=True
     )
@@ -320,7 +327,7 @@ def test_invalid_calls_are_text_and_counted(tool_served: Served, tmp_path: Path)
         o: tool_served.metric("otel_engine_tool_calls_total", outcome=o)
         for o in ("parsed", "invalid")
     }
-    chat = tool_served.openai().chat.completions.create(
+    chat = _client(tool_served).chat.completions.create(
         model=tool_served.model,
         messages=MESSAGES,
         tools=TOOLS,
@@ -351,6 +358,6 @@ def test_the_openapi_document_has_responses(tool_served: Served) -> None:
 
 def test_client_error_types_are_the_official_clients(tool_served: Served) -> None:
     with pytest.raises(openai.BadRequestError):
-        tool_served.openai().responses.create(
+        _client(tool_served).responses.create(
             model=tool_served.model, input="x", previous_response_id="resp_1"
         )
