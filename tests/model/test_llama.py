@@ -31,6 +31,20 @@ def runner(tiny_model_dir: str) -> ModelRunner:
 
 
 @pytest.fixture(scope="module")
+def bf16_runner(tiny_model_dir: str) -> ModelRunner:
+    """The runner in bfloat16: its compiled kernels run on every x86 level (float32 runs on
+    torch ops below AVX-512)."""
+    config = EngineConfig.from_kwargs(
+        model=tiny_model_dir,
+        dtype="bfloat16",
+        block_size=BLOCK_SIZE,
+        num_kv_blocks=NUM_BLOCKS,
+        multiprocess=False,
+    )
+    return ModelRunner(config, tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
 def hf_model(tiny_model_dir: str) -> torch.nn.Module:
     from transformers import LlamaForCausalLM
 
@@ -199,11 +213,12 @@ def test_kv_caches_share_one_zeroed_mapping_without_overlap() -> None:
 
 
 def test_greedy_steps_take_the_tokens_the_sampler_would(
-    runner: ModelRunner, tiny_prompts: list[list[int]], monkeypatch: pytest.MonkeyPatch
+    bf16_runner: ModelRunner, tiny_prompts: list[list[int]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A greedy step that asks for no logprobs takes each row's argmax of the LM head's
     output (`greedy_tokens`); asking for logprobs takes the sampler's path: the same tokens,
     row by row."""
+    runner = bf16_runner
     calls: list[int] = []
     greedy_tokens = runner.model.greedy_tokens
 
