@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from otel_engine.model import kernels
-from otel_engine.model.checkpoint import Checkpoint
+from otel_engine.model.checkpoint import Blocks, Checkpoint
 from otel_engine.model.kernels import STACK_HEAD_DIM, KernelLibrary
 from otel_engine.model.projections import Projection, Split
 from otel_engine.model.quant import AMX_MAX_ROWS
@@ -347,7 +347,7 @@ def _form(
     return Form.BLOCKS if whole_blocks and same_width else dense
 
 
-def _shard_holds_whole_blocks(blocks: Any, tp_size: int, by_columns: bool) -> bool:
+def _shard_holds_whole_blocks(blocks: Blocks, tp_size: int, by_columns: bool) -> bool:
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     if not by_columns:

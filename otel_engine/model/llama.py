@@ -166,15 +166,6 @@ class LlamaModel:
 
     # ---- loading -------------------------------------------------------------------------
 
-    def keeps_blocks(self) -> bool:
-        """Whether some weight is read from its GGUF blocks (else every one is dense)."""
-        plan = self.fast_paths
-        forms = {form for layer in plan.forms for form in layer.values()}
-        return bool(forms - {Form.DENSE, Form.PACKED}) or Form.BLOCKS in (
-            plan.lm_head,
-            plan.embedding,
-        )
-
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantTensor]]) -> None:
         """Take HF-named full tensors and keep this rank's shard of each, in the form the plan
         chose for it."""

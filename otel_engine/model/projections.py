@@ -16,11 +16,12 @@ class Split(enum.Enum):
     COLUMNS = "columns"  # each rank its input columns; the outputs are summed (all-reduce)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class Projection:
     """One matrix of a layer (the key of `LlamaLayer.matrices`): `name` says which, `sources` the
     checkpoint tensors (without `.weight`) fused in that order, `in_mlp` whether a layer
-    with a mixture of experts has experts instead."""
+    with a mixture of experts has experts instead. Compared and hashed by identity (the
+    declared instances are the keys of every layer's matrices, looked up per step)."""
 
     name: str
     sources: tuple[str, ...]
