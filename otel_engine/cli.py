@@ -86,9 +86,13 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     model.add_argument(
         "--dtype",
         choices=DTYPES,
-        help="weight and activation dtype (auto: the checkpoint's); a .gguf file's weights "
-        "are converted to bfloat16 once, so float32 computes in float32 on those rounded "
-        "weights, not on the file's exact values (a warning says so at start)",
+        help="weight and activation dtype. auto: the checkpoint's, except that a bfloat16 or "
+        "float16 checkpoint (a .gguf file counts as bfloat16) runs in float32 on a CPU "
+        "without that dtype's arithmetic (AVX-512 BF16 / AMX for bfloat16), where torch "
+        "only emulates it (kernels.selected says which and why; an explicit half-precision "
+        "dtype there logs dtype.emulated with its measured cost). A .gguf file's float "
+        "tensors and its blocks of the formats the engine reads are exact in float32; "
+        "tensors of other formats are rounded to bfloat16 once (model.gguf_rounded says so)",
     )
     model.add_argument("--device", choices=DEVICES, help="cpu or cuda")
     model.add_argument(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -16,6 +17,8 @@ from otel_engine.engine.validation import describe_context
 from otel_engine.errors import EngineDeadError
 from otel_engine.ipc.messages import AddRequest, EngineDead
 from otel_engine.model.arch import load_model_arch
+from otel_engine.model.gguf import ROUNDED_KEY
+from otel_engine.model.limits import choose_dtype
 from otel_engine.model.loader import is_gguf, load_tokenizer, prepare_model_dir
 from otel_engine.observability import faults
 from otel_engine.observability.tracing import inject_context
@@ -38,6 +41,12 @@ def dead_error(dead: EngineDead) -> EngineDeadError:
     )
 
 
+def _gguf_rounded(model_dir: str) -> int:
+    """How many tensors a GGUF file's conversion rounded to bfloat16 (config.json says)."""
+    with open(os.path.join(model_dir, "config.json")) as f:
+        return int(json.load(f).get(ROUNDED_KEY, 0))
+
+
 class Frontend:
     """Model files, tokenizer and the engine client, set up once per engine instance."""
 
@@ -57,13 +66,15 @@ class Frontend:
         )
         logger.info("model.generation_defaults", extra=self.generation_defaults.as_dict())
         arch = load_model_arch(self.model_dir)
-        if is_gguf(config.model.model) and config.model.dtype == "float32":
+        rounded = _gguf_rounded(self.model_dir) if is_gguf(config.model.model) else 0
+        if rounded and choose_dtype(config, arch).name == "float32":
             logger.warning(
                 "model.gguf_rounded",
                 extra={
                     "dtype": "float32",
-                    "reason": "a GGUF file's weights are converted to bfloat16 once: float32 "
-                    "computes on those rounded weights, not on the file's exact values",
+                    "tensors": rounded,
+                    "reason": "tensors of formats the engine does not read in blocks are "
+                    "converted to bfloat16 once: float32 computes on those rounded values",
                 },
             )
         self.client: CoreClient = (

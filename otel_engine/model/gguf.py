@@ -2,7 +2,8 @@
 (`otel_engine.cache`): the header and metadata read, config.json written from them, the
 tensors renamed to Hugging Face names and llama.cpp's q/k row permutation undone: the layer
 matrices of the formats the kernels read (`weights.GgmlType`) kept in their blocks
-(`weights.QUANT_FILE`), everything else dequantized to bfloat16.
+(`weights.QUANT_FILE`), float tensors in the file's precision, other formats dequantized to
+bfloat16.
 The gguf package and torch are imported by the functions that need them."""
 
 from __future__ import annotations
@@ -32,7 +33,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-CONVERTER_VERSION = 4  # 3: layer matrices kept in their GGUF blocks; 4: embedding, LM head
+CONVERTER_VERSION = 5  # 3: layer matrices kept in their GGUF blocks; 4: embedding, LM head;
+# 5: float tensors (norms) in the file's precision, not bfloat16
+# In the converted config.json: how many tensors were rounded to bfloat16 in the conversion.
+ROUNDED_KEY = "otel_engine_gguf_tensors_in_bfloat16"
 
 
 # GGUF architecture -> (HF architecture, HF model_type, whether llama.cpp permuted q/k rows)
@@ -163,9 +167,12 @@ def _convert_gguf(gguf_path: str, out: str) -> None:
     num_experts = int(config.get("num_local_experts") or 0)
     if kind == "llama" and num_experts:
         kind = "mixtral"
-    weights, quant, formats = _gguf_weights(
+    weights, quant, formats, rounded = _gguf_weights(
         gguf_path, tensors, kind, config if permute else None, num_experts
     )
+    # The tensors of formats converted to bfloat16 here (not the file's own values in
+    # float32): the start warns of them when the model runs in float32.
+    config[ROUNDED_KEY] = rounded
     save_file(weights, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
     if quant:
         os.makedirs(os.path.dirname(os.path.join(out, QUANT_FILE)))
@@ -373,17 +380,22 @@ def _gguf_weights(
     arch: str,
     permute_config: dict[str, Any] | None,
     num_experts: int = 0,
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, tuple[str, int]]]:
-    """Tensors with HF names, q/k rows back in HF order if permuted: dequantized to bfloat16,
-    except layer matrices in a `GgmlType` format, kept in their blocks (uint8 [rows, row
-    bytes]) with their format and width (`weights.iter_quant` reads them back)."""
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, tuple[str, int]], int]:
+    """Tensors with HF names, q/k rows back in HF order if permuted: F32, F16 and BF16 tensors
+    as the file stores them, other formats dequantized to bfloat16, except matrices in a
+    `GgmlType` format, kept in their blocks (uint8 [rows, row bytes]) with their format and
+    width (`weights.iter_quant` reads them back); and how many file tensors were rounded to
+    bfloat16."""
     import numpy as np
     import torch
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
     from gguf.quants import dequantize
 
+    float_types = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
     data = np.memmap(path, dtype=np.uint8, mode="r")
     weights, quant, formats = {}, {}, {}
+    rounded = 0
     for name, shape, ggml_type, offset in tensors:
         qtype = GGMLQuantizationType(ggml_type)
         block_size, block_bytes = GGML_QUANT_SIZES[qtype]
@@ -391,6 +403,7 @@ def _gguf_weights(
         raw = data[offset : offset + rows * row_bytes].reshape(rows, row_bytes)
         expert_names = _expert_names(name, arch, shape[0]) if num_experts else None
         if expert_names is not None:  # experts: one HF tensor each, dequantized
+            rounded += qtype.name != "BF16"
             stacked = torch.from_numpy(dequantize(raw, qtype).copy()).reshape(shape)
             stacked = stacked.to(torch.bfloat16)
             if len(expert_names) == 1:
@@ -417,8 +430,12 @@ def _gguf_weights(
             continue
         if arch in _GGUF_NORMS_PLUS_ONE and hf_name.endswith("norm.weight"):
             tensor = tensor - 1.0
-        weights[hf_name] = tensor.to(torch.bfloat16).contiguous()
-    return weights, quant, formats
+        # A float tensor keeps the file's precision, so float32 runs on the file's values;
+        # a format dequantized here (not one the kernels read) is stored in bfloat16.
+        stored = float_types.get(qtype.name, torch.bfloat16)
+        rounded += stored == torch.bfloat16 and qtype.name != "BF16"
+        weights[hf_name] = tensor.to(stored).contiguous()
+    return weights, quant, formats, rounded
 
 
 def _unpermute_rows(tensor: torch.Tensor, num_heads: int) -> torch.Tensor:

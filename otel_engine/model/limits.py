@@ -10,6 +10,7 @@ import msgspec
 
 from otel_engine.config import EngineConfig
 from otel_engine.model.arch import ModelArch
+from otel_engine.model.cpu import half_precision_blocker
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -33,12 +34,31 @@ class EngineLimits(msgspec.Struct, frozen=True, array_like=True):
         return msgspec.msgpack.decode(data, type=EngineLimits)
 
 
-def dtype_name(config: EngineConfig, arch: ModelArch) -> str:
-    """The dtype the model runs in: the flag, or for `auto` the checkpoint's (else float32)."""
+class DtypeChoice(msgspec.Struct, frozen=True):
+    """The dtype the model runs in and why (the start log `kernels.selected` says both)."""
+
+    name: str
+    reason: str
+
+
+def choose_dtype(config: EngineConfig, arch: ModelArch) -> DtypeChoice:
+    """The flag; for `auto` the checkpoint's dtype (else float32), except that a
+    half-precision checkpoint runs in float32 on a CPU that only emulates its arithmetic."""
     name = config.model.dtype
-    if name == "auto":
-        name = arch.torch_dtype if arch.torch_dtype in DTYPE_BYTES else "float32"
-    return name
+    if name != "auto":
+        return DtypeChoice(name, "--dtype")
+    stored = arch.torch_dtype if arch.torch_dtype in DTYPE_BYTES else "float32"
+    if stored == "float32" or config.model.device != "cpu":
+        return DtypeChoice(stored, f"auto: the checkpoint's {stored}")
+    blocker = half_precision_blocker(stored)
+    if blocker is not None:
+        return DtypeChoice("float32", f"auto: the checkpoint's {stored}, but {blocker}")
+    return DtypeChoice(stored, f"auto: the checkpoint's {stored}, which this CPU computes in")
+
+
+def dtype_name(config: EngineConfig, arch: ModelArch) -> str:
+    """The dtype the model runs in (`choose_dtype`)."""
+    return choose_dtype(config, arch).name
 
 
 def check_tensor_parallel(arch: ModelArch, tp_size: int) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import socket
@@ -288,12 +289,14 @@ def test_without_pidfd_the_in_process_engine_is_not_refused(
 def test_start_warns_of_a_rounded_gguf_and_a_context_capped_by_the_kv_cache(
     tiny_model_dir: str, tmp_path: Path
 ) -> None:
-    """Issue 24: `--dtype float32` with a GGUF file, and a KV budget that holds less than the
+    """Issue 24: `--dtype float32` with a GGUF file that has tensors the conversion rounds to
+    bfloat16 (a format not read in blocks: Q5_0), and a KV budget that holds less than the
     model's context, are each said at start (warnings naming why and the flags), and the
     request that does not fit is refused with the server's limit, not the model's."""
     from tests.helpers.tiny_model import write_tiny_gguf
 
-    gguf = write_tiny_gguf(tiny_model_dir, tmp_path / "tiny.gguf", "llama")
+    quant = {"down_proj": "Q5_0"}
+    gguf = write_tiny_gguf(tiny_model_dir, tmp_path / "tiny.gguf", "llama", quant=quant)
     env = {**os.environ, "OTEL_ENGINE_CACHE_DIR": str(tmp_path / "cache")}
     base = [sys.executable, "-m", "otel_engine.cli", "generate", "--model", gguf]
     flags = ["--dtype", "float32", "--num-kv-blocks", "4", "--log-format", "json"]
@@ -307,7 +310,9 @@ def test_start_warns_of_a_rounded_gguf_and_a_context_capped_by_the_kv_cache(
     fits, too_long = generate("4"), generate("100")
 
     assert 0 == fits.returncode, fits.stderr[-2000:]
-    assert '"model.gguf_rounded"' in fits.stderr
+    (rounded,) = [json.loads(line) for line in fits.stderr.splitlines() if "gguf_rounded" in line]
+    layers = json.loads((Path(tiny_model_dir) / "config.json").read_text())["num_hidden_layers"]
+    assert layers == rounded["tensors"]  # each layer's down_proj; the float tensors are exact
     assert '"model.context_capped"' in fits.stderr
     assert '"max_model_len": 64' in fits.stderr
     assert 0 != too_long.returncode

@@ -225,4 +225,7 @@ class ServerProcess:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        if exc is not None and self._popen is not None:
+            # A failing test shows the server's last words (pytest prints captured stderr).
+            print(f"--- server log tail (pid {self.pid}) ---\n{self.tail(80)}", file=sys.stderr)
         self.cleanup()
