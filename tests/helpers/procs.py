@@ -133,6 +133,8 @@ class ServerProcess:
         return self._proc().poll()
 
     def start(self) -> ServerProcess:
+        if self._popen is not None:  # a second server would share the port and the log
+            raise RuntimeError(f"server already started (pid {self._popen.pid})")
         self._popen = start_logged(self.command, self.log_path, env=self.env)
         self._seen[self._popen.pid] = psutil.Process(self._popen.pid)
         return self
@@ -217,7 +219,7 @@ class ServerProcess:
         return self._popen
 
     def __enter__(self) -> ServerProcess:
-        return self.start()
+        return self if self._popen is not None else self.start()
 
     def __exit__(
         self,

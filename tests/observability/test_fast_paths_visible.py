@@ -27,7 +27,7 @@ def test_models_metrics_and_dump_show_every_ranks_logged_plan(
     args += ["--tensor-parallel-size", str(tp), "--log-level", "INFO"]
     args += ["--crash-dump-dir", str(dump_dir)]
     fault = f"worker:raise:rank={tp - 1}:when=num_requests>=1"  # the first request's step
-    with ServerProcess(args, env={"OTEL_ENGINE_FAULT": fault}).start() as server:
+    with ServerProcess(args, env={"OTEL_ENGINE_FAULT": fault}) as server:
         server.wait_healthy()
         card = httpx.get(f"{server.base_url}/v1/models", timeout=10).json()["data"][0]
         metrics = httpx.get(f"{server.base_url}/metrics", timeout=10).text
