@@ -106,6 +106,18 @@ def test_serve_has_exactly_the_documented_flags() -> None:
     assert expected == _flags("serve")
 
 
+@pytest.mark.parametrize("command", [[], ["serve"], ["generate"], ["replay"]])
+def test_every_help_prints_and_exits_0(
+    command: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--help` formats every flag's help (argparse reads a lone % in it as a format)."""
+    with pytest.raises(SystemExit) as exited:
+        main([*command, "--help"])
+
+    assert 0 == exited.value.code
+    assert "usage:" in capsys.readouterr().out
+
+
 def test_serve_defaults_bind_localhost_8000() -> None:
     """The server binds 127.0.0.1:8000 unless told otherwise."""
     args = build_parser().parse_args(["serve"])
