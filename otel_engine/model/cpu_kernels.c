@@ -1,6 +1,7 @@
 /* CPU kernels of a decoder layer: RMSNorm with its residual add, rotary with the cache write,
- * decode and prefill attention over the paged cache, SiLU-and-mul, the greedy argmax, and, on
- * CPUs with AVX-512 BF16, the 4-bit matmuls and a whole 4-bit decoder stack in one call.
+ * decode and prefill attention over the paged cache, SiLU-and-mul, the greedy argmax; from
+ * AVX2 up, GGUF blocks times float32 x in 8 bits; and, on CPUs with AVX-512 BF16, the 4-bit
+ * matmuls and a whole 4-bit decoder stack in one call.
  *
  * Compiled by kernels.py for the instruction set that the engine's own process detects
  * (explicit -march flags, never -march=native; the target is in the library's build tag and
@@ -28,8 +29,10 @@
 #include <stdint.h>
 #include <string.h>
 
-#ifdef __AVX512F__
+#ifdef __AVX2__
 #include <immintrin.h>
+#endif
+#ifdef __AVX512F__
 #define LANES 16
 #else
 #define LANES 1
@@ -1073,6 +1076,210 @@ int gguf_dequantize_f32(float *restrict out, const uint8_t *restrict w, int64_t 
     for (int64_t r = 0; r < n; r++) dequantize_row(type, w + r * row_bytes, out + r * k, k);
     return STATUS_OK;
 }
+
+/* ---- GGUF blocks times 8-bit activations, float32 (AVX2 and above) --------------------------
+ *
+ * out[r, j] (float32, row stride ldo) = x[r, :] . W[j, :] for float32 x and a matrix W [n, k]
+ * in its GGUF blocks, as llama.cpp computes it on a CPU: each row of x quantized to int8 per
+ * group of 32 (round to nearest even, scale d = max |x| / 127, float32), each W row unpacked
+ * into a buffer of the thread's as int8 q with their float32 scales (`unpack_block`: Q4_0's
+ * q - 8, Q6_K's q - 32, per 32 weights, Q6_K's per 16), then per group of 32 the exact int32
+ * dot of the two int8 vectors (`dot32`), times the W scale and the x scale, summed in
+ * float32; the offsets of Q4_1, Q4_K and Q5_K (m, -dmin * m) times the exact float32 sums of
+ * x per 32. x has a scale per 32 for every format (llama.cpp's Q8_0; for the K-quants
+ * llama.cpp takes one per 256, its Q8_K, which rounds x more coarsely).
+ *
+ * One portable driver (`quant_linear_q8_f32`: quantizing x, unpacking rows, the loops and
+ * threads) and one micro-kernel per level (`dot32` and the float32 accumulation of
+ * `q8_dot`): with AVX-512 VNNI (and VL) vpdpbusd on 256 bits; with AVX-VNNI its VEX form;
+ * with AVX2 vpmaddubsw then vpmaddwd. vpdpbusd and vpmaddubsw multiply unsigned by signed
+ * bytes, so the weights' signs move onto x (vpsignb): |w| <= 128 and |x| <= 127, so no
+ * pair sum of vpmaddubsw saturates. A build without any of them has no such function (the
+ * plan does not choose it there). */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+static inline __m256i dot32_lanes(__m256i magnitude, __m256i signed_x) {
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), magnitude, signed_x);
+}
+#define HAS_Q8_DOT 1
+#elif defined(__AVXVNNI__)
+static inline __m256i dot32_lanes(__m256i magnitude, __m256i signed_x) {
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), magnitude, signed_x);
+}
+#define HAS_Q8_DOT 1
+#elif defined(__AVX2__) && defined(__FMA__)
+static inline __m256i dot32_lanes(__m256i magnitude, __m256i signed_x) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, signed_x), _mm256_set1_epi16(1));
+}
+#define HAS_Q8_DOT 1
+#endif
+
+#ifdef HAS_Q8_DOT
+#define Q8_X_GROUP 32 /* values of x per float32 scale */
+
+/* The int32 sums of w[i] * x[i] over each 4 of 32 int8 (lane l: elements 4 l to 4 l + 3). */
+static inline __m256i dot32(const int8_t *w, const int8_t *x) {
+    const __m256i wv = _mm256_loadu_si256((const __m256i *)w);
+    const __m256i xv = _mm256_loadu_si256((const __m256i *)x);
+    return dot32_lanes(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
+}
+
+/* sum over the groups g of 32 of dot(w, x over g) * w_scale * x_scale[g]; HALVES: the W
+ * scales are per 16 (lanes 0-3 of a group's sums take the first, 4-7 the second). */
+static inline __attribute__((always_inline)) float q8_dot(
+    const int HALVES, const int8_t *restrict w, const float *restrict w_scale,
+    const int8_t *restrict x, const float *restrict x_scale, int64_t groups) {
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}; /* two chains: FMA latency */
+    for (int64_t g = 0; g < groups; g++) {
+        const __m256 sums = _mm256_cvtepi32_ps(dot32(w + 32 * g, x + 32 * g));
+        const __m256 scale = HALVES ? _mm256_set_m128(_mm_broadcast_ss(w_scale + 2 * g + 1),
+                                                      _mm_broadcast_ss(w_scale + 2 * g))
+                                    : _mm256_broadcast_ss(w_scale + g);
+        acc[g & 1] = _mm256_fmadd_ps(sums, _mm256_mul_ps(scale, _mm256_set1_ps(x_scale[g])), acc[g & 1]);
+    }
+    const __m256 total = _mm256_add_ps(acc[0], acc[1]);
+    const __m128 half = _mm_add_ps(_mm256_castps256_ps128(total), _mm256_extractf128_ps(total, 1));
+    const __m128 pairs = _mm_add_ps(half, _mm_movehl_ps(half, half));
+    return _mm_cvtss_f32(_mm_add_ss(pairs, _mm_shuffle_ps(pairs, pairs, 1)));
+}
+
+/* One block as int8 q (in the weights' order) and float32 scales, one per 32 weights (Q6_K:
+ * per 16), and the offsets per 32 of the formats with one (Q4_1's m, Q4_K and Q5_K's
+ * -dmin * m): weight i = scale * q[i] + offset, gguf_dequantize_f32's value but for the
+ * rounding of that sum. */
+static void unpack_block(int64_t type, const uint8_t *restrict b, int8_t *restrict q,
+                         float *restrict scale, float *restrict offset) {
+    switch (type) {
+    case GGML_Q4_0:
+    case GGML_Q4_1: {
+        const int bias = type == GGML_Q4_0 ? 8 : 0, at = type == GGML_Q4_0 ? 2 : 4;
+        for (int i = 0; i < 16; i++) {
+            q[i] = (int8_t)((b[at + i] & 0xf) - bias);
+            q[i + 16] = (int8_t)((b[at + i] >> 4) - bias);
+        }
+        scale[0] = half_to_float(b);
+        if (type == GGML_Q4_1) offset[0] = half_to_float(b + 2);
+        break;
+    }
+    case GGML_Q8_0:
+        memcpy(q, b + 2, 32);
+        scale[0] = half_to_float(b);
+        break;
+    case GGML_Q4_K:
+    case GGML_Q5_K: {
+        const float d = half_to_float(b), dmin = half_to_float(b + 2);
+        const uint8_t *high = type == GGML_Q5_K ? b + 16 : NULL;
+        const uint8_t *qs = type == GGML_Q5_K ? b + 48 : b + 16;
+        for (int s = 0; s < 8; s++) {
+            float sc, m;
+            scale_min_k4(s, b + 4, &sc, &m);
+            scale[s] = d * sc;
+            offset[s] = -(dmin * m);
+            const uint8_t *nibbles = qs + (s / 2) * 32;
+            for (int l = 0; l < 32; l++) {
+                int v = (s & 1) ? nibbles[l] >> 4 : nibbles[l] & 0xf;
+                if (high) v |= ((high[l] >> s) & 1) << 4;
+                q[s * 32 + l] = (int8_t)v;
+            }
+        }
+        break;
+    }
+    case GGML_Q6_K: {
+        const uint8_t *ql = b, *qh = b + 128;
+        const int8_t *scales = (const int8_t *)(b + 192);
+        const float d = half_to_float(b + 208);
+        for (int s = 0; s < 16; s++) scale[s] = d * (float)scales[s];
+        for (int h = 0; h < 2; h++)
+            for (int l = 0; l < 32; l++) {
+                const uint8_t *low = ql + 64 * h, high = qh[32 * h + l];
+                int8_t *out = q + 128 * h + l;
+                out[0] = (int8_t)(((low[l] & 0xf) | ((high & 3) << 4)) - 32);
+                out[32] = (int8_t)(((low[l + 32] & 0xf) | (((high >> 2) & 3) << 4)) - 32);
+                out[64] = (int8_t)(((low[l] >> 4) | (((high >> 4) & 3) << 4)) - 32);
+                out[96] = (int8_t)(((low[l + 32] >> 4) | (((high >> 6) & 3) << 4)) - 32);
+            }
+        break;
+    }
+    }
+}
+
+static int has_offsets(int64_t type) {
+    return type == GGML_Q4_1 || type == GGML_Q4_K || type == GGML_Q5_K;
+}
+
+/* W scales per 32 weights (Q6_K: per 16) */
+static int64_t scales_per_32(int64_t type) { return type == GGML_Q6_K ? 2 : 1; }
+
+/* x [rows, k] as int8 per group of 32 (q[i] = x[i] / d rounded to nearest even, d = max |x|
+ * / 127), the groups' d and their exact float32 sums (the offsets' factor). */
+static void quantize_rows_q8(const float *restrict x, int64_t values, int8_t *restrict q,
+                             float *restrict scale, float *restrict sums) {
+    for (int64_t g = 0; g < values / Q8_X_GROUP; g++) {
+        const float *xg = x + g * Q8_X_GROUP;
+        float amax = 0.0f, sum = 0.0f;
+        for (int i = 0; i < Q8_X_GROUP; i++) {
+            amax = fmaxf(amax, fabsf(xg[i]));
+            sum += xg[i];
+        }
+        const float d = amax / 127.0f, inverse = d > 0.0f ? 1.0f / d : 0.0f;
+        for (int i = 0; i < Q8_X_GROUP; i++) /* clamped: NaN and rounding stay in range */
+            q[g * Q8_X_GROUP + i] = (int8_t)rintf(fminf(fmaxf(xg[i] * inverse, -127.0f), 127.0f));
+        scale[g] = d;
+        sums[g] = sum;
+    }
+}
+
+int quant_linear_q8_f32(float *restrict out, const float *restrict x, const uint8_t *restrict w,
+                        int64_t type, int64_t rows, int64_t n, int64_t k, int64_t ldo) {
+    CHECKED(check_blocks(type, rows, n, k));
+    REQUIRE(ldo >= n); /* out's row stride */
+    if (!rows || !n) return STATUS_OK;
+    const int64_t groups = k / Q8_X_GROUP, per = quant_block_weights(type);
+    const int64_t row_bytes = k / per * quant_block_bytes(type), halves = scales_per_32(type);
+    int8_t *xq = malloc((size_t)(rows * k));
+    float *x_scale = malloc((size_t)(rows * groups) * sizeof(float));
+    float *x_sums = malloc((size_t)(rows * groups) * sizeof(float));
+    if (!xq || !x_scale || !x_sums) {
+        free(xq);
+        free(x_scale);
+        free(x_sums);
+        return failed(STATUS_NO_MEMORY, "malloc of x quantized to 8 bits");
+    }
+    quantize_rows_q8(x, rows * k, xq, x_scale, x_sums);
+    int status = STATUS_OK; /* the threads' first failure */
+    _Pragma("omp parallel if (n > 16)")
+    {
+        /* a row of W unpacked: k int8, its scales, its offsets */
+        int8_t *q = malloc((size_t)k + (size_t)(groups * (halves + 1)) * sizeof(float));
+        if (!q) {
+            _Pragma("omp atomic write")
+            status = STATUS_NO_MEMORY;
+        }
+        float *scale = (float *)(q + k), *offset = scale + groups * halves;
+        _Pragma("omp for schedule(static)")
+        for (int64_t j = 0; j < n; j++) {
+            if (!q) continue;
+            const uint8_t *row = w + j * row_bytes;
+            for (int64_t b = 0; b < k / per; b++)
+                unpack_block(type, row + b * quant_block_bytes(type), q + b * per,
+                             scale + b * (per / 32) * halves, offset + b * (per / 32));
+            for (int64_t r = 0; r < rows; r++) {
+                const int8_t *xr = xq + r * k;
+                const float *xs = x_scale + r * groups;
+                float total = halves == 2 ? q8_dot(1, q, scale, xr, xs, groups)
+                                          : q8_dot(0, q, scale, xr, xs, groups);
+                if (has_offsets(type))
+                    for (int64_t g = 0; g < groups; g++) total += offset[g] * x_sums[r * groups + g];
+                out[r * ldo + j] = total;
+            }
+        }
+        free(q);
+    }
+    free(xq);
+    free(x_scale);
+    free(x_sums);
+    return status ? failed(status, "malloc of a thread's unpacked row of W") : STATUS_OK;
+}
+#endif
 
 /* ---- GGUF blocks times bfloat16 activations (AVX-512 BF16) -----------------------------------
  *

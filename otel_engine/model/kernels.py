@@ -135,8 +135,9 @@ _QUANT_LINEAR = (
     ("ldo", _I),
 )  # fmt: skip
 SUFFIXES = ("f32", "bf16")
-# Built only for the AVX-512 BF16 target; absent from the library elsewhere.
+# Built only for the targets from a level up (`OPTIONAL_FROM`); absent from the library below.
 OPTIONAL_SIGNATURES: dict[str, tuple[tuple[str, type], ...]] = {
+    "quant_linear_q8_f32": _QUANT_LINEAR,
     "q4_linear_bf16": (
         ("out", _P), ("x", _P), ("w", _P), ("params", _P), ("sums", _P), ("rows", _I),
         ("n", _I), ("k", _I),
@@ -163,6 +164,12 @@ OPTIONAL_SIGNATURES: dict[str, tuple[tuple[str, type], ...]] = {
         ("eps", _F), ("scale", _F),
     ),
 }  # fmt: skip
+# The lowest level whose build has each optional function (every level above it has it too):
+# the 8-bit float32 matmul needs AVX2's integer dot products, the rest AVX-512 BF16.
+OPTIONAL_FROM: dict[str, str] = {
+    **dict.fromkeys(OPTIONAL_SIGNATURES, "avx512bf16"),
+    "quant_linear_q8_f32": "avx2",
+}
 # Built only for AMX targets; these return a value, not a status.
 QUERIES: dict[str, tuple[tuple[str, type], ...]] = {
     "amx_ready": (),  # 1 if Linux lends this process the AMX tiles (asked once), else 0

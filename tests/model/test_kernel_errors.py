@@ -19,6 +19,7 @@ _TYPED = {
     "gguf_dequantize_bf16": {"n": 1, "k": 256},
     "quant_linear_bf16": {"rows": 1, "n": 1, "k": 256, "ldo": 1},
     "quant_linear_q8_bf16": {"rows": 1, "n": 1, "k": 256, "ldo": 1},
+    "quant_linear_q8_f32": {"rows": 1, "n": 1, "k": 256, "ldo": 1},
     "quant_linear_amx_bf16": {"rows": 1, "n": 1, "k": 256, "ldo": 1},
 }
 _NO_ADDRESS_SPACE = 2**60  # bytes no allocation gets on a 64-bit machine
@@ -72,6 +73,8 @@ def test_an_unknown_type_id_is_a_bad_type_error(
         ("quant_linear_bf16", {"type": _Q8_0, "rows": 1, "k": _NO_ADDRESS_SPACE // 2}),
         ("quant_linear_q8_bf16", {"type": _Q4_K, "rows": _NO_ADDRESS_SPACE // 256, "k": 256}),
         ("quant_linear_amx_bf16", {"type": _Q8_0, "rows": 1, "k": _NO_ADDRESS_SPACE // 32}),
+        # x in 8 bits: rows * k bytes
+        ("quant_linear_q8_f32", {"type": _Q8_0, "rows": _NO_ADDRESS_SPACE // 256, "k": 256}),
     ],
 )
 def test_an_allocation_that_fails_is_a_no_memory_error(
@@ -144,6 +147,8 @@ _PREFILL = {
         ),
         ("gguf_dequantize_f32", {"type": _Q8_0, "n": 2, "k": 48}, "k % quant_block_weights"),
         ("quant_linear_q8_bf16", {"type": _Q8_0, "rows": 2, "n": 8, "k": 32, "ldo": 4}, "ldo >= n"),
+        ("quant_linear_q8_f32", {"type": _Q4_K, "rows": 2, "n": 8, "k": 256, "ldo": 4}, "ldo >= n"),
+        ("quant_linear_q8_f32", {"type": _Q8_0, "rows": 1, "n": 8, "k": 48, "ldo": 8}, "k % quant"),
         ("fault_drill", {"kind": 4, "thread": 0}, "kind"),
     ],
 )

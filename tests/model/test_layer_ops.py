@@ -49,13 +49,15 @@ def library(request: pytest.FixtureRequest) -> KernelLibrary:
 
 
 def test_each_build_is_for_the_level_asked(library: KernelLibrary) -> None:
-    """The library's own tag and contract name the level it was asked for, and only the
-    AVX-512 BF16 build has the optional functions (elsewhere the callers fall back)."""
+    """The library's own tag and contract name the level it was asked for, and it has the
+    optional functions of its level and those below (`kernels.OPTIONAL_FROM`), no others
+    (elsewhere the callers fall back)."""
     assert kernels.build_tag(library.path) == (kernels.ABI_VERSION, library.isa)
     assert library.contract.isa == library.isa
-    is_bf16 = library.isa == "avx512bf16"
+    level = kernels.ISA_LEVELS.index(library.isa)
     for name in kernels.OPTIONAL_SIGNATURES:
-        assert library.has(name) == is_bf16, name
+        expected = level >= kernels.ISA_LEVELS.index(kernels.OPTIONAL_FROM[name])
+        assert expected == library.has(name), name
 
 
 @functools.cache

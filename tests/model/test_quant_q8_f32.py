@@ -1,0 +1,187 @@
+"""`quant_linear_q8_f32`: float32 x quantized to 8 bits per 32, times a GGUF matrix's blocks
+by integer dot products, in every build from AVX2 up: against a float64 NumPy reference that
+quantizes x the same way and dequantizes W with gguf-py, for every format, random blocks and
+odd shapes; natively for each level this CPU runs, and the AVX2 build under QEMU's Haswell
+(no AVX-512) too."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+
+from otel_engine.model import kernels
+from otel_engine.model.kernels import KernelLibrary
+from tests.helpers.gguf_blocks import FORMATS, random_blocks
+from tests.helpers.isa import QEMU_CPU, QEMU_ISA, require_isa, require_qemu
+from tests.helpers.paths import REPO_ROOT
+
+LEVELS = ("avx2", "avx512", "avx512bf16")  # the builds that have the kernel
+X_GROUP = 32  # values of x per scale (cpu_kernels.c Q8_X_GROUP)
+MAX_ROWS = 9
+N = 37  # outputs: odd, and more than the 16 below which the kernel runs on one thread
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
+# k: one and three K-quant blocks; one, five and 23 blocks of the 32-weight formats
+WIDTHS = {name: (256, 768) if name in K_QUANTS else (32, 160, 736) for name in FORMATS}
+# the bytes of each block that hold q, for the formats whose offset (Q4_1's m, the K-quants'
+# -dmin * m) meets x unquantized: the same blocks with those bytes 0 dequantize to the offsets
+Q_BYTES = {"Q4_1": slice(4, 20), "Q4_K": slice(16, 144), "Q5_K": slice(16, 176)}
+# the kernel's float32 sums against the float64 reference, relative to the sum of |terms|
+SUM_ROUNDING = 1e-5
+
+
+def _library(level: str) -> KernelLibrary:
+    require_isa(level)
+    library = kernels.load(level)
+    assert library is not None, "the kernels did not build (is a C compiler installed?)"
+    return library
+
+
+def _quantized(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x [rows, k] float32 as the kernel quantizes it, in float32 steps: per 32 values
+    d = max |x| / 127 and q = x * (1 / d) rounded to nearest even; returns q and d per value."""
+    groups = x.reshape(x.shape[0], -1, X_GROUP)
+    d = np.abs(groups).max(axis=2, keepdims=True) / np.float32(127)
+    inverse = np.float32(1) / np.where(d > 0, d, np.float32(1))
+    inverse = np.where(d > 0, inverse, np.float32(0))
+    q = np.rint(np.clip(groups * inverse, -127, 127))
+    return q.reshape(x.shape), np.broadcast_to(d, groups.shape).reshape(x.shape)
+
+
+def _offsets(raw: np.ndarray, name: str) -> np.ndarray:
+    """Each weight's offset that the kernel multiplies by x as it is (0 for the formats whose
+    offset is in their integer q)."""
+    if name not in Q_BYTES:
+        return np.zeros((raw.shape[0], 1))
+    zeroed = raw.reshape(raw.shape[0], -1, _block_bytes(name)).copy()
+    zeroed[:, :, Q_BYTES[name]] = 0
+    return dequantize(zeroed.reshape(raw.shape), GGMLQuantizationType[name]).astype(np.float64)
+
+
+def _block_bytes(name: str) -> int:
+    from gguf import GGML_QUANT_SIZES
+
+    return GGML_QUANT_SIZES[GGMLQuantizationType[name]][1]
+
+
+class Reference:
+    """A matrix in its blocks and x, with what the kernel must give in float64."""
+
+    def __init__(self, name: str, n: int, k: int, seed: int) -> None:
+        self.name, self.n, self.k = name, n, k
+        self.raw = random_blocks(name, n, k, seed=seed)
+        rng = np.random.default_rng(seed)
+        self.x = rng.standard_normal((MAX_ROWS, k)).astype(np.float32)
+        self.x[1, :X_GROUP] = 0.0  # a group of zeros: scale 0
+        weight = dequantize(self.raw, GGMLQuantizationType[name]).astype(np.float64)
+        offset = np.broadcast_to(_offsets(self.raw, name), weight.shape)
+        q, d = _quantized(self.x)
+        x8 = q * d.astype(np.float64)  # x as the kernel's integers and scales say
+        x = self.x.astype(np.float64)
+        scaled = weight - offset
+        self.expected = x8 @ scaled.T + x @ offset.T
+        self.terms = np.abs(x8) @ np.abs(scaled).T + np.abs(x) @ np.abs(offset).T
+        self.exact = x @ weight.T
+        # what rounding x to 8 bits may cost each output, at most
+        self.x_error = np.abs(x8 - x) @ np.abs(scaled).T
+
+    def run(self, library: KernelLibrary, rows: int) -> np.ndarray:
+        out = np.full((rows, self.n + 3), np.nan, dtype=np.float32)  # row stride past n
+        library.quant_linear_q8_f32(
+            out=out.ctypes.data, x=self.x.ctypes.data, w=self.raw.ctypes.data,
+            type=GGMLQuantizationType[self.name].value, rows=rows, n=self.n, k=self.k,
+            ldo=self.n + 3,
+        )  # fmt: skip
+        assert np.isnan(out[:, self.n :]).all()  # nothing past n written
+        return out[:, : self.n]
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("name", FORMATS)
+def test_the_8_bit_product_is_the_float64_reference_s(level: str, name: str) -> None:
+    """For 1 to 9 rows of x and k of one and several blocks: each output within float32
+    summation of the reference (x quantized as the kernel does, gguf-py's weights), within
+    what rounding x to 8 bits may cost of the exact product, and the same whatever the
+    other rows are."""
+    library = _library(level)
+    for k in WIDTHS[name]:
+        for n in (N, 5):
+            reference = Reference(name, n, k, seed=k + n)
+            first = None
+            for rows in range(1, MAX_ROWS + 1):
+                out = reference.run(library, rows).astype(np.float64)
+                bound = SUM_ROUNDING * reference.terms[:rows] + 1e-30
+                assert (np.abs(out - reference.expected[:rows]) <= bound).all(), (k, n, rows)
+                exact = reference.exact[:rows]
+                assert (np.abs(out - exact) <= reference.x_error[:rows] + bound).all(), (k, rows)
+                first = out[0] if first is None else first
+                assert np.array_equal(first, out[0]), (k, n, rows)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_the_8_bit_error_on_gaussian_x_is_within_2_percent(name: str) -> None:
+    """On x from a normal distribution, rounding x to 8 bits costs each output at most 2% of
+    its row's largest (what the --quant-activations help states of the 8-bit kernels)."""
+    library = _library("avx2")
+    reference = Reference(name, 64, 1024, seed=5)
+    out = reference.run(library, MAX_ROWS).astype(np.float64)
+    error = np.abs(out - reference.exact).max(axis=1)
+    assert (error <= 0.02 * np.abs(reference.exact).max(axis=1)).all()
+
+
+# The AVX2 build called under QEMU, without torch (importing it there takes 20 s): each case's
+# inputs and output as .npy files, the argument types from the contract.
+EMULATED = """
+import ctypes, json, sys
+import numpy as np
+from otel_engine.model import kernels
+
+library, folder, cases = ctypes.CDLL(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
+function = library.quant_linear_q8_f32
+params = kernels.OPTIONAL_SIGNATURES["quant_linear_q8_f32"]
+function.argtypes = [kind for _, kind in params]
+statuses = []
+for case, arguments in enumerate(cases):
+    x, w = np.load(f"{folder}/{case}-x.npy"), np.load(f"{folder}/{case}-w.npy")
+    out = np.zeros((arguments["rows"], arguments["n"]), dtype=np.float32)
+    pointers = {"out": out.ctypes.data, "x": x.ctypes.data, "w": w.ctypes.data}
+    statuses.append(function(*[pointers.get(n, arguments.get(n)) for n, _ in params]))
+    np.save(f"{folder}/{case}-out.npy", out)
+print(json.dumps(statuses))
+"""
+
+
+def test_the_avx2_build_under_qemu_haswell_gives_the_native_bits(tmp_path: Path) -> None:
+    """On an emulated CPU without AVX-512 the AVX2 build's output for every format is the
+    reference's, bit for bit what the same build gives natively."""
+    qemu = require_qemu()
+    library = _library(QEMU_ISA)
+    references = [Reference(name, N, WIDTHS[name][-1], seed=3) for name in FORMATS]
+    cases = []
+    for case, reference in enumerate(references):
+        np.save(tmp_path / f"{case}-x.npy", reference.x)
+        np.save(tmp_path / f"{case}-w.npy", reference.raw)
+        cases.append({
+            "type": GGMLQuantizationType[reference.name].value, "rows": MAX_ROWS, "n": N,
+            "k": reference.k, "ldo": N,
+        })  # fmt: skip
+    python = [qemu, "-cpu", QEMU_CPU, "-0", sys.executable, str(Path(sys.executable).resolve())]
+    result = subprocess.run(
+        [*python, "-c", EMULATED, str(library.path), str(tmp_path), json.dumps(cases)],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+
+    assert 0 == result.returncode, result.stderr[-3000:]
+    assert [kernels.KernelStatus.OK] * len(FORMATS) == json.loads(result.stdout.splitlines()[-1])
+    for case, reference in enumerate(references):
+        emulated = np.load(tmp_path / f"{case}-out.npy")
+        native = reference.run(library, MAX_ROWS)
+        assert np.array_equal(native.view(np.uint32), emulated.view(np.uint32)), reference.name
+        bound = SUM_ROUNDING * reference.terms + 1e-30
+        assert (np.abs(emulated - reference.expected) <= bound).all(), reference.name
