@@ -198,8 +198,8 @@ class ServerProcess(_TestServer):
     output in a log file, every descendant remembered, only those signalled, by pid), started
     at once, plus what a benchmark reads: seconds to ready, peak memory, a shutdown report."""
 
-    def __init__(self, args: list[str], port: int) -> None:
-        super().__init__(args, port=port)
+    def __init__(self, args: list[str], port: int, env: dict[str, str] | None = None) -> None:
+        super().__init__(args, env=env, port=port)
         self.started_at = time.monotonic()
         self.start()
 

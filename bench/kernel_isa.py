@@ -5,8 +5,8 @@
 
 For each level L (at or below this CPU's) and dtype, two runs of offline `LLM.generate` on
 the default model, one after the other, each in a fresh process with torch's own kernels
-capped at L (`ATEN_CPU_CAPABILITY`, `ONEDNN_MAX_CPU_ISA`), so that the CPU looks like one
-that has L and no more:
+capped at L (`ATEN_CPU_CAPABILITY`, `ONEDNN_MAX_CPU_ISA`: bench/isa_caps.py), so that the CPU
+looks like one that has L and no more:
 - torch: `--kernels torch`;
 - kernels: the compiled kernels built for L (`OTEL_ENGINE_KERNEL_ISA=L`), used whatever the
   level and dtype (this script lifts the rule, `fast_paths.kernels_pay_off`, in its child).
@@ -26,14 +26,7 @@ import sys
 import time
 
 from common import fmt, print_table, random_prompts
-
-ATEN = {"avx2": "avx2", "avx512": "avx512", "avx512bf16": "avx512", "baseline": "default"}
-ONEDNN = {
-    "baseline": "SSE41",
-    "avx2": "AVX2",
-    "avx512": "AVX512_CORE",
-    "avx512bf16": "AVX512_CORE_BF16",
-}
+from isa_caps import LEVELS
 
 
 def child(args: argparse.Namespace) -> None:
@@ -61,13 +54,7 @@ def child(args: argparse.Namespace) -> None:
 
 
 def run(level: str, dtype: str, kernels: str, args: argparse.Namespace) -> dict[str, float]:
-    env = {
-        **os.environ,
-        "ATEN_CPU_CAPABILITY": ATEN[level],
-        "OTEL_ENGINE_KERNEL_ISA": level,
-        "HF_HUB_OFFLINE": "1",
-    }
-    env["ONEDNN_MAX_CPU_ISA"] = ONEDNN[level]
+    env = {**os.environ, **LEVELS[level].env(), "HF_HUB_OFFLINE": "1"}
     command = [sys.executable, __file__, "--child", "--dtype", dtype, "--kernels", kernels]
     command += ["--batch-sizes", ",".join(map(str, args.batch_sizes))]
     command += ["--output-len", str(args.output_len), "--repeat", str(args.repeat)]

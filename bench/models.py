@@ -3,12 +3,19 @@
     .venv/bin/python bench/models.py [--shapes llama-3.2-1b,qwen2.5-3b-like,llama-3.1-8b]
         [--formats Q4_K_M,Q8_0,Q4_0] [--engines otel-engine,llama.cpp] [--streams 1,16]
         [--prompt-tokens 128] [--max-tokens 128] [--prefill-tokens 1024] [--prepare-only]
+        [--isa baseline|avx2|avx512|avx512bf16] [--dtype auto]
+
+Both engines run at one instruction-set level: this CPU's own, or with `--isa` a level at or
+below it (bench/isa_caps.py: otel-engine under the caps of torch, oneDNN and its kernels;
+llama.cpp built for that level), so that any machine measures any level it contains.
 
 Prepares everything it needs under `.cache/` (git-ignored), each step skipped when its output
 exists:
 1. llama.cpp built from the sources in the `llama-cpp-python` sdist on PyPI (cmake, Release,
-   CPU only, `-march=native` without AMX: see `llama_cpp_options`): `llama-quantize`,
-   `llama-server`, `llama-bench` in `.cache/llama.cpp/build/bin`;
+   CPU only, without AMX, `-march=native` or with `--isa` for that level alone: see
+   `llama_cpp_options`): `llama-quantize`, `llama-server`, `llama-bench` in
+   `.cache/llama.cpp/build/bin` (`build-<level>/bin` for a level); the features the build
+   reports (its `system_info` line) are printed and kept;
 2. per shape, a Hugging Face Llama checkpoint of that shape with random weights (normal, std
    0.02; norms 1) and SmolLM2's tokenizer (the default model's, vocabulary 49,152), written
    tensor by tensor in bfloat16 safetensors shards of at most 2 GiB (memory stays near one);
@@ -17,8 +24,10 @@ exists:
    are deleted once what was asked for is quantized.
 3. per shape, format and engine, one server at a time on the same file: `otel-engine serve`
    or `llama-server -np <streams> -cb -t <cores>`, with the same KV capacity in tokens, each
-   otherwise at its defaults (how otel-engine loads each GGUF type: otel_engine/model/gguf.py,
-   its start log and `GET /v1/models`); after a warm-up, at each number of concurrent streams,
+   otherwise at its defaults (otel-engine `--dtype auto`: bfloat16 only where the level
+   computes in it; how it loads each GGUF type: otel_engine/model/gguf.py, its start log
+   `kernels.selected`, whose dtype and kernels build are printed and kept, and
+   `GET /v1/models`); after a warm-up, at each number of concurrent streams,
    streamed `/v1/completions` of random prompt tokens, greedy, `ignore_eos` (bench/common.py's
    client): output tok/s, TTFT median and p90, TPOT median, and the peak RSS of the serving
    processes (sampled every 0.5 s; otel-engine: the engine core and the whole tree); then
@@ -59,6 +68,10 @@ from common import (
     served_model_name,
     write_json,
 )
+from isa_caps import Level, reported_features, runnable
+
+from otel_engine.config import DTYPES
+from otel_engine.model.kernels import ISA_LEVELS, cpu_isa
 
 REPO = Path(__file__).resolve().parents[1]
 CACHE = REPO / ".cache"
@@ -70,6 +83,7 @@ BUILD_JOBS = 2
 SEED = 1234
 PREFILL_SEED_OFFSET = 10_000
 CONTENDED_CORES = 0.25  # CPU cores taken by other processes beyond which a number is suspect
+KV_BLOCK_TOKENS = 16  # otel-engine's --block-size here
 
 
 def _run(command: list[object], **options: Any) -> float:
@@ -96,11 +110,12 @@ def llama_cpp_source() -> Path:
     return tree
 
 
-def llama_cpp_options() -> dict[str, str]:
-    """The cmake cache entries of the build: Release, CPU only, for this CPU, static, no
-    network features, and on x86-64 without AMX: ggml's AMX matmul crashes in its first
-    call on this project's Sapphire Rapids VM (SIGSEGV at `ldtilecfg`; llama.cpp issue
-    #20824, a fix proposed in PR #26954), so llama.cpp runs its AVX-512 VNNI kernels here."""
+def llama_cpp_options(level: Level | None = None) -> dict[str, str]:
+    """The cmake cache entries of the build: Release, CPU only, static, no network features;
+    for this CPU (`level` None) or for `level`'s instructions alone (`Level.ggml_options`).
+    On x86-64 never AMX: ggml's AMX matmul crashes in its first call on this project's
+    Sapphire Rapids VM (SIGSEGV at `ldtilecfg`; llama.cpp issue #20824, a fix proposed in PR
+    #26954), so llama.cpp runs its AVX-512 VNNI kernels there."""
     options = {
         "CMAKE_BUILD_TYPE": "Release",
         "BUILD_SHARED_LIBS": "OFF",
@@ -116,6 +131,8 @@ def llama_cpp_options() -> dict[str, str]:
         "LLAMA_BUILD_UI": "OFF",
         "LLAMA_USE_PREBUILT_UI": "OFF",  # the web UI from a Hugging Face bucket: not wanted
     }
+    if level is not None:
+        return options | level.ggml_options()
     if platform.machine() in ("x86_64", "AMD64"):
         # Explicit -mno-* flags win over what -march=native implies, whatever their order.
         no_amx = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
@@ -123,12 +140,17 @@ def llama_cpp_options() -> dict[str, str]:
     return options
 
 
-def build_llama_cpp() -> Path:
+def llama_cpp_build_dir(level: Level | None = None) -> Path:
+    """Where llama.cpp is built: `build` for this CPU, `build-<level>` for a level."""
+    return LLAMA_CPP_DIR / ("build" if level is None else f"build-{level.name}")
+
+
+def build_llama_cpp(level: Level | None = None) -> Path:
     """Build llama.cpp's tools once (`llama_cpp_options`); the directory of the binaries.
     Skipped when they exist and were built with the same options (a stamp file says)."""
-    build = LLAMA_CPP_DIR / "build"
+    build = llama_cpp_build_dir(level)
     bin_dir, stamp = build / "bin", build / "otel-bench-options.json"
-    options = llama_cpp_options()
+    options = llama_cpp_options(level)
     wanted = json.dumps({"version": LLAMA_CPP_PYTHON_VERSION, **options}, sort_keys=True)
     built = all((bin_dir / target).exists() for target in LLAMA_CPP_TARGETS)
     if built and stamp.exists() and stamp.read_text() == wanted:
@@ -146,6 +168,20 @@ def build_llama_cpp() -> Path:
     return bin_dir
 
 
+def llama_cpp_system_info(bin_dir: Path) -> str:
+    """The `system_info:` line llama-server logs at start (at trace verbosity, before it
+    loads a model): the CPU features the build has compiled in. Read by starting it on a
+    file that does not exist, so it exits at once."""
+    command = [bin_dir / "llama-server", "-lv", "4", "-m", bin_dir / "no-such-model.gguf"]
+    done = subprocess.run(
+        [str(c) for c in command], capture_output=True, text=True, timeout=60, check=False
+    )
+    for line in (done.stdout + done.stderr).splitlines():
+        if "system_info:" in line:
+            return line[line.index("system_info:") :].strip()
+    return ""
+
+
 @dataclass(frozen=True)
 class Shape:
     """A decoder's shape, written as a Hugging Face `LlamaForCausalLM` checkpoint."""
@@ -161,11 +197,6 @@ class Shape:
     rope_theta: float
     context: int
     large: bool = False  # delete the checkpoint and the BF16 GGUF once quantized
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """K and V of every layer in 16-bit floats (both engines' KV cache dtype)."""
-        return 2 * self.layers * self.kv_heads * self.head_dim * 2
 
 
 VOCAB_SIZE = 49152  # SmolLM2's tokenizer
@@ -365,21 +396,44 @@ def context_per_stream(args: argparse.Namespace) -> int:
 
 
 def start_server(
-    engine: str, model: Path, shape: Shape, args: argparse.Namespace, bin_dir: Path
+    engine: str, model: Path, args: argparse.Namespace, bin_dir: Path
 ) -> ServerProcess:
     """One engine's server on `model`, both with `max(streams)` sequences of
-    `context_per_stream` tokens of KV each."""
+    `context_per_stream` tokens of KV each; otel-engine under `args.level`'s caps."""
     slots, per_stream = max(args.streams), context_per_stream(args)
     port = free_port()
     if engine == "llama.cpp":
         flags = ["-m", str(model), "-np", str(slots), "-cb", "-c", str(slots * per_stream)]
         flags += ["-t", str(args.threads), *args.llama_server_args]
         return LlamaServerProcess(bin_dir / "llama-server", flags, port)
-    kv_gib = slots * per_stream * shape.kv_bytes_per_token / 2**30
-    flags = ["--model", str(model), "--dtype", "bfloat16", "--max-num-seqs", str(slots)]
-    flags += ["--max-model-len", str(per_stream), "--kv-cache-memory-gib", f"{kv_gib:.4f}"]
+    # KV in blocks, not bytes: the same tokens whichever dtype `auto` picks
+    num_blocks = slots * per_stream // KV_BLOCK_TOKENS
+    flags = ["--model", str(model), "--dtype", args.dtype, "--max-num-seqs", str(slots)]
+    flags += ["--max-model-len", str(per_stream), "--block-size", str(KV_BLOCK_TOKENS)]
+    flags += ["--num-kv-blocks", str(num_blocks)]
     flags += ["--engine-ready-timeout", str(args.startup_timeout), *args.otel_engine_args]
-    return ServerProcess(flags, port)
+    return ServerProcess(flags, port, env=otel_engine_caps(args.level))
+
+
+def otel_engine_caps(level: Level | None) -> dict[str, str]:
+    """The environment that holds otel-engine to `level` (none: this CPU's own)."""
+    return {} if level is None else level.env()
+
+
+def otel_engine_selected(server: ServerProcess) -> dict[str, Any]:
+    """What the engine's start log (`kernels.selected`, rank 0) says it runs: its dtype and
+    why, the CPU level it sees, the kernels' build and the fast paths on."""
+    for record in server.json_lines():
+        if record.get("event") == "kernels.selected" and record.get("rank", 0) == 0:
+            paths = record.get("paths") or {}
+            return {
+                "dtype": record.get("dtype"),
+                "dtype_reason": record.get("dtype_reason"),
+                "cpu_isa": record.get("cpu_isa"),
+                "kernel_isa": record.get("kernel_isa"),
+                "paths_on": [name for name, path in paths.items() if path.get("enabled")],
+            }
+    return {}
 
 
 def _measure(
@@ -419,11 +473,14 @@ def bench_engine(
 ) -> dict[str, Any]:
     """Start `engine` on `model`, warm it up, measure each stream count and the prefill; stop."""
     label = f"{shape.name} {model.name} {engine}"
-    result: dict[str, Any] = {"engine": engine, "levels": []}
-    server = start_server(engine, model, shape, args, bin_dir)
+    result: dict[str, Any] = {"engine": engine, "isa": isa_name(args.level), "levels": []}
+    server = start_server(engine, model, args, bin_dir)
     try:
         result["startup_s"] = round(server.wait_ready(args.startup_timeout), 2)
         print(f"[bench] {label}: ready in {result['startup_s']:.1f} s", flush=True)
+        if engine == "otel-engine":
+            result["selected"] = otel_engine_selected(server)
+            print(f"[bench] {label}: runs {describe_selected(result['selected'])}", flush=True)
         name = served_model_name(server.base_url)
         num_warmup = min(max(args.streams), 16)
         warmup = random_prompts(num_warmup, args.prompt_tokens, VOCAB_SIZE, seed)
@@ -465,6 +522,62 @@ def bench_engine(
     return result
 
 
+def isa_name(level: Level | None) -> str:
+    return "native" if level is None else level.name
+
+
+def level_report(args: argparse.Namespace, bin_dir: Path) -> dict[str, Any]:
+    """The level both engines run at and what holds each to it; printed, and kept in the
+    JSON: otel-engine's caps and dtype flag, llama.cpp's build and the features it reports."""
+    level: Level | None = args.level
+    options = llama_cpp_options(level)
+    ggml = {key: value for key, value in options.items() if key.startswith("GGML_")}
+    system_info = llama_cpp_system_info(bin_dir)
+    report = {
+        "isa": isa_name(level),
+        "cpu_isa": cpu_isa(),
+        "otel_engine": {"caps": otel_engine_caps(level), "dtype_flag": args.dtype},
+        "llama_cpp": {
+            "build_dir": str(bin_dir.parent),
+            "cmake_options": options,
+            "system_info": system_info,
+            "features": reported_features(system_info),
+        },
+    }
+    ggml_on = [key for key, value in ggml.items() if value == "ON"]
+    print(
+        f"[isa] level {report['isa']} (this CPU: {report['cpu_isa']})\n"
+        f"[isa] otel-engine: caps {_caps_text(report)}; --dtype {args.dtype}\n"
+        f"[isa] llama.cpp: {bin_dir.parent}, cmake ON: {' '.join(ggml_on) or 'none'}; "
+        f"reports {' '.join(report['llama_cpp']['features']) or '(no system_info line)'}",
+        flush=True,
+    )
+    return report
+
+
+def _caps_text(report: dict[str, Any]) -> str:
+    return " ".join(f"{k}={v}" for k, v in report["otel_engine"]["caps"].items()) or "none"
+
+
+def describe_selected(selected: dict[str, Any]) -> str:
+    """otel-engine's `kernels.selected`, in a few words."""
+    if not selected:
+        return "(no kernels.selected in its log)"
+    return (
+        f"{selected['dtype']} ({selected['dtype_reason']}), CPU level {selected['cpu_isa']}, "
+        f"kernels built for {selected['kernel_isa'] or 'none'}"
+    )
+
+
+def _ran_as(run: dict[str, Any], report: dict[str, Any]) -> str:
+    """The table's short form of how an engine ran: otel-engine's dtype and kernels build,
+    llama.cpp's build."""
+    if run["engine"] == "llama.cpp":
+        return Path(report["llama_cpp"]["build_dir"]).name
+    selected = run.get("selected") or {}
+    return f"{selected.get('dtype', '?')}, kernels {selected.get('kernel_isa') or 'off'}"
+
+
 def _cores(cores: dict[str, float]) -> str:
     """CPU cores the server and client used / other processes took."""
     return f"{cores['server'] + cores['client']:.2f} / {cores['other']:.2f}"
@@ -483,24 +596,31 @@ def print_markdown(headers: list[str], rows: list[list[str]]) -> None:
 
 def print_summary(report: dict[str, Any]) -> None:
     print(
-        f"\n== {report['cpu_count']} CPUs, prompt {report['prompt_tokens']} + output "
+        f"\n== level {report['isa']} (this CPU: {report['cpu_isa']}); otel-engine caps: "
+        f"{_caps_text(report)}; "
+        f"llama.cpp {Path(report['llama_cpp']['build_dir']).name} reports: "
+        f"{' '.join(report['llama_cpp']['features'])}"
+    )
+    print(
+        f"== {report['cpu_count']} CPUs, prompt {report['prompt_tokens']} + output "
         f"{report['max_tokens']} tokens (greedy, ignore_eos), prefill {report['prefill_tokens']} "
         f"tokens at batch 1, KV {report['context_per_stream']} tokens per stream; CPU busy "
         f"before start {report['cpu_busy_before_pct']:.0f}%\n"
     )
     headers = [
-        "shape", "format", "GiB", "engine", "start s", "streams", "tok/s", "TTFT p50 ms",
+        "shape", "format", "GiB", "engine", "ran as", "start s", "streams", "tok/s", "TTFT p50 ms",
         "TTFT p90 ms", "TPOT p50 ms", "peak RSS core MB", "peak RSS tree MB", "cores / other",
     ]  # fmt: skip
     rows, prefill_rows = [], []
     for run in report["runs"]:
         common = [run["shape"], run["format"], fmt(run["file_gib"], 2), run["engine"]]
         if "error" in run and not run["levels"]:
-            rows.append([*common, "-", "-", f"failed: {run['error'][:80]}", *["-"] * 6])
+            rows.append([*common, "-", "-", "-", f"failed: {run['error'][:80]}", *["-"] * 6])
         for level in run["levels"]:
             rows.append(
                 [
                     *common,
+                    _ran_as(run, report),
                     fmt(run.get("startup_s")),
                     str(level["concurrency"]),
                     fmt(level["tok_s"]) + _flag(level["cpu_cores"]),
@@ -564,6 +684,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--streams", type=_csv(int), default=[1, 16], help="concurrent streams per level: 1,16"
     )
+    parser.add_argument(
+        "--isa",
+        choices=ISA_LEVELS,
+        help="run both engines at this instruction-set level (default: this CPU's own): "
+        "otel-engine under its caps (bench/isa_caps.py), llama.cpp built for it",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="auto",
+        help="otel-engine's --dtype (auto: bfloat16 where the CPU level computes in it)",
+    )
     parser.add_argument("--prompt-tokens", type=int, default=128, help="random prompt tokens")
     parser.add_argument(
         "--max-tokens", type=int, default=128, help="output tokens (greedy, ignore_eos)"
@@ -596,11 +728,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    try:
+        args.level = runnable(args.isa) if args.isa else None
+    except ValueError as error:
+        print(f"models.py: {error}: measure that level on a CPU that has it", file=sys.stderr)
+        return 2
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     began = time.monotonic()
-    bin_dir = build_llama_cpp()  # llama-quantize makes the files; llama-server is an engine
+    bin_dir = build_llama_cpp(args.level)  # llama-quantize makes the files; llama-server runs
     print(f"[build] llama.cpp tools ready after {time.monotonic() - began:.0f} s", flush=True)
     report: dict[str, Any] = {
+        **level_report(args, bin_dir),
         "cpu_count": os.cpu_count(),
         "prompt_tokens": args.prompt_tokens,
         "max_tokens": args.max_tokens,
