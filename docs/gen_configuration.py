@@ -249,7 +249,8 @@ def _value(action: argparse.Action) -> str:
 
 
 def _help(action: argparse.Action) -> str:
-    return " ".join((action.help or "").split()).replace("|", "\\|")
+    text = (action.help or "").replace("%%", "%")  # argparse's escape, as --help prints it
+    return " ".join(text.split()).replace("|", "\\|")
 
 
 def _command(name: str, parser: argparse.ArgumentParser) -> list[str]:
