@@ -1,6 +1,7 @@
 """Where otel-engine keeps what it builds once and reuses: `$OTEL_ENGINE_CACHE_DIR`, else
 `~/.cache/otel-engine` (converted GGUF checkpoints, `model/gguf.py`; compiled CPU kernels,
-under `kernels/`, `model/kernels.py`)."""
+under `kernels/`, `model/kernels.py`; the memory read bandwidth measured per CPU and thread
+count, under `bandwidth/`, `model/bandwidth.py`)."""
 
 from __future__ import annotations
 

@@ -82,6 +82,7 @@ class AsyncLLM:
         self.max_model_len = self._frontend.max_model_len
         self.context_limited_by = self._frontend.context_limited_by  # what sets max_model_len
         self.fast_paths = self._frontend.fast_paths  # each rank's plan (executor/rank_plans.py)
+        self.memory_bandwidth = self._frontend.memory_bandwidth  # model/bandwidth.py
         self.num_kv_blocks = self._frontend.num_kv_blocks  # the KV cache's size, in blocks
         self.generation_defaults = self._frontend.generation_defaults
         self.dead_error: EngineDeadError | None = None

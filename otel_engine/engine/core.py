@@ -48,6 +48,7 @@ from otel_engine.ipc.process import ENGINE_CORE
 from otel_engine.model.arch import ModelArch
 from otel_engine.model.limits import EngineLimits
 from otel_engine.observability import crash_delivery, crash_dump
+from otel_engine.observability.decode_bandwidth import DecodeBandwidth
 from otel_engine.observability.faults import maybe_inject
 from otel_engine.observability.step_history import StepHistory
 from otel_engine.observability.tracing import (
@@ -92,6 +93,8 @@ class EngineCore:
         )
         self.executor = executor
         self.fast_paths = executor.fast_paths  # every rank's plan (`executor/rank_plans.py`)
+        self.memory_bandwidth = executor.memory_bandwidth  # rank 0's peak (model/bandwidth.py)
+        self.bandwidth = DecodeBandwidth(self.memory_bandwidth)
         # Structured-output requests wait here, outside the scheduler, for their grammar.
         self.grammars = GrammarCompiler(model_dir, arch.vocab_size, arch.eos_token_ids)
         if model_dir:
@@ -103,6 +106,8 @@ class EngineCore:
         self.last_step_started_at = self.started_at
         self.current_step_id = 0
         self.step_mask_s = 0.0  # the current step's grammar masks (engine/structured_output.py)
+        self.step_bytes_read = 0  # what the current step's forward read (model/step_reads.py)
+        self.step_decode_bandwidth = 0.0  # its bytes over its time, for decodes alone
         self._tracer = get_tracer()
         self.is_tracing = is_tracing()
         self.failed_step_context: dict[str, str] = {}
@@ -290,6 +295,7 @@ class EngineCore:
             num_scheduled_tokens=output.num_batched_tokens,
             step_duration_s=self.last_step_at - self.last_step_started_at,
             grammar_mask_s=self.step_mask_s,
+            decode_bandwidth=self.step_decode_bandwidth,
         )
 
     def _release_grammars(self, requests: Iterable[Request]) -> None:
@@ -332,6 +338,7 @@ class EngineCore:
 
     def _execute(self, output: SchedulerOutput, trace_context: dict[str, str]) -> ModelOutput:
         self.step_mask_s = 0.0
+        self.step_bytes_read = 0
         if output.is_empty:
             return ModelOutput(output.step_id, [])
         model_input = self.current_model_input = prepare_model_input(
@@ -339,7 +346,9 @@ class EngineCore:
         )
         if model_input.grammar_rows:
             self._account_masks(output)
-        return self.executor.execute(model_input)
+        result = self.executor.execute(model_input)
+        self.step_bytes_read = result.num_bytes_read
+        return result
 
     def _account_masks(self, output: SchedulerOutput) -> None:
         """What this step's grammar masks cost, on the step span (and, through
@@ -385,11 +394,31 @@ class EngineCore:
             raise
         finally:
             self.step_started_at = None
+        self.last_step_at = time.monotonic()
+        self._account_bandwidth(span)
         if span is not None:
             span.end()
         self.current_step_span = None
         self.current_output = self.current_model_input = None
-        self.last_step_at = time.monotonic()
+
+    def _account_bandwidth(self, span: trace.Span | None) -> None:
+        """The step's reads over its time, for a step of decodes alone
+        (`observability/decode_bandwidth.py`), on the step span with the bytes it read."""
+        model_input = self.current_model_input
+        is_decode_only = model_input is not None and model_input.num_decodes == len(
+            model_input.query_lens
+        )
+        seconds = self.last_step_at - self.last_step_started_at
+        bandwidth = self.bandwidth.of_step(self.step_bytes_read, seconds, is_decode_only)
+        self.step_decode_bandwidth = bandwidth
+        if span is None or not self.step_bytes_read:
+            return
+        span.set_attribute("otel_engine.step.bytes_read", self.step_bytes_read)
+        if bandwidth:
+            span.set_attribute("otel_engine.step.decode_bandwidth_bytes_per_second", bandwidth)
+            ratio = self.bandwidth.ratio(bandwidth)
+            if ratio is not None:
+                span.set_attribute("otel_engine.step.decode_bandwidth_ratio", ratio)
 
     def _start_step_span(self, output: SchedulerOutput) -> trace.Span:
         links = [c.request.trace_link for c in output.chunks if c.request.trace_link is not None]
@@ -460,6 +489,7 @@ class EngineCore:
                     last_step_at=self.last_step_at,
                     failure=failure,
                     process_pids=self.executor.process_pids(),
+                    memory_bandwidth=self.bandwidth.part(),
                 ),
             }
             if self.rank_reports:

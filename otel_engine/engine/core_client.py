@@ -47,6 +47,7 @@ from otel_engine.ipc.paths import IpcDir
 from otel_engine.ipc.process import ENGINE_CORE, spawn, wait_for_death
 from otel_engine.model.limits import EngineLimits
 from otel_engine.observability import crash_delivery, crash_dump
+from otel_engine.observability.decode_bandwidth import DecodeBandwidth
 from otel_engine.observability.setup import spawn_env
 from otel_engine.observability.tracing import get_tracer, inject_context, is_tracing
 from otel_engine.sched.scheduler import SchedulerOutput
@@ -130,6 +131,7 @@ class InprocClient:
         self.limits = self.core.limits
         self.max_model_len = self.limits.max_model_len
         self.fast_paths = self.core.fast_paths
+        self.memory_bandwidth = self.core.memory_bandwidth
         self._pending: list[StepOutputs] = []
         self._death: EngineDead | None = None
         self._hung = False  # a step outlived --step-timeout: its thread is left behind
@@ -232,6 +234,8 @@ class MPClient:
         self.limits = ready.limits
         self.max_model_len = ready.limits.max_model_len
         self.fast_paths = ready.fast_paths  # every rank's plan (`executor/rank_plans.py`)
+        self.memory_bandwidth = ready.memory_bandwidth  # rank 0's peak (model/bandwidth.py)
+        self.bandwidth = DecodeBandwidth(self.memory_bandwidth)  # for a dump made here
         self._heard_at = time.monotonic()
         self._monitor = threading.Thread(target=self._watch_core, name="core-monitor", daemon=True)
         self._monitor.start()
@@ -254,7 +258,12 @@ class MPClient:
         )
         if code != FAILED_EXIT_CODE:  # it died before recording its own crash dump
             self._crash_context = record_core_death(
-                self.config, self.limits, info, self._started_at, self.fast_paths
+                self.config,
+                self.limits,
+                info,
+                self._started_at,
+                self.fast_paths,
+                self.bandwidth.part(),
             )
         self._death = info
 
@@ -303,6 +312,8 @@ class MPClient:
         if self._outputs.poll(int(timeout_s * 1000)):
             output = self._decoder.decode(self._outputs.recv(copy=False).buffer)
             self._heard_at = time.monotonic()
+            if isinstance(output, StepOutputs):
+                self.bandwidth.observe(output.decode_bandwidth, output.step_duration_s)
             return None if isinstance(output, Heartbeat) else output
         if self._death is not None:
             return EngineDead(error=self._death, trace_context=self._crash_context)
@@ -357,6 +368,7 @@ def record_core_death(
     info: ErrorInfo,
     started_at: float,
     fast_paths: dict[str, Any] | None = None,
+    memory_bandwidth: dict[str, Any] | None = None,
 ) -> dict[str, str]:
     """The crash dump of an engine core that died without recording one, built here from
     what the front end knows (the failure, the engine config; the batch, the history and
@@ -374,7 +386,7 @@ def record_core_death(
                 ),
                 "history": lambda: crash_dump.not_available(lost),
                 "system_stats": lambda: crash_dump.front_end_stats_part(
-                    failure=failure, started_at=started_at
+                    failure=failure, started_at=started_at, memory_bandwidth=memory_bandwidth
                 ),
             }
         )

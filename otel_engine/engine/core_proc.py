@@ -88,7 +88,7 @@ def run_engine_core(
     outputs = context.socket(zmq.PUSH)
     outputs.connect(output_address)
     watchdog = StepWatchdog(core, output_address)
-    channel.ready(core.limits, core.fast_paths)
+    channel.ready(core.limits, core.fast_paths, core.memory_bandwidth)
     logger.info("engine.ready", extra={"role": ENGINE_CORE})
     exit_code = 0
     encoder: Codec[CoreOutput] = Codec(CoreOutput)

@@ -95,6 +95,7 @@ class Frontend:
                 },
             )
         self.fast_paths: dict[str, Any] | None = self.client.fast_paths
+        self.memory_bandwidth = self.client.memory_bandwidth  # rank 0's measured peak
         self.inputs = InputProcessor(
             self.tokenizer, self.max_model_len, arch.vocab_size, self.context_limited_by
         )

@@ -161,6 +161,7 @@ def build_app(state: ServerState) -> FastAPI:
             "max_model_len": state.engine.max_model_len,
             "sampling_defaults": state.engine.generation_defaults.values,
             "fast_paths": state.engine.fast_paths,
+            "memory_bandwidth": state.metrics.bandwidth.part(),
         }
         return {"object": "list", "data": [card]}
 
@@ -322,6 +323,7 @@ def make_server(
         model_name=engine.model_name, process_metrics=True, vllm_names=vllm_metric_names
     )
     metrics.set_fast_paths(engine.fast_paths)
+    metrics.set_memory_bandwidth(engine.memory_bandwidth)
     cache = engine.config.cache
     metrics.set_cache_config(
         block_size=cache.block_size,

@@ -698,6 +698,24 @@ class FastPathPlans(BaseModel):
     )
 
 
+class MemoryBandwidthCard(BaseModel):
+    """Decode speed against the machine's limit (`observability/decode_bandwidth.py`): rank
+    0's measured memory read bandwidth and its recent steps of decodes alone."""
+
+    peak_bytes_per_second: int | None = Field(
+        description="the read bandwidth rank 0's threads measured at start (null: not measured)"
+    )
+    peak_num_threads: int | None = Field(description="the threads that measured it")
+    peak_is_cached: bool | None = Field(
+        description="read from an earlier start's probe (the cache beside the kernel builds)"
+    )
+    decode_bytes_per_second: int | None = Field(
+        description="weights and KV cache bytes the decode-only steps of about the last "
+        "second read, over their time"
+    )
+    decode_ratio: float | None = Field(description="decode_bytes_per_second over the peak")
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"]
@@ -709,6 +727,9 @@ class ModelCard(BaseModel):
     )
     fast_paths: FastPathPlans | None = Field(
         default=None, description="the fast paths the model runs, on each rank"
+    )
+    memory_bandwidth: MemoryBandwidthCard | None = Field(
+        default=None, description="decode speed against the measured memory read bandwidth"
     )
 
 

@@ -43,6 +43,7 @@ from otel_engine.ipc.process import (
     stop_all,
     wait_for_death,
 )
+from otel_engine.model.bandwidth import MemoryBandwidth
 from otel_engine.model.limits import EngineLimits
 from otel_engine.observability.faults import maybe_inject
 from otel_engine.observability.setup import spawn_env
@@ -117,6 +118,7 @@ class UniprocExecutor:
         maybe_inject("worker", phase="load", rank=0)
         self.runner = ModelRunner(config, model_dir, limits, rank=0)
         self.fast_paths: dict[str, Any] | None = collect([self.runner.model.fast_paths.summary()])
+        self.memory_bandwidth = self.runner.memory_bandwidth  # model/bandwidth.py
 
     def execute(self, step: ModelInput) -> ModelOutput:
         maybe_inject(
@@ -163,6 +165,7 @@ class MultiprocExecutor:
     _probe_addresses: list[str]
     workers: list[ChildProcess]
     fast_paths: dict[str, Any] | None
+    memory_bandwidth: MemoryBandwidth | None
     _failure: ErrorInfo | None
     _died: ErrorInfo | None
     _died_code: int | None
@@ -205,6 +208,7 @@ class MultiprocExecutor:
             deadline = time.monotonic() + config.timeouts.engine_ready_timeout
             ready = [worker.wait_ready(deadline) for worker in self.workers]
             self.fast_paths = collect([r.fast_paths or {} for r in ready])
+            self.memory_bandwidth = ready[0].memory_bandwidth  # rank 0's (model/bandwidth.py)
         except BaseException:
             self.shutdown(graceful=False)
             raise
@@ -224,6 +228,7 @@ class MultiprocExecutor:
         self.workers = []  # local processes (none on Ray)
         self._failure = None
         self.fast_paths = None  # every rank's plan (`rank_plans`), once they are ready
+        self.memory_bandwidth = None
         self._died = None  # a worker that exited, as the monitor saw it
         self._died_code = None
         self._root = None  # the cause, once decided

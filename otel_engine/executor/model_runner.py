@@ -1,7 +1,8 @@
 """The model runner: loads one rank's shard, owns its KV cache, runs a step's forward.
 
 Used inside the engine core at TP=1 and inside each worker process at TP>1; the same
-`ModelInput` drives both.
+`ModelInput` drives both. Rank 0 measures the machine's memory read bandwidth before it
+loads (`model/bandwidth.py`, on the CPU) and says what each step read (`model/step_reads.py`).
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ from otel_engine.ipc.messages import ModelInput, ModelOutput, PromptLogprobsChun
 from otel_engine.memory import huge_page_region, return_freed_memory
 from otel_engine.model.arch import load_model_arch
 from otel_engine.model.attention import AttentionMetadata
+from otel_engine.model.bandwidth import MemoryBandwidth, peak_read_bandwidth
 from otel_engine.model.cpu import half_precision_blocker
 from otel_engine.model.limits import EngineLimits, choose_dtype, resolve_limits
 from otel_engine.model.registry import load_model
 from otel_engine.model.sampler import Sampler, logprobs_of
+from otel_engine.model.step_reads import StepReads
 from otel_engine.outputs import TokenLogprobs
 
 logger = logging.getLogger(__name__)
@@ -83,6 +86,10 @@ class ModelRunner:
         if dtype.reason == "--dtype" and self.device.type == "cpu" and rank == 0:
             _warn_if_emulated(dtype.name)
         self.block_size = config.cache.block_size
+        # Before the model is in memory: the probe's buffer never adds to the peak.
+        self.memory_bandwidth: MemoryBandwidth | None = (
+            peak_read_bandwidth() if rank == 0 and self.device.type == "cpu" else None
+        )
         self.model = load_model(
             model_dir,
             self.arch,
@@ -114,6 +121,7 @@ class ModelRunner:
         )
         self.kv_caches = _kv_caches(shape, self.dtype, self.device, self.arch.num_hidden_layers)
         self.sampler = Sampler(self.device, config.model.seed) if rank == 0 else None
+        self.reads = StepReads.of(self.model, computes_logits=self.sampler is not None)
 
     def forward_inputs(self, step: ModelInput) -> tuple[torch.Tensor, AttentionMetadata]:
         """The step's token ids as a tensor and its attention metadata (for every layer)."""
@@ -138,15 +146,17 @@ class ModelRunner:
         hidden = self.model.forward(input_ids, self.kv_caches, meta)
         if self.sampler is None:
             return ModelOutput(step.step_id, [])
+        logit_rows = len(step.sample_indices) + sum(c.num_targets for c in step.prompt_logprobs)
+        read = self.reads.bytes_read(len(step.input_ids), step.seq_lens, logit_rows)
         prompt_logprobs = [self._prompt_logprobs(step, hidden, c) for c in step.prompt_logprobs]
         if not step.sample_indices:
-            return ModelOutput(step.step_id, [], prompt_logprobs=prompt_logprobs)
+            return ModelOutput(step.step_id, [], [], prompt_logprobs, read)
         ends = torch.tensor(step.query_lens, device=device).cumsum(0) - 1
         rows = ends[torch.tensor(step.sample_indices, dtype=torch.long, device=device)]
         if _greedy_only(step):
             greedy = self.model.greedy_tokens(hidden[rows])
             if greedy is not None:
-                return ModelOutput(step.step_id, greedy, [], prompt_logprobs)
+                return ModelOutput(step.step_id, greedy, [], prompt_logprobs, read)
         logits = self.model.compute_logits(hidden[rows])
         tokens = self.sampler(
             logits,
@@ -160,7 +170,7 @@ class ModelRunner:
             step.grammar_bitmask,
         )
         logprobs = logprobs_of(logits, tokens, step.num_logprobs) if step.num_logprobs else []
-        return ModelOutput(step.step_id, tokens, logprobs, prompt_logprobs)
+        return ModelOutput(step.step_id, tokens, logprobs, prompt_logprobs, read)
 
     def _prompt_logprobs(
         self, step: ModelInput, hidden: torch.Tensor, chunk: PromptLogprobsChunk

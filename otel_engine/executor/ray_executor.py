@@ -180,6 +180,7 @@ class RayExecutor(MultiprocExecutor):
         self._probe_addresses = [r["probe_address"] for r in ready]
         self._nodes = [{k: r[k] for k in ("node_id", "node_ip", "hostname", "pid")} for r in ready]
         self.fast_paths = collect([r["fast_paths"] for r in ready])
+        self.memory_bandwidth = ready[0]["memory_bandwidth"]
         self._runs = [actor.run.remote() for actor in self._actors]
         logger.info(
             "ray.ranks_placed",

@@ -133,6 +133,7 @@ class RayWorker:
         self._responder = Responder(self.rank, f"tcp://{node_ip()}:*", describe_node(self.node()))
         return {
             "fast_paths": self._runner.model.fast_paths.summary(),
+            "memory_bandwidth": self._runner.memory_bandwidth,
             "probe_address": self._responder.address,
             **self.node(),
         }

@@ -73,7 +73,9 @@ def run_worker(
     outputs = context.socket(zmq.PUSH)
     outputs.connect(output_address)
     responder = Responder(rank, probe_address)
-    channel.ready(fast_paths=runner.model.fast_paths.summary())
+    channel.ready(
+        fast_paths=runner.model.fast_paths.summary(), memory_bandwidth=runner.memory_bandwidth
+    )
     logger.info("worker.ready", extra={"rank": rank})
     busy_loop(runner, rank, inputs, outputs, responder)
     responder.stop()

@@ -5,7 +5,8 @@ core and its workers, and the ready handshake every child sends its parent. A fa
 failure anywhere becomes one `EngineDead` frame to the front end; a worker reports its own
 failure as `WorkerFailure`. Value types with a home of their own travel inside these frames
 and are imported from it: `SamplingParams` and `LogitsProcessing` (sampling_params.py),
-`EngineLimits` (model/limits.py), `TokenLogprobs` (outputs.py).
+`EngineLimits` (model/limits.py), `MemoryBandwidth` (model/bandwidth.py), `TokenLogprobs`
+(outputs.py).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 
 import msgspec
 
+from otel_engine.model.bandwidth import MemoryBandwidth
 from otel_engine.model.limits import EngineLimits
 from otel_engine.outputs import TokenLogprobs
 from otel_engine.sampling_params import LogitsProcessing, SamplingParams
@@ -49,12 +51,14 @@ class ErrorInfo(msgspec.Struct, frozen=True):
 class Ready(msgspec.Struct, frozen=True, tag="ready", array_like=True):
     """The child finished starting. The engine core says what its limits are and every
     rank's fast-path plan (`executor/rank_plans.py`); a worker, the plan it chose
-    (`FastPaths.summary()`, plain data)."""
+    (`FastPaths.summary()`, plain data). Rank 0 (and the engine core, from it) also says the
+    memory read bandwidth it measured (`model/bandwidth.py`; None elsewhere)."""
 
     process: str
     pid: int
     limits: EngineLimits | None = None
     fast_paths: dict[str, Any] | None = None
+    memory_bandwidth: MemoryBandwidth | None = None
 
 
 class Failed(msgspec.Struct, frozen=True, tag="failed", array_like=True):
@@ -154,6 +158,9 @@ class StepOutputs(msgspec.Struct, frozen=True, tag="outputs", array_like=True):
     step_duration_s: float = 0.0
     grammar_compile_s: list[float] = []  # structured-output grammars built since the last frame
     grammar_mask_s: float = 0.0  # this step's grammar masks: a slow step says why
+    # A step of decodes only: the bytes rank 0 read (model/step_reads.py) over the step's
+    # time; 0 for any other step.
+    decode_bandwidth: float = 0.0
 
 
 class EngineDead(msgspec.Struct, frozen=True, tag="dead", array_like=True):
@@ -241,6 +248,7 @@ class ModelOutput(msgspec.Struct, frozen=True, tag="sampled", array_like=True):
     sampled_token_ids: list[int]
     logprobs: list[TokenLogprobs | None] = []
     prompt_logprobs: list[list[TokenLogprobs]] = []  # one list per `ModelInput` chunk asked
+    num_bytes_read: int = 0  # weights and KV cache rank 0's forward read (model/step_reads.py)
 
 
 class WorkerFailure(msgspec.Struct, frozen=True, tag="worker_failure", array_like=True):

@@ -32,7 +32,14 @@ import msgspec
 from otel_engine.errors import EngineStartupError, FailureCause
 from otel_engine.ipc import native_fault
 from otel_engine.ipc.codec import Codec, error_info
-from otel_engine.ipc.messages import EngineLimits, ErrorInfo, Failed, HandshakeMessage, Ready
+from otel_engine.ipc.messages import (
+    EngineLimits,
+    ErrorInfo,
+    Failed,
+    HandshakeMessage,
+    MemoryBandwidth,
+    Ready,
+)
 from otel_engine.ipc.native_fault import FaultReport
 from otel_engine.timing import TERM_GRACE_S
 
@@ -62,10 +69,19 @@ class ReadyChannel:
         self.sent = False
 
     def ready(
-        self, limits: EngineLimits | None = None, fast_paths: dict[str, Any] | None = None
+        self,
+        limits: EngineLimits | None = None,
+        fast_paths: dict[str, Any] | None = None,
+        memory_bandwidth: MemoryBandwidth | None = None,
     ) -> None:
         self._send(
-            Ready(process=self.process_name, pid=os.getpid(), limits=limits, fast_paths=fast_paths)
+            Ready(
+                process=self.process_name,
+                pid=os.getpid(),
+                limits=limits,
+                fast_paths=fast_paths,
+                memory_bandwidth=memory_bandwidth,
+            )
         )
 
     def failed(self, exc: BaseException) -> None:

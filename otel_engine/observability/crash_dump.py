@@ -178,8 +178,11 @@ def system_stats_part(
     last_step_at: float,
     failure: dict[str, Any],
     process_pids: dict[str, int | None],
+    memory_bandwidth: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Scheduler state, uptime, process memory, CPU load, accelerator memory, the failure."""
+    """Scheduler state, uptime, process memory, CPU load, accelerator memory, the failure,
+    and the memory read bandwidth: the measured peak and the recent decode-only steps'
+    (`DecodeBandwidth.part()`)."""
     now = time.monotonic()
     part: dict[str, Any] = {
         "failure": failure,
@@ -197,6 +200,7 @@ def system_stats_part(
         "cpu_count": os.cpu_count(),
         "load_average": safe(lambda: [round(x, 2) for x in os.getloadavg()]),
         "accelerator_memory": safe(_accelerator_memory),
+        "memory_bandwidth": memory_bandwidth,
     }
     return part
 
@@ -206,9 +210,15 @@ def not_available(why: str) -> dict[str, Any]:
     return {"not_available": why}
 
 
-def front_end_stats_part(*, failure: dict[str, Any], started_at: float) -> dict[str, Any]:
+def front_end_stats_part(
+    *,
+    failure: dict[str, Any],
+    started_at: float,
+    memory_bandwidth: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """`system_stats` as the front end sees it after the engine core died: the failure,
-    its own uptime and process memory, and the machine's load."""
+    its own uptime and process memory, the machine's load, and the memory read bandwidth
+    (the peak and the recent decode-only steps the core reported)."""
     return {
         "failure": failure,
         "scheduler": not_available("the engine core died with its scheduler state"),
@@ -216,6 +226,7 @@ def front_end_stats_part(*, failure: dict[str, Any], started_at: float) -> dict[
         "process_rss_mib": safe(lambda: _rss({"front_end": os.getpid()})),
         "cpu_count": os.cpu_count(),
         "load_average": safe(lambda: [round(x, 2) for x in os.getloadavg()]),
+        "memory_bandwidth": memory_bandwidth,
     }
 
 

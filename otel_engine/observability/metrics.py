@@ -23,7 +23,7 @@ second observation on the hot path, the same values under two names. OTLP export
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import (
     CollectorRegistry,
@@ -40,6 +40,10 @@ from prometheus_client.openmetrics.exposition import generate_latest as generate
 from prometheus_client.registry import Collector
 
 from otel_engine.errors import ErrorCode
+from otel_engine.observability.decode_bandwidth import DecodeBandwidth
+
+if TYPE_CHECKING:
+    from otel_engine.model.bandwidth import MemoryBandwidth
 
 # gen_ai.server.time_to_first_token
 TTFT_BUCKETS = (
@@ -167,7 +171,7 @@ class StepStats(Protocol):
     """What `on_step` reads (`StepOutputs` has these). Optional extras, read when present:
     `step_id` (0: no step ran), `num_paused`, `kv_cache_cached_blocks`,
     `prefix_cache_queries`, `prefix_cache_hits`, `step_duration_s`, `num_scheduled_seqs`,
-    `num_scheduled_tokens`, `grammar_compile_s`, `grammar_mask_s`."""
+    `num_scheduled_tokens`, `grammar_compile_s`, `grammar_mask_s`, `decode_bandwidth`."""
 
     num_running: int
     num_waiting: int
@@ -411,6 +415,23 @@ class EngineMetrics:
             ["path", "rank", "enabled", "cpu_isa", "kernel_isa"],
             registry=r,
         )
+        self.memory_read_bandwidth = Gauge(
+            "otel_engine_memory_read_bandwidth_bytes_per_second",
+            "The memory read bandwidth rank 0 measured at start with its threads (0: none).",
+            registry=r,
+        )
+        self.decode_bandwidth = Gauge(
+            "otel_engine_decode_bandwidth_bytes_per_second",
+            "Weights and KV cache bytes rank 0 read in the steps of decodes alone of about the "
+            "last second of their time, over that time.",
+            registry=r,
+        )
+        self.decode_bandwidth_ratio = Gauge(
+            "otel_engine_decode_bandwidth_ratio",
+            "The recent decode-only steps' bandwidth over the measured memory read bandwidth.",
+            registry=r,
+        )
+        self.bandwidth = DecodeBandwidth(None)  # what GET /v1/models shows of the same
         self.health_state = Gauge(
             "otel_engine_engine_health_state",
             "1 for the engine's current state, else 0.",
@@ -493,6 +514,12 @@ class EngineMetrics:
         mask_s = getattr(stats, "grammar_mask_s", 0.0)
         if mask_s:
             self.step_grammar_mask.observe(mask_s)
+        bandwidth = getattr(stats, "decode_bandwidth", 0.0)
+        if bandwidth and duration:
+            self.bandwidth.observe(bandwidth, duration)
+            recent = self.bandwidth.recent or 0.0
+            self.decode_bandwidth.set(recent)
+            self.decode_bandwidth_ratio.set(self.bandwidth.ratio(recent) or 0.0)
 
     def on_request_finished(
         self,
@@ -547,6 +574,11 @@ class EngineMetrics:
             for path, choice in summary.get("paths", {}).items():
                 enabled = "true" if choice.get("enabled") else "false"
                 self.fast_path.labels(path, str(rank), enabled, cpu, build).set(1)
+
+    def set_memory_bandwidth(self, peak: MemoryBandwidth | None) -> None:
+        """Rank 0's measured memory read bandwidth (`model/bandwidth.py`), once at start."""
+        self.bandwidth.peak = peak
+        self.memory_read_bandwidth.set(0.0 if peak is None else peak.bytes_per_second)
 
     def set_cache_config(self, *, block_size: int, num_blocks: int, prefix_caching: bool) -> None:
         """The KV cache's shape, once at start (`otel_engine_cache_config_info`)."""

@@ -47,6 +47,9 @@ FAMILIES = {
     "otel_engine_engine_health_state": "gauge",
     "otel_engine_fast_path_info": "gauge",
     "otel_engine_step_grammar_mask_seconds": "histogram",
+    "otel_engine_memory_read_bandwidth_bytes_per_second": "gauge",
+    "otel_engine_decode_bandwidth_bytes_per_second": "gauge",
+    "otel_engine_decode_bandwidth_ratio": "gauge",
 }
 
 

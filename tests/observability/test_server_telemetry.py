@@ -554,3 +554,59 @@ def _samples(text: str) -> dict[str, float]:
             )
             samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
     return samples
+
+
+def test_decode_only_steps_carry_their_bandwidth_against_the_measured_peak(
+    runs: dict[str, Run],
+) -> None:
+    """Every step span says the bytes rank 0 read; a step of decodes alone (as many tokens
+    as requests) also its bandwidth and ratio to the peak, which /metrics shows too."""
+    run = runs["grpc"]
+    steps = [s["attributes"] for s in run.spans("engine_core.step")]
+    decodes = [
+        a
+        for a in steps
+        if a["otel_engine.step.num_batched_tokens"] == a["otel_engine.step.num_requests"]
+    ]
+    others = [a for a in steps if a not in decodes]
+    gauges = {
+        s.name: s.value
+        for family in text_string_to_metric_families(run.metrics_after)
+        for s in family.samples
+        if "bandwidth" in s.name
+    }
+
+    assert decodes
+    assert others
+    assert all(a["otel_engine.step.bytes_read"] > 0 for a in steps)
+    assert all(a["otel_engine.step.decode_bandwidth_bytes_per_second"] > 0 for a in decodes)
+    assert all(0 < a["otel_engine.step.decode_bandwidth_ratio"] <= 4 for a in decodes)
+    assert not [a for a in others if "otel_engine.step.decode_bandwidth_ratio" in a]
+    assert gauges["otel_engine_memory_read_bandwidth_bytes_per_second"] > 0
+    assert 0 < gauges["otel_engine_decode_bandwidth_ratio"] <= 4
+    assert gauges["otel_engine_decode_bandwidth_bytes_per_second"] == pytest.approx(
+        gauges["otel_engine_decode_bandwidth_ratio"]
+        * gauges["otel_engine_memory_read_bandwidth_bytes_per_second"]
+    )
+
+
+def test_the_crash_dump_holds_the_peak_and_the_last_decode_bandwidth(
+    runs: dict[str, Run],
+) -> None:
+    """The dump of the worker fault (TP=2): rank 0's measured peak, reached through its
+    ready message, and the last decode-only step's bandwidth before the fault."""
+    import json
+
+    events = [
+        e
+        for s in runs["http"].spans("engine_core.step")
+        for e in s["events"]
+        if e["name"] == "otel_engine.crash"
+    ]
+    (event,) = events
+    stats = json.loads(event["attributes"]["otel_engine.crash.system_stats"])
+    bandwidth = stats["memory_bandwidth"]
+
+    assert bandwidth["peak_bytes_per_second"] > 0
+    assert bandwidth["decode_bytes_per_second"] > 0
+    assert 0 < bandwidth["decode_ratio"] <= 4
