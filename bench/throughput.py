@@ -45,6 +45,8 @@ from common import (
     served_model_name,
 )
 
+from otel_engine.config import QUANT_ACTIVATIONS
+
 SEED = 1234
 REPEAT_SEED_STRIDE = 100_003
 SCENARIOS: dict[str, dict[str, Any]] = {
@@ -91,7 +93,7 @@ def run_offline(args: argparse.Namespace, vocab_size: int) -> list[dict[str, Any
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     results = []
     began = time.monotonic()
-    with LLM(model=args.model, dtype=args.dtype) as llm:
+    with LLM(model=args.model, dtype=args.dtype, quant_activations=args.quant_activations) as llm:
         print(f"[offline] engine ready in {time.monotonic() - began:.1f} s", flush=True)
         warmup = random_prompts(min(max(args.batch_sizes), 16), args.prompt_len, vocab_size, 0)
         llm.generate(warmup, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
@@ -193,7 +195,8 @@ def _measure_level(
 
 
 def run_http(args: argparse.Namespace, vocab_size: int) -> dict[str, Any]:
-    flags = ["--dtype", args.dtype] + (["--model", args.model] if args.model else [])
+    flags = ["--dtype", args.dtype, "--quant-activations", args.quant_activations]
+    flags += ["--model", args.model] if args.model else []
     server = ServerProcess(flags, free_port())
     result: dict[str, Any] = {"levels": []}
     try:
@@ -321,6 +324,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", help="HF directory or .gguf file (default: the default model)")
     parser.add_argument(
         "--dtype", default="bfloat16", choices=("auto", "float32", "bfloat16", "float16")
+    )
+    parser.add_argument(
+        "--quant-activations",
+        default="int8",
+        choices=QUANT_ACTIVATIONS,
+        help="the engine's --quant-activations (a GGUF model's small steps: x in 8 bits, or "
+        "the exact weights in the model dtype)",
     )
     parser.add_argument(
         "--scenario",

@@ -114,8 +114,9 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
         "load), larger ones and Q8_0, Q4_K, Q5_K and Q6_K from their blocks (up to 8 tokens in "
         "one pass over them, up to 48 in AMX tiles where the CPU has AMX, larger steps by "
         "tiles dequantized as they are used; no bfloat16 copy is kept), and with the latter "
-        "the embedding and LM head in theirs; off: bfloat16 copies of every matrix (default: "
-        "auto)",
+        "the embedding and LM head in theirs; a float32 model on a CPU with AVX2 or more runs "
+        "every such matrix from its blocks (see --quant-activations); off: copies of every "
+        "matrix in the model dtype (default: auto)",
     )
     model.add_argument(
         "--quant-activations",
@@ -124,8 +125,11 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
         "Q5_K and Q6_K blocks in steps of up to 8 tokens: int8: quantized to 8 bits per "
         "block of 256 (K-quants) or 32 (the others) and multiplied by integer dot products "
         "(AVX-512 VNNI), as llama.cpp does (one token's pass over a layer's blocks about twice "
-        "as fast; each output's error within 2%% of its row's largest); bfloat16: multiplied "
-        "as they are by the file's exact weights (default: int8)",
+        "as fast; each output's error within 2% of its row's largest); in float32 per 32 for "
+        "every format (AVX2 and up), larger steps in float32 tiles of the file's exact "
+        "values; bfloat16 (a bfloat16 model's): multiplied as they are by the file's exact "
+        "weights; float32 (a float32 model's): every GGUF matrix a dense float32 copy of the "
+        "file's exact values (default: int8)",
     )
     model.add_argument(
         "--generation-config",

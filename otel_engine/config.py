@@ -22,7 +22,7 @@ EXECUTOR_BACKENDS = ("mp", "ray")  # where tensor-parallel ranks run: this machi
 RAY_PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 KERNELS = ("auto", "torch")
 INT4 = ("auto", "off")
-QUANT_ACTIVATIONS = ("int8", "bfloat16")
+QUANT_ACTIVATIONS = ("int8", "bfloat16", "float32")
 GENERATION_CONFIGS = ("auto", "none")
 
 

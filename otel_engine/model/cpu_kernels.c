@@ -1060,21 +1060,11 @@ static int check_blocks(int64_t type, int64_t rows, int64_t n, int64_t k) {
     return STATUS_OK;
 }
 
-/* One row of k weights as float32. */
-static void dequantize_row(int64_t type, const uint8_t *restrict row, float *restrict y,
-                           int64_t k) {
+/* One row of k weights as float32 (builds below AVX2; above, dequantize_row_unpacked). */
+__attribute__((unused)) static void dequantize_row(int64_t type, const uint8_t *restrict row,
+                                                   float *restrict y, int64_t k) {
     const int64_t per = quant_block_weights(type), bytes = quant_block_bytes(type);
     for (int64_t i = 0; i < k / per; i++) dequantize_block(type, row + i * bytes, y + i * per);
-}
-
-/* out [n, k] float32 = the matrix w of `type` (rows of k / weights-per-block blocks). */
-int gguf_dequantize_f32(float *restrict out, const uint8_t *restrict w, int64_t type, int64_t n,
-                        int64_t k) {
-    CHECKED(check_blocks(type, 1, n, k));
-    const int64_t row_bytes = k / quant_block_weights(type) * quant_block_bytes(type);
-    _Pragma("omp parallel for schedule(static) if (n * k > 65536)")
-    for (int64_t r = 0; r < n; r++) dequantize_row(type, w + r * row_bytes, out + r * k, k);
-    return STATUS_OK;
 }
 
 /* ---- GGUF blocks times 8-bit activations, float32 (AVX2 and above) --------------------------
@@ -1142,61 +1132,85 @@ static inline __attribute__((always_inline)) float q8_dot(
     return _mm_cvtss_f32(_mm_add_ss(pairs, _mm_shuffle_ps(pairs, pairs, 1)));
 }
 
+/* A float16 field as float32 (F16C: exact, as half_to_float). */
+static inline float half_q8(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, sizeof h);
+    return _cvtsh_ss(h);
+}
+
+/* 32 bytes' low nibbles, then their high nibbles, as 64 int8 (0-15) */
+static inline void nibbles64(int8_t *q, __m256i bytes) {
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    _mm256_storeu_si256((__m256i *)q, _mm256_and_si256(bytes, low4));
+    _mm256_storeu_si256((__m256i *)(q + 32), _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4));
+}
+
 /* One block as int8 q (in the weights' order) and float32 scales, one per 32 weights (Q6_K:
  * per 16), and the offsets per 32 of the formats with one (Q4_1's m, Q4_K and Q5_K's
  * -dmin * m): weight i = scale * q[i] + offset, gguf_dequantize_f32's value but for the
- * rounding of that sum. */
+ * rounding of that sum. 256-bit integer steps, which every level from AVX2 up has. */
 static void unpack_block(int64_t type, const uint8_t *restrict b, int8_t *restrict q,
                          float *restrict scale, float *restrict offset) {
     switch (type) {
     case GGML_Q4_0:
     case GGML_Q4_1: {
-        const int bias = type == GGML_Q4_0 ? 8 : 0, at = type == GGML_Q4_0 ? 2 : 4;
-        for (int i = 0; i < 16; i++) {
-            q[i] = (int8_t)((b[at + i] & 0xf) - bias);
-            q[i + 16] = (int8_t)((b[at + i] >> 4) - bias);
-        }
-        scale[0] = half_to_float(b);
-        if (type == GGML_Q4_1) offset[0] = half_to_float(b + 2);
+        const int at = type == GGML_Q4_0 ? 2 : 4;
+        const __m128i bytes = _mm_loadu_si128((const __m128i *)(b + at));
+        const __m256i both = _mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes); /* 0-15, 16-31 */
+        __m256i v = _mm256_and_si256(both, _mm256_set1_epi8(0x0f));
+        if (type == GGML_Q4_0) v = _mm256_sub_epi8(v, _mm256_set1_epi8(8));
+        _mm256_storeu_si256((__m256i *)q, v);
+        scale[0] = half_q8(b);
+        if (type == GGML_Q4_1) offset[0] = half_q8(b + 2);
         break;
     }
     case GGML_Q8_0:
         memcpy(q, b + 2, 32);
-        scale[0] = half_to_float(b);
+        scale[0] = half_q8(b);
         break;
     case GGML_Q4_K:
     case GGML_Q5_K: {
-        const float d = half_to_float(b), dmin = half_to_float(b + 2);
-        const uint8_t *high = type == GGML_Q5_K ? b + 16 : NULL;
+        const float d = half_q8(b), dmin = half_q8(b + 2);
         const uint8_t *qs = type == GGML_Q5_K ? b + 48 : b + 16;
         for (int s = 0; s < 8; s++) {
             float sc, m;
             scale_min_k4(s, b + 4, &sc, &m);
             scale[s] = d * sc;
             offset[s] = -(dmin * m);
-            const uint8_t *nibbles = qs + (s / 2) * 32;
-            for (int l = 0; l < 32; l++) {
-                int v = (s & 1) ? nibbles[l] >> 4 : nibbles[l] & 0xf;
-                if (high) v |= ((high[l] >> s) & 1) << 4;
-                q[s * 32 + l] = (int8_t)v;
+        }
+        for (int j = 0; j < 4; j++) /* sub-blocks 2 j and 2 j + 1: one run of 32 bytes */
+            nibbles64(q + 64 * j, _mm256_loadu_si256((const __m256i *)(qs + 32 * j)));
+        if (type == GGML_Q5_K) { /* bit s of each of 32 bytes: sub-block s's fifth bits */
+            const __m256i high = _mm256_loadu_si256((const __m256i *)(b + 16));
+            for (int s = 0; s < 8; s++) {
+                const __m256i bit = _mm256_and_si256(_mm256_srli_epi16(high, s), _mm256_set1_epi8(1));
+                __m256i *at = (__m256i *)(q + 32 * s);
+                _mm256_storeu_si256(at, _mm256_or_si256(_mm256_loadu_si256(at), _mm256_slli_epi16(bit, 4)));
             }
         }
         break;
     }
     case GGML_Q6_K: {
-        const uint8_t *ql = b, *qh = b + 128;
         const int8_t *scales = (const int8_t *)(b + 192);
-        const float d = half_to_float(b + 208);
+        const float d = half_q8(b + 208);
         for (int s = 0; s < 16; s++) scale[s] = d * (float)scales[s];
-        for (int h = 0; h < 2; h++)
-            for (int l = 0; l < 32; l++) {
-                const uint8_t *low = ql + 64 * h, high = qh[32 * h + l];
-                int8_t *out = q + 128 * h + l;
-                out[0] = (int8_t)(((low[l] & 0xf) | ((high & 3) << 4)) - 32);
-                out[32] = (int8_t)(((low[l + 32] & 0xf) | (((high >> 2) & 3) << 4)) - 32);
-                out[64] = (int8_t)(((low[l] >> 4) | (((high >> 4) & 3) << 4)) - 32);
-                out[96] = (int8_t)(((low[l + 32] >> 4) | (((high >> 6) & 3) << 4)) - 32);
+        const __m256i low4 = _mm256_set1_epi8(0x0f), two = _mm256_set1_epi8(0x30);
+        const __m256i bias = _mm256_set1_epi8(32);
+        for (int h = 0; h < 2; h++) { /* weights 128 h + 32 t + l, t = 0-3, from ql and qh */
+            const __m256i low[2] = {_mm256_loadu_si256((const __m256i *)(b + 64 * h)),
+                                    _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32))};
+            const __m256i high = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+            for (int t = 0; t < 4; t++) {
+                const __m256i nibble = t < 2 ? _mm256_and_si256(low[t], low4)
+                                             : _mm256_and_si256(_mm256_srli_epi16(low[t - 2], 4), low4);
+                /* bits 2 t, 2 t + 1 of qh moved to bits 4, 5 */
+                const __m256i top = 2 * t >= 4 ? _mm256_srli_epi16(high, 2 * t - 4)
+                                               : _mm256_slli_epi16(high, 4 - 2 * t);
+                const __m256i v = _mm256_or_si256(nibble, _mm256_and_si256(top, two));
+                _mm256_storeu_si256((__m256i *)(q + 128 * h + 32 * t), _mm256_sub_epi8(v, bias));
             }
+        }
         break;
     }
     }
@@ -1279,7 +1293,56 @@ int quant_linear_q8_f32(float *restrict out, const float *restrict x, const uint
     free(x_sums);
     return status ? failed(status, "malloc of a thread's unpacked row of W") : STATUS_OK;
 }
+
+/* One row of k weights as float32 from its unpacked blocks, 8 at a time: gguf_dequantize_f32's
+ * values bit for bit (where an offset is added, scale * q is exact in float32, so the fused
+ * multiply-add rounds where numpy's multiply then add does; elsewhere one multiply, as
+ * numpy's, which keeps the sign of a zero). */
+static void dequantize_row_unpacked(int64_t type, const uint8_t *restrict row,
+                                    float *restrict y, int64_t k, int8_t *restrict q,
+                                    float *restrict scale, float *restrict offset) {
+    const int64_t per = quant_block_weights(type), halves = scales_per_32(type);
+    for (int64_t b = 0; b < k / per; b++)
+        unpack_block(type, row + b * quant_block_bytes(type), q + b * per,
+                     scale + b * (per / 32) * halves, offset + b * (per / 32));
+    for (int64_t i = 0; i < k; i += 8) {
+        const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + i))));
+        const __m256 sc = _mm256_broadcast_ss(scale + i / (32 / halves));
+        _mm256_storeu_ps(y + i, has_offsets(type) ? _mm256_fmadd_ps(sc, v, _mm256_broadcast_ss(offset + i / 32))
+                                                  : _mm256_mul_ps(sc, v));
+    }
+}
 #endif
+
+/* out [n, k] float32 = the matrix w of `type` (rows of k / weights-per-block blocks); from
+ * AVX2 up through the 8-bit kernel's unpacking (a buffer of the thread's), else by block. */
+int gguf_dequantize_f32(float *restrict out, const uint8_t *restrict w, int64_t type, int64_t n,
+                        int64_t k) {
+    CHECKED(check_blocks(type, 1, n, k));
+    const int64_t row_bytes = k / quant_block_weights(type) * quant_block_bytes(type);
+#ifdef HAS_Q8_DOT
+    const int64_t groups = k / Q8_X_GROUP;
+    int status = STATUS_OK; /* the threads' first failure */
+    _Pragma("omp parallel if (n * k > 65536)")
+    {
+        int8_t *q = malloc((size_t)k + (size_t)(groups * 3) * sizeof(float));
+        if (!q) {
+            _Pragma("omp atomic write")
+            status = STATUS_NO_MEMORY;
+        }
+        float *scale = (float *)(q + k), *offset = scale + 2 * groups;
+        _Pragma("omp for schedule(static)")
+        for (int64_t r = 0; r < n; r++)
+            if (q) dequantize_row_unpacked(type, w + r * row_bytes, out + r * k, k, q, scale, offset);
+        free(q);
+    }
+    return status ? failed(status, "malloc of a thread's unpacked row") : STATUS_OK;
+#else
+    _Pragma("omp parallel for schedule(static) if (n * k > 65536)")
+    for (int64_t r = 0; r < n; r++) dequantize_row(type, w + r * row_bytes, out + r * k, k);
+    return STATUS_OK;
+#endif
+}
 
 /* ---- GGUF blocks times bfloat16 activations (AVX-512 BF16) -----------------------------------
  *

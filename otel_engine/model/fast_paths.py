@@ -17,7 +17,10 @@ The model, its matrices and the layer ops only read the plan.
                     from their blocks (else their dense copies): bfloat16, a build for AVX-512
                     BF16 (and VNNI); steps of up to 8 rows with x in 8 bits or bfloat16
                     (`activations`); larger ones in AMX tiles up to 48 rows where the CPU has
-                    AMX (`blocks_larger` AMX), else tiles through torch's matmul
+                    AMX (`blocks_larger` AMX), else tiles through torch's matmul. float32: x
+                    in 8 bits (`activations` int8; float32: dense exact copies instead), a
+                    build from AVX2 up (where the layer kernels do not pay off, the build is
+                    loaded for this matmul alone); larger steps in float32 tiles
   prefill_kernel    prompt attention in cpu_kernels.c (else torch's fused attention):
                     bfloat16, head size 64 or 128, a build for AVX-512 BF16; where torch's
                     matmul runs on AMX only steps whose chunks are all of at most 32 tokens
@@ -61,6 +64,7 @@ PREFILL_KERNEL_MAX_QUERY_AMX = 32
 # 23.1 / 66.9 from its blocks (1,677 MB).
 INT4_KERNELS_MAX_BYTES = 256 << 20
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+Q8_F32 = "quant_linear_q8_f32"  # a float32 model's GGUF matmul, in every build from AVX2 up
 
 
 class Path(enum.Enum):
@@ -73,10 +77,15 @@ class Path(enum.Enum):
 
 
 class Activations(enum.Enum):
-    """What x is in when it meets GGUF blocks in small steps."""
+    """What x is in when it meets GGUF blocks in small steps: 8 bits, or as it is in the model
+    dtype (each of those values is for a model of its dtype alone)."""
 
     INT8 = "int8"  # quantized per block, integer dot products (as llama.cpp)
-    BFLOAT16 = "bfloat16"  # as it is, by the exact weights
+    BFLOAT16 = "bfloat16"  # a bfloat16 model's x as it is, by the exact weights
+    FLOAT32 = "float32"  # a float32 model's x as it is, by dense float32 copies of them
+
+
+_EXACT_DTYPES = {Activations.BFLOAT16: torch.bfloat16, Activations.FLOAT32: torch.float32}
 
 
 class Larger(enum.Enum):
@@ -102,6 +111,7 @@ INT4_FORMS = (Form.INT4_PANELS, Form.INT4_TILES)
 _QUANT_X = {
     Activations.INT8: "x in 8 bits per block (integer dot products, as llama.cpp's)",
     Activations.BFLOAT16: "x in bfloat16 by the exact weights",
+    Activations.FLOAT32: "x in float32 by the exact weights",
 }
 
 
@@ -128,10 +138,11 @@ class ModelShape:
 
 @dataclass
 class FastPaths:
-    """The decisions for one model on one rank. `library` is the kernels build the enabled
-    compiled paths call (None when none is)."""
+    """The decisions for one model of `dtype` on one rank. `library` is the kernels build the
+    enabled compiled paths call (None when none is)."""
 
     cpu_isa: str
+    dtype: torch.dtype = torch.bfloat16
     kernel_isa: str | None = None
     library: KernelLibrary | None = None
     choices: dict[Path, Choice] = field(default_factory=dict)
@@ -191,18 +202,29 @@ def choose(
 ) -> FastPaths:
     """Every decision for a model of `shape` with `checkpoint`'s weights on this rank."""
     checkpoint = checkpoint or Checkpoint()
-    plan = FastPaths(cpu_isa=_cpu_isa(device), activations=Activations(quant_activations))
-    _decide_kernels(plan, kernels_flag, device, dtype, shape, block_size)
+    activations = Activations(quant_activations)
+    exact = _EXACT_DTYPES.get(activations)
+    if exact is not None and dtype in _KERNEL_DTYPES and exact != dtype:
+        raise ValueError(
+            f"--quant-activations {activations.value} is for a {_name(exact)} model; this one"
+            f" is {_name(dtype)} (int8 or {_name(dtype)})"
+        )
+    plan = FastPaths(cpu_isa=_cpu_isa(device), dtype=dtype, activations=activations)
+    # a float32 model's GGUF matrices in 8 bits need the library even where nothing else does
+    q8_f32 = dtype == torch.float32 and activations is Activations.INT8
+    matmul = q8_f32 and int4_flag != "off" and bool(checkpoint.blocks)
+    _decide_kernels(plan, kernels_flag, device, dtype, shape, block_size, matmul)
     blocker = shape.kernels_blocker or _packing_blocker(kernels_flag, device, dtype)
     plan.decide(Path.ONEDNN_PACKING, blocker is None, blocker or "oneDNN prepacked weights")
     has_bf16 = plan.kernel_isa == BF16_ISA and dtype == torch.bfloat16
     needs = "needs the kernels for avx512bf16 and bfloat16"
-    if not plan.is_on(Path.COMPILED_KERNELS):
+    if dtype == torch.bfloat16 and not plan.is_on(Path.COMPILED_KERNELS):
         needs = f"needs the compiled kernels (off: {plan.choices[Path.COMPILED_KERNELS].reason})"
     larger = _larger_way(plan, _decide_larger_steps(plan, has_bf16))
     _decide_matrices(plan, int4_flag, has_bf16, needs, shape, checkpoint, larger)
     _decide_prefill(plan, has_bf16, needs, shape.head_dim)
     _decide_stack(plan, shape)
+    _settle_library(plan)
     return plan
 
 
@@ -213,23 +235,45 @@ def _decide_kernels(
     dtype: torch.dtype,
     shape: ModelShape,
     block_size: int,
+    matmul: bool,
 ) -> None:
-    reason = shape.kernels_blocker or _cpu_blocker(kernels_flag, device, dtype)
+    """The layer kernels and the library they call; where they are off for this model but
+    not for this CPU and a float32 model's GGUF matrices may run in 8 bits (`matmul`), the
+    library is loaded for that matmul (`_settle_library` keeps it only if it runs)."""
+    blocker = shape.kernels_blocker or _cpu_blocker(kernels_flag, device, dtype)
+    target = kernels.target_isa() if blocker is None else None
+    reason = blocker
     if reason is None and shape.rotary_dim != shape.head_dim:
         reason = "partial rotary embedding (the kernels rotate whole heads)"
-    target = kernels.target_isa() if reason is None else None
-    if target is not None and not kernels_pay_off(target, dtype):
+    if reason is None and target is not None and not kernels_pay_off(target, dtype):
         reason = f"{_name(dtype)} on {target}: torch ops are as fast (bench/kernel_isa.py)"
-    if reason is None:
+    if target is not None and (reason is None or matmul):
         plan.library = kernels.load(target)
-        if plan.library is None:
-            reason = "the kernels could not be built (see kernels.unavailable)"
-        elif block_size > plan.library.max_block_size:
-            reason = f"--block-size {block_size} > {plan.library.max_block_size}"
-            plan.library = None
+    if reason is None and plan.library is None:
+        reason = "the kernels could not be built (see kernels.unavailable)"
+    elif reason is None and plan.library is not None and block_size > plan.library.max_block_size:
+        reason = f"--block-size {block_size} > {plan.library.max_block_size}"
+    if reason is not None and not (
+        matmul and plan.library is not None and plan.library.has(Q8_F32)
+    ):
+        plan.library = None
     if plan.library is not None:
         plan.kernel_isa = plan.library.isa
     plan.decide(Path.COMPILED_KERNELS, reason is None, reason or f"built for {plan.kernel_isa}")
+
+
+def _settle_library(plan: FastPaths) -> None:
+    """A library loaded for a float32 model's 8-bit matmul alone stays where that matmul runs
+    (and the layer kernels' reason says so), else it is let go."""
+    if plan.library is None or plan.is_on(Path.COMPILED_KERNELS):
+        return
+    reason = plan.choices[Path.COMPILED_KERNELS].reason
+    if plan.is_on(Path.QUANT_KERNELS):
+        loaded = f"; the {plan.kernel_isa} build is loaded for quant_kernels' {Q8_F32} alone"
+        plan.decide(Path.COMPILED_KERNELS, False, reason + loaded)
+    else:
+        plan.library = None
+        plan.kernel_isa = None
 
 
 def _decide_larger_steps(plan: FastPaths, has_bf16: bool) -> str | None:
@@ -265,9 +309,12 @@ def _decide_matrices(
 ) -> None:
     """Each matrix's form, and from them the int4_kernels and quant_kernels paths."""
     dense = Form.PACKED if plan.is_on(Path.ONEDNN_PACKING) else Form.DENSE
-    blocker = "--int4 off" if int4_flag == "off" else None if has_bf16 else needs
+    int4_blocker = "--int4 off" if int4_flag == "off" else None if has_bf16 else needs
+    blocker = int4_blocker
+    if int4_flag != "off" and plan.dtype == torch.float32:
+        blocker = _float32_blocks_blocker(plan)
     too_large = _int4_too_large(plan, checkpoint)
-    int4 = blocker is None and too_large is None
+    int4 = int4_blocker is None and too_large is None
     for index, projections in enumerate(shape.layers):
         plan.forms.append(
             {
@@ -283,21 +330,31 @@ def _decide_matrices(
     embed = checkpoint.blocks.get("model.embed_tokens.weight")
     plan.lm_head = Form.BLOCKS if quant and head is not None else dense
     plan.embedding = Form.BLOCKS if quant and embed is not None else Form.DENSE
-    if blocker is not None:
-        plan.decide(Path.INT4_KERNELS, False, blocker)
-        plan.decide(Path.QUANT_KERNELS, False, blocker)
-        return
     int4_on = any(form in INT4_FORMS for form in forms)
-    reason = too_large or "the checkpoint has no 4-bit weights"
+    reason = int4_blocker or too_large or "the checkpoint has no 4-bit weights"
     if int4_on:
         reason = "the checkpoint's 4-bit weights; larger steps: " + (
             larger if plan.int4_larger is Larger.TILES else "panels"
         )
     plan.decide(Path.INT4_KERNELS, int4_on, reason)
+    if blocker is not None:
+        plan.decide(Path.QUANT_KERNELS, False, blocker)
+        return
     reason = "no matrix in GGUF blocks that the 4-bit kernels do not take"
     if quant:
         reason = f"GGUF blocks; {_QUANT_X[plan.activations]}; larger steps: {larger}"
     plan.decide(Path.QUANT_KERNELS, quant, reason)
+
+
+def _float32_blocks_blocker(plan: FastPaths) -> str | None:
+    """Why a float32 model's GGUF matrices are not multiplied from their blocks (None: they
+    are, with x in 8 bits)."""
+    if plan.activations is not Activations.INT8:
+        return "--quant-activations float32: dense float32 copies of the file's exact weights"
+    if plan.library is None or not plan.library.has(Q8_F32):
+        off = plan.choices[Path.COMPILED_KERNELS].reason
+        return f"x in 8 bits needs a kernels build from avx2 up (the kernels: {off})"
+    return None
 
 
 def _int4_too_large(plan: FastPaths, checkpoint: Checkpoint) -> str | None:

@@ -5,7 +5,8 @@
   PackedMatrix  the model dtype reordered once for oneDNN
   Int4Matrix    a Q4_0/Q4_1 matrix by its exact 4-bit weights (`q4_linear_bf16`), larger steps
                 by bfloat16 panels (`panel_linear_bf16`) or by tiles of the file's blocks
-  BlockMatrix   a GGUF matrix by its blocks (model/quant.py's `QuantLinear`)
+  BlockMatrix   a GGUF matrix by its blocks (model/quant.py's `QuantLinear`), in bfloat16
+                or float32
 
 `build` makes the one the plan names from a projection's parts (this rank's shard, `Shard`);
 `MatrixKernels` holds the kernels and scratch buffers the quantized forms share. The
@@ -15,6 +16,7 @@ embedding is looked up from its rows, dense or in blocks (`Embedding`).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -53,23 +55,43 @@ class Shard:
 
 
 class MatrixKernels:
-    """The compiled matmuls the quantized forms call (a build for AVX-512 BF16), chosen by
-    the plan's sub-choices, and their shared scratch."""
+    """The compiled matmuls the quantized forms call, chosen by the plan's dtype and
+    sub-choices, and their shared scratch: in bfloat16 a build for AVX-512 BF16's; in float32
+    (the plan chooses blocks there only with x in 8 bits) `quant_linear_q8_f32`, in every
+    build from AVX2 up."""
 
     def __init__(self, plan: FastPaths) -> None:
         library = plan.library
         assert library is not None, "quantized forms need the kernels library"
-        small = {
-            Activations.INT8: library.quant_linear_q8_bf16,
-            Activations.BFLOAT16: library.quant_linear_bf16,
-        }
-        amx = library.quant_linear_amx_bf16 if plan.blocks_larger is Larger.AMX else None
-        self.blocks = QuantLinear(small[plan.activations], library.gguf_dequantize_bf16, amx)
-        self.dequantize = library.gguf_dequantize_bf16
-        self.q4_linear = library.q4_linear_bf16
-        self.q4_build_panels = library.q4_build_panels_bf16
-        self.panel_linear = library.panel_linear_bf16
+        self.dtype = plan.dtype
+        if plan.dtype == torch.float32:
+            self.dequantize = library.gguf_dequantize_f32
+            self.blocks = QuantLinear(
+                library.quant_linear_q8_f32, self.dequantize, None, torch.float32
+            )
+        else:
+            small = {
+                Activations.INT8: library.quant_linear_q8_bf16,
+                Activations.BFLOAT16: library.quant_linear_bf16,
+            }
+            amx = library.quant_linear_amx_bf16 if plan.blocks_larger is Larger.AMX else None
+            self.dequantize = library.gguf_dequantize_bf16
+            self.blocks = QuantLinear(small[plan.activations], self.dequantize, amx)
+        self._library = library
         self._sums = torch.empty(0, dtype=torch.float32)  # the 4-bit kernel's sums of x
+
+    # the 4-bit kernels, in AVX-512 BF16 builds alone (the plan takes them in bfloat16 alone)
+    @property
+    def q4_linear(self) -> Callable[..., None]:
+        return self._library.q4_linear_bf16
+
+    @property
+    def q4_build_panels(self) -> Callable[..., None]:
+        return self._library.q4_build_panels_bf16
+
+    @property
+    def panel_linear(self) -> Callable[..., None]:
+        return self._library.panel_linear_bf16
 
     def sums(self, need: int) -> torch.Tensor:
         if self._sums.numel() < need:
@@ -200,7 +222,7 @@ def dense(form: Form, weight: torch.Tensor, bias: torch.Tensor | None) -> Matrix
 
 class Embedding:
     """Token ids -> rows, from a dense matrix or from the file's blocks (dequantized per
-    looked-up row)."""
+    looked-up row, in the model dtype: in float32 gguf-py's values exactly)."""
 
     def __init__(
         self,
@@ -218,7 +240,7 @@ class Embedding:
             return F.embedding(input_ids, self.weight)
         assert self.kernels is not None
         rows = self.blocks.raw.index_select(0, input_ids.to(self.blocks.raw.device))
-        out = torch.empty((rows.shape[0], self.blocks.cols), dtype=torch.bfloat16)
+        out = torch.empty((rows.shape[0], self.blocks.cols), dtype=self.kernels.dtype)
         self.kernels.dequantize(
             out=out, w=rows, type=self.blocks.type_id, n=rows.shape[0], k=out.shape[1]
         )

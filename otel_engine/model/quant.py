@@ -12,7 +12,11 @@ AMX tiles). A larger step dequantizes tiles of `TILE_BYTES` (`gguf_dequantize_bf
 multiplies by each with torch's matmul (oneDNN: AMX where the CPU has it), so prefill runs
 near the speed of bfloat16 weights while only one tile is ever in bfloat16. Every way but
 the 8-bit one multiplies x by the float32 values gguf-py's dequantize gives, rounded to
-bfloat16: the values of the reference path's bfloat16 copy."""
+bfloat16: the values of the reference path's bfloat16 copy.
+
+A float32 model's matrices run the same way in float32: up to `QUANT_F32_MAX_ROWS` rows
+`quant_linear_q8_f32` (x quantized to 8 bits, integer dot products; every build from AVX2
+up), larger steps tiles dequantized to gguf-py's float32 values (`gguf_dequantize_f32`)."""
 
 from __future__ import annotations
 
@@ -30,6 +34,12 @@ from otel_engine.model.weights import QuantTensor
 # 4.2 (Q6_K and Q8_0 alike; its bfloat16 copy in oneDNN: 1.3-1.5 ms); 16 MiB tiles halve
 # the tiles' times beyond 16 rows (TILE_BYTES).
 QUANT_MAX_ROWS = 8
+# The same for a float32 model (`quant_linear_q8_f32`, tiles dequantized to float32).
+# Measured on every matrix of the default model (SmolLM2-135M: Q4_1 layers, Q8_0 LM head),
+# AVX2 build, torch capped to AVX2, one thread, 8-bit kernel / tiles / the dense float32
+# copies this replaces: 1 row 26 / 88 / 50 ms, 4 rows 55 / 94, 8 rows 116 / 120 / 103, 16
+# rows 256 / 196 / 150, 32 rows 525 / 249 / 203.
+QUANT_F32_MAX_ROWS = 8
 # bfloat16 bytes per dequantized tile: torch's matmul costs a fixed overhead per call, so
 # fewer, larger tiles win. A Q4_K matrix of 16,384 x 2,048 at 16 / 64 / 512 rows: 256 KiB
 # tiles 12.3 / 23.2 / 70.8 ms, 1 MiB 9.9 / 18.9 / 44.2, 4 MiB 9.1 / 12.4 / 30.5, 16 MiB
@@ -80,7 +90,8 @@ def pack_quant(parts: list[QuantTensor]) -> QuantWeight | None:
 
 
 class QuantLinear:
-    """x [rows, cols] bfloat16 @ W.T for a `QuantWeight`, with the kernels library's
+    """x [rows, cols] @ W.T for a `QuantWeight`, x and the output in `dtype` (bfloat16, or
+    float32 with `quant_linear_q8_f32` and `gguf_dequantize_f32`), with the kernels library's
     functions (`amx`: the AMX kernel where the fast paths chose it, else None); holds the tile
     buffer."""
 
@@ -89,14 +100,17 @@ class QuantLinear:
         linear: Callable[..., None],
         dequantize: Callable[..., None],
         amx: Callable[..., None] | None = None,
+        dtype: torch.dtype = torch.bfloat16,
     ) -> None:
         self._linear = linear
         self._dequantize = dequantize
         self._amx = amx
-        self._tile = torch.empty(0, dtype=torch.bfloat16)
+        self.dtype = dtype
+        self.max_rows = QUANT_F32_MAX_ROWS if dtype == torch.float32 else QUANT_MAX_ROWS
+        self._tile = torch.empty(0, dtype=dtype)
 
     def __call__(self, x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
-        if x.shape[0] <= QUANT_MAX_ROWS:
+        if x.shape[0] <= self.max_rows:
             return self.fused(x, weight)
         return self.larger(x, weight)
 
@@ -118,13 +132,13 @@ class QuantLinear:
         """x @ W.T in one pass over W's blocks (the fused kernel, or `kernel`, any rows)."""
         rows, k = x.shape
         if out is None:
-            out = torch.empty((rows, weight.rows), dtype=torch.bfloat16)
+            out = torch.empty((rows, weight.rows), dtype=self.dtype)
         run = kernel or self._linear
         column = 0
         for part in weight.parts:
             run(
-                out=out.data_ptr() + 2 * column, x=x, w=part.raw, type=part.type_id, rows=rows,
-                n=part.rows, k=k, ldo=weight.rows,
+                out=out.data_ptr() + out.element_size() * column, x=x, w=part.raw,
+                type=part.type_id, rows=rows, n=part.rows, k=k, ldo=weight.rows,
             )  # fmt: skip
             column += part.rows
         return out
@@ -132,13 +146,13 @@ class QuantLinear:
     def tiles(
         self, x: torch.Tensor, weight: QuantWeight, out: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """x @ W.T a tile of W at a time: dequantized to bfloat16, then torch's matmul."""
+        """x @ W.T a tile of W at a time: dequantized to `dtype`, then torch's matmul."""
         rows, k = x.shape
         if out is None:
-            out = torch.empty((rows, weight.rows), dtype=torch.bfloat16)
-        tile_rows = max(16, TILE_BYTES // (2 * k) // 16 * 16)
+            out = torch.empty((rows, weight.rows), dtype=self.dtype)
+        tile_rows = max(16, TILE_BYTES // (self._tile.element_size() * k) // 16 * 16)
         if self._tile.numel() < tile_rows * k:
-            self._tile = torch.empty(tile_rows * k, dtype=torch.bfloat16)
+            self._tile = torch.empty(tile_rows * k, dtype=self.dtype)
         column = 0
         for part in weight.parts:
             row_bytes = part.raw.shape[1]

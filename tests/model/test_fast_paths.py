@@ -214,7 +214,11 @@ def test_head_size_128_runs_the_prefill_kernel_and_amx_sends_large_steps_to_torc
         ({"tp_size": 2}, Path.DECODER_STACK, "2 ranks"),
         ({"dtype": torch.float32}, Path.INT4_KERNELS, "bfloat16"),
         ({"int4_flag": "off"}, Path.INT4_KERNELS, "--int4 off"),
-        ({"dtype": torch.float32}, Path.QUANT_KERNELS, "bfloat16"),
+        (
+            {"dtype": torch.float32, "quant_activations": "float32"},
+            Path.QUANT_KERNELS,
+            "--quant-activations float32",
+        ),
         ({"int4_flag": "off"}, Path.QUANT_KERNELS, "--int4 off"),
         ({"rotary_dim": 32}, Path.COMPILED_KERNELS, "partial rotary"),
         ({"block_size": 512}, Path.COMPILED_KERNELS, "--block-size 512"),
@@ -290,14 +294,66 @@ def test_the_kernels_run_where_they_pay_off(isa: str, dtype: torch.dtype, expect
 
 
 def test_below_the_rule_torch_ops_run(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On a float32 model with kernels for AVX2 only, torch ops run and the reason says so."""
+    """On a float32 model with kernels for AVX2 only, torch ops run and the reason says so;
+    without GGUF blocks no library is loaded."""
     monkeypatch.setenv(kernels.ISA_ENV, "avx2")
 
-    plan = _choose(dtype=torch.float32)
+    plan = _choose(None, dtype=torch.float32)
 
     assert not plan.is_on(Path.COMPILED_KERNELS)
     assert "torch ops are as fast" in plan.choices[Path.COMPILED_KERNELS].reason
     assert plan.library is None
+    assert plan.kernel_isa is None
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "Q4_K", "Q6_K"])
+def test_a_float32_gguf_model_on_avx2_runs_its_blocks_in_8_bits(
+    monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """Where the layer kernels do not pay off (float32 on AVX2) the AVX2 build is loaded for
+    the 8-bit matmul alone: every GGUF matrix (and the LM head, the embedding) from its
+    blocks by `quant_linear_q8_f32`, the layers on torch ops, each reason saying so."""
+    require_isa("avx2")
+    monkeypatch.setenv(kernels.ISA_ENV, "avx2")
+
+    plan = _choose(kind, dtype=torch.float32)
+
+    assert not plan.is_on(Path.COMPILED_KERNELS)
+    reason = plan.choices[Path.COMPILED_KERNELS].reason
+    assert "torch ops are as fast" in reason
+    assert "loaded for quant_kernels' quant_linear_q8_f32 alone" in reason
+    assert plan.is_on(Path.QUANT_KERNELS)
+    assert "8 bits" in plan.choices[Path.QUANT_KERNELS].reason
+    assert not plan.is_on(Path.INT4_KERNELS)
+    assert "bfloat16" in plan.choices[Path.INT4_KERNELS].reason
+    assert {Form.BLOCKS} == {f for layer in plan.forms for f in layer.values()}
+    assert plan.library is not None
+    assert "avx2" == plan.kernel_isa == plan.library.isa
+    matrices = MatrixKernels(plan)
+    assert matrices.blocks._linear is plan.library.quant_linear_q8_f32
+    assert matrices.dequantize is plan.library.gguf_dequantize_f32
+    assert torch.float32 == matrices.blocks.dtype
+    assert isinstance(_ops(plan, 64, torch.float32), TorchOps)
+
+
+def test_float32_activations_keep_a_float32_model_exact() -> None:
+    """--quant-activations float32: every GGUF matrix dense in float32 (the file's exact
+    values), no blocks, no library loaded for them."""
+    plan = _choose("Q4_K", dtype=torch.float32, quant_activations="float32")
+
+    assert not plan.is_on(Path.QUANT_KERNELS)
+    assert Form.BLOCKS not in {f for layer in plan.forms for f in layer.values()}
+    assert Form.BLOCKS not in (plan.lm_head, plan.embedding)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "activations"), [(torch.float32, "bfloat16"), (torch.bfloat16, "float32")]
+)
+def test_the_other_dtype_s_exact_activations_are_refused(
+    dtype: torch.dtype, activations: str
+) -> None:
+    with pytest.raises(ValueError, match=f"--quant-activations {activations} is for a"):
+        _choose("Q4_K", dtype=dtype, quant_activations=activations)
 
 
 def test_a_bfloat16_model_on_avx2_runs_the_avx2_build(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -13,14 +13,21 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
+from otel_engine import LLM, SamplingParams
 from otel_engine.model import kernels
 from otel_engine.model.kernels import KernelLibrary
+from otel_engine.model.matrix import BlockMatrix, PackedMatrix
+from otel_engine.model.projections import QKV
+from otel_engine.model.quant import QUANT_F32_MAX_ROWS, QuantLinear, pack_quant
+from otel_engine.model.weights import QuantTensor
 from tests.helpers.gguf_blocks import FORMATS, random_blocks
 from tests.helpers.isa import QEMU_CPU, QEMU_ISA, require_isa, require_qemu
 from tests.helpers.paths import REPO_ROOT
+from tests.helpers.tiny_model import write_tiny_gguf, write_tiny_llama
 
 LEVELS = ("avx2", "avx512", "avx512bf16")  # the builds that have the kernel
 X_GROUP = 32  # values of x per scale (cpu_kernels.c Q8_X_GROUP)
@@ -124,6 +131,22 @@ def test_the_8_bit_product_is_the_float64_reference_s(level: str, name: str) -> 
                 assert np.array_equal(first, out[0]), (k, n, rows)
 
 
+@pytest.mark.parametrize("level", ["baseline", *LEVELS])
+def test_dequantization_is_gguf_py_s_bit_for_bit_at_each_level(level: str) -> None:
+    """`gguf_dequantize_f32` (the float32 tiles of larger steps): by block below AVX2, from
+    the 8-bit kernel's unpacked rows above; gguf-py's float32 values either way."""
+    library = _library(level)
+    for name in FORMATS:
+        raw = random_blocks(name, 19, 768, seed=4)
+        out = np.empty((19, 768), dtype=np.float32)
+        library.gguf_dequantize_f32(
+            out=out.ctypes.data, w=raw.ctypes.data, type=GGMLQuantizationType[name].value, n=19,
+            k=768,
+        )  # fmt: skip
+        expected = dequantize(raw, GGMLQuantizationType[name]).astype(np.float32)
+        assert np.array_equal(expected.view(np.uint32), out.view(np.uint32)), name
+
+
 @pytest.mark.parametrize("name", FORMATS)
 def test_the_8_bit_error_on_gaussian_x_is_within_2_percent(name: str) -> None:
     """On x from a normal distribution, rounding x to 8 bits costs each output at most 2% of
@@ -185,3 +208,83 @@ def test_the_avx2_build_under_qemu_haswell_gives_the_native_bits(tmp_path: Path)
         assert np.array_equal(native.view(np.uint32), emulated.view(np.uint32)), reference.name
         bound = SUM_ROUNDING * reference.terms + 1e-30
         assert (np.abs(emulated - reference.expected) <= bound).all(), reference.name
+
+
+def test_a_float32_block_matrix_runs_small_steps_in_8_bits_and_larger_ones_exactly() -> None:
+    """`QuantLinear` in float32 on a Q4_K_M-like fused q/k/v (parts in Q4_K and Q6_K): up to
+    QUANT_F32_MAX_ROWS rows each part's columns are `quant_linear_q8_f32`'s; more rows run on
+    float32 tiles of gguf-py's exact values, within float32 rounding of the exact product."""
+    library = _library("avx2")
+    linear = QuantLinear(
+        library.quant_linear_q8_f32, library.gguf_dequantize_f32, None, torch.float32
+    )
+    parts = [
+        QuantTensor(torch.from_numpy(random_blocks(name, rows, 512, seed=rows)), name, 512)
+        for name, rows in (("Q4_K", 64), ("Q6_K", 32))
+    ]
+    weight = pack_quant(parts)
+    assert weight is not None
+    exact_weight = torch.cat(
+        [torch.from_numpy(dequantize(p.raw.numpy(), GGMLQuantizationType[p.kind])) for p in parts]
+    ).double()
+    x = torch.randn(QUANT_F32_MAX_ROWS + 7, 512, generator=torch.Generator().manual_seed(0))
+    for rows in (1, QUANT_F32_MAX_ROWS):
+        out = linear(x[:rows].contiguous(), weight)
+        column = 0
+        for part in parts:
+            alone = torch.empty((rows, part.rows))
+            library.quant_linear_q8_f32(
+                out=alone, x=x[:rows].contiguous(), w=part.raw, type=part.type_id, rows=rows,
+                n=part.rows, k=512, ldo=part.rows,
+            )  # fmt: skip
+            assert torch.equal(alone, out[:, column : column + part.rows])
+            column += part.rows
+    out = linear(x, weight)
+    assert torch.float32 == out.dtype
+    exact = x.double() @ exact_weight.T
+    terms = x.double().abs() @ exact_weight.abs().T
+    assert ((out.double() - exact).abs() <= 1e-5 * terms).all()
+
+
+# llama.cpp's Q4_K_M: Q4_K, with (some of) the v and down projections in Q6_K
+_Q4_K_M = {
+    **dict.fromkeys(("q_proj", "k_proj", "o_proj", "gate_proj", "up_proj"), "Q4_K"),
+    **dict.fromkeys(("v_proj", "down_proj", "lm_head"), "Q6_K"),
+    "embed_tokens": "Q8_0",
+}
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9] * 11, list(range(10, 50))]  # decodes and prefills
+
+
+def _greedy(path: str, activations: str) -> tuple[list[list[int]], list[dict[int, float]], type]:
+    """Greedy tokens, top-5 log-probs per token and the first layer's q/k/v matrix class of
+    a float32 engine with `activations`."""
+    with LLM(model=path, dtype="float32", quant_activations=activations) as llm:
+        runner = llm._frontend.client.core.executor.runner  # type: ignore[attr-defined]
+        matrix = type(runner.model.layers[0].matrices[QKV])
+        params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=5)
+        outputs = [o.outputs[0] for o in llm.generate([list(p) for p in PROMPTS], params)]
+    tops = []
+    for output in outputs:
+        assert output.logprobs is not None
+        tops += [dict(zip(p.top_token_ids, p.top_logprobs, strict=True)) for p in output.logprobs]
+    return [list(o.token_ids) for o in outputs], tops, matrix
+
+
+def test_a_float32_gguf_model_in_8_bits_gives_the_exact_path_s_tokens(tmp_path: Path) -> None:
+    """A float32 engine on a Q4_K_M-like file multiplies its matrices from their blocks with
+    x in 8 bits (by default) and gives the greedy tokens of --quant-activations float32 (dense
+    copies of the exact values), but where the exact path's two candidates were within 0.5
+    nats."""
+    require_isa("avx2")
+    hf = write_tiny_llama(tmp_path / "hf", hidden=256, heads=4, kv_heads=2, intermediate=512)
+    path = write_tiny_gguf(hf, tmp_path / "model.gguf", "llama", quant=_Q4_K_M)
+    tokens, _, matrix = _greedy(path, "int8")
+    reference, tops, dense = _greedy(path, "float32")
+
+    assert (BlockMatrix, PackedMatrix) == (matrix, dense)
+    for i, (x, y) in enumerate(zip(tokens, reference, strict=True)):
+        diverged = [j for j, (a, b) in enumerate(zip(x, y, strict=True)) if a != b]
+        if diverged:
+            top = tops[i * len(y) + diverged[0]]
+            assert x[diverged[0]] in top, (i, diverged[0], top)
+            assert top[y[diverged[0]]] - top[x[diverged[0]]] <= 0.5, (i, diverged[0], top)
