@@ -17,7 +17,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from otel_engine import LLM, SamplingParams
+from otel_engine import LLM
 from otel_engine.engine.core_client import InprocClient
 from otel_engine.model import fast_paths, kernels
 from otel_engine.model.fast_paths import BF16_ISA, Form
@@ -33,6 +33,7 @@ from otel_engine.model.quant import (
 )
 from otel_engine.model.weights import QuantTensor
 from tests.helpers.gguf_blocks import FORMATS, random_blocks
+from tests.helpers.greedy import greedy_with_tops
 from tests.helpers.isa import require_isa
 from tests.helpers.tiny_model import write_tiny_gguf, write_tiny_llama
 
@@ -319,13 +320,7 @@ def _greedy(model: str, int4: str, tp: int) -> tuple[list[list[int]], list[dict[
                 assert qkv.blocks is not None
                 for raw in (model.embedding.blocks.raw, qkv.blocks.parts[0].raw):
                     assert _mapping_of(raw.data_ptr()) == ""
-        params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=5)
-        outputs = [o.outputs[0] for o in llm.generate([list(p) for p in PROMPTS], params)]
-    tops = []
-    for output in outputs:
-        assert output.logprobs is not None
-        tops += [dict(zip(p.top_token_ids, p.top_logprobs, strict=True)) for p in output.logprobs]
-    return [list(o.token_ids) for o in outputs], tops
+        return greedy_with_tops(llm, PROMPTS)
 
 
 def _assert_same_but_near_ties(

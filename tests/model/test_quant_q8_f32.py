@@ -17,7 +17,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from otel_engine import LLM, SamplingParams
+from otel_engine import LLM
 from otel_engine.model import kernels
 from otel_engine.model.kernels import KernelLibrary
 from otel_engine.model.matrix import BlockMatrix, PackedMatrix
@@ -25,6 +25,7 @@ from otel_engine.model.projections import QKV
 from otel_engine.model.quant import QUANT_F32_MAX_ROWS, QuantLinear, pack_quant
 from otel_engine.model.weights import QuantTensor
 from tests.helpers.gguf_blocks import FORMATS, random_blocks
+from tests.helpers.greedy import greedy_with_tops
 from tests.helpers.isa import QEMU_CPU, QEMU_ISA, require_isa, require_qemu
 from tests.helpers.paths import REPO_ROOT
 from tests.helpers.tiny_model import write_tiny_gguf, write_tiny_llama
@@ -261,13 +262,8 @@ def _greedy(path: str, activations: str) -> tuple[list[list[int]], list[dict[int
     with LLM(model=path, dtype="float32", quant_activations=activations) as llm:
         runner = llm._frontend.client.core.executor.runner  # type: ignore[attr-defined]
         matrix = type(runner.model.layers[0].matrices[QKV])
-        params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=5)
-        outputs = [o.outputs[0] for o in llm.generate([list(p) for p in PROMPTS], params)]
-    tops = []
-    for output in outputs:
-        assert output.logprobs is not None
-        tops += [dict(zip(p.top_token_ids, p.top_logprobs, strict=True)) for p in output.logprobs]
-    return [list(o.token_ids) for o in outputs], tops, matrix
+        tokens, tops = greedy_with_tops(llm, PROMPTS)
+    return tokens, tops, matrix
 
 
 def test_a_float32_gguf_model_in_8_bits_gives_the_exact_path_s_tokens(tmp_path: Path) -> None:
