@@ -200,6 +200,31 @@ def _fresh_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     kernels.load.cache_clear()
 
 
+def _shared_build(isa: str) -> Path:
+    """The shared cache's real build for `isa` (compiled there once, as every kernels test
+    loads it), for a test to copy into its fresh cache instead of compiling it again. Call it
+    before `_fresh_cache`."""
+    compiler = kernels._compiler()
+    assert compiler is not None
+    return kernels._built(compiler, isa)
+
+
+def _build_by_copying(monkeypatch: pytest.MonkeyPatch, isa: str) -> list[str]:
+    """`kernels._build` as a copy of the shared cache's real build for `isa`: the levels
+    built, in order, for the test to count (what a rebuild test checks is that the build
+    happens and its library is the one loaded, not how long the compiler takes)."""
+    shared = _shared_build(isa)
+    builds: list[str] = []
+
+    def build(compiler: str, level: str, target: Path) -> None:
+        builds.append(level)
+        assert isa == level
+        shutil.copyfile(shared, target)
+
+    monkeypatch.setattr(kernels, "_build", build)
+    return builds
+
+
 def test_each_target_has_its_own_cache_entry() -> None:
     """The cache key includes the target: builds for two levels never share a file."""
     compiler = kernels._compiler()
@@ -219,24 +244,25 @@ def test_a_copied_build_for_another_target_is_rebuilt_not_loaded(
     """A cache holding, under this target's name, a library built for another level (a
     cache directory copied from another machine) is rebuilt: its build tag is read from the
     file before anything loads it."""
-    _fresh_cache(monkeypatch, tmp_path)
     target = kernels.target_isa()
     other_isa = "avx2" if target == "baseline" else "baseline"  # another level, one it runs
     require_isa(other_isa)
+    other = _shared_build(other_isa)
+    builds = _build_by_copying(monkeypatch, target)
+    _fresh_cache(monkeypatch, tmp_path)
     try:
-        other = kernels.load(other_isa)
-        assert other is not None
         compiler = kernels._compiler()
         assert compiler is not None
         wanted = kernels.library_path(compiler, target)
-        kernels.load.cache_clear()
-        shutil.copyfile(other.path, wanted)
+        wanted.parent.mkdir(parents=True)
+        shutil.copyfile(other, wanted)
         assert (kernels.ABI_VERSION, other_isa) == kernels.build_tag(wanted)
 
         library = kernels.load()
     finally:
         kernels.load.cache_clear()
 
+    assert [target] == builds
     assert library is not None
     assert target == library.isa
     assert (kernels.ABI_VERSION, target) == kernels.build_tag(wanted)
@@ -248,10 +274,11 @@ def test_a_library_of_another_abi_is_rebuilt(
 ) -> None:
     """A file whose build tag names another ABI (an older build of the same name) is
     replaced by a fresh build."""
+    target = kernels.target_isa()
+    builds = _build_by_copying(monkeypatch, target)
     _fresh_cache(monkeypatch, tmp_path)
     compiler = kernels._compiler()
     assert compiler is not None
-    target = kernels.target_isa()
     wanted = kernels.library_path(compiler, target)
     wanted.parent.mkdir(parents=True)
     wanted.write_bytes(b"\x7fELF junk otel-kernels-build:abi=1;isa=" + target.encode() + b";")
@@ -260,6 +287,7 @@ def test_a_library_of_another_abi_is_rebuilt(
     finally:
         kernels.load.cache_clear()
 
+    assert [target] == builds
     assert library is not None
     assert (kernels.ABI_VERSION, target) == kernels.build_tag(wanted)
 
@@ -342,13 +370,9 @@ def test_a_build_that_is_not_its_target_is_never_loaded(
     """A compiler that ignores the target flags (the fresh build's tag names another level):
     load() refuses the library and the model runs on torch ops."""
     require_isa("avx512")  # else load("avx512") is refused before any build
+    other = _shared_build("avx2")
     _fresh_cache(monkeypatch, tmp_path)
-    other = kernels.load("avx2")
-    assert other is not None
-    kernels.load.cache_clear()
-    monkeypatch.setattr(
-        kernels, "_build", lambda c, isa, target: shutil.copyfile(other.path, target)
-    )
+    monkeypatch.setattr(kernels, "_build", lambda c, isa, target: shutil.copyfile(other, target))
     try:
         library = kernels.load("avx512")
     finally:
