@@ -1,10 +1,14 @@
 """One matrix in its GGUF blocks times a few rows of x, read from memory: the fused kernels
 with x in bfloat16 (`quant_linear_bf16`) and in 8 bits (`quant_linear_q8_bf16`), the AMX
 tiles kernel (`quant_linear_amx_bf16`, where the CPU has AMX), and the tiles dequantized for
-torch's matmul (model/quant.py), in ms per call.
+torch's matmul (model/quant.py), in ms per call. `--dtype float32`: a float32 model's ways,
+the 8-bit kernel (`quant_linear_q8_f32`, any build from AVX2 up) and float32 tiles.
 
     .venv/bin/python bench/quant_matmul.py [--formats Q4_K,Q6_K,Q8_0,Q4_0] [--rows 1,4,8,16,32]
-        [--shape 14336x4096]
+        [--shape 14336x4096] [--dtype bfloat16|float32]
+
+Under a level's caps (bench/isa_caps.py: `ATEN_CPU_CAPABILITY`, `ONEDNN_MAX_CPU_ISA`,
+`OTEL_ENGINE_KERNEL_ISA`) it measures that level.
 
 Each call reads a different copy of the matrix (2 GB of copies in all), so its blocks come
 from memory as a model's do, not from the last-level cache. Random blocks
@@ -49,15 +53,27 @@ def main() -> None:
     parser.add_argument("--formats", default="Q4_K,Q6_K,Q8_0,Q4_0")
     parser.add_argument("--rows", default="1,4,8,16,32")
     parser.add_argument("--shape", default="14336x4096", help="rows x columns of the matrix")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     args = parser.parse_args()
     library = kernels.load()
-    if library is None or not hasattr(library, "quant_linear_q8_bf16"):
+    dtype = getattr(torch, args.dtype)
+    if dtype == torch.float32:
+        if library is None or not library.has("quant_linear_q8_f32"):
+            raise SystemExit("needs the kernels built for avx2 or above")
+        fused, names = [library.quant_linear_q8_f32], ["x in 8 bits"]
+        dequantize = library.gguf_dequantize_f32
+    elif library is None or not library.has("quant_linear_q8_bf16"):
         raise SystemExit("needs the kernels built for avx512bf16 (AVX-512 BF16 and VNNI)")
+    else:
+        fused = [library.quant_linear_bf16, library.quant_linear_q8_bf16]
+        names = ["x in bfloat16", "x in 8 bits"]
+        dequantize = library.gguf_dequantize_bf16
     n, k = (int(v) for v in args.shape.split("x"))
-    print(f"{n} x {k} matrix, ms per call (median of 3 passes over the copies)")
-    fused = [library.quant_linear_bf16, library.quant_linear_q8_bf16]
-    names = ["x in bfloat16", "x in 8 bits"]
-    if library.has("quant_linear_amx_bf16") and library.amx_ready():
+    print(
+        f"{n} x {k} matrix, {args.dtype}, kernels built for {library.isa}, "
+        f"{torch.get_num_threads()} threads, ms per call (median of 3 passes over the copies)"
+    )
+    if dtype == torch.bfloat16 and library.has("quant_linear_amx_bf16") and library.amx_ready():
         fused.append(library.quant_linear_amx_bf16)
         names.append("AMX tiles")
     print("| format | rows | " + " | ".join(names) + " | tiles + torch matmul |")
@@ -71,8 +87,8 @@ def main() -> None:
             assert weight is not None
             weights.append(weight)
         for rows in (int(r) for r in args.rows.split(",")):
-            x = torch.randn(rows, k).to(torch.bfloat16)
-            ways = [QuantLinear(f, library.gguf_dequantize_bf16) for f in fused]
+            x = torch.randn(rows, k).to(dtype)
+            ways = [QuantLinear(f, dequantize, dtype=dtype) for f in fused]
             times = [_median_ms(functools.partial(_fused, way, x), weights) for way in ways]
             times.append(_median_ms(functools.partial(ways[0].tiles, x), weights))
             cells = " | ".join(f"{t:.2f}" for t in times)
@@ -81,7 +97,7 @@ def main() -> None:
 
 
 def _fused(linear: QuantLinear, x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
-    """The fused kernel whatever the row count (QuantLinear tiles beyond QUANT_MAX_ROWS)."""
+    """The fused kernel whatever the row count (QuantLinear tiles beyond its max_rows)."""
     return linear.fused(x, weight)
 
 

