@@ -33,6 +33,21 @@ exists:
    processes (sampled every 0.5 s; otel-engine: the engine core and the whole tree); then
    prompt processing: `--prefill-requests` prompts of `--prefill-tokens` one after the other,
    one output token each (TTFT median, and prompt tokens / TTFT).
+
+Decode speed is also held against the memory read limit. Before any server starts, this
+machine's peak read bandwidth is measured once with `--threads` torch threads (the servers'
+count; otel_engine/model/bandwidth.py, cached per CPU and thread count) and printed. The bytes
+a decode step reads are counted from the GGUF file, the same for both engines (`DecodeReads`):
+every tensor of the file as stored, once a step (layer matrices and norms, the output norm,
+the LM head: `output.weight`, or `token_embd` where there is none), but of a `token_embd`
+beside an `output.weight` only one row per stream; plus, per stream, K and V of
+2 x layers x KV heads x head dim values a token at the mean context of the timed steps
+(prompt + max_tokens / 2), in f16 for llama.cpp (llama-server's default KV type) and in
+otel-engine's selected dtype (`kernels.selected`). Each stream count's table row has
+"decode GB/s" (those bytes / TPOT median) and "of peak" (that / the peak); for otel-engine
+its own count from `/metrics` (`otel_engine_decode_bandwidth_bytes_per_second` and `_ratio`,
+its last second of decode-only steps, otel_engine/model/step_reads.py) is scraped right after
+each stream count and printed in its log line. `--json` keeps all of it.
 Random weights make the text meaningless; the work per token is that of the real model. Prints
 numbers only; nothing is asserted.
 """
@@ -50,7 +65,7 @@ import sys
 import tarfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +77,7 @@ from common import (
     add_request_count_args,
     fmt,
     free_port,
+    metric_value,
     random_prompts,
     requests_at,
     run_concurrency,
@@ -395,6 +411,131 @@ def context_per_stream(args: argparse.Namespace) -> int:
     return -(-longest // 256) * 256
 
 
+def mean_decode_context(args: argparse.Namespace) -> float:
+    """The mean context of the decode steps TPOT times: the steps after the first output
+    token hold prompt + 1, ..., prompt + max_tokens - 1 tokens of KV."""
+    return args.prompt_tokens + args.max_tokens / 2
+
+
+@dataclass(frozen=True)
+class DecodeReads:
+    """The bytes a decode step reads, counted from the GGUF file alone and the same for both
+    engines. Once a step: `weight_bytes`, every tensor of the file as stored (layer matrices
+    and norms, the output norm, the LM head: `output.weight`, or `token_embd` where there is
+    none), except a `token_embd` beside an `output.weight`, of which a step reads one row per
+    stream (`embedding_row_bytes`). Per stream: the K and V of its context,
+    `kv_values_per_token` values a token (2 x layers x KV heads x head dim) at the engine's
+    KV element size. A mixture's experts would all be counted: the shapes here are dense."""
+
+    weight_bytes: int
+    embedding_row_bytes: int  # 0 where the table is the LM head: read whole already
+    kv_values_per_token: int
+
+    @classmethod
+    def of_gguf(cls, path: Path) -> DecodeReads:
+        """Tensor sizes and the attention shape from the file's tensor infos and metadata."""
+        import gguf
+
+        reader = gguf.GGUFReader(str(path))
+        arch = reader.fields["general.architecture"].contents()
+
+        def meta(key: str, default: int | None = None) -> int:
+            field = reader.fields.get(f"{arch}.{key}")
+            if field is None and default is None:
+                raise KeyError(f"{path.name} has no {arch}.{key}")
+            return int(default if field is None else field.contents())
+
+        heads = meta("attention.head_count")
+        head_dim = meta("attention.key_length", meta("embedding_length") // heads)
+        kv_heads = meta("attention.head_count_kv", heads)
+        tensors = {tensor.name: tensor for tensor in reader.tensors}
+        weight_bytes = sum(int(tensor.n_bytes) for tensor in reader.tensors)
+        row_bytes = 0
+        if "output.weight" in tensors:
+            table = tensors["token_embd.weight"]
+            weight_bytes -= int(table.n_bytes)
+            row_bytes = int(table.n_bytes) // int(table.shape[-1])  # ggml order: vocab last
+        return cls(weight_bytes, row_bytes, 2 * meta("block_count") * kv_heads * head_dim)
+
+    def step_bytes(self, num_streams: int, context: float, kv_element_bytes: int) -> int:
+        """A decode step of `num_streams` streams, each of `context` tokens of KV."""
+        kv_bytes = self.kv_values_per_token * kv_element_bytes * context
+        return round(self.weight_bytes + num_streams * (self.embedding_row_bytes + kv_bytes))
+
+
+LLAMA_CPP_KV_DTYPE = "float16"  # llama-server's default --cache-type-k / --cache-type-v
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+ENGINE_BANDWIDTH_METRICS = {  # otel-engine's own count (otel_engine/model/step_reads.py)
+    "engine_decode_bytes_per_second": "otel_engine_decode_bandwidth_bytes_per_second",
+    "engine_decode_ratio": "otel_engine_decode_bandwidth_ratio",
+    "engine_peak_bytes_per_second": "otel_engine_memory_read_bandwidth_bytes_per_second",
+}
+
+
+def kv_dtype(engine: str, selected: dict[str, Any]) -> str | None:
+    """The KV cache's element type: llama-server's default, otel-engine's model dtype."""
+    return LLAMA_CPP_KV_DTYPE if engine == "llama.cpp" else selected.get("dtype")
+
+
+def measure_peak(threads: int) -> dict[str, Any] | None:
+    """This machine's peak memory read bandwidth with the servers' `threads` torch threads
+    (otel_engine/model/bandwidth.py, cached per CPU and thread count), once, before any
+    server starts; printed. None where the probe's buffer cannot be had."""
+    import torch
+
+    from otel_engine.model.bandwidth import peak_read_bandwidth
+
+    torch.set_num_threads(threads)
+    peak = peak_read_bandwidth()
+    if peak is None:
+        print("[bandwidth] no peak read bandwidth: the probe's buffer was refused", flush=True)
+        return None
+    print(
+        f"[bandwidth] peak memory read {peak.bytes_per_second / 1e9:.1f} GB/s with "
+        f"{peak.num_threads} threads ({'cached' if peak.is_cached else 'measured'}), "
+        f"{peak.cpu}",
+        flush=True,
+    )
+    return {
+        "bytes_per_second": round(peak.bytes_per_second),
+        "num_threads": peak.num_threads,
+        "cpu": peak.cpu,
+        "probe_bytes": peak.probe_bytes,
+        "is_cached": peak.is_cached,
+    }
+
+
+def decode_bandwidth(
+    step_bytes: int | None, tpot_ms: float | None, peak: dict[str, Any] | None
+) -> dict[str, Any]:
+    """Bytes a step reads over the TPOT median, and that over the peak (None without one)."""
+    speed = step_bytes / (tpot_ms / 1000) if step_bytes and tpot_ms else None
+    ratio = speed / peak["bytes_per_second"] if speed and peak else None
+    return {
+        "decode_step_bytes": step_bytes,
+        "decode_bytes_per_second": None if speed is None else round(speed),
+        "decode_of_peak": None if ratio is None else round(ratio, 4),
+    }
+
+
+def engine_bandwidth(server: ServerProcess) -> dict[str, float | None]:
+    """otel-engine's own decode bandwidth, its ratio and its peak from `/metrics`: its
+    decode-only steps of the last second of their time (the end of the measurement, as
+    streams finish); None for a gauge at 0 (no such step, no peak)."""
+    values = {
+        key: metric_value(server.base_url, name) for key, name in ENGINE_BANDWIDTH_METRICS.items()
+    }
+    return {key: value or None for key, value in values.items()}
+
+
+def _gbps(bytes_per_second: float | None) -> str:
+    return fmt(None if bytes_per_second is None else bytes_per_second / 1e9)
+
+
+def _pct(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{100 * ratio:.0f}%"
+
+
 def start_server(
     engine: str, model: Path, args: argparse.Namespace, bin_dir: Path
 ) -> ServerProcess:
@@ -470,8 +611,10 @@ def bench_engine(
     args: argparse.Namespace,
     bin_dir: Path,
     seed: int,
+    peak: dict[str, Any] | None,
 ) -> dict[str, Any]:
-    """Start `engine` on `model`, warm it up, measure each stream count and the prefill; stop."""
+    """Start `engine` on `model`, warm it up, measure each stream count (with its decode
+    bandwidth against `peak`) and the prefill; stop."""
     label = f"{shape.name} {model.name} {engine}"
     result: dict[str, Any] = {"engine": engine, "isa": isa_name(args.level), "levels": []}
     server = start_server(engine, model, args, bin_dir)
@@ -481,6 +624,15 @@ def bench_engine(
         if engine == "otel-engine":
             result["selected"] = otel_engine_selected(server)
             print(f"[bench] {label}: runs {describe_selected(result['selected'])}", flush=True)
+        reads = DecodeReads.of_gguf(model)
+        kv_type = kv_dtype(engine, result.get("selected") or {})
+        kv_element_bytes = DTYPE_BYTES.get(kv_type or "")
+        result["decode_reads"] = {
+            **asdict(reads),
+            "kv_dtype": kv_type,
+            "kv_element_bytes": kv_element_bytes,
+            "mean_context": mean_decode_context(args),
+        }
         name = served_model_name(server.base_url)
         num_warmup = min(max(args.streams), 16)
         warmup = random_prompts(num_warmup, args.prompt_tokens, VOCAB_SIZE, seed)
@@ -489,12 +641,21 @@ def bench_engine(
             num = requests_at(args, streams)
             prompts = random_prompts(num, args.prompt_tokens, VOCAB_SIZE, seed + streams)
             level = _measure(server, name, prompts, streams, args.max_tokens)
+            step_bytes = (
+                None
+                if kv_element_bytes is None
+                else reads.step_bytes(streams, mean_decode_context(args), kv_element_bytes)
+            )
+            level |= decode_bandwidth(step_bytes, level["tpot_median_ms"], peak)
+            if engine == "otel-engine":
+                level |= engine_bandwidth(server)
             result["levels"].append(level)
             print(
                 f"[bench] {label}: {streams} streams: {level['tok_s']:.1f} tok/s, TTFT median "
                 f"{fmt(level['ttft_median_ms'], 0)} ms p90 {fmt(level['ttft_p90_ms'], 0)} ms, "
                 f"TPOT {fmt(level['tpot_median_ms'])} ms, peak RSS tree "
-                f"{level['peak_rss_tree_mb']:.0f} MB; CPU cores {level['cpu_cores']}",
+                f"{level['peak_rss_tree_mb']:.0f} MB; CPU cores {level['cpu_cores']}; "
+                f"{_bandwidth_text(level)}",
                 flush=True,
             )
         if args.prefill_tokens:
@@ -520,6 +681,21 @@ def bench_engine(
         if "server_log" in result["shutdown"]:
             print(f"[bench] {label}: server log kept: {result['shutdown']['server_log']}")
     return result
+
+
+def _bandwidth_text(level: dict[str, Any]) -> str:
+    """A stream count's decode bandwidth as the benchmark counts it, and otel-engine's own."""
+    text = (
+        f"decode {_gbps(level['decode_bytes_per_second'])} GB/s "
+        f"({_pct(level['decode_of_peak'])} of peak)"
+    )
+    if "engine_decode_bytes_per_second" in level:
+        text += (
+            f", the engine's own count {_gbps(level['engine_decode_bytes_per_second'])} GB/s "
+            f"({_pct(level['engine_decode_ratio'])} of its peak "
+            f"{_gbps(level['engine_peak_bytes_per_second'])} GB/s)"
+        )
+    return text
 
 
 def isa_name(level: Level | None) -> str:
@@ -605,17 +781,19 @@ def print_summary(report: dict[str, Any]) -> None:
         f"== {report['cpu_count']} CPUs, prompt {report['prompt_tokens']} + output "
         f"{report['max_tokens']} tokens (greedy, ignore_eos), prefill {report['prefill_tokens']} "
         f"tokens at batch 1, KV {report['context_per_stream']} tokens per stream; CPU busy "
-        f"before start {report['cpu_busy_before_pct']:.0f}%\n"
+        f"before start {report['cpu_busy_before_pct']:.0f}%"
     )
+    print(f"== {_peak_text(report.get('peak_read_bandwidth'))}\n")
     headers = [
         "shape", "format", "GiB", "engine", "ran as", "start s", "streams", "tok/s", "TTFT p50 ms",
-        "TTFT p90 ms", "TPOT p50 ms", "peak RSS core MB", "peak RSS tree MB", "cores / other",
+        "TTFT p90 ms", "TPOT p50 ms", "decode GB/s", "of peak", "peak RSS core MB",
+        "peak RSS tree MB", "cores / other",
     ]  # fmt: skip
     rows, prefill_rows = [], []
     for run in report["runs"]:
         common = [run["shape"], run["format"], fmt(run["file_gib"], 2), run["engine"]]
         if "error" in run and not run["levels"]:
-            rows.append([*common, "-", "-", "-", f"failed: {run['error'][:80]}", *["-"] * 6])
+            rows.append([*common, "-", "-", "-", f"failed: {run['error'][:80]}", *["-"] * 8])
         for level in run["levels"]:
             rows.append(
                 [
@@ -627,6 +805,8 @@ def print_summary(report: dict[str, Any]) -> None:
                     fmt(level["ttft_median_ms"], 0),
                     fmt(level["ttft_p90_ms"], 0),
                     fmt(level["tpot_median_ms"]),
+                    _gbps(level.get("decode_bytes_per_second")),
+                    _pct(level.get("decode_of_peak")),
                     fmt(level["peak_rss_core_mb"], 0),
                     fmt(level["peak_rss_tree_mb"], 0),
                     _cores(level["cpu_cores"]),
@@ -652,8 +832,27 @@ def print_summary(report: dict[str, Any]) -> None:
     if flagged:
         print(f"\n* other processes took more than {CONTENDED_CORES} CPU cores: too low, rerun.")
     print(
+        f"\ndecode GB/s: the bytes a decode step reads / TPOT p50; of peak: that / the peak. "
+        f"Bytes counted from the GGUF file, the same for both engines: every tensor once a "
+        f"step (the LM head included; a token_embd beside an output.weight only one row per "
+        f"stream), plus per stream K and V of 2 x layers x KV heads x head dim values a token "
+        f"at the mean context of {fmt(report.get('mean_decode_context'))} tokens, in "
+        f"{LLAMA_CPP_KV_DTYPE} for llama.cpp (its default) and in the selected dtype for "
+        f"otel-engine. The engine's own count (JSON: engine_decode_*) is in the log lines."
+    )
+    print(
         "\nRSS: the sum of each process's peak; llama-server's includes the pages of the "
         "mmapped model file that it touched."
+    )
+
+
+def _peak_text(peak: dict[str, Any] | None) -> str:
+    if peak is None:
+        return "peak memory read bandwidth: not measured"
+    return (
+        f"peak memory read bandwidth {_gbps(peak['bytes_per_second'])} GB/s "
+        f"({peak['num_threads']} threads, {'cached' if peak['is_cached'] else 'measured'}; "
+        f"otel_engine/model/bandwidth.py)"
     )
 
 
@@ -708,7 +907,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--prefill-requests", type=int, default=2)
     add_request_count_args(parser)
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama-server -t")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="llama-server -t, and the threads the peak read bandwidth is measured with "
+        "(otel-engine's worker uses all CPUs)",
+    )
     parser.add_argument("--startup-timeout", type=float, default=1800.0)
     parser.add_argument(
         "--llama-server-args",
@@ -744,11 +949,14 @@ def main(argv: list[str] | None = None) -> int:
         "max_tokens": args.max_tokens,
         "prefill_tokens": args.prefill_tokens,
         "context_per_stream": context_per_stream(args),
+        "mean_decode_context": mean_decode_context(args),
         "llama_cpp_python": LLAMA_CPP_PYTHON_VERSION,
         "cpu_busy_before_pct": psutil.cpu_percent(interval=1.0),
         "prepare": {},
         "runs": [],
     }
+    if not args.prepare_only:
+        report["peak_read_bandwidth"] = measure_peak(args.threads)
     for shape_name in args.shapes:
         shape = SHAPES[shape_name]
         prepared = prepare_shape(shape, args.formats, bin_dir)
@@ -760,7 +968,9 @@ def main(argv: list[str] | None = None) -> int:
             continue
         for fmt_name, path in prepared.files.items():
             for engine in args.engines:
-                run = bench_engine(engine, path, shape, args, bin_dir, SEED)
+                run = bench_engine(
+                    engine, path, shape, args, bin_dir, SEED, report.get("peak_read_bandwidth")
+                )
                 run.update(shape=shape_name, format=fmt_name, file_gib=path.stat().st_size / 2**30)
                 report["runs"].append(run)
     for shape_name, prep in report["prepare"].items():
