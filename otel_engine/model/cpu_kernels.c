@@ -11,8 +11,10 @@
  * exception naming the kernel and the failed check. The element-wise ops, decode
  * attention and argmax exist for float32 (suffix _f32) and bfloat16 (_bf16, stored as
  * uint16); arithmetic is float32 throughout, rounded once on store (round to nearest even, as
- * torch does). With AVX-512 the loops run 16 lanes at a time (masked tails, any length);
- * without it, the same loops run one element at a time (what the compiler vectorizes of them).
+ * torch does). One source of those loops for every level (`vec`, LANES and a few operations
+ * on them): with AVX-512 16 lanes at a time (masked tails, any length), with AVX2 and FMA 8
+ * (masked tails: vmaskmov for float32, a copy through a buffer for bfloat16), below that one
+ * element at a time (what the compiler vectorizes of them).
  * The functions marked AVX-512 BF16 exist only in a build for that target.
  *
  * Layouts (all row-major, contiguous):
@@ -1186,15 +1188,19 @@ __attribute__((unused)) static void dequantize_row(int64_t type, const uint8_t *
 /* ---- GGUF blocks times 8-bit activations, float32 (AVX2 and above) --------------------------
  *
  * out[r, j] (float32, row stride ldo) = x[r, :] . W[j, :] for float32 x and a matrix W [n, k]
- * in its GGUF blocks, as llama.cpp computes it on a CPU: each row of x quantized to int8 per
- * group of 32 (round to nearest even, scale d = max |x| / 127, float32); each group of 32
- * weights decoded into a register as int8 q (`group_q`: Q4_0's q - 8, Q6_K's q - 32; Q4_1,
- * Q4_K and Q5_K's unsigned q as stored) with its float32 scale (`block_scales`: per 32, Q6_K's
- * per 16), then the exact int32 dot of the two int8 vectors, times the W scale and the x
- * scale, summed in float32; the offsets of Q4_1, Q4_K and Q5_K (m, -dmin * m) times the exact
- * float32 sums of x per 32. x has a scale per 32 for every format (llama.cpp's Q8_0; for the
- * K-quants llama.cpp takes one per 256, its Q8_K, which rounds x more coarsely). Each group
- * of W is decoded once for up to Q8_ROWS_MAX rows of x (`q8_row_f32`), and never stored.
+ * in its GGUF blocks, as llama.cpp computes it on a CPU. Each row of x is quantized to int8
+ * (round to nearest even, scale d = max |x| / 127, float32) per group of 32 for Q4_0, Q4_1 and
+ * Q8_0 (ggml's Q8_0), per 256 for the K-quants (ggml's Q8_K); each group of 32 weights is
+ * decoded into a register as int8 q (`group_q`: Q4_0's q - 8, Q6_K's q - 32; Q4_1, Q4_K and
+ * Q5_K's unsigned q as stored) and never stored, once for up to Q8_ROWS_MAX rows of x
+ * (`q8_row_f32`).
+ *   Q4_0, Q4_1, Q8_0 (`q8_block_f32`): the exact int32 dot of the two int8 vectors, times the
+ *       W scale and the x scale, summed in float32; Q4_1's m times the exact float32 sum of x
+ *       over the 32.
+ *   K-quants (`kquant_block_f32`): per group the pair sums of q * x (vpmaddubsw) times the
+ *       group's integer scale (vpmaddwd; Q6_K's two per 16, one to each half), summed in int32
+ *       over the block (exact), then times d and x's scale in float32; Q4_K and Q5_K's
+ *       offsets, -dmin * m per 32, times the exact float32 sums of x per 32.
  *
  * One portable driver (`quant_linear_q8_f32`: quantizing x, the loops and threads; the
  * decoding in 256-bit integer steps, which every level from AVX2 up has) and one micro-kernel
@@ -1202,8 +1208,7 @@ __attribute__((unused)) static void dequantize_row(int64_t type, const uint8_t *
  * its VEX form; with AVX2 vpmaddubsw then vpmaddwd. vpdpbusd and vpmaddubsw multiply unsigned
  * by signed bytes, so the signed formats' signs move onto x (vpsignb): |w| <= 128 and |x| <=
  * 127, so no pair sum of vpmaddubsw saturates. A build without any of them has no such
- * function (the
- * plan does not choose it there). */
+ * function (the plan does not choose it there). */
 /* dot32_lanes: the int32 sums of magnitude[i] * signed_x[i] (unsigned times signed bytes)
  * over each 4 of 32 (lane l: elements 4 l to 4 l + 3). */
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -1318,21 +1323,23 @@ static int has_offsets(int64_t type) {
 /* W scales per 32 weights (Q6_K: per 16) */
 static int64_t scales_per_32(int64_t type) { return type == GGML_Q6_K ? 2 : 1; }
 
-/* x [rows, k] as int8 per group of 32 (q[i] = x[i] / d rounded to nearest even, d = max |x|
- * / 127), the groups' d and their exact float32 sums (the offsets' factor). */
-static void quantize_rows_q8(const float *restrict x, int64_t values, int8_t *restrict q,
-                             float *restrict scale, float *restrict sums) {
-    for (int64_t g = 0; g < values / Q8_X_GROUP; g++) {
-        const float *xg = x + g * Q8_X_GROUP;
-        float amax = 0.0f, sum = 0.0f;
-        for (int i = 0; i < Q8_X_GROUP; i++) {
-            amax = fmaxf(amax, fabsf(xg[i]));
-            sum += xg[i];
-        }
+/* x [rows, k] as int8 per group of `group` values (32, or a K-quant block's 256: ggml's Q8_0
+ * and Q8_K): q[i] = x[i] / d rounded to nearest even, d = max |x| / 127, one d per group;
+ * and the exact float32 sums of x per 32 (the offsets' factor). */
+static void quantize_rows_q8(const float *restrict x, int64_t values, int64_t group,
+                             int8_t *restrict q, float *restrict scale, float *restrict sums) {
+    for (int64_t g = 0; g < values / group; g++) {
+        const float *xg = x + g * group;
+        float amax = 0.0f;
+        for (int64_t i = 0; i < group; i++) amax = fmaxf(amax, fabsf(xg[i]));
         const float d = amax / 127.0f, inverse = d > 0.0f ? 1.0f / d : 0.0f;
-        for (int i = 0; i < Q8_X_GROUP; i++) /* clamped: NaN and rounding stay in range */
-            q[g * Q8_X_GROUP + i] = (int8_t)rintf(fminf(fmaxf(xg[i] * inverse, -127.0f), 127.0f));
+        for (int64_t i = 0; i < group; i++) /* clamped: NaN and rounding stay in range */
+            q[g * group + i] = (int8_t)rintf(fminf(fmaxf(xg[i] * inverse, -127.0f), 127.0f));
         scale[g] = d;
+    }
+    for (int64_t g = 0; g < values / Q8_X_GROUP; g++) {
+        float sum = 0.0f;
+        for (int i = 0; i < Q8_X_GROUP; i++) sum += x[g * Q8_X_GROUP + i];
         sums[g] = sum;
     }
 }
@@ -1377,38 +1384,13 @@ static inline __attribute__((always_inline)) __m256i group_q(const int64_t type,
     }
 }
 
-/* One block's scales (one per 32 weights; Q6_K: per 16) and offsets (per 32; the formats
- * with one), as in `unpack_block`. */
+/* A Q4_0, Q4_1 or Q8_0 block's scale, and Q4_1's offset m. */
 static inline __attribute__((always_inline)) void block_scales(const int64_t type,
                                                                const uint8_t *restrict b,
                                                                float *restrict scale,
                                                                float *restrict offset) {
-    switch (type) {
-    case GGML_Q4_0:
-    case GGML_Q8_0:
-        scale[0] = half_q8(b);
-        break;
-    case GGML_Q4_1:
-        scale[0] = half_q8(b);
-        offset[0] = half_q8(b + 2);
-        break;
-    case GGML_Q4_K:
-    case GGML_Q5_K: {
-        const float d = half_q8(b), dmin = half_q8(b + 2);
-        for (int s = 0; s < 8; s++) {
-            float sc, m;
-            scale_min_k4(s, b + 4, &sc, &m);
-            scale[s] = d * sc;
-            offset[s] = -(dmin * m);
-        }
-        break;
-    }
-    default: { /* Q6_K */
-        const int8_t *scales = (const int8_t *)(b + 192);
-        const float d = half_q8(b + 208);
-        for (int s = 0; s < 16; s++) scale[s] = d * (float)scales[s];
-    }
-    }
+    scale[0] = half_q8(b);
+    if (type == GGML_Q4_1) offset[0] = half_q8(b + 2);
 }
 
 static int signed_q(int64_t type) {
@@ -1424,37 +1406,86 @@ typedef struct {
     float offset;
 } q8_sums;
 
-/* One block of W (`b`, whose first group is group `at` of the row) times ROWS rows of
- * quantized x: group g adds to chain (CHAIN + g) & 1 of each row (constants: the sums stay in
- * registers). */
+/* A K-quant block's integer sub-block scales as 16-bit lanes for vpmaddwd, one vector per
+ * group of 32 (Q4_K and Q5_K: the 6-bit scale; Q6_K: its two int8 scales of 16, one to each
+ * half), its d and (Q4_K, Q5_K) its offsets per 32, -dmin * m. */
+static inline __attribute__((always_inline)) void kquant_scales(const int64_t type,
+                                                                const uint8_t *restrict b,
+                                                                __m256i *restrict scale16,
+                                                                float *restrict d,
+                                                                float *restrict offset) {
+    if (type == GGML_Q6_K) {
+        const int8_t *scales = (const int8_t *)(b + 192);
+        *d = half_q8(b + 208);
+        for (int g = 0; g < 8; g++)
+            scale16[g] = _mm256_set_m128i(_mm_set1_epi16(scales[2 * g + 1]), _mm_set1_epi16(scales[2 * g]));
+        return;
+    }
+    const float dmin = half_q8(b + 2);
+    *d = half_q8(b);
+    for (int g = 0; g < 8; g++) {
+        float sc, m;
+        scale_min_k4(g, b + 4, &sc, &m);
+        scale16[g] = _mm256_set1_epi16((int16_t)sc);
+        offset[g] = -(dmin * m);
+    }
+}
+
+/* One K-quant block of W times ROWS rows of x quantized per 256 (one scale, ggml's Q8_K): per
+ * group of 32 the pair sums of q * x (vpmaddubsw) times the group's integer scale (vpmaddwd,
+ * exact: |sum| < 2^21 a lane), summed in int32 over the block, then once per block and row
+ * times d and x's scale in float32; the offsets as `q8_block_f32`. */
+static inline __attribute__((always_inline)) void kquant_block_f32(
+    const int64_t type, const int ROWS, const uint8_t *restrict b, int64_t blk,
+    const int8_t *restrict xq, const float *restrict x_scale, const float *restrict x_sums,
+    int64_t k, q8_sums *restrict sums) {
+    const int64_t groups = k / Q8_X_GROUP, blocks = k / 256;
+    __m256i scale16[8];
+    float d, offset[8];
+    kquant_scales(type, b, scale16, &d, offset);
+    if (type != GGML_Q6_K)
+        for (int r = 0; r < ROWS; r++)
+            sums[r].offsets = _mm256_fmadd_ps(_mm256_loadu_ps(offset), _mm256_loadu_ps(x_sums + r * groups + 8 * blk),
+                                              sums[r].offsets);
+    __m256i dots[Q8_ROWS_MAX];
+    for (int r = 0; r < ROWS; r++) dots[r] = _mm256_setzero_si256();
+    _Pragma("GCC unroll 8") /* g a constant in group_q: its shifts immediate */
+    for (int g = 0; g < 8; g++) {
+        const __m256i q = group_q(type, b, g);
+        const __m256i magnitude = signed_q(type) ? _mm256_sign_epi8(q, q) : q;
+        for (int r = 0; r < ROWS; r++) {
+            __m256i x = _mm256_loadu_si256((const __m256i *)(xq + r * k + 256 * blk + 32 * g));
+            if (signed_q(type)) x = _mm256_sign_epi8(x, q);
+            const __m256i pairs = _mm256_maddubs_epi16(magnitude, x);
+            dots[r] = _mm256_add_epi32(dots[r], _mm256_madd_epi16(pairs, scale16[g]));
+        }
+    }
+    for (int r = 0; r < ROWS; r++)
+        sums[r].chain[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[r]), _mm256_set1_ps(d * x_scale[r * blocks + blk]),
+                                           sums[r].chain[0]); /* one chain: 8 groups hide its latency */
+}
+
+/* One block of Q4_0, Q4_1 or Q8_0 (`b`, group `at` of the row) times ROWS rows of x
+ * quantized per 32: the integer dot times W's scale and x's, added to chain CHAIN of each row
+ * (a constant: the sums stay in registers); Q4_1's offset times x's sum. */
 static inline __attribute__((always_inline)) void q8_block_f32(
     const int64_t type, const int ROWS, const int CHAIN, const uint8_t *restrict b, int64_t at,
     const int8_t *restrict xq, const float *restrict x_scale, const float *restrict x_sums,
     int64_t k, q8_sums *restrict sums) {
     const int64_t groups = k / Q8_X_GROUP;
-    const int per_block = (int)(quant_block_weights(type) / 32);
-    float scale[16], offset[8];
+    float scale[1], offset[1];
     block_scales(type, b, scale, offset);
-    if (has_offsets(type) && per_block == 8) /* the K-quants' offsets: a vector a block */
-        for (int r = 0; r < ROWS; r++)
-            sums[r].offsets = _mm256_fmadd_ps(_mm256_loadu_ps(offset), _mm256_loadu_ps(x_sums + r * groups + at),
-                                              sums[r].offsets);
-    _Pragma("GCC unroll 8") /* g a constant in group_q: its shifts immediate */
-    for (int g = 0; g < per_block; g++, at++) {
-        const __m256i q = group_q(type, b, g);
-        const __m256i magnitude = signed_q(type) ? _mm256_sign_epi8(q, q) : q;
-        const __m256 w_scale = scales_per_32(type) == 2
-                                   ? _mm256_set_m128(_mm_set1_ps(scale[2 * g + 1]), _mm_set1_ps(scale[2 * g]))
-                                   : _mm256_set1_ps(scale[g]);
-        for (int r = 0; r < ROWS; r++) {
-            __m256i x = _mm256_loadu_si256((const __m256i *)(xq + r * k + 32 * at));
-            if (signed_q(type)) x = _mm256_sign_epi8(x, q);
-            const __m256 dots = _mm256_cvtepi32_ps(dot32_lanes(magnitude, x));
-            const __m256 s = _mm256_mul_ps(w_scale, _mm256_set1_ps(x_scale[r * groups + at]));
-            sums[r].chain[(CHAIN + g) & 1] = _mm256_fmadd_ps(dots, s, sums[r].chain[(CHAIN + g) & 1]);
-            if (has_offsets(type) && per_block == 1) /* fused whatever the compiler vectorizes */
-                sums[r].offset = fmaf(offset[g], x_sums[r * groups + at], sums[r].offset);
-        }
+    const __m256i q = group_q(type, b, 0);
+    const __m256i magnitude = signed_q(type) ? _mm256_sign_epi8(q, q) : q;
+    const __m256 w_scale = _mm256_set1_ps(scale[0]);
+    for (int r = 0; r < ROWS; r++) {
+        __m256i x = _mm256_loadu_si256((const __m256i *)(xq + r * k + 32 * at));
+        if (signed_q(type)) x = _mm256_sign_epi8(x, q);
+        const __m256 dots = _mm256_cvtepi32_ps(dot32_lanes(magnitude, x));
+        const __m256 s = _mm256_mul_ps(w_scale, _mm256_set1_ps(x_scale[r * groups + at]));
+        sums[r].chain[CHAIN] = _mm256_fmadd_ps(dots, s, sums[r].chain[CHAIN]);
+        if (has_offsets(type)) /* fused whatever the compiler vectorizes */
+            sums[r].offset = fmaf(offset[0], x_sums[r * groups + at], sums[r].offset);
     }
 }
 
@@ -1487,7 +1518,7 @@ static inline __attribute__((always_inline)) void q8_row_f32(
         if (blk < blocks) q8_block_f32(type, ROWS, 0, row + blk * bytes, blk, xq, x_scale, x_sums, k, sums);
     } else {
         for (int64_t blk = 0; blk < blocks; blk++)
-            q8_block_f32(type, ROWS, 0, row + blk * bytes, blk * (per / 32), xq, x_scale, x_sums, k, sums);
+            kquant_block_f32(type, ROWS, row + blk * bytes, blk, xq, x_scale, x_sums, k, sums);
     }
     for (int r = 0; r < ROWS; r++)
         out[r * ldo] = hsum_q8(_mm256_add_ps(sums[r].chain[0], sums[r].chain[1])) +
@@ -1530,10 +1561,11 @@ int quant_linear_q8_f32(float *restrict out, const float *restrict x, const uint
     CHECKED(check_blocks(type, rows, n, k));
     REQUIRE(ldo >= n); /* out's row stride */
     if (!rows || !n) return STATUS_OK;
-    const int64_t groups = k / Q8_X_GROUP;
-    const int64_t row_bytes = k / quant_block_weights(type) * quant_block_bytes(type);
+    const int64_t groups = k / Q8_X_GROUP, per = quant_block_weights(type);
+    const int64_t x_group = per == 256 ? 256 : Q8_X_GROUP, x_groups = k / x_group;
+    const int64_t row_bytes = k / per * quant_block_bytes(type);
     int8_t *xq = malloc((size_t)(rows * k));
-    float *x_scale = malloc((size_t)(rows * groups) * sizeof(float));
+    float *x_scale = malloc((size_t)(rows * x_groups) * sizeof(float));
     float *x_sums = malloc((size_t)(rows * groups) * sizeof(float));
     if (!xq || !x_scale || !x_sums) {
         free(xq);
@@ -1541,13 +1573,13 @@ int quant_linear_q8_f32(float *restrict out, const float *restrict x, const uint
         free(x_sums);
         return failed(STATUS_NO_MEMORY, "malloc of x quantized to 8 bits");
     }
-    quantize_rows_q8(x, rows * k, xq, x_scale, x_sums);
+    quantize_rows_q8(x, rows * k, x_group, xq, x_scale, x_sums);
     const q8_row_fn run = q8_row_of(type);
     _Pragma("omp parallel for schedule(static) if (n > 16)")
     for (int64_t j = 0; j < n; j++)
         for (int64_t r = 0; r < rows; r += Q8_ROWS_MAX) /* a second pass reads the row from L1 */
             run((int)(rows - r < Q8_ROWS_MAX ? rows - r : Q8_ROWS_MAX), w + j * row_bytes,
-                xq + r * k, x_scale + r * groups, x_sums + r * groups, k, out + r * ldo + j, ldo);
+                xq + r * k, x_scale + r * x_groups, x_sums + r * groups, k, out + r * ldo + j, ldo);
     free(xq);
     free(x_scale);
     free(x_sums);

@@ -31,7 +31,8 @@ from tests.helpers.paths import REPO_ROOT
 from tests.helpers.tiny_model import write_tiny_gguf, write_tiny_llama
 
 LEVELS = ("avx2", "avx512", "avx512bf16")  # the builds that have the kernel
-X_GROUP = 32  # values of x per scale (cpu_kernels.c Q8_X_GROUP)
+# values of x per scale: 32 (ggml's Q8_0), a K-quant's block of 256 (ggml's Q8_K)
+X_GROUP = 32
 MAX_ROWS = 9
 N = 37  # outputs: odd, and more than the 16 below which the kernel runs on one thread
 K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
@@ -51,10 +52,14 @@ def _library(level: str) -> KernelLibrary:
     return library
 
 
-def _quantized(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """x [rows, k] float32 as the kernel quantizes it, in float32 steps: per 32 values
+def _x_group(name: str) -> int:
+    return 256 if name in K_QUANTS else X_GROUP
+
+
+def _quantized(x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
+    """x [rows, k] float32 as the kernel quantizes it, in float32 steps: per `group` values
     d = max |x| / 127 and q = x * (1 / d) rounded to nearest even; returns q and d per value."""
-    groups = x.reshape(x.shape[0], -1, X_GROUP)
+    groups = x.reshape(x.shape[0], -1, group)
     d = np.abs(groups).max(axis=2, keepdims=True) / np.float32(127)
     inverse = np.float32(1) / np.where(d > 0, d, np.float32(1))
     inverse = np.where(d > 0, inverse, np.float32(0))
@@ -86,10 +91,10 @@ class Reference:
         self.raw = random_blocks(name, n, k, seed=seed)
         rng = np.random.default_rng(seed)
         self.x = rng.standard_normal((MAX_ROWS, k)).astype(np.float32)
-        self.x[1, :X_GROUP] = 0.0  # a group of zeros: scale 0
+        self.x[1, : _x_group(name)] = 0.0  # a group of zeros: scale 0
         weight = dequantize(self.raw, GGMLQuantizationType[name]).astype(np.float64)
         offset = np.broadcast_to(_offsets(self.raw, name), weight.shape)
-        q, d = _quantized(self.x)
+        q, d = _quantized(self.x, _x_group(name))
         x8 = q * d.astype(np.float64)  # x as the kernel's integers and scales say
         x = self.x.astype(np.float64)
         scaled = weight - offset
