@@ -23,9 +23,10 @@ SYSTEM_INFO = (
 
 @pytest.fixture
 def bench(monkeypatch: pytest.MonkeyPatch) -> tuple[ModuleType, ModuleType]:
-    """bench/isa_caps.py and bench/models.py, imported as the scripts import each other."""
+    """bench/isa_caps.py and bench/llama_cpp_tools.py, imported as the scripts import each
+    other."""
     monkeypatch.syspath_prepend(str(BENCH))
-    return importlib.import_module("isa_caps"), importlib.import_module("models")
+    return importlib.import_module("isa_caps"), importlib.import_module("llama_cpp_tools")
 
 
 def _on(options: dict[str, str]) -> set[str]:
@@ -53,7 +54,7 @@ def test_otel_engine_caps_per_level(bench: tuple[ModuleType, ModuleType]) -> Non
 
 def test_llama_cpp_options_per_level(bench: tuple[ModuleType, ModuleType]) -> None:
     """Not native; the level's ggml instruction options on, every other one set off."""
-    isa_caps, models = bench
+    isa_caps, llama_cpp = bench
     v3 = {"GGML_SSE42", "GGML_AVX", "GGML_AVX2", "GGML_BMI2", "GGML_FMA", "GGML_F16C"}
     expected = {
         "baseline": set(),
@@ -62,7 +63,7 @@ def test_llama_cpp_options_per_level(bench: tuple[ModuleType, ModuleType]) -> No
         "avx512bf16": v3 | {"GGML_AVX512", "GGML_AVX512_VNNI", "GGML_AVX512_BF16"},
     }
     for name, level in isa_caps.LEVELS.items():
-        options = models.llama_cpp_options(level)
+        options = llama_cpp.llama_cpp_options(level)
         assert ("OFF", expected[name]) == (options["GGML_NATIVE"], _on(options))
         assert set(isa_caps.GGML_X86_OPTIONS) <= set(options)
         assert ("Release", "OFF") == (options["CMAKE_BUILD_TYPE"], options["GGML_CUDA"])
@@ -71,12 +72,12 @@ def test_llama_cpp_options_per_level(bench: tuple[ModuleType, ModuleType]) -> No
 
 def test_native_llama_cpp_build_is_unchanged(bench: tuple[ModuleType, ModuleType]) -> None:
     """Without --isa the build is today's: native, in build/ (its stamp still matches)."""
-    isa_caps, models = bench
-    options = models.llama_cpp_options()
+    isa_caps, llama_cpp = bench
+    options = llama_cpp.llama_cpp_options()
     assert "ON" == options["GGML_NATIVE"]
     assert not set(isa_caps.GGML_X86_OPTIONS) & set(options)
-    assert "build" == models.llama_cpp_build_dir().name
-    assert "build-avx2" == models.llama_cpp_build_dir(isa_caps.LEVELS["avx2"]).name
+    assert "build" == llama_cpp.llama_cpp_build_dir().name
+    assert "build-avx2" == llama_cpp.llama_cpp_build_dir(isa_caps.LEVELS["avx2"]).name
 
 
 def test_features_read_from_system_info(bench: tuple[ModuleType, ModuleType]) -> None:
@@ -92,7 +93,8 @@ def test_a_level_above_the_cpu_is_refused_before_any_build(
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    isa_caps, models = bench
+    isa_caps, _ = bench
+    models = importlib.import_module("models")
     monkeypatch.setattr(isa_caps, "cpu_isa", lambda: "avx2")
     monkeypatch.setattr(models, "build_llama_cpp", pytest.fail)
 
