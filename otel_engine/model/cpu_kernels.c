@@ -1195,12 +1195,12 @@ __attribute__((unused)) static void dequantize_row(int64_t type, const uint8_t *
  * Q5_K's unsigned q as stored) and never stored, once for up to Q8_ROWS_MAX rows of x
  * (`q8_row_f32`).
  *   Q4_0, Q4_1, Q8_0 (`q8_block_f32`): the exact int32 dot of the two int8 vectors, times the
- *       W scale and the x scale, summed in float32; Q4_1's m times the exact float32 sum of x
+ *       W scale and the x scale, summed in float32; Q4_1's m times the float32 sum of x
  *       over the 32.
  *   K-quants (`kquant_block_f32`): per group the pair sums of q * x (vpmaddubsw) times the
  *       group's integer scale (vpmaddwd; Q6_K's two per 16, one to each half), summed in int32
  *       over the block (exact), then times d and x's scale in float32; Q4_K and Q5_K's
- *       offsets, -dmin * m per 32, times the exact float32 sums of x per 32.
+ *       offsets, -dmin * m per 32, times the float32 sums of x per 32.
  *
  * One portable driver (`quant_linear_q8_f32`: quantizing x, the loops and threads; the
  * decoding in 256-bit integer steps, which every level from AVX2 up has) and one micro-kernel
@@ -1325,22 +1325,41 @@ static int64_t scales_per_32(int64_t type) { return type == GGML_Q6_K ? 2 : 1; }
 
 /* x [rows, k] as int8 per group of `group` values (32, or a K-quant block's 256: ggml's Q8_0
  * and Q8_K): q[i] = x[i] / d rounded to nearest even, d = max |x| / 127, one d per group;
- * and the exact float32 sums of x per 32 (the offsets' factor). */
+ * and, where `sums` is given, the float32 sums of x per 32 (the offsets' factor). */
 static void quantize_rows_q8(const float *restrict x, int64_t values, int64_t group,
                              int8_t *restrict q, float *restrict scale, float *restrict sums) {
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     for (int64_t g = 0; g < values / group; g++) {
         const float *xg = x + g * group;
-        float amax = 0.0f;
-        for (int64_t i = 0; i < group; i++) amax = fmaxf(amax, fabsf(xg[i]));
+        __m256 top = _mm256_setzero_ps();
+        for (int64_t i = 0; i < group; i += 8) /* a NaN is passed over, as by fmaxf */
+            top = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(xg + i), magnitude), top);
+        const __m128 half = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+        const __m128 pairs = _mm_max_ps(half, _mm_movehl_ps(half, half));
+        const float amax = _mm_cvtss_f32(_mm_max_ss(pairs, _mm_shuffle_ps(pairs, pairs, 1)));
         const float d = amax / 127.0f, inverse = d > 0.0f ? 1.0f / d : 0.0f;
-        for (int64_t i = 0; i < group; i++) /* clamped: NaN and rounding stay in range */
-            q[g * group + i] = (int8_t)rintf(fminf(fmaxf(xg[i] * inverse, -127.0f), 127.0f));
+        for (int64_t i = 0; i < group; i += 32) { /* clamped: NaN and rounding stay in range */
+            __m256i lanes[4];
+            for (int j = 0; j < 4; j++) {
+                const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(xg + i + 8 * j), _mm256_set1_ps(inverse));
+                const __m256 clamped = _mm256_min_ps(_mm256_max_ps(v, _mm256_set1_ps(-127.0f)), _mm256_set1_ps(127.0f));
+                lanes[j] = _mm256_cvtps_epi32(_mm256_round_ps(clamped, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            }
+            /* packs interleave 128-bit halves: vpermd puts the 32 bytes back in order */
+            const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(lanes[0], lanes[1]),
+                                                     _mm256_packs_epi32(lanes[2], lanes[3]));
+            _mm256_storeu_si256((__m256i *)(q + g * group + i),
+                                _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+        }
         scale[g] = d;
     }
-    for (int64_t g = 0; g < values / Q8_X_GROUP; g++) {
-        float sum = 0.0f;
-        for (int i = 0; i < Q8_X_GROUP; i++) sum += x[g * Q8_X_GROUP + i];
-        sums[g] = sum;
+    for (int64_t g = 0; sums && g < values / Q8_X_GROUP; g++) {
+        const float *xg = x + g * Q8_X_GROUP;
+        const __m256 total = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(xg), _mm256_loadu_ps(xg + 8)),
+                                           _mm256_add_ps(_mm256_loadu_ps(xg + 16), _mm256_loadu_ps(xg + 24)));
+        const __m128 half = _mm_add_ps(_mm256_castps256_ps128(total), _mm256_extractf128_ps(total, 1));
+        const __m128 pairs = _mm_add_ps(half, _mm_movehl_ps(half, half));
+        sums[g] = _mm_cvtss_f32(_mm_add_ss(pairs, _mm_shuffle_ps(pairs, pairs, 1)));
     }
 }
 
@@ -1573,7 +1592,7 @@ int quant_linear_q8_f32(float *restrict out, const float *restrict x, const uint
         free(x_sums);
         return failed(STATUS_NO_MEMORY, "malloc of x quantized to 8 bits");
     }
-    quantize_rows_q8(x, rows * k, x_group, xq, x_scale, x_sums);
+    quantize_rows_q8(x, rows * k, x_group, xq, x_scale, has_offsets(type) ? x_sums : NULL);
     const q8_row_fn run = q8_row_of(type);
     _Pragma("omp parallel for schedule(static) if (n > 16)")
     for (int64_t j = 0; j < n; j++)
