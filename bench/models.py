@@ -45,7 +45,7 @@ selected dtype (`kernels.selected`). Each stream count's table row has "decode G
 bytes / TPOT median) and "of peak" (that / the peak); for otel-engine its own count from
 `/metrics` (`otel_engine_decode_bandwidth_bytes_per_second` and `_ratio`, its last second of
 decode-only steps) is scraped right after each stream count and printed in its log line.
-`--json` keeps all of it.
+The tables at the end: bench/models_summary.py. `--json` keeps all of it.
 Random weights make the text meaningless; the work per token is that of the real model
 (smollm2-135m has its real weights; its prompts are random tokens of its own vocabulary too).
 Prints numbers only; nothing is asserted.
@@ -81,14 +81,10 @@ from decode_reads import (
     DTYPE_BYTES,
     DecodeReads,
     bandwidth_text,
-    counting_note,
     decode_bandwidth,
     engine_bandwidth,
-    gbps,
     kv_dtype,
     measure_peak,
-    pct,
-    peak_text,
 )
 from isa_caps import Level, reported_features, runnable
 from llama_cpp_tools import (
@@ -98,6 +94,7 @@ from llama_cpp_tools import (
     llama_cpp_options,
     llama_cpp_system_info,
 )
+from models_summary import caps_text, print_summary
 from shapes import FORMATS, PACKAGED, SHAPES, SYNTHESIZED, ModelShape
 
 from otel_engine.config import DTYPES
@@ -105,7 +102,6 @@ from otel_engine.model.kernels import ISA_LEVELS, cpu_isa
 
 SEED = 1234
 PREFILL_SEED_OFFSET = 10_000
-CONTENDED_CORES = 0.25  # CPU cores taken by other processes beyond which a number is suspect
 KV_BLOCK_TOKENS = 16  # otel-engine's --block-size here
 ENGINES = ("otel-engine", "llama.cpp")
 
@@ -297,16 +293,12 @@ def level_report(args: argparse.Namespace, bin_dir: Path) -> dict[str, Any]:
     ggml_on = [key for key, value in ggml.items() if value == "ON"]
     print(
         f"[isa] level {report['isa']} (this CPU: {report['cpu_isa']})\n"
-        f"[isa] otel-engine: caps {_caps_text(report)}; --dtype {args.dtype}\n"
+        f"[isa] otel-engine: caps {caps_text(report)}; --dtype {args.dtype}\n"
         f"[isa] llama.cpp: {bin_dir.parent}, cmake ON: {' '.join(ggml_on) or 'none'}; "
         f"reports {' '.join(report['llama_cpp']['features']) or '(no system_info line)'}",
         flush=True,
     )
     return report
-
-
-def _caps_text(report: dict[str, Any]) -> str:
-    return " ".join(f"{k}={v}" for k, v in report["otel_engine"]["caps"].items()) or "none"
 
 
 def describe_selected(selected: dict[str, Any]) -> str:
@@ -316,99 +308,6 @@ def describe_selected(selected: dict[str, Any]) -> str:
     return (
         f"{selected['dtype']} ({selected['dtype_reason']}), CPU level {selected['cpu_isa']}, "
         f"kernels built for {selected['kernel_isa'] or 'none'}"
-    )
-
-
-def _ran_as(run: dict[str, Any], report: dict[str, Any]) -> str:
-    """The table's short form of how an engine ran: otel-engine's dtype and kernels build,
-    llama.cpp's build."""
-    if run["engine"] == "llama.cpp":
-        return Path(report["llama_cpp"]["build_dir"]).name
-    selected = run.get("selected") or {}
-    return f"{selected.get('dtype', '?')}, kernels {selected.get('kernel_isa') or 'off'}"
-
-
-def _cores(cores: dict[str, float]) -> str:
-    """CPU cores the server and client used / other processes took."""
-    return f"{cores['server'] + cores['client']:.2f} / {cores['other']:.2f}"
-
-
-def _flag(cores: dict[str, float] | None) -> str:
-    return "*" if cores and cores.get("other", 0.0) > CONTENDED_CORES else ""
-
-
-def print_markdown(headers: list[str], rows: list[list[str]]) -> None:
-    print("| " + " | ".join(headers) + " |")
-    print("|" + "---|" * len(headers))
-    for row in rows:
-        print("| " + " | ".join(row) + " |")
-
-
-def print_summary(report: dict[str, Any]) -> None:
-    print(
-        f"\n== level {report['isa']} (this CPU: {report['cpu_isa']}); otel-engine caps: "
-        f"{_caps_text(report)}; "
-        f"llama.cpp {Path(report['llama_cpp']['build_dir']).name} reports: "
-        f"{' '.join(report['llama_cpp']['features'])}"
-    )
-    print(
-        f"== {report['cpu_count']} CPUs, prompt {report['prompt_tokens']} + output "
-        f"{report['max_tokens']} tokens (greedy, ignore_eos), prefill {report['prefill_tokens']} "
-        f"tokens at batch 1, KV {report['context_per_stream']} tokens per stream; CPU busy "
-        f"before start {report['cpu_busy_before_pct']:.0f}%"
-    )
-    print(f"== {peak_text(report.get('peak_read_bandwidth'))}\n")
-    headers = [
-        "shape", "format", "GiB", "engine", "ran as", "start s", "streams", "tok/s", "TTFT p50 ms",
-        "TTFT p90 ms", "TPOT p50 ms", "decode GB/s", "of peak", "peak RSS core MB",
-        "peak RSS tree MB", "cores / other",
-    ]  # fmt: skip
-    rows, prefill_rows = [], []
-    for run in report["runs"]:
-        common = [run["shape"], run["format"], fmt(run["file_gib"], 2), run["engine"]]
-        if "error" in run and not run["levels"]:
-            rows.append([*common, "-", "-", "-", f"failed: {run['error'][:80]}", *["-"] * 8])
-        for level in run["levels"]:
-            rows.append(
-                [
-                    *common,
-                    _ran_as(run, report),
-                    fmt(run.get("startup_s")),
-                    str(level["concurrency"]),
-                    fmt(level["tok_s"]) + _flag(level["cpu_cores"]),
-                    fmt(level["ttft_median_ms"], 0),
-                    fmt(level["ttft_p90_ms"], 0),
-                    fmt(level["tpot_median_ms"]),
-                    gbps(level.get("decode_bytes_per_second")),
-                    pct(level.get("decode_of_peak")),
-                    fmt(level["peak_rss_core_mb"], 0),
-                    fmt(level["peak_rss_tree_mb"], 0),
-                    _cores(level["cpu_cores"]),
-                ]
-            )
-        if prefill := run.get("prefill"):
-            prefill_rows.append(
-                [
-                    *common,
-                    fmt(prefill["ttft_median_ms"], 0),
-                    fmt(prefill["prefill_tok_s"]) + _flag(prefill["cpu_cores"]),
-                    _cores(prefill["cpu_cores"]),
-                ]
-            )
-    print_markdown(headers, rows)
-    if prefill_rows:
-        print(f"\nPrompt processing, {report['prefill_tokens']} tokens at batch 1:\n")
-        print_markdown(
-            ["shape", "format", "GiB", "engine", "TTFT ms", "prefill tok/s", "cores / other"],
-            prefill_rows,
-        )
-    flagged = any("*" in cell for row in rows + prefill_rows for cell in row)
-    if flagged:
-        print(f"\n* other processes took more than {CONTENDED_CORES} CPU cores: too low, rerun.")
-    print("\n" + counting_note(report.get("mean_decode_context")))
-    print(
-        "\nRSS: the sum of each process's peak; llama-server's includes the pages of the "
-        "mmapped model file that it touched."
     )
 
 
