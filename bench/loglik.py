@@ -352,7 +352,9 @@ def main() -> None:
     }
     print(f"[isa] CPU level {report['isa']} (this CPU: {report['cpu_isa']}); caps: {in_force}")
     tokenizer = load_tokenizer(model_dir)
-    prefix = int(tokenizer.eos_token_id)
+    prefix = tokenizer.eos_token_id
+    if prefix is None:
+        raise ValueError("the tokenizer has no EOS token to prefix the texts with")
     prompts = [[prefix, *text] for text in select_texts(tokenizer, args.num_texts, args.tokens)]
     start = time.perf_counter()
     reference = reference_scores(model_dir, prompts)
