@@ -265,7 +265,8 @@ def test_default_model_knows_the_capital_of_france() -> None:
 
 def _unseeded_outputs(model_dir: str, prompts: list[list[int]], **options: Any) -> list[list[int]]:
     params = SamplingParams(max_tokens=12, ignore_eos=True, **SAMPLED)
-    with LLM(model_dir, **options) as engine:
+    # 64 blocks hold the model's whole context: the default 1 GiB takes seconds to set up
+    with LLM(model_dir, num_kv_blocks=64, **options) as engine:
         return [list(o.outputs[0].token_ids) for o in engine.generate(prompts, params)]
 
 
