@@ -5,7 +5,7 @@ torch's matmul (model/quant.py), in ms per call. `--dtype float32`: a float32 mo
 the 8-bit kernel (`quant_linear_q8_f32`, any build from AVX2 up) and float32 tiles.
 
     .venv/bin/python bench/quant_matmul.py [--formats Q4_K,Q6_K,Q8_0,Q4_0] [--rows 1,4,8,16,32]
-        [--shape 14336x4096] [--dtype bfloat16|float32]
+        [--shape 14336x4096] [--dtype bfloat16|float32] [--clock wall|cpu]
 
 Under a level's caps (bench/isa_caps.py: `ATEN_CPU_CAPABILITY`, `ONEDNN_MAX_CPU_ISA`,
 `OTEL_ENGINE_KERNEL_ISA`) it measures that level.
@@ -36,15 +36,19 @@ from tests.helpers.gguf_blocks import random_blocks
 COPIES_BYTES = 2e9
 
 
-def _median_ms(call: Callable[[QuantWeight], object], weights: list[QuantWeight]) -> float:
+def _median_ms(
+    call: Callable[[QuantWeight], object],
+    weights: list[QuantWeight],
+    clock: Callable[[], float] = time.perf_counter,
+) -> float:
     """ms per call over every copy, the median of 3 passes (after one warm-up call)."""
     call(weights[0])
     passes = []
     for _ in range(3):
-        start = time.perf_counter()
+        start = clock()
         for weight in weights:
             call(weight)
-        passes.append((time.perf_counter() - start) / len(weights) * 1e3)
+        passes.append((clock() - start) / len(weights) * 1e3)
     return sorted(passes)[1]
 
 
@@ -54,7 +58,15 @@ def main() -> None:
     parser.add_argument("--rows", default="1,4,8,16,32")
     parser.add_argument("--shape", default="14336x4096", help="rows x columns of the matrix")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument(
+        "--clock",
+        default="wall",
+        choices=("wall", "cpu"),
+        help="cpu: this process's CPU time (all its threads), not disturbed by other processes "
+        "taking turns on the cores (their share of memory bandwidth still counts)",
+    )
     args = parser.parse_args()
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     library = kernels.load()
     dtype = getattr(torch, args.dtype)
     if dtype == torch.float32:
@@ -71,7 +83,8 @@ def main() -> None:
     n, k = (int(v) for v in args.shape.split("x"))
     print(
         f"{n} x {k} matrix, {args.dtype}, kernels built for {library.isa}, "
-        f"{torch.get_num_threads()} threads, ms per call (median of 3 passes over the copies)"
+        f"{torch.get_num_threads()} threads, {args.clock} ms per call (median of 3 passes over "
+        "the copies)"
     )
     if dtype == torch.bfloat16 and library.has("quant_linear_amx_bf16") and library.amx_ready():
         fused.append(library.quant_linear_amx_bf16)
@@ -89,8 +102,10 @@ def main() -> None:
         for rows in (int(r) for r in args.rows.split(",")):
             x = torch.randn(rows, k).to(dtype)
             ways = [QuantLinear(f, dequantize, dtype=dtype) for f in fused]
-            times = [_median_ms(functools.partial(_fused, way, x), weights) for way in ways]
-            times.append(_median_ms(functools.partial(ways[0].tiles, x), weights))
+            times = [
+                _median_ms(functools.partial(_fused, way, x), weights, clock) for way in ways
+            ]
+            times.append(_median_ms(functools.partial(ways[0].tiles, x), weights, clock))
             cells = " | ".join(f"{t:.2f}" for t in times)
             print(f"| {name} | {rows} | {cells} |", flush=True)
         del weights

@@ -35,11 +35,13 @@ from otel_engine.model.weights import QuantTensor
 # the tiles' times beyond 16 rows (TILE_BYTES).
 QUANT_MAX_ROWS = 8
 # The same for a float32 model (`quant_linear_q8_f32`, tiles dequantized to float32).
-# Measured on a matrix of 8,192 x 2,048, AVX2 build, torch capped to AVX2, one thread, 8-bit
-# kernel / tiles, at 1 / 8 / 32 / 64 rows: Q4_0 0.80 / 8.9, 4.7 / 17.1, 17.7 / 25.5, 35.1 /
-# 34.7 ms; Q4_K 0.93 / 9.0, 5.7 / 15.2, 17.5 / 24.4, 49.4 / 33.1; Q6_K 1.7 / 9.4, 7.1 /
-# 20.2, 27.3 / 25.0, 62.9 / 39.0 (bench/quant_matmul.py --dtype float32).
-QUANT_F32_MAX_ROWS = 32
+# Measured on a matrix of 8,192 x 2,048 read from memory, AVX2 build, torch capped to AVX2,
+# one thread, CPU ms per call, 8-bit kernel / tiles, at 1 / 8 / 32 / 64 / 96 / 128 rows: Q4_0
+# 1.16 / 13.3, 5.7 / 22.8, 21.3 / 34.4, 44.2 / 44.3, 49.9 / 47.9, 77.0 / 68.0; Q4_K 0.89 /
+# 11.7, 4.2 / 19.6, 17.5 / 29.1, 35.5 / 44.4, 51.2 / 48.4, 64.1 / 59.2; Q6_K 1.37 / 11.9, 5.3 /
+# 17.2, 20.1 / 26.0, 32.4 / 37.7, 51.6 / 50.3, 75.4 / 74.3 (bench/quant_matmul.py --dtype
+# float32 --clock cpu --shape 8192x2048).
+QUANT_F32_MAX_ROWS = 64
 # bfloat16 bytes per dequantized tile: torch's matmul costs a fixed overhead per call, so
 # fewer, larger tiles win. A Q4_K matrix of 16,384 x 2,048 at 16 / 64 / 512 rows: 256 KiB
 # tiles 12.3 / 23.2 / 70.8 ms, 1 MiB 9.9 / 18.9 / 44.2, 4 MiB 9.1 / 12.4 / 30.5, 16 MiB
