@@ -89,5 +89,5 @@ def test_tensor_parallel_processes_logits_the_same(
     options["logit_bias"] = ((eos_id, 5.0), (3, -100.0))
     expected = greedy(llm, prompts, **options)
 
-    with LLM(tiny_model_dir, dtype="float32", tensor_parallel_size=2) as tp2:
+    with LLM(tiny_model_dir, dtype="float32", tensor_parallel_size=2, num_kv_blocks=256) as tp2:
         assert expected == greedy(tp2, prompts, **options)

@@ -43,7 +43,7 @@ def test_logprobs_equal_transformers_log_softmax(
         logprobs=0,
         frequency_penalty=1.0,
     )
-    with LLM(tiny_model_dir, dtype="float32", tensor_parallel_size=tp) as llm:
+    with LLM(tiny_model_dir, dtype="float32", tensor_parallel_size=tp, num_kv_blocks=256) as llm:
         outputs = llm.generate(prompts, greedy) + llm.generate(prompts, sampled)
 
     num_top = [TOP] * len(prompts) + [0] * len(prompts)
@@ -92,7 +92,11 @@ def test_prompt_logprobs_equal_transformers_in_chunks_and_skip_the_cache(
     prompt = tiny_prompts[-1]
     params = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=3)
     with LLM(
-        tiny_model_dir, dtype="float32", tensor_parallel_size=tp, max_num_batched_tokens=24
+        tiny_model_dir,
+        dtype="float32",
+        tensor_parallel_size=tp,
+        max_num_batched_tokens=24,
+        num_kv_blocks=256,
     ) as llm:
         llm.generate([prompt], SamplingParams(max_tokens=1))  # the prompt is now cached
         [output] = llm.generate([prompt], params)

@@ -74,7 +74,7 @@ def test_multiprocess_llm_shutdown_reaps_the_engine_core(
     tiny_model_dir: str, new_children: Children
 ) -> None:
     """LLM(multiprocess=True).shutdown() ends otel-engine-core promptly."""
-    llm = LLM(tiny_model_dir, multiprocess=True)
+    llm = LLM(tiny_model_dir, multiprocess=True, num_kv_blocks=64)
     llm.generate([[5, 6, 7]], GREEDY)
     children = new_children()
     assert "otel-engine-core" in _names(children)
@@ -89,7 +89,7 @@ def test_tensor_parallel_llm_shutdown_reaps_the_workers(
     tiny_model_dir: str, new_children: Children
 ) -> None:
     """LLM(tensor_parallel_size=2).shutdown() ends both worker processes promptly."""
-    llm = LLM(tiny_model_dir, tensor_parallel_size=2)
+    llm = LLM(tiny_model_dir, tensor_parallel_size=2, num_kv_blocks=64)
     llm.generate([[5, 6, 7]], GREEDY)
     children = new_children()
     assert {"otel-worker-0", "otel-worker-1"} <= _names(children)
@@ -104,7 +104,7 @@ def test_async_llm_shutdown_reaps_every_process(
     tiny_model_dir: str, new_children: Children
 ) -> None:
     """AsyncLLM at TP=2 (engine core and two workers) leaves nothing after shutdown()."""
-    engine = AsyncLLM(tiny_model_dir, tensor_parallel_size=2)
+    engine = AsyncLLM(tiny_model_dir, tensor_parallel_size=2, num_kv_blocks=64)
 
     async def one() -> None:
         async for _ in engine.generate([5, 6, 7], GREEDY, "only"):
@@ -125,7 +125,7 @@ def test_context_manager_exit_reaps_children(tiny_model_dir: str, new_children: 
     children: list[psutil.Process] = []
 
     def use_and_fail() -> None:
-        with LLM(tiny_model_dir, multiprocess=True) as llm:
+        with LLM(tiny_model_dir, multiprocess=True, num_kv_blocks=64) as llm:
             llm.generate([[5, 6, 7]], GREEDY)
             children.extend(new_children())
             raise KeyError("leave the block with an error")
@@ -139,7 +139,7 @@ def test_context_manager_exit_reaps_children(tiny_model_dir: str, new_children: 
 
 def test_garbage_collected_llm_reaps_children(tiny_model_dir: str, new_children: Children) -> None:
     """An LLM dropped without shutdown() stops its processes when it is collected."""
-    llm = LLM(tiny_model_dir, multiprocess=True)
+    llm = LLM(tiny_model_dir, multiprocess=True, num_kv_blocks=64)
     llm.generate([[5, 6, 7]], GREEDY)
     children = new_children()
     assert children
@@ -194,7 +194,7 @@ def test_worker_fault_raises_engine_dead_and_reaps(
     """OTEL_ENGINE_FAULT=worker:raise:step=2 in the engine core process: generate raises
     EngineDeadError naming the cause type, and the engine core is gone."""
     monkeypatch.setenv("OTEL_ENGINE_FAULT", "worker:raise:step=2")
-    llm = LLM(tiny_model_dir, multiprocess=True)
+    llm = LLM(tiny_model_dir, multiprocess=True, num_kv_blocks=64)
     children = new_children()
     assert children
 

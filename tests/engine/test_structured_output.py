@@ -351,7 +351,7 @@ def test_tensor_parallel_writes_the_same_json(
     TP=1 JSON (float32)."""
     params = _structured(schema_format(BOUNDED), max_tokens=250, temperature=0.0)
     one = llm.generate(tiny_prompts[:4], params)
-    with LLM(tiny_model_dir, dtype="float32", tensor_parallel_size=2) as tp2:
+    with LLM(tiny_model_dir, dtype="float32", tensor_parallel_size=2, num_kv_blocks=256) as tp2:
         two = tp2.generate(tiny_prompts[:4], params)
 
     assert [o.outputs[0].token_ids for o in two] == [o.outputs[0].token_ids for o in one]

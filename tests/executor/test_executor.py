@@ -18,7 +18,7 @@ def test_a_result_for_another_step_is_a_typed_failure_naming_both_steps(
     """A worker result for a step the core is not waiting for (a protocol desync) fails
     the engine at once with StepMismatch naming both step ids, instead of being dropped
     while the core waits for a result that never comes."""
-    llm = LLM(tiny_model_dir, tensor_parallel_size=2)
+    llm = LLM(tiny_model_dir, tensor_parallel_size=2, num_kv_blocks=64)
     try:
         client = llm._frontend.client
         assert isinstance(client, InprocClient)
