@@ -304,7 +304,7 @@ def _mapping_of(address: int) -> str:
 
 
 def _greedy(model: str, int4: str, tp: int) -> tuple[list[list[int]], list[dict[int, float]]]:
-    with LLM(model=model, dtype="bfloat16", int4=int4, tensor_parallel_size=tp) as llm:
+    with LLM(model, dtype="bfloat16", int4=int4, tensor_parallel_size=tp, num_kv_blocks=256) as llm:
         client = llm._frontend.client
         runner = getattr(client.core.executor, "runner", None)  # type: ignore[union-attr]
         if isinstance(client, InprocClient) and runner is not None:  # one rank, in process
