@@ -31,6 +31,7 @@ from otel_engine.model import kernels
 from tests.helpers.isa import QEMU_CPU, QEMU_ISA, require_qemu
 from tests.helpers.paths import REPO_ROOT
 from tests.helpers.procs import ServerProcess
+from tests.helpers.tiny_model import write_tiny_gguf
 
 pytestmark = pytest.mark.slow  # starts engines under an emulator
 
@@ -41,28 +42,44 @@ NUM_TOKENS = 16
 # second prompt) their greedy picks may differ.
 NEAR_TIE = 0.5
 # Both paths of both dtypes in one emulated interpreter (importing torch there takes ~20 s):
-# stdout gets {"<dtype> <kernels>": [[token ids, top-5 log-probs per token] per prompt]},
-# and before each engine a `run.start` log line says which engine the next lines are from.
+# bfloat16 on the HF checkpoint, float32 on a GGUF file of its shape in GGUF blocks (so
+# that float32 `auto` runs the AVX2 layer kernels and the 8-bit GGUF matmul). stdout gets
+# {"<dtype> <kernels>": [[token ids, top-5 log-probs per token] per prompt]}, and before each
+# engine a `run.start` log line says which engine the next lines are from. argv: the HF
+# directory, the GGUF file, the prompts, the tokens, and the runs (all four by default).
 GENERATE = """
 import json, logging, sys
 from otel_engine import LLM, SamplingParams
 from otel_engine.observability.logging import configure_logging
 
 configure_logging(role="emulated", fmt="json")
-model, prompts, num_tokens = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+models = {"bfloat16": sys.argv[1], "float32": sys.argv[2]}
+prompts, num_tokens = json.loads(sys.argv[3]), int(sys.argv[4])
+wanted = json.loads(sys.argv[5]) if len(sys.argv) > 5 else None
 params = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True, logprobs=5)
 runs = {}
 for dtype in ("bfloat16", "float32"):
     for choice in ("auto", "torch"):
-        logging.getLogger("emulated").info("run.start", extra={"run": f"{dtype} {choice}"})
-        with LLM(model, dtype=dtype, kernels=choice, num_kv_blocks=64) as llm:
+        run = f"{dtype} {choice}"
+        if wanted is not None and run not in wanted:
+            continue
+        logging.getLogger("emulated").info("run.start", extra={"run": run})
+        with LLM(models[dtype], dtype=dtype, kernels=choice, num_kv_blocks=64) as llm:
             outputs = [o.outputs[0] for o in llm.generate(prompts, params)]
-        runs[f"{dtype} {choice}"] = [
+        runs[run] = [
             [list(o.token_ids), [dict(zip(p.top_token_ids, p.top_logprobs)) for p in o.logprobs]]
             for o in outputs
         ]
 print(json.dumps(runs))
 """
+# the tiny model's matrices (64 and 128 wide: whole 32-weight blocks) in three formats
+LAYER_FORMATS = {
+    **dict.fromkeys(("q_proj", "k_proj", "o_proj", "gate_proj"), "Q4_0"),
+    "up_proj": "Q4_1",
+    **dict.fromkeys(("v_proj", "down_proj"), "Q8_0"),
+}
+# AVX2 caps on this CPU: torch's, oneDNN's and the kernels' (bench/isa_caps.py's avx2)
+AVX2_CAPS = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", kernels.ISA_ENV: "avx2"}
 
 
 @pytest.fixture(scope="module")
@@ -104,12 +121,17 @@ def json_records(text: str) -> list[dict[str, Any]]:
     return records
 
 
-def assert_emulated_selection(record: dict[str, Any]) -> None:
-    """A `kernels.selected` record of an engine that saw the emulated CPU."""
+def assert_emulated_selection(record: dict[str, Any], kernels_flag: str = "auto") -> None:
+    """A `kernels.selected` record of an engine that saw the emulated CPU: with `--kernels
+    auto` the AVX2 build's layer kernels on (both dtypes), with `torch` none."""
     assert record["cpu_isa"] == QEMU_ISA
-    assert record["kernel_isa"] in (None, QEMU_ISA)
     paths = record["paths"]
-    assert paths["compiled_kernels"]["enabled"] == (record["kernel_isa"] is not None)
+    if kernels_flag == "auto":
+        assert record["kernel_isa"] == QEMU_ISA
+        assert paths["compiled_kernels"] == {"enabled": True, "reason": f"built for {QEMU_ISA}"}
+    else:
+        assert record["kernel_isa"] is None
+        assert paths["compiled_kernels"]["enabled"] is False
     for name in ("int4_kernels", "prefill_kernel", "decoder_stack"):
         assert paths[name]["enabled"] is False, (name, paths[name])
 
@@ -126,39 +148,77 @@ def assert_same_until_a_near_tie(fast: list[Any], reference: list[Any]) -> None:
             return
 
 
-def test_generate_under_emulation_gives_the_torch_ops_tokens(
-    emulated_python: Path, native_build: kernels.KernelLibrary, tiny_model_dir: str
-) -> None:
-    """On a CPU without AVX-512 the engine detects AVX2, loads no AVX-512 build from the
-    shared cache, and with the paths it selects gives the greedy tokens of torch ops:
-    the same in float32; in bfloat16 the same up to a near-tie."""
-    command = [str(emulated_python), "-c", GENERATE, tiny_model_dir, json.dumps(PROMPTS)]
-    result = subprocess.run(
-        [*command, str(NUM_TOKENS)],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
-
-    assert result.returncode == 0, result.stderr[-4000:]
-    runs = json.loads(result.stdout)
-    tokens = {run: [ids for ids, _ in outputs] for run, outputs in runs.items()}
-    assert tokens["float32 torch"] == tokens["float32 auto"]
-    for fast, reference in zip(runs["bfloat16 auto"], runs["bfloat16 torch"], strict=True):
-        assert_same_until_a_near_tie(fast, reference)
+def selected_by_run(stderr: str) -> dict[str, dict[str, Any]]:
+    """Each run's `kernels.selected` record, from GENERATE's log."""
     selected: dict[str, dict[str, Any]] = {}
     run = None
-    for record in json_records(result.stderr):
+    for record in json_records(stderr):
         if record["event"] == "run.start":
             run = record["run"]
         elif record["event"] == "kernels.selected":
             assert run is not None
             selected[run] = record
+    return selected
+
+
+def run_generate(
+    python: list[str],
+    models: list[str],
+    runs: list[str] | None = None,
+    env: dict[str, str] | None = None,
+) -> tuple[dict[str, Any], str]:
+    """GENERATE under `python` (emulated or this interpreter): its runs and its log."""
+    command = [*python, "-c", GENERATE, *models, json.dumps(PROMPTS), str(NUM_TOKENS)]
+    result = subprocess.run(
+        [*command, *([json.dumps(runs)] if runs is not None else [])],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=240, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    return json.loads(result.stdout.splitlines()[-1]), result.stderr
+
+
+def max_logprob_difference(one: list[Any], other: list[Any]) -> float:
+    """The largest difference between two runs' top-5 log-probs of the same tokens."""
+    worst = 0.0
+    for (_, tops), (_, other_tops) in zip(one, other, strict=True):
+        for top, other_top in zip(tops, other_tops, strict=True):
+            assert top.keys() == other_top.keys()
+            worst = max(worst, *(abs(top[t] - other_top[t]) for t in top))
+    return worst
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The tiny model's shape as a GGUF file of Q4_0, Q4_1 and Q8_0 blocks (random weights)."""
+    path = tmp_path_factory.mktemp("tiny-gguf") / "tiny-blocks.gguf"
+    return write_tiny_gguf(tiny_model_dir, path, "llama", quant=LAYER_FORMATS)
+
+
+def test_generate_under_emulation_runs_the_avx2_kernels(
+    emulated_python: Path, native_build: kernels.KernelLibrary, tiny_model_dir: str,
+    tiny_gguf: str,
+) -> None:  # fmt: skip
+    """On a CPU without AVX-512 the engine detects AVX2, loads no AVX-512 build from the
+    shared cache, and really runs the AVX2 build: float32 on a GGUF file (its layer kernels
+    and 8-bit matmul) gives, bit for bit, the log-probs of this CPU capped to AVX2, which torch
+    ops do not give; its greedy tokens are torch ops' up to a near-tie, as in bfloat16."""
+    models = [tiny_model_dir, tiny_gguf]
+    runs, log = run_generate([str(emulated_python)], models)
+    native, native_log = run_generate(
+        [sys.executable], models, ["float32 auto"], env={**os.environ, **AVX2_CAPS}
+    )
+
+    assert native["float32 auto"] == runs["float32 auto"]  # the same bits, token ids and all
+    assert max_logprob_difference(runs["float32 auto"], runs["float32 torch"]) > 1e-5
+    for dtype in ("float32", "bfloat16"):
+        for fast, reference in zip(runs[f"{dtype} auto"], runs[f"{dtype} torch"], strict=True):
+            assert_same_until_a_near_tie(fast, reference)
+    selected = selected_by_run(log)
     assert set(selected) == set(runs)
-    for record in selected.values():
-        assert_emulated_selection(record)
+    for run, record in selected.items():
+        assert_emulated_selection(record, run.split()[1])
+    assert selected["float32 auto"]["paths"]["quant_kernels"]["enabled"] is True
+    assert selected_by_run(native_log)["float32 auto"]["kernel_isa"] == QEMU_ISA
     assert native_build.path.exists()  # neither loaded nor replaced by the emulated engines
 
 
