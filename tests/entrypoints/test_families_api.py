@@ -24,7 +24,7 @@ def family_served(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[tuple[Served, str]]:
     model_dir = write_tiny_family(tmp_path_factory.mktemp(f"api-{request.param}"), request.param)
-    engine = AsyncLLM(model=model_dir, dtype="float32", tensor_parallel_size=2)
+    engine = AsyncLLM(model=model_dir, dtype="float32", tensor_parallel_size=2, num_kv_blocks=256)
     server = make_server(engine, drain_timeout=5)
     yield Served(server_loop.start(server), engine, server), model_dir
     server_loop.stop(server)
