@@ -27,7 +27,7 @@ def loop() -> Iterator[asyncio.AbstractEventLoop]:
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir: str) -> Iterator[AsyncLLM]:
-    with AsyncLLM(tiny_model_dir) as async_llm:
+    with AsyncLLM(tiny_model_dir, num_kv_blocks=512) as async_llm:
         yield async_llm
 
 
@@ -199,7 +199,7 @@ def test_generate_after_shutdown_raises_engine_dead(
     tiny_model_dir: str, tiny_prompts: list[list[int]]
 ) -> None:
     """A shut-down engine answers new requests with EngineDeadError at once."""
-    engine = AsyncLLM(tiny_model_dir)
+    engine = AsyncLLM(tiny_model_dir, num_kv_blocks=64)
     engine.shutdown()
 
     with pytest.raises(EngineDeadError):
@@ -212,7 +212,7 @@ def test_every_step_reaches_the_step_listeners(
     """A 120-token prompt prefilled 16 tokens a step: every one of its steps, the seven that
     only prefill included, sends its frame (step metrics see long prompts)."""
     prompt = tiny_prompts[-1]
-    engine = AsyncLLM(tiny_model_dir, max_num_batched_tokens=16)
+    engine = AsyncLLM(tiny_model_dir, max_num_batched_tokens=16, num_kv_blocks=64)
     steps: list[StepOutputs] = []
     engine.add_step_listener(steps.append)
 

@@ -21,11 +21,11 @@ def _num_fds() -> int:
 def test_engines_leave_no_file_descriptors_behind(tiny_model_dir: str) -> None:
     """Starting and shutting down multiprocess engines does not grow the fd table
     (pipes, pidfds and sockets of every child are closed)."""
-    with LLM(tiny_model_dir, multiprocess=True) as llm:
+    with LLM(tiny_model_dir, multiprocess=True, num_kv_blocks=64) as llm:
         llm.generate(["warm up"], PARAMS)
     before = _num_fds()
     for _ in range(2):
-        with LLM(tiny_model_dir, multiprocess=True) as llm:
+        with LLM(tiny_model_dir, multiprocess=True, num_kv_blocks=64) as llm:
             llm.generate(["hello"], PARAMS)
     deadline = time.monotonic() + 3.0  # background threads may still be closing sockets
     while _num_fds() > before and time.monotonic() < deadline:
@@ -36,7 +36,7 @@ def test_engines_leave_no_file_descriptors_behind(tiny_model_dir: str) -> None:
 def test_generate_after_the_engine_core_died_raises_at_once(tiny_model_dir: str) -> None:
     """Once the engine core process is gone, generate raises EngineDeadError instead of
     blocking on a socket nobody reads."""
-    llm = LLM(tiny_model_dir, multiprocess=True)
+    llm = LLM(tiny_model_dir, multiprocess=True, num_kv_blocks=64)
     try:
         core = llm._frontend.client.core
         core.kill()
@@ -54,7 +54,7 @@ def test_generate_after_the_engine_core_died_raises_at_once(tiny_model_dir: str)
 def test_a_request_that_cannot_be_sent_leaves_no_state(tiny_model_dir: str) -> None:
     """A request registered with the output processor but refused by the transport (the core
     is gone) is removed again: nothing stays in the front end."""
-    llm = LLM(tiny_model_dir, multiprocess=True)
+    llm = LLM(tiny_model_dir, multiprocess=True, num_kv_blocks=64)
     try:
         frontend = llm._frontend
         frontend.client.core.kill()
