@@ -47,6 +47,8 @@ except ImportError:  # make install installs the ray extra: CI fails instead of 
 PROMPTS = ["The engine core", "A worker on another node", "Tensor parallel ranks"]
 FAULT_STEP = 30
 DETECTION_S = 10.0  # the fault (or kill) to the last client's error
+# a crowd's 8 x 500 tokens, where the default 1 GiB takes seconds to allocate on each rank
+KV_BLOCKS = ("--num-kv-blocks", "512")
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +64,7 @@ def cluster() -> Iterator[Any]:
 def serve(
     model: str, cluster: Any, log: Path, *args: str, env: dict[str, str] | None = None
 ) -> ServerProcess:
-    return serve_on(cluster, model, log, *args, env=env)
+    return serve_on(cluster, model, log, *KV_BLOCKS, *args, env=env)
 
 
 def startup_error(server: ServerProcess) -> str:
@@ -113,10 +115,8 @@ def drill(server: ServerProcess, on_flowing: Any = None) -> list[Any]:
 def test_greedy_output_equals_the_local_executors_and_remote_spans_join_the_trace(
     tiny_model_dir: str, cluster: Any, tmp_path: Path
 ) -> None:
-    local = ServerProcess(
-        ["--model", tiny_model_dir, "--tensor-parallel-size", "2", "--dtype", "float32"],
-        log_path=tmp_path / "local.log",
-    ).start()
+    flags = ["--model", tiny_model_dir, "--tensor-parallel-size", "2", "--dtype", "float32"]
+    local = ServerProcess([*flags, *KV_BLOCKS], log_path=tmp_path / "local.log").start()
     try:
         local.wait_healthy(120)
         expected = greedy(local.base_url)
