@@ -145,8 +145,8 @@ def test_engines_leave_the_process_environment_alone(
     from otel_engine import LLM
 
     before = dict(os.environ)
-    first = LLM(tiny_model_dir, multiprocess=True, log_format="json")
-    second = LLM(tiny_model_dir, multiprocess=True, log_format="console")
+    first = LLM(tiny_model_dir, multiprocess=True, log_format="json", num_kv_blocks=64)
+    second = LLM(tiny_model_dir, multiprocess=True, log_format="console", num_kv_blocks=64)
     try:
         assert before == dict(os.environ)
         assert "json" == spawn_env(first.config)["OTEL_ENGINE_LOG_FORMAT"]

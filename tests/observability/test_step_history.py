@@ -85,7 +85,7 @@ def test_a_crash_dump_shows_the_steps_before_the_crash(
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     with (
         caplog.at_level(logging.CRITICAL),
-        LLM(tiny_model_dir, crash_history_steps=size) as llm,
+        LLM(tiny_model_dir, crash_history_steps=size, num_kv_blocks=64) as llm,
         pytest.raises(EngineDeadError),
     ):
         llm.generate(tiny_prompts[:3], params)
@@ -122,7 +122,7 @@ def test_the_history_says_what_grammar_masks_cost_each_step(
     params = SamplingParams(max_tokens=30, temperature=0.0, structured_output=structured)
     with (
         caplog.at_level(logging.CRITICAL),
-        LLM(tiny_model_dir) as llm,
+        LLM(tiny_model_dir, num_kv_blocks=64) as llm,
         pytest.raises(EngineDeadError),
     ):
         llm.generate(tiny_prompts[:1], params)
@@ -153,7 +153,7 @@ def test_crash_dump_dir_gets_the_dump_as_a_private_file(
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     with (
         caplog.at_level(logging.CRITICAL),
-        LLM(tiny_model_dir, crash_dump_dir=str(directory)) as llm,
+        LLM(tiny_model_dir, crash_dump_dir=str(directory), num_kv_blocks=64) as llm,
         pytest.raises(EngineDeadError),
     ):
         llm.generate(tiny_prompts[:2], params)
