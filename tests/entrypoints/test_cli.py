@@ -73,6 +73,8 @@ EXTRA_FLAGS = {
 # the post-mortem flags (docs/operations.md, "Reading a crash")
 POST_MORTEM_FLAGS = {"--crash-dump-dir", "--crash-history-steps"}
 PROMPTS = ["The engine schedules", "Once upon a time"]
+# the model's whole context: the default 1 GiB of KV cache takes seconds to set up
+SMALL_KV = ("--num-kv-blocks", "64")
 
 
 @pytest.fixture(autouse=True)
@@ -154,10 +156,10 @@ def test_generate_prints_each_completion(
     tiny_model_dir: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """`generate` prints the greedy completion of every prompt, in order."""
-    with LLM(model=tiny_model_dir) as llm:
+    with LLM(model=tiny_model_dir, num_kv_blocks=64) as llm:
         expected = llm.generate(PROMPTS, SamplingParams(max_tokens=6, temperature=0))
 
-    code = main(["generate", "--model", tiny_model_dir, "--max-tokens", "6", *PROMPTS])
+    code = main(["generate", "--model", tiny_model_dir, *SMALL_KV, "--max-tokens", "6", *PROMPTS])
 
     assert 0 == code
     assert "".join(o.outputs[0].text + "\n" for o in expected) == capsys.readouterr().out
@@ -169,10 +171,11 @@ def test_generate_reads_prompts_file(
     """--prompts-file gives the same output as the same prompts on the command line."""
     path = tmp_path / "prompts.txt"
     path.write_text("\n".join(PROMPTS) + "\n")
-    main(["generate", "--model", tiny_model_dir, "--max-tokens", "4", *PROMPTS])
+    base = ["generate", "--model", tiny_model_dir, *SMALL_KV, "--max-tokens", "4"]
+    main([*base, *PROMPTS])
     expected = capsys.readouterr().out
 
-    main(["generate", "--model", tiny_model_dir, "--max-tokens", "4", "--prompts-file", str(path)])
+    main([*base, "--prompts-file", str(path)])
 
     assert expected == capsys.readouterr().out
 
@@ -181,14 +184,15 @@ def test_generate_chat_applies_template(
     tiny_model_dir: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """--chat completes the chat-templated prompt (no second BOS)."""
-    with LLM(model=tiny_model_dir) as llm:
+    with LLM(model=tiny_model_dir, num_kv_blocks=64) as llm:
         text = llm.tokenizer.apply_chat_template(
             [{"role": "user", "content": PROMPTS[0]}], add_generation_prompt=True, tokenize=False
         )
         ids = llm.tokenizer.encode(text, add_special_tokens=False)
         expected = llm.generate([ids], SamplingParams(max_tokens=5, temperature=0))
 
-    main(["generate", "--model", tiny_model_dir, "--max-tokens", "5", "--chat", PROMPTS[0]])
+    base = ["generate", "--model", tiny_model_dir, *SMALL_KV, "--max-tokens", "5"]
+    main([*base, "--chat", PROMPTS[0]])
 
     assert expected[0].outputs[0].text + "\n" == capsys.readouterr().out
 
@@ -224,7 +228,9 @@ def test_serve_busy_port_exits_1_before_engine_start(tiny_model_dir: str) -> Non
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_serve_stops_cleanly_on_signal(tiny_model_dir: str, signum: int) -> None:
     """serve answers, then on SIGTERM/SIGINT exits 0 with no child left, logging its lifecycle."""
-    with ServerProcess(["--model", tiny_model_dir, "--served-model-name", "tiny"]) as server:
+    with ServerProcess(
+        ["--model", tiny_model_dir, *SMALL_KV, "--served-model-name", "tiny"]
+    ) as server:
         server.wait_healthy()
         import openai
 
