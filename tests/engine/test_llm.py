@@ -24,7 +24,7 @@ ANSWER_START = "The capital of France is"
 
 @pytest.fixture(scope="module")
 def llm(tiny_model_dir: str) -> Iterator[LLM]:
-    with LLM(tiny_model_dir) as engine:
+    with LLM(tiny_model_dir, num_kv_blocks=512) as engine:
         yield engine
 
 
@@ -183,7 +183,7 @@ def eos_case(
     """A copy of the tiny checkpoint whose EOS ids include a token that greedy decoding of
     the prompt emits at position >= 3 (and not before); yields (engine, greedy ids, position)."""
     prompt = tiny_prompts[6]
-    with LLM(tiny_model_dir) as plain:
+    with LLM(tiny_model_dir, num_kv_blocks=64) as plain:
         full = plain.generate([prompt], greedy(16))[0].outputs[0].token_ids
     position = next(i for i in range(3, 16) if full[i] not in full[:i])
     copy = Path(tmp_path_factory.mktemp("tiny-eos")) / "model"
@@ -194,7 +194,7 @@ def eos_case(
             config = json.loads(path.read_text())
             config["eos_token_id"] = [config["eos_token_id"], full[position]]
             path.write_text(json.dumps(config))
-    with LLM(str(copy)) as engine:
+    with LLM(str(copy), num_kv_blocks=64) as engine:
         yield engine, full, position
 
 
