@@ -102,9 +102,7 @@ def main() -> None:
         for rows in (int(r) for r in args.rows.split(",")):
             x = torch.randn(rows, k).to(dtype)
             ways = [QuantLinear(f, dequantize, dtype=dtype) for f in fused]
-            times = [
-                _median_ms(functools.partial(_fused, way, x), weights, clock) for way in ways
-            ]
+            times = [_median_ms(functools.partial(_fused, way, x), weights, clock) for way in ways]
             times.append(_median_ms(functools.partial(ways[0].tiles, x), weights, clock))
             cells = " | ".join(f"{t:.2f}" for t in times)
             print(f"| {name} | {rows} | {cells} |", flush=True)

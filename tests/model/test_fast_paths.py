@@ -350,7 +350,8 @@ def test_where_the_layer_kernels_cannot_run_the_build_is_loaded_for_the_8_bit_ma
     assert "loaded for quant_kernels' quant_linear_q8_f32 alone" in reason
     assert plan.is_on(Path.QUANT_KERNELS)
     assert {Form.BLOCKS} == {f for layer in plan.forms for f in layer.values()}
-    assert plan.library is not None and "avx2" == plan.kernel_isa
+    assert plan.library is not None
+    assert "avx2" == plan.kernel_isa
     assert MatrixKernels(plan).blocks._linear is plan.library.quant_linear_q8_f32
     assert isinstance(_ops(plan, 64, torch.float32), TorchOps)
 
