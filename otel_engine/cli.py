@@ -125,9 +125,10 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
         "Q5_K and Q6_K blocks in steps of up to 8 tokens: int8: quantized to 8 bits per "
         "block of 256 (K-quants) or 32 (the others) and multiplied by integer dot products "
         "(AVX-512 VNNI), as llama.cpp does (one token's pass over a layer's blocks about twice "
-        "as fast; each output's error within 2%% of its row's largest); in float32 per 32 for "
-        "every format (AVX2 and up), larger steps in float32 tiles of the file's exact "
-        "values; bfloat16 (a bfloat16 model's): multiplied as they are by the file's exact "
+        "as fast; each output's error within 2%% of its row's largest); in float32 the same "
+        "way in steps of up to 64 tokens (AVX2 and up: vpmaddubsw, or VNNI), larger steps "
+        "in float32 tiles of the file's exact values; bfloat16 (a bfloat16 model's): "
+        "multiplied as they are by the file's exact "
         "weights; float32 (a float32 model's): every GGUF matrix a dense float32 copy of the "
         "file's exact values (default: int8)",
     )
