@@ -19,7 +19,7 @@ The model, its matrices and the layer ops only read the plan.
                     (`activations`); larger ones in AMX tiles up to 48 rows where the CPU has
                     AMX (`blocks_larger` AMX), else tiles through torch's matmul. float32: x
                     in 8 bits (`activations` int8; float32: dense exact copies instead), a
-                    build from AVX2 up (where the layer kernels do not pay off, the build is
+                    build from AVX2 up (where the layer kernels are off, the build is
                     loaded for this matmul alone); larger steps in float32 tiles
   prefill_kernel    prompt attention in cpu_kernels.c (else torch's fused attention):
                     bfloat16, head size 64 or 128, a build for AVX-512 BF16; where torch's
