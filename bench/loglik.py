@@ -24,8 +24,10 @@ the loglikelihood check of lm-eval, per dtype and activation mode, at one CPU le
    and `float32-int8-steps8`, `float32-float32-steps8`, `bfloat16-steps8`: the same at 8
    tokens a step (`max_num_batched_tokens`; the last, run only when asked for, checks that
    chunking alone changes nothing).
-   A prompt's step of more rows than that multiplies GGUF blocks dequantized a tile at a
-   time (model/quant.py), so only steps of at most 8 rows, as in decode, take x in 8 bits.
+   A step of more rows than the 8-bit kernels take (model/quant.py: `QUANT_MAX_ROWS`, 8, in
+   bfloat16; `QUANT_F32_MAX_ROWS`, 64, in float32) multiplies GGUF blocks dequantized a
+   tile at a time, so a whole prompt in one step is exact; the `-steps8` modes run the 8-bit
+   path as decode steps do.
 
 Per mode it prints, over all scored tokens: mean |Δ log-prob| (nats), the difference of the
 mean log-likelihood per token (otel-engine minus transformers, nats), the max |Δ|, how often both
