@@ -34,6 +34,15 @@
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
+/* e^x for x <= 0 at every lane width (`exp_vec`): x = n ln2 + r (ln2 in two parts), e^r by
+ * Cephes' degree-6 polynomial, p(r) r^2 + r + 1, relative error about 2e-7. */
+#define EXP_LOG2E 1.44269504088896341f
+#define EXP_LN2_HI 0.693359375f
+#define EXP_LN2_LO -2.12194440e-4f
+#define EXP_TERMS 6
+static const float EXP_POLY[EXP_TERMS] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                                          4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
 #if defined(__AVX512F__)
 #define LANES 16
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -95,22 +104,17 @@ static inline void store_bf16(bf16 *p, vec v, int64_t n) {
     _mm256_mask_storeu_epi16(p, tail_mask(n), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
 #endif
 }
-/* e^x for x <= 0 (softmax, sigmoid): Cephes-style range reduction and a degree-6 polynomial,
- * relative error about 2e-7; x below -87 gives 0. */
+/* e^x for x <= 0 (softmax, sigmoid) by the EXP_ method, 2^n by vscalefps; x below -87 gives 0. */
 static inline vec exp_vec(vec x) {
-    const vec log2e = _mm512_set1_ps(1.44269504088896341f);
-    const vec ln2_hi = _mm512_set1_ps(0.693359375f), ln2_lo = _mm512_set1_ps(-2.12194440e-4f);
+    const vec log2e = _mm512_set1_ps(EXP_LOG2E);
+    const vec ln2_hi = _mm512_set1_ps(EXP_LN2_HI), ln2_lo = _mm512_set1_ps(EXP_LN2_LO);
     __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
     x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
     vec n = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT);
     vec r = _mm512_fnmadd_ps(n, ln2_hi, x);
     r = _mm512_fnmadd_ps(n, ln2_lo, r);
-    vec p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    vec p = _mm512_set1_ps(EXP_POLY[0]);
+    for (int i = 1; i < EXP_TERMS; i++) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_POLY[i]));
     p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
     return _mm512_maskz_mov_ps(~tiny, _mm512_scalef_ps(p, n));
 }
@@ -171,22 +175,18 @@ static inline void store_bf16(bf16 *p, vec v, int64_t n) {
         memcpy(p, part, (size_t)n * sizeof(bf16));
     }
 }
-/* e^x for x <= 0 (softmax, sigmoid): exp_vec's method at 8 lanes, 2^n built in the exponent
+/* e^x for x <= 0 (softmax, sigmoid) by the EXP_ method at 8 lanes, 2^n built in the exponent
  * bits (n >= -126 for x >= -87); x below -87 gives 0. */
 static inline vec exp_vec(vec x) {
-    const vec log2e = _mm256_set1_ps(1.44269504088896341f);
-    const vec ln2_hi = _mm256_set1_ps(0.693359375f), ln2_lo = _mm256_set1_ps(-2.12194440e-4f);
+    const vec log2e = _mm256_set1_ps(EXP_LOG2E);
+    const vec ln2_hi = _mm256_set1_ps(EXP_LN2_HI), ln2_lo = _mm256_set1_ps(EXP_LN2_LO);
     const vec tiny = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);
     x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
     const vec n = _mm256_round_ps(_mm256_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     vec r = _mm256_fnmadd_ps(n, ln2_hi, x);
     r = _mm256_fnmadd_ps(n, ln2_lo, r);
-    vec p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    vec p = _mm256_set1_ps(EXP_POLY[0]);
+    for (int i = 1; i < EXP_TERMS; i++) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_POLY[i]));
     p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
     const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_andnot_ps(tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(two_n)));
