@@ -33,6 +33,11 @@
 
 #ifdef __AVX2__
 #include <immintrin.h>
+/* the sum of a 256-bit vector's 8 floats (every level from AVX2 up) */
+static inline float hsum256(__m256 v) {
+    const __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    return _mm_cvtss_f32(_mm_hadd_ps(_mm_hadd_ps(m, m), _mm_hadd_ps(m, m)));
+}
 #endif
 /* e^x for x <= 0 at every lane width (`exp_vec`): x = n ln2 + r (ln2 in two parts), e^r by
  * Cephes' degree-6 polynomial, p(r) r^2 + r + 1, relative error about 2e-7. */
@@ -195,17 +200,12 @@ static inline vec exp_vec(vec x) {
 static inline vec keep(vec x, int64_t n) {
     return n >= 8 ? x : _mm256_and_ps(x, _mm256_castsi256_ps(tail_mask(n)));
 }
-static inline float hsum8(vec a) {
-    const __m128 half = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    const __m128 pairs = _mm_add_ps(half, _mm_movehl_ps(half, half));
-    return _mm_cvtss_f32(_mm_add_ss(pairs, _mm_shuffle_ps(pairs, pairs, 1)));
-}
 #define ZERO() _mm256_setzero_ps()
 #define ADD(a, b) _mm256_add_ps(a, b)
 #define MUL(a, b) _mm256_mul_ps(a, b)
 #define FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
 #define SET(x) _mm256_set1_ps(x)
-#define HSUM(a) hsum8(a)
+#define HSUM(a) hsum256(a)
 #else
 typedef float vec;
 static inline vec load_f32(const float *p, int64_t n) { (void)n; return *p; }
@@ -1355,11 +1355,8 @@ static void quantize_rows_q8(const float *restrict x, int64_t values, int64_t gr
     }
     for (int64_t g = 0; sums && g < values / Q8_X_GROUP; g++) {
         const float *xg = x + g * Q8_X_GROUP;
-        const __m256 total = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(xg), _mm256_loadu_ps(xg + 8)),
-                                           _mm256_add_ps(_mm256_loadu_ps(xg + 16), _mm256_loadu_ps(xg + 24)));
-        const __m128 half = _mm_add_ps(_mm256_castps256_ps128(total), _mm256_extractf128_ps(total, 1));
-        const __m128 pairs = _mm_add_ps(half, _mm_movehl_ps(half, half));
-        sums[g] = _mm_cvtss_f32(_mm_add_ss(pairs, _mm_shuffle_ps(pairs, pairs, 1)));
+        sums[g] = hsum256(_mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(xg), _mm256_loadu_ps(xg + 8)),
+                                        _mm256_add_ps(_mm256_loadu_ps(xg + 16), _mm256_loadu_ps(xg + 24))));
     }
 }
 
@@ -1401,15 +1398,6 @@ static inline __attribute__((always_inline)) __m256i group_q(const int64_t type,
         return _mm256_sub_epi8(v, _mm256_set1_epi8(32));
     }
     }
-}
-
-/* A Q4_0, Q4_1 or Q8_0 block's scale, and Q4_1's offset m. */
-static inline __attribute__((always_inline)) void block_scales(const int64_t type,
-                                                               const uint8_t *restrict b,
-                                                               float *restrict scale,
-                                                               float *restrict offset) {
-    scale[0] = half_q8(b);
-    if (type == GGML_Q4_1) offset[0] = half_q8(b + 2);
 }
 
 static int signed_q(int64_t type) {
@@ -1492,11 +1480,10 @@ static inline __attribute__((always_inline)) void q8_block_f32(
     const int8_t *restrict xq, const float *restrict x_scale, const float *restrict x_sums,
     int64_t k, q8_sums *restrict sums) {
     const int64_t groups = k / Q8_X_GROUP;
-    float scale[1], offset[1];
-    block_scales(type, b, scale, offset);
+    const __m256 w_scale = _mm256_set1_ps(half_q8(b)); /* d, the first field of each */
+    const float offset = type == GGML_Q4_1 ? half_q8(b + 2) : 0.0f; /* Q4_1's m */
     const __m256i q = group_q(type, b, 0);
     const __m256i magnitude = signed_q(type) ? _mm256_sign_epi8(q, q) : q;
-    const __m256 w_scale = _mm256_set1_ps(scale[0]);
     for (int r = 0; r < ROWS; r++) {
         __m256i x = _mm256_loadu_si256((const __m256i *)(xq + r * k + 32 * at));
         if (signed_q(type)) x = _mm256_sign_epi8(x, q);
@@ -1504,14 +1491,8 @@ static inline __attribute__((always_inline)) void q8_block_f32(
         const __m256 s = _mm256_mul_ps(w_scale, _mm256_set1_ps(x_scale[r * groups + at]));
         sums[r].chain[CHAIN] = _mm256_fmadd_ps(dots, s, sums[r].chain[CHAIN]);
         if (has_offsets(type)) /* fused whatever the compiler vectorizes */
-            sums[r].offset = fmaf(offset[0], x_sums[r * groups + at], sums[r].offset);
+            sums[r].offset = fmaf(offset, x_sums[r * groups + at], sums[r].offset);
     }
-}
-
-static inline float hsum_q8(__m256 v) {
-    const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    const __m128 pairs = _mm_add_ps(half, _mm_movehl_ps(half, half));
-    return _mm_cvtss_f32(_mm_add_ss(pairs, _mm_shuffle_ps(pairs, pairs, 1)));
 }
 
 /* One row of W (`row`) times ROWS rows of quantized x, into out[r * ldo]: each block decoded
@@ -1540,8 +1521,8 @@ static inline __attribute__((always_inline)) void q8_row_f32(
             kquant_block_f32(type, ROWS, row + blk * bytes, blk, xq, x_scale, x_sums, k, sums);
     }
     for (int r = 0; r < ROWS; r++)
-        out[r * ldo] = hsum_q8(_mm256_add_ps(sums[r].chain[0], sums[r].chain[1])) +
-                       (hsum_q8(sums[r].offsets) + sums[r].offset);
+        out[r * ldo] = hsum256(_mm256_add_ps(sums[r].chain[0], sums[r].chain[1])) +
+                       (hsum256(sums[r].offsets) + sums[r].offset);
 }
 
 /* q8_row_f32 for each format, with its ROWS (1 to Q8_ROWS_MAX) a constant */
@@ -2090,11 +2071,6 @@ static void quantize_x(quantized_x *qx, int64_t type, const bf16 *restrict x, in
             }
         }
     }
-}
-
-static inline float hsum256(__m256 v) {
-    const __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    return _mm_cvtss_f32(_mm_hadd_ps(_mm_hadd_ps(m, m), _mm_hadd_ps(m, m)));
 }
 
 /* ROWS rows of x against one K-quant row of W: per block its 256 q as four vectors of 64
