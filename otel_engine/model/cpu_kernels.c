@@ -38,6 +38,12 @@ static inline float hsum256(__m256 v) {
     const __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     return _mm_cvtss_f32(_mm_hadd_ps(_mm_hadd_ps(m, m), _mm_hadd_ps(m, m)));
 }
+/* the sum of a 256-bit vector's 8 int32 */
+static inline int32_t hsum_epi32(__m256i v) {
+    const __m128i m = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    const __m128i pairs = _mm_add_epi32(m, _mm_unpackhi_epi64(m, m));
+    return _mm_cvtsi128_si32(_mm_add_epi32(pairs, _mm_shuffle_epi32(pairs, 1)));
+}
 #endif
 /* e^x for x <= 0 at every lane width (`exp_vec`): x = n ln2 + r (ln2 in two parts), e^r by
  * Cephes' degree-6 polynomial, p(r) r^2 + r + 1, relative error about 2e-7. */
@@ -1191,16 +1197,21 @@ __attribute__((unused)) static void dequantize_row(int64_t type, const uint8_t *
  * in its GGUF blocks, as llama.cpp computes it on a CPU. Each row of x is quantized to int8
  * (round to nearest even, scale d = max |x| / 127, float32) per group of 32 for Q4_0, Q4_1 and
  * Q8_0 (ggml's Q8_0), per 256 for the K-quants (ggml's Q8_K); each group of 32 weights is
- * decoded into a register as int8 q (`group_q`: Q4_0's q - 8, Q6_K's q - 32; Q4_1, Q4_K and
- * Q5_K's unsigned q as stored) and never stored, once for up to Q8_ROWS_MAX rows of x
- * (`q8_row_f32`).
- *   Q4_0, Q4_1, Q8_0 (`q8_block_f32`): the exact int32 dot of the two int8 vectors, times the
- *       W scale and the x scale, summed in float32; Q4_1's m times the float32 sum of x
- *       over the 32.
+ * decoded into a register as int8 q (`group_q`: Q6_K's q - 32; Q4_0, Q4_1, Q4_K and Q5_K's
+ * unsigned q as stored) and never stored, once for up to Q8_ROWS_MAX rows of x
+ * (`q8_row_f32`). The float32 work is per 8 groups, not per group:
+ *   Q4_0, Q4_1, Q8_0 (`q8_octet_f32`), 8 blocks at a time: each block's exact int32 dot of
+ *       the two int8 vectors (Q4_0's q - 8 as its unsigned q less 8 times x's integer sum),
+ *       the 8 dots gathered into one vector (a lane a block), times the 8 W scales and x
+ *       scales, summed in float32; Q4_1's m times the float32 sums of x over each 32.
  *   K-quants (`kquant_block_f32`): per group the pair sums of q * x (vpmaddubsw) times the
- *       group's integer scale (vpmaddwd; Q6_K's two per 16, one to each half), summed in int32
- *       over the block (exact), then times d and x's scale in float32; Q4_K and Q5_K's
- *       offsets, -dmin * m per 32, times the float32 sums of x per 32.
+ *       group's integer scale (vpmaddwd; Q6_K's two per 16, one to each half; the scales
+ *       unpacked in vectors, `kquant_scales`), summed in int32 over the block (exact), then
+ *       times d and x's scale in float32; Q4_K and Q5_K's offsets, -dmin * m per 32, times
+ *       the float32 sums of x per 32.
+ * Against float32 work per group (a conversion, the W scale decoded alone, a multiply-add),
+ * this took the 1B shapes' decode steps at one row of x from 27.4 to 19.5 ms (Q4_0) and 28.6
+ * to 21.2 ms (Q4_K_M), capped to AVX2 on an EPYC Zen 4 (bench/README.md).
  *
  * One portable driver (`quant_linear_q8_f32`: quantizing x, the loops and threads; the
  * decoding in 256-bit integer steps, which every level from AVX2 up has) and one micro-kernel
@@ -1325,9 +1336,11 @@ static int64_t scales_per_32(int64_t type) { return type == GGML_Q6_K ? 2 : 1; }
 
 /* x [rows, k] as int8 per group of `group` values (32, or a K-quant block's 256: ggml's Q8_0
  * and Q8_K): q[i] = x[i] / d rounded to nearest even, d = max |x| / 127, one d per group;
- * and, where `sums` is given, the float32 sums of x per 32 (the offsets' factor). */
+ * where `sums` is given, the float32 sums of x per 32 (the offsets' factor); where `q_sums`
+ * is, the integer sums of q per 32 (Q4_0's -8 times them). */
 static void quantize_rows_q8(const float *restrict x, int64_t values, int64_t group,
-                             int8_t *restrict q, float *restrict scale, float *restrict sums) {
+                             int8_t *restrict q, float *restrict scale, float *restrict sums,
+                             int32_t *restrict q_sums) {
     const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     for (int64_t g = 0; g < values / group; g++) {
         const float *xg = x + g * group;
@@ -1350,6 +1363,9 @@ static void quantize_rows_q8(const float *restrict x, int64_t values, int64_t gr
                                                      _mm256_packs_epi32(lanes[2], lanes[3]));
             _mm256_storeu_si256((__m256i *)(q + g * group + i),
                                 _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+            if (q_sums) /* the same 32 values in another order: an exact integer sum */
+                q_sums[(g * group + i) / 32] = hsum_epi32(
+                    _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), bytes), _mm256_set1_epi16(1)));
         }
         scale[g] = d;
     }
@@ -1360,17 +1376,17 @@ static void quantize_rows_q8(const float *restrict x, int64_t values, int64_t gr
     }
 }
 
-/* Group g (of 32 weights) of one block as 32 int8 q in registers: Q4_0's q - 8, Q6_K's
- * q - 32 (signed); Q4_1, Q4_K and Q5_K's q as they are (0-31, unsigned); Q8_0's stored q. */
+/* Group g (of 32 weights) of one block as 32 int8 q in registers: Q6_K's q - 32 (signed);
+ * Q4_0, Q4_1, Q4_K and Q5_K's q as they are (0-31, unsigned); Q8_0's stored q. */
 static inline __attribute__((always_inline)) __m256i group_q(const int64_t type,
                                                              const uint8_t *restrict b, int g) {
     const __m256i low4 = _mm256_set1_epi8(0x0f);
     switch (type) {
     case GGML_Q4_0:
     case GGML_Q4_1: {
-        const __m128i bytes = _mm_loadu_si128((const __m128i *)(b + (type == GGML_Q4_0 ? 2 : 4)));
-        const __m256i v = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes), low4);
-        return type == GGML_Q4_0 ? _mm256_sub_epi8(v, _mm256_set1_epi8(8)) : v;
+        /* the 16 bytes in both halves (a load, no shuffle), the second's high nibbles down */
+        const __m256i bytes = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(b + (type == GGML_Q4_0 ? 2 : 4))));
+        return _mm256_and_si256(_mm256_srlv_epi64(bytes, _mm256_setr_epi64x(0, 0, 4, 4)), low4);
     }
     case GGML_Q8_0:
         return _mm256_loadu_si256((const __m256i *)(b + 2));
@@ -1400,59 +1416,83 @@ static inline __attribute__((always_inline)) __m256i group_q(const int64_t type,
     }
 }
 
-static int signed_q(int64_t type) {
-    return type == GGML_Q4_0 || type == GGML_Q8_0 || type == GGML_Q6_K;
-}
+static int signed_q(int64_t type) { return type == GGML_Q8_0 || type == GGML_Q6_K; }
 
-/* What a row of W times a row of x sums over the blocks: the scaled integer dots in two
- * chains (even and odd groups), and the offsets times x's sums (K-quants: per lane, one lane
- * per sub-block; Q4_1: one float). */
+/* Rows of x quantized to 8 bits (`quantize_rows_q8`): k int8 a row, a scale per group (32, or
+ * a K-quant's 256), and where the format needs them, float32 sums per 32 (the offsets'
+ * factor) and integer sums of q per 32 (Q4_0's). Row r of each at r times its row's length. */
 typedef struct {
-    __m256 chain[2];
+    const int8_t *q;
+    const float *scale, *sums;
+    const int32_t *q_sums;
+    int64_t k, groups, scales; /* a row's values, groups of 32, and scales */
+} q8_x;
+
+/* What a row of W times a row of x sums over the blocks: the scaled integer dots, one lane a
+ * block (Q4_0, Q4_1, Q8_0) or one lane per 4 values (K-quants), and the offsets times x's
+ * sums, one lane a group of 32. */
+typedef struct {
+    __m256 chain;
     __m256 offsets;
-    float offset;
 } q8_sums;
 
 /* A K-quant block's integer sub-block scales as 16-bit lanes for vpmaddwd, one vector per
  * group of 32 (Q4_K and Q5_K: the 6-bit scale; Q6_K: its two int8 scales of 16, one to each
- * half), its d and (Q4_K, Q5_K) its offsets per 32, -dmin * m. */
+ * half), its d and (Q4_K, Q5_K) its offsets per 32, -dmin * m, one lane a group. */
 static inline __attribute__((always_inline)) void kquant_scales(const int64_t type,
                                                                 const uint8_t *restrict b,
                                                                 __m256i *restrict scale16,
                                                                 float *restrict d,
-                                                                float *restrict offset) {
-    if (type == GGML_Q6_K) {
-        const int8_t *scales = (const int8_t *)(b + 192);
+                                                                __m256 *restrict offsets) {
+    if (type == GGML_Q6_K) { /* the 16 scales in both halves, 0-7 then 8-15 */
         *d = half_q8(b + 208);
-        for (int g = 0; g < 8; g++)
-            scale16[g] = _mm256_set_m128i(_mm_set1_epi16(scales[2 * g + 1]), _mm_set1_epi16(scales[2 * g]));
+        const __m256i scales = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192)));
+        const __m256i halves[2] = {_mm256_permute2x128_si256(scales, scales, 0x00),
+                                   _mm256_permute2x128_si256(scales, scales, 0x11)};
+        _Pragma("GCC unroll 8")
+        for (int g = 0; g < 8; g++) { /* scale 2 g to the first 16 lanes' bytes, 2 g + 1 after */
+            const char lo = (char)(2 * (2 * g % 8)), hi = (char)(2 * ((2 * g + 1) % 8));
+            scale16[g] = _mm256_shuffle_epi8(halves[g / 4],
+                                             _mm256_setr_epi8(lo, lo + 1, lo, lo + 1, lo, lo + 1, lo, lo + 1,
+                                                              lo, lo + 1, lo, lo + 1, lo, lo + 1, lo, lo + 1,
+                                                              hi, hi + 1, hi, hi + 1, hi, hi + 1, hi, hi + 1,
+                                                              hi, hi + 1, hi, hi + 1, hi, hi + 1, hi, hi + 1));
+        }
         return;
     }
-    const float dmin = half_q8(b + 2);
+    /* the 6-bit sc and m of sub-blocks 0-7 (scale_min_k4's), 32 bits at a time */
+    uint32_t packed[3];
+    memcpy(packed, b + 4, sizeof packed);
+    const uint32_t six = 0x3f3f3f3fu, four = 0x0f0f0f0fu, two = 0x03030303u;
+    const __m128i fields = _mm_setr_epi32((int)(packed[0] & six),                                       /* sc 0-3 */
+                                          (int)((packed[2] & four) | (((packed[0] >> 6) & two) << 4)),  /* sc 4-7 */
+                                          (int)(packed[1] & six),                                       /* m 0-3 */
+                                          (int)(((packed[2] >> 4) & four) | (((packed[1] >> 6) & two) << 4))); /* m 4-7 */
+    const __m256i sc = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(fields)); /* 8 x 16 bits, twice */
+    _Pragma("GCC unroll 8")
+    for (int g = 0; g < 8; g++)
+        scale16[g] = _mm256_shuffle_epi8(sc, _mm256_set1_epi16((short)(2 * g | (2 * g + 1) << 8)));
     *d = half_q8(b);
-    for (int g = 0; g < 8; g++) {
-        float sc, m;
-        scale_min_k4(g, b + 4, &sc, &m);
-        scale16[g] = _mm256_set1_epi16((int16_t)sc);
-        offset[g] = -(dmin * m);
-    }
+    const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(fields, 8)));
+    *offsets = _mm256_mul_ps(_mm256_set1_ps(-half_q8(b + 2)), m);
 }
 
-/* One K-quant block of W times ROWS rows of x quantized per 256 (one scale, ggml's Q8_K): per
- * group of 32 the pair sums of q * x (vpmaddubsw) times the group's integer scale (vpmaddwd,
- * exact: |sum| < 2^21 a lane), summed in int32 over the block, then once per block and row
- * times d and x's scale in float32; the offsets as `q8_block_f32`. */
-static inline __attribute__((always_inline)) void kquant_block_f32(
-    const int64_t type, const int ROWS, const uint8_t *restrict b, int64_t blk,
-    const int8_t *restrict xq, const float *restrict x_scale, const float *restrict x_sums,
-    int64_t k, q8_sums *restrict sums) {
-    const int64_t groups = k / Q8_X_GROUP, blocks = k / 256;
+/* One K-quant block of W (block `blk` of the row) times ROWS rows of x quantized per 256 (one
+ * scale, ggml's Q8_K): per group of 32 the pair sums of q * x (vpmaddubsw) times the group's
+ * integer scale (vpmaddwd, exact: |sum| < 2^21 a lane), summed in int32 over the block, then
+ * once per block and row times d and x's scale in float32; Q4_K and Q5_K's offsets times x's
+ * float32 sums per 32. */
+static inline __attribute__((always_inline)) void kquant_block_f32(const int64_t type, const int ROWS,
+                                                                   const uint8_t *restrict b, int64_t blk,
+                                                                   const q8_x *restrict x,
+                                                                   q8_sums *restrict sums) {
     __m256i scale16[8];
-    float d, offset[8];
-    kquant_scales(type, b, scale16, &d, offset);
+    float d;
+    __m256 offsets;
+    kquant_scales(type, b, scale16, &d, &offsets);
     if (type != GGML_Q6_K)
         for (int r = 0; r < ROWS; r++)
-            sums[r].offsets = _mm256_fmadd_ps(_mm256_loadu_ps(offset), _mm256_loadu_ps(x_sums + r * groups + 8 * blk),
+            sums[r].offsets = _mm256_fmadd_ps(offsets, _mm256_loadu_ps(x->sums + r * x->groups + 8 * blk),
                                               sums[r].offsets);
     __m256i dots[Q8_ROWS_MAX];
     for (int r = 0; r < ROWS; r++) dots[r] = _mm256_setzero_si256();
@@ -1461,81 +1501,130 @@ static inline __attribute__((always_inline)) void kquant_block_f32(
         const __m256i q = group_q(type, b, g);
         const __m256i magnitude = signed_q(type) ? _mm256_sign_epi8(q, q) : q;
         for (int r = 0; r < ROWS; r++) {
-            __m256i x = _mm256_loadu_si256((const __m256i *)(xq + r * k + 256 * blk + 32 * g));
-            if (signed_q(type)) x = _mm256_sign_epi8(x, q);
-            const __m256i pairs = _mm256_maddubs_epi16(magnitude, x);
+            __m256i v = _mm256_loadu_si256((const __m256i *)(x->q + r * x->k + 256 * blk + 32 * g));
+            if (signed_q(type)) v = _mm256_sign_epi8(v, q);
+            const __m256i pairs = _mm256_maddubs_epi16(magnitude, v);
             dots[r] = _mm256_add_epi32(dots[r], _mm256_madd_epi16(pairs, scale16[g]));
         }
     }
-    for (int r = 0; r < ROWS; r++)
-        sums[r].chain[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[r]), _mm256_set1_ps(d * x_scale[r * blocks + blk]),
-                                           sums[r].chain[0]); /* one chain: 8 groups hide its latency */
+    for (int r = 0; r < ROWS; r++) /* one chain: 8 groups hide its latency */
+        sums[r].chain = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[r]),
+                                        _mm256_set1_ps(d * x->scale[r * x->scales + blk]), sums[r].chain);
 }
 
-/* One block of Q4_0, Q4_1 or Q8_0 (`b`, group `at` of the row) times ROWS rows of x
- * quantized per 32: the integer dot times W's scale and x's, added to chain CHAIN of each row
- * (a constant: the sums stay in registers); Q4_1's offset times x's sum. */
-static inline __attribute__((always_inline)) void q8_block_f32(
-    const int64_t type, const int ROWS, const int CHAIN, const uint8_t *restrict b, int64_t at,
-    const int8_t *restrict xq, const float *restrict x_scale, const float *restrict x_sums,
-    int64_t k, q8_sums *restrict sums) {
-    const int64_t groups = k / Q8_X_GROUP;
-    const __m256 w_scale = _mm256_set1_ps(half_q8(b)); /* d, the first field of each */
-    const float offset = type == GGML_Q4_1 ? half_q8(b + 2) : 0.0f; /* Q4_1's m */
-    const __m256i q = group_q(type, b, 0);
-    const __m256i magnitude = signed_q(type) ? _mm256_sign_epi8(q, q) : q;
+/* Lane i: the sum of the 8 int32 of lanes[i] (8 blocks' dots to one each, exact). */
+static inline __attribute__((always_inline)) __m256i sum_each8(const __m256i *restrict lanes) {
+    const __m256i low = _mm256_hadd_epi32(_mm256_hadd_epi32(lanes[0], lanes[1]),
+                                          _mm256_hadd_epi32(lanes[2], lanes[3]));
+    const __m256i high = _mm256_hadd_epi32(_mm256_hadd_epi32(lanes[4], lanes[5]),
+                                           _mm256_hadd_epi32(lanes[6], lanes[7]));
+    /* low: blocks 0-3's sums of their first 4 lanes, then of their last 4; high: 4-7's */
+    return _mm256_add_epi32(_mm256_permute2x128_si256(low, high, 0x20),
+                            _mm256_permute2x128_si256(low, high, 0x31));
+}
+
+/* `count` (1-8) 32-bit values from p, the rest 0 */
+static inline __attribute__((always_inline)) __m256i load_up_to8(const void *restrict p, int count) {
+    if (count == 8) return _mm256_loadu_si256((const __m256i *)p);
+    uint32_t buffer[8] = {0};
+    memcpy(buffer, p, (size_t)count * sizeof(uint32_t));
+    return _mm256_loadu_si256((const __m256i *)buffer);
+}
+
+/* The 16-bit float fields at the start of `count` blocks (b + i * bytes) as float32, one lane
+ * a block, the rest 0: each block's d and (Q4_1) the m after it. */
+static inline __attribute__((always_inline)) void octet_halves(const uint8_t *restrict b,
+                                                               int64_t bytes, int count,
+                                                               __m256 *restrict d,
+                                                               __m256 *restrict m) {
+    __m256i fields; /* 32 bits a block: d, then m */
+    if (count == 8) {
+        uint32_t f[8];
+        for (int i = 0; i < 8; i++) memcpy(f + i, b + i * bytes, sizeof(uint32_t));
+        fields = _mm256_setr_epi32((int)f[0], (int)f[1], (int)f[2], (int)f[3], (int)f[4], (int)f[5], (int)f[6], (int)f[7]);
+    } else {
+        uint32_t buffer[8] = {0};
+        for (int i = 0; i < count; i++) memcpy(buffer + i, b + i * bytes, sizeof(uint32_t));
+        fields = _mm256_loadu_si256((const __m256i *)buffer);
+    }
+    /* [d 0-3, m 0-3 | d 4-7, m 4-7] as 16 bits each, then the d and the m halves together */
+    const __m256i halves = _mm256_permute4x64_epi64(
+        _mm256_packus_epi32(_mm256_and_si256(fields, _mm256_set1_epi32(0xffff)), _mm256_srli_epi32(fields, 16)),
+        _MM_SHUFFLE(3, 1, 2, 0));
+    *d = _mm256_cvtph_ps(_mm256_castsi256_si128(halves));
+    *m = _mm256_cvtph_ps(_mm256_extracti128_si256(halves, 1));
+}
+
+/* `count` (1-8) blocks of Q4_0, Q4_1 or Q8_0 (`b` the first, block `at` of the row) times
+ * ROWS rows of x quantized per 32: each block's exact int32 dot of q and x (Q4_0: of its
+ * unsigned q, less 8 times x's integer sum), the blocks' dots as one vector, one lane a block,
+ * times W's scales and x's in float32 into each row's chain; Q4_1's m times x's float32
+ * sums into its offsets. */
+static inline __attribute__((always_inline)) void q8_octet_f32(const int64_t type, const int ROWS,
+                                                               const int count, const uint8_t *restrict b,
+                                                               int64_t at, const q8_x *restrict x,
+                                                               q8_sums *restrict sums) {
+    const int64_t bytes = quant_block_bytes(type);
+    __m256i lanes[Q8_ROWS_MAX][8];
+    _Pragma("GCC unroll 8")
+    for (int i = 0; i < 8; i++) {
+        if (i >= count) { /* past the row's last block: nothing */
+            for (int r = 0; r < ROWS; r++) lanes[r][i] = _mm256_setzero_si256();
+            continue;
+        }
+        const __m256i q = group_q(type, b + i * bytes, 0);
+        const __m256i magnitude = signed_q(type) ? _mm256_sign_epi8(q, q) : q;
+        for (int r = 0; r < ROWS; r++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(x->q + r * x->k + 32 * (at + i)));
+            if (signed_q(type)) v = _mm256_sign_epi8(v, q);
+            lanes[r][i] = dot32_lanes(magnitude, v);
+        }
+    }
+    __m256 d, m;
+    octet_halves(b, bytes, count, &d, &m);
     for (int r = 0; r < ROWS; r++) {
-        __m256i x = _mm256_loadu_si256((const __m256i *)(xq + r * k + 32 * at));
-        if (signed_q(type)) x = _mm256_sign_epi8(x, q);
-        const __m256 dots = _mm256_cvtepi32_ps(dot32_lanes(magnitude, x));
-        const __m256 s = _mm256_mul_ps(w_scale, _mm256_set1_ps(x_scale[r * groups + at]));
-        sums[r].chain[CHAIN] = _mm256_fmadd_ps(dots, s, sums[r].chain[CHAIN]);
-        if (has_offsets(type)) /* fused whatever the compiler vectorizes */
-            sums[r].offset = fmaf(offset, x_sums[r * groups + at], sums[r].offset);
+        __m256i dots = sum_each8(lanes[r]);
+        if (type == GGML_Q4_0) /* q - 8: 8 times x's sum less */
+            dots = _mm256_sub_epi32(dots, _mm256_slli_epi32(load_up_to8(x->q_sums + r * x->groups + at, count), 3));
+        const __m256 scale = _mm256_mul_ps(d, _mm256_castsi256_ps(load_up_to8(x->scale + r * x->scales + at, count)));
+        sums[r].chain = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), scale, sums[r].chain);
+        if (type == GGML_Q4_1)
+            sums[r].offsets = _mm256_fmadd_ps(m, _mm256_castsi256_ps(load_up_to8(x->sums + r * x->groups + at, count)),
+                                              sums[r].offsets);
     }
 }
 
 /* One row of W (`row`) times ROWS rows of quantized x, into out[r * ldo]: each block decoded
- * into registers once for all ROWS. Every row of x sums its groups in one order whatever ROWS
+ * into registers once for all ROWS. Every row of x sums its blocks in one order whatever ROWS
  * is (q8_sums), so a row's output never depends on the others. */
-static inline __attribute__((always_inline)) void q8_row_f32(
-    const int64_t type, const int ROWS, const uint8_t *restrict row, const int8_t *restrict xq,
-    const float *restrict x_scale, const float *restrict x_sums, int64_t k, float *restrict out,
-    int64_t ldo) {
+static inline __attribute__((always_inline)) void q8_row_f32(const int64_t type, const int ROWS,
+                                                             const uint8_t *restrict row,
+                                                             const q8_x *restrict x,
+                                                             float *restrict out, int64_t ldo) {
     const int64_t per = quant_block_weights(type), bytes = quant_block_bytes(type);
-    const int64_t blocks = k / per;
+    const int64_t blocks = x->k / per;
     q8_sums sums[Q8_ROWS_MAX];
-    for (int r = 0; r < ROWS; r++) {
-        sums[r].chain[0] = sums[r].chain[1] = sums[r].offsets = _mm256_setzero_ps();
-        sums[r].offset = 0.0f;
-    }
-    if (per == 32) { /* one group a block: blocks in pairs, one to each chain */
+    for (int r = 0; r < ROWS; r++) sums[r].chain = sums[r].offsets = _mm256_setzero_ps();
+    if (per == 32) { /* one group a block: 8 blocks at a time */
         int64_t blk = 0;
-        for (; blk + 1 < blocks; blk += 2) {
-            q8_block_f32(type, ROWS, 0, row + blk * bytes, blk, xq, x_scale, x_sums, k, sums);
-            q8_block_f32(type, ROWS, 1, row + (blk + 1) * bytes, blk + 1, xq, x_scale, x_sums, k, sums);
-        }
-        if (blk < blocks) q8_block_f32(type, ROWS, 0, row + blk * bytes, blk, xq, x_scale, x_sums, k, sums);
+        for (; blk + 8 <= blocks; blk += 8) q8_octet_f32(type, ROWS, 8, row + blk * bytes, blk, x, sums);
+        if (blk < blocks) q8_octet_f32(type, ROWS, (int)(blocks - blk), row + blk * bytes, blk, x, sums);
     } else {
-        for (int64_t blk = 0; blk < blocks; blk++)
-            kquant_block_f32(type, ROWS, row + blk * bytes, blk, xq, x_scale, x_sums, k, sums);
+        for (int64_t blk = 0; blk < blocks; blk++) kquant_block_f32(type, ROWS, row + blk * bytes, blk, x, sums);
     }
-    for (int r = 0; r < ROWS; r++)
-        out[r * ldo] = hsum256(_mm256_add_ps(sums[r].chain[0], sums[r].chain[1])) +
-                       (hsum256(sums[r].offsets) + sums[r].offset);
+    for (int r = 0; r < ROWS; r++) out[r * ldo] = hsum256(sums[r].chain) + hsum256(sums[r].offsets);
 }
 
 /* q8_row_f32 for each format, with its ROWS (1 to Q8_ROWS_MAX) a constant */
-#define Q8_ROW_OF(NAME)                                                                          \
-    static void q8_row_##NAME(int rows, const uint8_t *restrict row, const int8_t *restrict xq,  \
-                              const float *restrict x_scale, const float *restrict x_sums,      \
-                              int64_t k, float *restrict out, int64_t ldo) {                   \
-        switch (rows) {                                                                          \
-        case 1: q8_row_f32(GGML_##NAME, 1, row, xq, x_scale, x_sums, k, out, ldo); break;        \
-        case 2: q8_row_f32(GGML_##NAME, 2, row, xq, x_scale, x_sums, k, out, ldo); break;        \
-        case 3: q8_row_f32(GGML_##NAME, 3, row, xq, x_scale, x_sums, k, out, ldo); break;        \
-        default: q8_row_f32(GGML_##NAME, 4, row, xq, x_scale, x_sums, k, out, ldo); break;       \
-        }                                                                                        \
+#define Q8_ROW_OF(NAME)                                                                           \
+    static void q8_row_##NAME(int rows, const uint8_t *restrict row, const q8_x *restrict x,     \
+                              float *restrict out, int64_t ldo) {                                \
+        switch (rows) {                                                                           \
+        case 1: q8_row_f32(GGML_##NAME, 1, row, x, out, ldo); break;                              \
+        case 2: q8_row_f32(GGML_##NAME, 2, row, x, out, ldo); break;                              \
+        case 3: q8_row_f32(GGML_##NAME, 3, row, x, out, ldo); break;                              \
+        default: q8_row_f32(GGML_##NAME, 4, row, x, out, ldo); break;                             \
+        }                                                                                         \
     }
 Q8_ROW_OF(Q4_0)
 Q8_ROW_OF(Q4_1)
@@ -1543,8 +1632,7 @@ Q8_ROW_OF(Q8_0)
 Q8_ROW_OF(Q4_K)
 Q8_ROW_OF(Q5_K)
 Q8_ROW_OF(Q6_K)
-typedef void (*q8_row_fn)(int, const uint8_t *, const int8_t *, const float *, const float *,
-                          int64_t, float *, int64_t);
+typedef void (*q8_row_fn)(int, const uint8_t *, const q8_x *, float *, int64_t);
 static q8_row_fn q8_row_of(int64_t type) {
     switch (type) {
     case GGML_Q4_0: return q8_row_Q4_0;
@@ -1562,27 +1650,34 @@ int quant_linear_q8_f32(float *restrict out, const float *restrict x, const uint
     REQUIRE(ldo >= n); /* out's row stride */
     if (!rows || !n) return STATUS_OK;
     const int64_t groups = k / Q8_X_GROUP, per = quant_block_weights(type);
-    const int64_t x_group = per == 256 ? 256 : Q8_X_GROUP, x_groups = k / x_group;
+    const int64_t x_group = per == 256 ? 256 : Q8_X_GROUP, scales = k / x_group;
     const int64_t row_bytes = k / per * quant_block_bytes(type);
     int8_t *xq = malloc((size_t)(rows * k));
-    float *x_scale = malloc((size_t)(rows * x_groups) * sizeof(float));
+    float *x_scale = malloc((size_t)(rows * scales) * sizeof(float));
     float *x_sums = malloc((size_t)(rows * groups) * sizeof(float));
-    if (!xq || !x_scale || !x_sums) {
+    int32_t *x_q_sums = malloc((size_t)(rows * groups) * sizeof(int32_t));
+    if (!xq || !x_scale || !x_sums || !x_q_sums) {
         free(xq);
         free(x_scale);
         free(x_sums);
+        free(x_q_sums);
         return failed(STATUS_NO_MEMORY, "malloc of x quantized to 8 bits");
     }
-    quantize_rows_q8(x, rows * k, x_group, xq, x_scale, has_offsets(type) ? x_sums : NULL);
+    quantize_rows_q8(x, rows * k, x_group, xq, x_scale, has_offsets(type) ? x_sums : NULL,
+                     type == GGML_Q4_0 ? x_q_sums : NULL);
     const q8_row_fn run = q8_row_of(type);
     _Pragma("omp parallel for schedule(static) if (n > 16)")
     for (int64_t j = 0; j < n; j++)
-        for (int64_t r = 0; r < rows; r += Q8_ROWS_MAX) /* a second pass reads the row from L1 */
-            run((int)(rows - r < Q8_ROWS_MAX ? rows - r : Q8_ROWS_MAX), w + j * row_bytes,
-                xq + r * k, x_scale + r * x_groups, x_sums + r * groups, k, out + r * ldo + j, ldo);
+        for (int64_t r = 0; r < rows; r += Q8_ROWS_MAX) { /* a second pass reads the row from L1 */
+            const q8_x part = {xq + r * k, x_scale + r * scales, x_sums + r * groups, x_q_sums + r * groups,
+                               k, groups, scales};
+            run((int)(rows - r < Q8_ROWS_MAX ? rows - r : Q8_ROWS_MAX), w + j * row_bytes, &part,
+                out + r * ldo + j, ldo);
+        }
     free(xq);
     free(x_scale);
     free(x_sums);
+    free(x_q_sums);
     return STATUS_OK;
 }
 
