@@ -34,6 +34,7 @@ from otel_engine.ipc.messages import (
 )
 from otel_engine.ipc.paths import IpcDir
 from otel_engine.ipc.process import ENGINE_CORE, ReadyChannel, on_parent_death
+from otel_engine.memory import freeze_startup_objects
 from otel_engine.model.arch import load_model_arch
 from otel_engine.model.limits import resolve_limits
 from otel_engine.observability.faults import maybe_inject
@@ -82,6 +83,7 @@ def run_engine_core(
     # core is the last process of the server that knows it (its workers follow it out).
     on_parent_death(functools.partial(shutil.rmtree, ipc_dir.path, ignore_errors=True))
     core = build_engine_core(config, model_dir, ipc_dir)
+    freeze_startup_objects()
     context = zmq.Context(io_threads=1)
     inputs = context.socket(zmq.PULL)
     inputs.connect(input_address)

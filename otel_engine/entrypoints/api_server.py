@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import gc
 import inspect
 import logging
 import resource
@@ -67,6 +66,7 @@ from otel_engine.entrypoints.protocol import (
     TokenizeResponse,
 )
 from otel_engine.entrypoints.serving import OpenAIServing
+from otel_engine.memory import freeze_startup_objects
 from otel_engine.observability.metrics import EngineMetrics
 from otel_engine.observability.otlp_export import on_export_failure
 from otel_engine.observability.otlp_metrics import start_otlp_metrics
@@ -241,11 +241,7 @@ class ApiServer(uvicorn.Server):
         self._exit_deadline = 0.0
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        # Everything loaded so far (torch, transformers, the tokenizer: ~300k objects) lives
-        # as long as the process: keep it out of the garbage collector's full passes, which
-        # otherwise stop the event loop for 100-600 ms now and then.
-        gc.collect()
-        gc.freeze()
+        freeze_startup_objects()
         loop = asyncio.get_running_loop()
         loop.set_exception_handler(rate_limited_exception_handler(self.connections.log))
         await super().startup(sockets)

@@ -31,6 +31,7 @@ from otel_engine.ipc.messages import (
 )
 from otel_engine.ipc.paths import LOOPBACK, listening_socket, publish, wait_for
 from otel_engine.ipc.process import ReadyChannel, process_title
+from otel_engine.memory import freeze_startup_objects
 from otel_engine.model.limits import EngineLimits
 from otel_engine.observability.faults import maybe_inject
 from otel_engine.observability.tracing import (
@@ -67,6 +68,7 @@ def run_worker(
     dist.init_process_group(backend, store=store, rank=rank, world_size=tp_size, timeout=timeout)
     maybe_inject("worker", phase="load", rank=rank)
     runner = ModelRunner(config, model_dir, EngineLimits.decode(limits_bytes), rank=rank)
+    freeze_startup_objects()
     context = zmq.Context(io_threads=1)
     inputs = context.socket(zmq.PULL)
     inputs.connect(input_address)

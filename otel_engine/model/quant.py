@@ -37,10 +37,12 @@ QUANT_MAX_ROWS = 8
 # The same for a float32 model (`quant_linear_q8_f32`, tiles dequantized to float32).
 # Measured on a matrix of 8,192 x 2,048 read from memory, AVX2 build, torch capped to AVX2,
 # one thread, CPU ms per call, 8-bit kernel / tiles, at 1 / 8 / 32 / 64 / 96 / 128 rows: Q4_0
-# 1.16 / 13.3, 5.7 / 22.8, 21.3 / 34.4, 44.2 / 44.3, 49.9 / 47.9, 77.0 / 68.0; Q4_K 0.89 /
-# 11.7, 4.2 / 19.6, 17.5 / 29.1, 35.5 / 44.4, 51.2 / 48.4, 64.1 / 59.2; Q6_K 1.37 / 11.9, 5.3 /
-# 17.2, 20.1 / 26.0, 32.4 / 37.7, 51.6 / 50.3, 75.4 / 74.3 (bench/quant_matmul.py --dtype
-# float32 --clock cpu --shape 8192x2048).
+# 0.79 / 11.0, 3.9 / 14.5, 13.6 / 22.9, 34.0 / 42.2, 48.6 / 52.6, 53.8 / 63.9; Q4_K 0.78 /
+# 9.8, 3.4 / 16.6, 14.0 / 28.9, 30.7 / 38.5, 46.4 / 57.1, 61.4 / 62.3; Q6_K 1.10 / 13.1, 5.0 /
+# 19.9, 15.9 / 24.9, 32.8 / 45.4, 50.4 / 54.1, 61.5 / 60.8 (bench/quant_matmul.py --dtype
+# float32 --clock cpu --shape 8192x2048). Past 64 rows the 8-bit kernel still wins by up to
+# 20%, but those steps are prefill, where x rounded to 8 bits costs the most accuracy
+# (bench/loglik.py): they keep x exact on the float32 tiles.
 QUANT_F32_MAX_ROWS = 64
 # bfloat16 bytes per dequantized tile: torch's matmul costs a fixed overhead per call, so
 # fewer, larger tiles win. A Q4_K matrix of 16,384 x 2,048 at 16 / 64 / 512 rows: 256 KiB
