@@ -1523,30 +1523,15 @@ static inline __attribute__((always_inline)) __m256i sum_each8(const __m256i *re
                             _mm256_permute2x128_si256(low, high, 0x31));
 }
 
-/* `count` (1-8) 32-bit values from p, the rest 0 */
-static inline __attribute__((always_inline)) __m256i load_up_to8(const void *restrict p, int count) {
-    if (count == 8) return _mm256_loadu_si256((const __m256i *)p);
-    uint32_t buffer[8] = {0};
-    memcpy(buffer, p, (size_t)count * sizeof(uint32_t));
-    return _mm256_loadu_si256((const __m256i *)buffer);
-}
-
-/* The 16-bit float fields at the start of `count` blocks (b + i * bytes) as float32, one lane
- * a block, the rest 0: each block's d and (Q4_1) the m after it. */
+/* The 16-bit float fields at the start of 8 blocks (b + i * bytes) as float32, one lane a
+ * block: each block's d and (Q4_1) the m after it. */
 static inline __attribute__((always_inline)) void octet_halves(const uint8_t *restrict b,
-                                                               int64_t bytes, int count,
-                                                               __m256 *restrict d,
+                                                               int64_t bytes, __m256 *restrict d,
                                                                __m256 *restrict m) {
-    __m256i fields; /* 32 bits a block: d, then m */
-    if (count == 8) {
-        uint32_t f[8];
-        for (int i = 0; i < 8; i++) memcpy(f + i, b + i * bytes, sizeof(uint32_t));
-        fields = _mm256_setr_epi32((int)f[0], (int)f[1], (int)f[2], (int)f[3], (int)f[4], (int)f[5], (int)f[6], (int)f[7]);
-    } else {
-        uint32_t buffer[8] = {0};
-        for (int i = 0; i < count; i++) memcpy(buffer + i, b + i * bytes, sizeof(uint32_t));
-        fields = _mm256_loadu_si256((const __m256i *)buffer);
-    }
+    uint32_t f[8]; /* 32 bits a block: d, then m (scalar loads: a gather is slower on Zen) */
+    for (int i = 0; i < 8; i++) memcpy(f + i, b + i * bytes, sizeof(uint32_t));
+    const __m256i fields = _mm256_setr_epi32((int)f[0], (int)f[1], (int)f[2], (int)f[3], (int)f[4],
+                                             (int)f[5], (int)f[6], (int)f[7]);
     /* [d 0-3, m 0-3 | d 4-7, m 4-7] as 16 bits each, then the d and the m halves together */
     const __m256i halves = _mm256_permute4x64_epi64(
         _mm256_packus_epi32(_mm256_and_si256(fields, _mm256_set1_epi32(0xffff)), _mm256_srli_epi32(fields, 16)),
@@ -1555,23 +1540,19 @@ static inline __attribute__((always_inline)) void octet_halves(const uint8_t *re
     *m = _mm256_cvtph_ps(_mm256_extracti128_si256(halves, 1));
 }
 
-/* `count` (1-8) blocks of Q4_0, Q4_1 or Q8_0 (`b` the first, block `at` of the row) times
- * ROWS rows of x quantized per 32: each block's exact int32 dot of q and x (Q4_0: of its
- * unsigned q, less 8 times x's integer sum), the blocks' dots as one vector, one lane a block,
- * times W's scales and x's in float32 into each row's chain; Q4_1's m times x's float32
- * sums into its offsets. */
+/* 8 blocks of Q4_0, Q4_1 or Q8_0 (`b` the first, block `at` of the row) times ROWS rows of x
+ * quantized per 32: each block's exact int32 dot of q and x (Q4_0: of its unsigned q, less 8
+ * times x's integer sum), the blocks' dots as one vector, one lane a block, times W's scales
+ * and x's in float32 into each row's chain; Q4_1's m times x's float32 sums into its
+ * offsets. */
 static inline __attribute__((always_inline)) void q8_octet_f32(const int64_t type, const int ROWS,
-                                                               const int count, const uint8_t *restrict b,
-                                                               int64_t at, const q8_x *restrict x,
+                                                               const uint8_t *restrict b, int64_t at,
+                                                               const q8_x *restrict x,
                                                                q8_sums *restrict sums) {
     const int64_t bytes = quant_block_bytes(type);
     __m256i lanes[Q8_ROWS_MAX][8];
     _Pragma("GCC unroll 8")
     for (int i = 0; i < 8; i++) {
-        if (i >= count) { /* past the row's last block: nothing */
-            for (int r = 0; r < ROWS; r++) lanes[r][i] = _mm256_setzero_si256();
-            continue;
-        }
         const __m256i q = group_q(type, b + i * bytes, 0);
         const __m256i magnitude = signed_q(type) ? _mm256_sign_epi8(q, q) : q;
         for (int r = 0; r < ROWS; r++) {
@@ -1581,16 +1562,39 @@ static inline __attribute__((always_inline)) void q8_octet_f32(const int64_t typ
         }
     }
     __m256 d, m;
-    octet_halves(b, bytes, count, &d, &m);
+    octet_halves(b, bytes, &d, &m);
     for (int r = 0; r < ROWS; r++) {
         __m256i dots = sum_each8(lanes[r]);
         if (type == GGML_Q4_0) /* q - 8: 8 times x's sum less */
-            dots = _mm256_sub_epi32(dots, _mm256_slli_epi32(load_up_to8(x->q_sums + r * x->groups + at, count), 3));
-        const __m256 scale = _mm256_mul_ps(d, _mm256_castsi256_ps(load_up_to8(x->scale + r * x->scales + at, count)));
+            dots = _mm256_sub_epi32(
+                dots, _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(x->q_sums + r * x->groups + at)), 3));
+        const __m256 scale = _mm256_mul_ps(d, _mm256_loadu_ps(x->scale + r * x->scales + at));
         sums[r].chain = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), scale, sums[r].chain);
         if (type == GGML_Q4_1)
-            sums[r].offsets = _mm256_fmadd_ps(m, _mm256_castsi256_ps(load_up_to8(x->sums + r * x->groups + at, count)),
-                                              sums[r].offsets);
+            sums[r].offsets = _mm256_fmadd_ps(m, _mm256_loadu_ps(x->sums + r * x->groups + at), sums[r].offsets);
+    }
+}
+
+/* One block of Q4_0, Q4_1 or Q8_0 past a row's last 8 (block `at`), times ROWS rows of x: its
+ * int32 dot's lanes (Q4_0: less x's integer sum from each, 8 times it in all) times both
+ * scales into the chain; Q4_1's m times x's sum into the offsets' first lane. */
+static inline __attribute__((always_inline)) void q8_tail_block_f32(const int64_t type, const int ROWS,
+                                                                    const uint8_t *restrict b, int64_t at,
+                                                                    const q8_x *restrict x,
+                                                                    q8_sums *restrict sums) {
+    const __m256i q = group_q(type, b, 0);
+    const __m256i magnitude = signed_q(type) ? _mm256_sign_epi8(q, q) : q;
+    const float d = half_q8(b), m = type == GGML_Q4_1 ? half_q8(b + 2) : 0.0f;
+    for (int r = 0; r < ROWS; r++) {
+        __m256i v = _mm256_loadu_si256((const __m256i *)(x->q + r * x->k + 32 * at));
+        if (signed_q(type)) v = _mm256_sign_epi8(v, q);
+        __m256i lanes = dot32_lanes(magnitude, v);
+        if (type == GGML_Q4_0) lanes = _mm256_sub_epi32(lanes, _mm256_set1_epi32(x->q_sums[r * x->groups + at]));
+        sums[r].chain = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_set1_ps(d * x->scale[r * x->scales + at]),
+                                        sums[r].chain);
+        if (type == GGML_Q4_1)
+            sums[r].offsets = _mm256_fmadd_ps(_mm256_setr_ps(m, 0, 0, 0, 0, 0, 0, 0),
+                                              _mm256_set1_ps(x->sums[r * x->groups + at]), sums[r].offsets);
     }
 }
 
@@ -1605,10 +1609,10 @@ static inline __attribute__((always_inline)) void q8_row_f32(const int64_t type,
     const int64_t blocks = x->k / per;
     q8_sums sums[Q8_ROWS_MAX];
     for (int r = 0; r < ROWS; r++) sums[r].chain = sums[r].offsets = _mm256_setzero_ps();
-    if (per == 32) { /* one group a block: 8 blocks at a time */
+    if (per == 32) { /* one group a block: 8 blocks at a time, then one at a time */
         int64_t blk = 0;
-        for (; blk + 8 <= blocks; blk += 8) q8_octet_f32(type, ROWS, 8, row + blk * bytes, blk, x, sums);
-        if (blk < blocks) q8_octet_f32(type, ROWS, (int)(blocks - blk), row + blk * bytes, blk, x, sums);
+        for (; blk + 8 <= blocks; blk += 8) q8_octet_f32(type, ROWS, row + blk * bytes, blk, x, sums);
+        for (; blk < blocks; blk++) q8_tail_block_f32(type, ROWS, row + blk * bytes, blk, x, sums);
     } else {
         for (int64_t blk = 0; blk < blocks; blk++) kquant_block_f32(type, ROWS, row + blk * bytes, blk, x, sums);
     }
