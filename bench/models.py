@@ -102,6 +102,7 @@ from otel_engine.model.kernels import ISA_LEVELS, cpu_isa
 
 SEED = 1234
 PREFILL_SEED_OFFSET = 10_000
+SETTLE_SEED_OFFSET = 20_000  # the settling requests' prompts: none a cached prefix of another's
 KV_BLOCK_TOKENS = 16  # otel-engine's --block-size here
 ENGINES = ("otel-engine", "llama.cpp")
 
@@ -157,6 +158,17 @@ def otel_engine_selected(server: ServerProcess) -> dict[str, Any]:
                 "paths_on": [name for name, path in paths.items() if path.get("enabled")],
             }
     return {}
+
+
+def settle(base_url: str, name: str, args: argparse.Namespace, vocab_size: int, seed: int) -> float:
+    """One stream of `args.max_tokens`-token requests for `args.settle_seconds`; the seconds
+    it took."""
+    start = time.monotonic()
+    while time.monotonic() - start < args.settle_seconds:
+        prompts = random_prompts(1, args.prompt_tokens, vocab_size, seed)
+        asyncio.run(run_concurrency(base_url, name, prompts, 1, args.max_tokens))
+        seed += 1
+    return time.monotonic() - start
 
 
 def _measure(
@@ -219,6 +231,11 @@ def bench_engine(
         num_warmup = min(max(args.streams), 16)
         warmup = random_prompts(num_warmup, args.prompt_tokens, shape.vocab_size, seed)
         asyncio.run(run_concurrency(server.base_url, name, warmup, num_warmup, 8))
+        if args.settle_seconds:
+            settled = settle(
+                server.base_url, name, args, shape.vocab_size, seed + SETTLE_SEED_OFFSET
+            )
+            print(f"[bench] {label}: decoded one stream for {settled:.0f} s first", flush=True)
         for streams in args.streams:
             num = requests_at(args, streams)
             prompts = random_prompts(num, args.prompt_tokens, shape.vocab_size, seed + streams)
@@ -378,6 +395,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(otel-engine's worker uses all CPUs)",
     )
     parser.add_argument("--startup-timeout", type=float, default=1800.0)
+    parser.add_argument(
+        "--settle-seconds",
+        type=float,
+        default=0.0,
+        help="after the warm-up, one stream decoding this long before anything is measured, "
+        "for each engine (a machine whose memory reads run slower for a while after a "
+        "process maps fresh memory; bench/README.md)",
+    )
     parser.add_argument(
         "--llama-server-args",
         type=str.split,

@@ -1575,9 +1575,9 @@ static inline __attribute__((always_inline)) void q8_octet_f32(const int64_t typ
     }
 }
 
-/* One block of Q4_0, Q4_1 or Q8_0 past a row's last 8 (block `at`), times ROWS rows of x: its
- * int32 dot's lanes (Q4_0: less x's integer sum from each, 8 times it in all) times both
- * scales into the chain; Q4_1's m times x's sum into the offsets' first lane. */
+/* One block of Q4_0, Q4_1 or Q8_0 past a row's last 8 (block `at`), times ROWS rows of x:
+ * its exact int32 dot, as `q8_octet_f32` has it, times both scales into the chain's first
+ * lane (one rounding a block, as there); Q4_1's m times x's sum into the offsets' first. */
 static inline __attribute__((always_inline)) void q8_tail_block_f32(const int64_t type, const int ROWS,
                                                                     const uint8_t *restrict b, int64_t at,
                                                                     const q8_x *restrict x,
@@ -1588,10 +1588,10 @@ static inline __attribute__((always_inline)) void q8_tail_block_f32(const int64_
     for (int r = 0; r < ROWS; r++) {
         __m256i v = _mm256_loadu_si256((const __m256i *)(x->q + r * x->k + 32 * at));
         if (signed_q(type)) v = _mm256_sign_epi8(v, q);
-        __m256i lanes = dot32_lanes(magnitude, v);
-        if (type == GGML_Q4_0) lanes = _mm256_sub_epi32(lanes, _mm256_set1_epi32(x->q_sums[r * x->groups + at]));
-        sums[r].chain = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_set1_ps(d * x->scale[r * x->scales + at]),
-                                        sums[r].chain);
+        int32_t dot = hsum_epi32(dot32_lanes(magnitude, v));
+        if (type == GGML_Q4_0) dot -= 8 * x->q_sums[r * x->groups + at]; /* q - 8 */
+        sums[r].chain = _mm256_fmadd_ps(_mm256_setr_ps((float)dot, 0, 0, 0, 0, 0, 0, 0),
+                                        _mm256_set1_ps(d * x->scale[r * x->scales + at]), sums[r].chain);
         if (type == GGML_Q4_1)
             sums[r].offsets = _mm256_fmadd_ps(_mm256_setr_ps(m, 0, 0, 0, 0, 0, 0, 0),
                                               _mm256_set1_ps(x->sums[r * x->groups + at]), sums[r].offsets);
