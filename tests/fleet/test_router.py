@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -124,15 +125,17 @@ def test_cache_aware_routing_keeps_each_system_prompt_on_one_replica(fleet: Flee
     assert rates["cache_aware"] > rates["round_robin"] + 0.1, rates
 
 
-def test_a_replica_dies_under_load(fleet: Fleet) -> None:
+def test_a_replica_dies_under_load(tiny_model_dir: str, tmp_path: Path) -> None:
     """48 streams over three replicas; one replica's engine core is SIGKILLed once every
-    stream has its first token. The module's fleet, so this test is the file's last: the
-    victim stays dead."""
-    drill = replica_death_drill(fleet, victim=0, num_streams=NUM_STREAMS)
-    victim = fleet.replicas[0]
-    for survivor in fleet.replicas[1:]:
-        survivor.wait_healthy(timeout=5)
-    log = victim.json_lines()
+    stream has its first token."""
+    if router_binary() is None:
+        missing("vllm-router is not installed (pip install vllm-router; the test extras do)")
+    with Fleet(tiny_model_dir, policy="power_of_two", log_dir=tmp_path) as fleet:
+        drill = replica_death_drill(fleet, victim=0, num_streams=NUM_STREAMS)
+        victim = fleet.replicas[0]
+        for survivor in fleet.replicas[1:]:
+            survivor.wait_healthy(timeout=5)
+        log = victim.json_lines()
 
     # only the victim's streams failed, each with its error event (none hung, none cut)
     assert 0 < drill.in_flight_on_victim < NUM_STREAMS
