@@ -38,6 +38,13 @@ static inline float hsum256(__m256 v) {
     const __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     return _mm_cvtss_f32(_mm_hadd_ps(_mm_hadd_ps(m, m), _mm_hadd_ps(m, m)));
 }
+/* A float16 field as float32 by the F16C instruction (every level from AVX2 up; exact, as
+ * half_to_float). */
+static inline float half_f16c(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, sizeof h);
+    return _cvtsh_ss(h);
+}
 /* the sum of a 256-bit vector's 8 int32 */
 static inline int32_t hsum_epi32(__m256i v) {
     const __m128i m = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
@@ -51,6 +58,7 @@ static inline int32_t hsum_epi32(__m256i v) {
 #define EXP_LN2_HI 0.693359375f
 #define EXP_LN2_LO -2.12194440e-4f
 #define EXP_TERMS 6
+__attribute__((unused)) /* the baseline build's exp is libm's */
 static const float EXP_POLY[EXP_TERMS] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
                                           4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
 
@@ -1111,6 +1119,21 @@ static inline void scale_min_k4(int s, const uint8_t *q, float *sc, float *m) {
     }
 }
 
+#ifdef __AVX2__
+/* Q4_K and Q5_K's 6-bit sc of sub-blocks 0-7 then m of 0-7 (scale_min_k4's), a byte each,
+ * from the block's 12 bytes of them, 32 bits at a time (one 128-bit vector built whole: four
+ * 32-bit stores read back as one load stall it). */
+static inline __m128i k4_fields(const uint8_t *restrict packed_scales) {
+    uint32_t packed[3];
+    memcpy(packed, packed_scales, sizeof packed);
+    const uint32_t six = 0x3f3f3f3fu, four = 0x0f0f0f0fu, two = 0x03030303u;
+    return _mm_setr_epi32((int)(packed[0] & six),                                          /* sc 0-3 */
+                          (int)((packed[2] & four) | (((packed[0] >> 6) & two) << 4)),     /* sc 4-7 */
+                          (int)(packed[1] & six),                                          /* m 0-3 */
+                          (int)(((packed[2] >> 4) & four) | (((packed[1] >> 6) & two) << 4))); /* m 4-7 */
+}
+#endif
+
 /* One block's weights as float32, in order. */
 static void dequantize_block(int64_t type, const uint8_t *restrict b, float *restrict y) {
     switch (type) {
@@ -1243,12 +1266,6 @@ static inline __m256i dot32_lanes(__m256i magnitude, __m256i signed_x) {
 #define Q8_X_GROUP 32 /* values of x per float32 scale */
 #define Q8_ROWS_MAX 4 /* rows of x per pass over a row of W */
 
-/* A float16 field as float32 (F16C: exact, as half_to_float). */
-static inline float half_q8(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, sizeof h);
-    return _cvtsh_ss(h);
-}
 
 /* 32 bytes' low nibbles, then their high nibbles, as 64 int8 (0-15) */
 static inline void nibbles64(int8_t *q, __m256i bytes) {
@@ -1272,17 +1289,17 @@ static void unpack_block(int64_t type, const uint8_t *restrict b, int8_t *restri
         __m256i v = _mm256_and_si256(both, _mm256_set1_epi8(0x0f));
         if (type == GGML_Q4_0) v = _mm256_sub_epi8(v, _mm256_set1_epi8(8));
         _mm256_storeu_si256((__m256i *)q, v);
-        scale[0] = half_q8(b);
-        if (type == GGML_Q4_1) offset[0] = half_q8(b + 2);
+        scale[0] = half_f16c(b);
+        if (type == GGML_Q4_1) offset[0] = half_f16c(b + 2);
         break;
     }
     case GGML_Q8_0:
         memcpy(q, b + 2, 32);
-        scale[0] = half_q8(b);
+        scale[0] = half_f16c(b);
         break;
     case GGML_Q4_K:
     case GGML_Q5_K: {
-        const float d = half_q8(b), dmin = half_q8(b + 2);
+        const float d = half_f16c(b), dmin = half_f16c(b + 2);
         const uint8_t *qs = type == GGML_Q5_K ? b + 48 : b + 16;
         for (int s = 0; s < 8; s++) {
             float sc, m;
@@ -1304,7 +1321,7 @@ static void unpack_block(int64_t type, const uint8_t *restrict b, int8_t *restri
     }
     case GGML_Q6_K: {
         const int8_t *scales = (const int8_t *)(b + 192);
-        const float d = half_q8(b + 208);
+        const float d = half_f16c(b + 208);
         for (int s = 0; s < 16; s++) scale[s] = d * (float)scales[s];
         const __m256i low4 = _mm256_set1_epi8(0x0f), two = _mm256_set1_epi8(0x30);
         const __m256i bias = _mm256_set1_epi8(32);
@@ -1445,7 +1462,7 @@ static inline __attribute__((always_inline)) void kquant_scales(const int64_t ty
                                                                 float *restrict d,
                                                                 __m256 *restrict offsets) {
     if (type == GGML_Q6_K) { /* the 16 scales in both halves, 0-7 then 8-15 */
-        *d = half_q8(b + 208);
+        *d = half_f16c(b + 208);
         const __m256i scales = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192)));
         const __m256i halves[2] = {_mm256_permute2x128_si256(scales, scales, 0x00),
                                    _mm256_permute2x128_si256(scales, scales, 0x11)};
@@ -1461,20 +1478,14 @@ static inline __attribute__((always_inline)) void kquant_scales(const int64_t ty
         return;
     }
     /* the 6-bit sc and m of sub-blocks 0-7 (scale_min_k4's), 32 bits at a time */
-    uint32_t packed[3];
-    memcpy(packed, b + 4, sizeof packed);
-    const uint32_t six = 0x3f3f3f3fu, four = 0x0f0f0f0fu, two = 0x03030303u;
-    const __m128i fields = _mm_setr_epi32((int)(packed[0] & six),                                       /* sc 0-3 */
-                                          (int)((packed[2] & four) | (((packed[0] >> 6) & two) << 4)),  /* sc 4-7 */
-                                          (int)(packed[1] & six),                                       /* m 0-3 */
-                                          (int)(((packed[2] >> 4) & four) | (((packed[1] >> 6) & two) << 4))); /* m 4-7 */
+    const __m128i fields = k4_fields(b + 4);
     const __m256i sc = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(fields)); /* 8 x 16 bits, twice */
     _Pragma("GCC unroll 8")
     for (int g = 0; g < 8; g++)
         scale16[g] = _mm256_shuffle_epi8(sc, _mm256_set1_epi16((short)(2 * g | (2 * g + 1) << 8)));
-    *d = half_q8(b);
+    *d = half_f16c(b);
     const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(fields, 8)));
-    *offsets = _mm256_mul_ps(_mm256_set1_ps(-half_q8(b + 2)), m);
+    *offsets = _mm256_mul_ps(_mm256_set1_ps(-half_f16c(b + 2)), m);
 }
 
 /* One K-quant block of W (block `blk` of the row) times ROWS rows of x quantized per 256 (one
@@ -1584,7 +1595,7 @@ static inline __attribute__((always_inline)) void q8_tail_block_f32(const int64_
                                                                     q8_sums *restrict sums) {
     const __m256i q = group_q(type, b, 0);
     const __m256i magnitude = signed_q(type) ? _mm256_sign_epi8(q, q) : q;
-    const float d = half_q8(b), m = type == GGML_Q4_1 ? half_q8(b + 2) : 0.0f;
+    const float d = half_f16c(b), m = type == GGML_Q4_1 ? half_f16c(b + 2) : 0.0f;
     for (int r = 0; r < ROWS; r++) {
         __m256i v = _mm256_loadu_si256((const __m256i *)(x->q + r * x->k + 32 * at));
         if (signed_q(type)) v = _mm256_sign_epi8(v, q);
@@ -1658,23 +1669,23 @@ int quant_linear_q8_f32(float *restrict out, const float *restrict x, const uint
     const int64_t row_bytes = k / per * quant_block_bytes(type);
     int8_t *xq = malloc((size_t)(rows * k));
     float *x_scale = malloc((size_t)(rows * scales) * sizeof(float));
-    float *x_sums = malloc((size_t)(rows * groups) * sizeof(float));
-    int32_t *x_q_sums = malloc((size_t)(rows * groups) * sizeof(int32_t));
-    if (!xq || !x_scale || !x_sums || !x_q_sums) {
+    /* the sums only for the formats that read them (the offsets' formats; Q4_0) */
+    float *x_sums = has_offsets(type) ? malloc((size_t)(rows * groups) * sizeof(float)) : NULL;
+    int32_t *x_q_sums = type == GGML_Q4_0 ? malloc((size_t)(rows * groups) * sizeof(int32_t)) : NULL;
+    if (!xq || !x_scale || (has_offsets(type) && !x_sums) || (type == GGML_Q4_0 && !x_q_sums)) {
         free(xq);
         free(x_scale);
         free(x_sums);
         free(x_q_sums);
         return failed(STATUS_NO_MEMORY, "malloc of x quantized to 8 bits");
     }
-    quantize_rows_q8(x, rows * k, x_group, xq, x_scale, has_offsets(type) ? x_sums : NULL,
-                     type == GGML_Q4_0 ? x_q_sums : NULL);
+    quantize_rows_q8(x, rows * k, x_group, xq, x_scale, x_sums, x_q_sums);
     const q8_row_fn run = q8_row_of(type);
     _Pragma("omp parallel for schedule(static) if (n > 16)")
     for (int64_t j = 0; j < n; j++)
         for (int64_t r = 0; r < rows; r += Q8_ROWS_MAX) { /* a second pass reads the row from L1 */
-            const q8_x part = {xq + r * k, x_scale + r * scales, x_sums + r * groups, x_q_sums + r * groups,
-                               k, groups, scales};
+            const q8_x part = {xq + r * k, x_scale + r * scales, x_sums ? x_sums + r * groups : NULL,
+                               x_q_sums ? x_q_sums + r * groups : NULL, k, groups, scales};
             run((int)(rows - r < Q8_ROWS_MAX ? rows - r : Q8_ROWS_MAX), w + j * row_bytes, &part,
                 out + r * ldo + j, ldo);
         }
@@ -1754,27 +1765,12 @@ int gguf_dequantize_f32(float *restrict out, const uint8_t *restrict w, int64_t 
 #define QUANT_AHEAD 4096
 #endif
 
-/* A float16 field as float32 by the F16C instruction (exact, as half_to_float). */
-static inline float half_f16c(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, sizeof h);
-    return _cvtsh_ss(h);
-}
-
 /* A Q4_K or Q5_K block's 8 sub-block scales d * sc and shifts dmin * m as float32 (the
- * products scale_min_k4's values give: exact), the 6-bit fields unpacked 32 bits at a time
- * and moved into a vector whole (four 32-bit stores read back as one 128-bit load stall the
- * load: a third of a Q4_K row's time at one row of x). */
+ * products scale_min_k4's values give: exact; the fields by `k4_fields`, whose vector built
+ * whole saved a third of a Q4_K row's time at one row of x). */
 static inline void k4_scale_vectors(const uint8_t *restrict b, __m256 *restrict scales,
                                     __m256 *restrict shifts) {
-    uint32_t packed[3];
-    memcpy(packed, b + 4, sizeof packed);
-    const uint32_t six = 0x3f3f3f3fu, four = 0x0f0f0f0fu, two = 0x03030303u;
-    const __m128i fields = _mm_set_epi32(
-        (int)(((packed[2] >> 4) & four) | (((packed[1] >> 6) & two) << 4)), /* m of 4-7 */
-        (int)(packed[1] & six),                                             /* m of 0-3 */
-        (int)((packed[2] & four) | (((packed[0] >> 6) & two) << 4)),        /* sc of 4-7 */
-        (int)(packed[0] & six));                                            /* sc of 0-3 */
+    const __m128i fields = k4_fields(b + 4);
     const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(fields));
     const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(fields, 8)));
     uint16_t halves[2];
