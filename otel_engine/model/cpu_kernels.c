@@ -1124,8 +1124,8 @@ static inline void scale_min_k4(int s, const uint8_t *q, float *sc, float *m) {
  * from the block's 12 bytes of them, 32 bits at a time (one 128-bit vector built whole: four
  * 32-bit stores read back as one load stall it). */
 static inline __m128i k4_fields(const uint8_t *restrict packed_scales) {
-    uint32_t packed[3];
-    memcpy(packed, packed_scales, sizeof packed);
+    uint32_t packed[3]; /* three loads of 4 bytes: one memcpy of 12 went through the stack */
+    for (int i = 0; i < 3; i++) memcpy(packed + i, packed_scales + 4 * i, sizeof packed[i]);
     const uint32_t six = 0x3f3f3f3fu, four = 0x0f0f0f0fu, two = 0x03030303u;
     return _mm_setr_epi32((int)(packed[0] & six),                                          /* sc 0-3 */
                           (int)((packed[2] & four) | (((packed[0] >> 6) & two) << 4)),     /* sc 4-7 */
@@ -1222,19 +1222,19 @@ __attribute__((unused)) static void dequantize_row(int64_t type, const uint8_t *
  * Q8_0 (ggml's Q8_0), per 256 for the K-quants (ggml's Q8_K); each group of 32 weights is
  * decoded into a register as int8 q (`group_q`: Q6_K's q - 32; Q4_0, Q4_1, Q4_K and Q5_K's
  * unsigned q as stored) and never stored, once for up to Q8_ROWS_MAX rows of x
- * (`q8_row_f32`). The float32 work is per 8 groups, not per group:
- *   Q4_0, Q4_1, Q8_0 (`q8_octet_f32`), 8 blocks at a time: each block's exact int32 dot of
- *       the two int8 vectors (Q4_0's q - 8 as its unsigned q less 8 times x's integer sum),
- *       the 8 dots gathered into one vector (a lane a block), times the 8 W scales and x
- *       scales, summed in float32; Q4_1's m times the float32 sums of x over each 32.
- *   K-quants (`kquant_block_f32`): per group the pair sums of q * x (vpmaddubsw) times the
+ * (`q8_row_f32`). Every block's dot with x is an exact int32, and the float32 work is per 8
+ * blocks, not per block (`q8_octet_f32`, `kquant_octet_f32`): the 8 dots gathered into one
+ * vector (a lane a block), times the 8 W scales and x scales, summed in float32.
+ *   Q4_0, Q4_1, Q8_0: the dot of the two int8 vectors (Q4_0's q - 8 as its unsigned q less
+ *       8 times x's integer sum); Q4_1's m times the float32 sums of x over each 32.
+ *   K-quants (`kquant_block_dots`): per group the pair sums of q * x (vpmaddubsw) times the
  *       group's integer scale (vpmaddwd; Q6_K's two per 16, one to each half; the scales
- *       unpacked in vectors, `kquant_scales`), summed in int32 over the block (exact), then
- *       times d and x's scale in float32; Q4_K and Q5_K's offsets, -dmin * m per 32, times
- *       the float32 sums of x per 32.
+ *       unpacked in vectors, `kquant_scales`), summed in int32 over the block; Q4_K and
+ *       Q5_K's offsets, -dmin * m per 32, times the float32 sums of x per 32.
  * Against float32 work per group (a conversion, the W scale decoded alone, a multiply-add),
  * this took the 1B shapes' decode steps at one row of x from 27.4 to 19.5 ms (Q4_0) and 28.6
- * to 21.2 ms (Q4_K_M), capped to AVX2 on an EPYC Zen 4 (bench/README.md).
+ * to 21.2 ms (Q4_K_M), capped to AVX2 on an EPYC Zen 4 (bench/README.md). Steps of several
+ * rows of x take W in transposed panels instead (`q8_panels_f32`, below), with the same bits.
  *
  * One portable driver (`quant_linear_q8_f32`: quantizing x, the loops and threads; the
  * decoding in 256-bit integer steps, which every level from AVX2 up has) and one micro-kernel
@@ -1446,8 +1446,8 @@ typedef struct {
 } q8_x;
 
 /* What a row of W times a row of x sums over the blocks: the scaled integer dots, one lane a
- * block (Q4_0, Q4_1, Q8_0) or one lane per 4 values (K-quants), and the offsets times x's
- * sums, one lane a group of 32. */
+ * block (block mod 8; lane 0 past the row's last 8), and the offsets times x's sums, one
+ * lane a block (Q4_1, as the dots) or a group of 32 of the block (Q4_K, Q5_K). */
 typedef struct {
     __m256 chain;
     __m256 offsets;
@@ -1490,22 +1490,21 @@ static inline __attribute__((always_inline)) void kquant_scales(const int64_t ty
 
 /* One K-quant block of W (block `blk` of the row) times ROWS rows of x quantized per 256 (one
  * scale, ggml's Q8_K): per group of 32 the pair sums of q * x (vpmaddubsw) times the group's
- * integer scale (vpmaddwd, exact: |sum| < 2^21 a lane), summed in int32 over the block, then
- * once per block and row times d and x's scale in float32; Q4_K and Q5_K's offsets times x's
- * float32 sums per 32. */
-static inline __attribute__((always_inline)) void kquant_block_f32(const int64_t type, const int ROWS,
-                                                                   const uint8_t *restrict b, int64_t blk,
-                                                                   const q8_x *restrict x,
-                                                                   q8_sums *restrict sums) {
+ * integer scale (vpmaddwd, exact: |sum| < 2^21 a lane), summed in int32 over the block into
+ * dots[r] (its lanes summed later: the block's exact dot), and the block's d; Q4_K and Q5_K's
+ * offsets times x's float32 sums per 32 into each row's. */
+static inline __attribute__((always_inline)) void kquant_block_dots(const int64_t type, const int ROWS,
+                                                                    const uint8_t *restrict b, int64_t blk,
+                                                                    const q8_x *restrict x,
+                                                                    q8_sums *restrict sums,
+                                                                    __m256i *restrict dots, float *restrict d) {
     __m256i scale16[8];
-    float d;
     __m256 offsets;
-    kquant_scales(type, b, scale16, &d, &offsets);
+    kquant_scales(type, b, scale16, d, &offsets);
     if (type != GGML_Q6_K)
         for (int r = 0; r < ROWS; r++)
             sums[r].offsets = _mm256_fmadd_ps(offsets, _mm256_loadu_ps(x->sums + r * x->groups + 8 * blk),
                                               sums[r].offsets);
-    __m256i dots[Q8_ROWS_MAX];
     for (int r = 0; r < ROWS; r++) dots[r] = _mm256_setzero_si256();
     _Pragma("GCC unroll 8") /* g a constant in group_q: its shifts immediate */
     for (int g = 0; g < 8; g++) {
@@ -1518,9 +1517,6 @@ static inline __attribute__((always_inline)) void kquant_block_f32(const int64_t
             dots[r] = _mm256_add_epi32(dots[r], _mm256_madd_epi16(pairs, scale16[g]));
         }
     }
-    for (int r = 0; r < ROWS; r++) /* one chain: 8 groups hide its latency */
-        sums[r].chain = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[r]),
-                                        _mm256_set1_ps(d * x->scale[r * x->scales + blk]), sums[r].chain);
 }
 
 /* Lane i: the sum of the 8 int32 of lanes[i] (8 blocks' dots to one each, exact). */
@@ -1609,6 +1605,39 @@ static inline __attribute__((always_inline)) void q8_tail_block_f32(const int64_
     }
 }
 
+/* 8 K-quant blocks (`b` the first, block `at` of the row) times ROWS rows of x: each block's
+ * exact int32 dot (`kquant_block_dots`), the 8 as one vector, one lane a block, times the
+ * blocks' d and x's scales in float32 into each row's chain, as `q8_octet_f32` does. */
+static inline __attribute__((always_inline)) void kquant_octet_f32(const int64_t type, const int ROWS,
+                                                                   const uint8_t *restrict b, int64_t at,
+                                                                   const q8_x *restrict x,
+                                                                   q8_sums *restrict sums) {
+    __m256i lanes[Q8_ROWS_MAX][8], dots[Q8_ROWS_MAX];
+    float d[8];
+    for (int i = 0; i < 8; i++) {
+        kquant_block_dots(type, ROWS, b + i * quant_block_bytes(type), at + i, x, sums, dots, d + i);
+        for (int r = 0; r < ROWS; r++) lanes[r][i] = dots[r];
+    }
+    for (int r = 0; r < ROWS; r++) {
+        const __m256 scale = _mm256_mul_ps(_mm256_loadu_ps(d), _mm256_loadu_ps(x->scale + r * x->scales + at));
+        sums[r].chain = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_each8(lanes[r])), scale, sums[r].chain);
+    }
+}
+
+/* One K-quant block past a row's last 8: its exact dot times both scales into the chain's
+ * first lane, as `q8_tail_block_f32` does. */
+static inline __attribute__((always_inline)) void kquant_tail_block_f32(const int64_t type, const int ROWS,
+                                                                        const uint8_t *restrict b, int64_t at,
+                                                                        const q8_x *restrict x,
+                                                                        q8_sums *restrict sums) {
+    __m256i dots[Q8_ROWS_MAX];
+    float d;
+    kquant_block_dots(type, ROWS, b, at, x, sums, dots, &d);
+    for (int r = 0; r < ROWS; r++)
+        sums[r].chain = _mm256_fmadd_ps(_mm256_setr_ps((float)hsum_epi32(dots[r]), 0, 0, 0, 0, 0, 0, 0),
+                                        _mm256_set1_ps(d * x->scale[r * x->scales + at]), sums[r].chain);
+}
+
 /* One row of W (`row`) times ROWS rows of quantized x, into out[r * ldo]: each block decoded
  * into registers once for all ROWS. Every row of x sums its blocks in one order whatever ROWS
  * is (q8_sums), so a row's output never depends on the others. */
@@ -1620,13 +1649,13 @@ static inline __attribute__((always_inline)) void q8_row_f32(const int64_t type,
     const int64_t blocks = x->k / per;
     q8_sums sums[Q8_ROWS_MAX];
     for (int r = 0; r < ROWS; r++) sums[r].chain = sums[r].offsets = _mm256_setzero_ps();
-    if (per == 32) { /* one group a block: 8 blocks at a time, then one at a time */
-        int64_t blk = 0;
-        for (; blk + 8 <= blocks; blk += 8) q8_octet_f32(type, ROWS, row + blk * bytes, blk, x, sums);
-        for (; blk < blocks; blk++) q8_tail_block_f32(type, ROWS, row + blk * bytes, blk, x, sums);
-    } else {
-        for (int64_t blk = 0; blk < blocks; blk++) kquant_block_f32(type, ROWS, row + blk * bytes, blk, x, sums);
-    }
+    int64_t blk = 0; /* 8 blocks at a time, then one at a time */
+    for (; blk + 8 <= blocks; blk += 8)
+        if (per == 32) q8_octet_f32(type, ROWS, row + blk * bytes, blk, x, sums);
+        else kquant_octet_f32(type, ROWS, row + blk * bytes, blk, x, sums);
+    for (; blk < blocks; blk++)
+        if (per == 32) q8_tail_block_f32(type, ROWS, row + blk * bytes, blk, x, sums);
+        else kquant_tail_block_f32(type, ROWS, row + blk * bytes, blk, x, sums);
     for (int r = 0; r < ROWS; r++) out[r * ldo] = hsum256(sums[r].chain) + hsum256(sums[r].offsets);
 }
 
@@ -1659,6 +1688,334 @@ static q8_row_fn q8_row_of(int64_t type) {
     }
 }
 
+/* ---- Many rows of x: W in panels of 8 rows, transposed ----------------------------------------
+ *
+ * For steps of several rows of x (`panel_min_rows`), `q8_panels_f32` decodes 8 rows of W at a
+ * time into a buffer of the thread's (`panel_pack`) in which every group of 32 weights is 8
+ * vectors, vector kk holding the 8 rows' bytes 4 kk to 4 kk + 3 (one lane a row of W), then
+ * multiplies every row of x by it: x's 4 bytes broadcast, one vpmaddubsw (or vpdpbusd) gives
+ * the 8 rows' pair sums at once, so the decoding is paid once per 8 rows of W for all the
+ * rows of x, and no horizontal sum is left to do per block. The K-quants' integer scales and
+ * offsets are laid out the same way, one lane a row of W. Each output is the float32 that
+ * `q8_row_f32` computes, bit for bit: the same exact int32 dot per block, rounded by the same
+ * fused multiply-add into the same chain lane (block mod 8 within whole octets, lane 0 past
+ * them), the offsets into the same lane, the lanes summed in hsum256's order. Memory: one
+ * panel per thread (k / per-block x `panel_layout_of(type).vectors` x 32 bytes), never a copy
+ * of the matrix. */
+#define PANEL_ROWS 8 /* rows of x per pass over a panel: their sums stay in L1 */
+
+/* Rows of x from which the panels beat the row kernel, one thread capped to AVX2 on an EPYC
+ * Zen 4 (2,048 x 2,048 unless said): Q4_0 and Q4_1 from 3 (1.1x at 3 rows, 1.7x at 16); Q8_0
+ * from 5 (its signs cost a vpsignb and a vpmaddwd per 4 bytes: 0.94x at 4 rows, 1.1-1.2x from
+ * 5); Q4_K and Q5_K from 5 (1.0x at 4, 1.2x at 5: the row kernel takes 4 rows a pass, 1.3x at
+ * 8, 1.4-1.6x at 16); Q6_K from 6 (signs again; 1.0x at 5-6, 1.05-1.1x at 8, 1.3x at 16). */
+static int64_t panel_min_rows(int64_t type) {
+    switch (type) {
+    case GGML_Q4_0:
+    case GGML_Q4_1: return 3;
+    case GGML_Q6_K: return 6;
+    default: return 5;
+    }
+}
+
+/* Where each part of a panel's block (8 rows of W) starts, in 32-byte vectors: per group of
+ * 32 the 8 vectors of magnitudes (the unsigned formats' q), the signed formats' q as many
+ * again; the K-quants' integer scales as int16 pairs (one vector per group, Q6_K's two: one
+ * per 16), Q4_K and Q5_K's float32 offsets (one vector per group), then d, then Q4_1's m. */
+typedef struct {
+    int q, sign, scale, offset, d, m, vectors;
+} panel_layout;
+
+static inline panel_layout panel_layout_of(int64_t type) {
+    const int groups = (int)quant_block_weights(type) / 32;
+    panel_layout at = {.q = 0, .sign = 8 * groups};
+    at.scale = 8 * groups * (signed_q(type) ? 2 : 1);
+    at.offset = at.scale + (type == GGML_Q6_K ? 16 : groups == 8 ? 8 : 0);
+    at.d = at.offset + (type == GGML_Q4_K || type == GGML_Q5_K ? 8 : 0);
+    at.m = at.d + 1;
+    at.vectors = at.m + (type == GGML_Q4_1 ? 1 : 0);
+    return at;
+}
+
+/* the 8 x 8 int32 of rows[0-7] transposed in place: rows[kk] lane c = old rows[c] lane kk */
+static inline __attribute__((always_inline)) void transpose8_epi32(__m256i *restrict rows) {
+    __m256i t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_epi32(rows[i], rows[i + 1]);
+        t[i + 1] = _mm256_unpackhi_epi32(rows[i], rows[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
+        u[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
+        u[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
+        u[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int i = 0; i < 4; i++) {
+        rows[i] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x20);
+        rows[i + 4] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x31);
+    }
+}
+
+/* 8 rows of W (`w`, row_bytes apart) as a panel */
+static inline __attribute__((always_inline)) void panel_pack(const int64_t type, const uint8_t *restrict w,
+                                                             int64_t row_bytes, int64_t blocks,
+                                                             __m256i *restrict panel) {
+    const panel_layout at = panel_layout_of(type);
+    const int64_t bytes = quant_block_bytes(type), groups = quant_block_weights(type) / 32;
+    for (int64_t blk = 0; blk < blocks; blk++) {
+        __m256i *v = panel + blk * at.vectors;
+        _Pragma("GCC unroll 8") /* g a constant in group_q */
+        for (int g = 0; g < groups; g++) {
+            __m256i q[8];
+            for (int c = 0; c < 8; c++) q[c] = group_q(type, w + c * row_bytes + blk * bytes, g);
+            transpose8_epi32(q);
+            for (int kk = 0; kk < 8; kk++) {
+                v[at.q + 8 * g + kk] = signed_q(type) ? _mm256_sign_epi8(q[kk], q[kk]) : q[kk];
+                if (signed_q(type)) v[at.sign + 8 * g + kk] = q[kk];
+            }
+        }
+        float d[8], m[8];
+        __m256i scale[2][8], offset[8]; /* per row of W, then transposed: per group, a lane a row */
+        for (int c = 0; c < 8; c++) {
+            const uint8_t *b = w + c * row_bytes + blk * bytes;
+            d[c] = half_f16c(type == GGML_Q6_K ? b + 208 : b);
+            if (type == GGML_Q4_1) m[c] = half_f16c(b + 2);
+            if (type == GGML_Q4_K || type == GGML_Q5_K) { /* kquant_scales' values */
+                const __m128i fields = k4_fields(b + 4); /* sc 0-7, m 0-7 */
+                scale[0][c] = _mm256_cvtepu8_epi32(fields);
+                offset[c] = _mm256_castps_si256(_mm256_mul_ps(_mm256_set1_ps(-half_f16c(b + 2)),
+                                                              _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(fields, 8)))));
+            }
+            if (type == GGML_Q6_K) {
+                const __m128i scales = _mm_loadu_si128((const __m128i *)(b + 192));
+                scale[0][c] = _mm256_cvtepi8_epi32(scales);
+                scale[1][c] = _mm256_cvtepi8_epi32(_mm_srli_si128(scales, 8));
+            }
+        }
+        v[at.d] = _mm256_castps_si256(_mm256_loadu_ps(d));
+        if (type == GGML_Q4_1) v[at.m] = _mm256_castps_si256(_mm256_loadu_ps(m));
+        for (int half = 0; half < (at.offset - at.scale) / 8; half++) { /* each scale in both int16 */
+            transpose8_epi32(scale[half]);
+            for (int s = 0; s < 8; s++)
+                v[at.scale + 8 * half + s] = _mm256_or_si256(_mm256_and_si256(scale[half][s], _mm256_set1_epi32(0xffff)),
+                                                             _mm256_slli_epi32(scale[half][s], 16));
+        }
+        if (at.d > at.offset) {
+            transpose8_epi32(offset);
+            for (int g = 0; g < 8; g++) v[at.offset + g] = offset[g];
+        }
+    }
+}
+
+static inline __m256i broadcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return _mm256_set1_epi32(v);
+}
+
+/* One per-32 block of a panel (`magnitude`, `sign`: its 8 vectors each) times 32 int8 of x:
+ * the 8 rows' exact int32 dots, one lane a row of W. vpdpbusd accumulates in int32; AVX2's
+ * vpmaddubsw pair sums add up in int16 for the 4-bit formats (8 of them: |sum| <= 8 * 2 * 15
+ * * 127 < 2^15), then one vpmaddwd. */
+static inline __attribute__((always_inline)) __m256i panel_dot32(const int64_t type,
+                                                                 const __m256i *restrict magnitude,
+                                                                 const __m256i *restrict sign,
+                                                                 const int8_t *restrict x) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) || defined(__AVXVNNI__)
+    __m256i dot = _mm256_setzero_si256();
+    for (int kk = 0; kk < 8; kk++) {
+        __m256i v = broadcast4(x + 4 * kk);
+        if (signed_q(type)) v = _mm256_sign_epi8(v, sign[kk]);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+        dot = _mm256_dpbusd_epi32(dot, magnitude[kk], v);
+#else
+        dot = _mm256_dpbusd_avx_epi32(dot, magnitude[kk], v);
+#endif
+    }
+    return dot;
+#else
+    const __m256i ones = _mm256_set1_epi16(1);
+    if (signed_q(type)) { /* Q8_0: pair sums up to 2 * 128 * 127, to int32 at once */
+        __m256i dot = _mm256_setzero_si256();
+        for (int kk = 0; kk < 8; kk++) {
+            const __m256i v = _mm256_sign_epi8(broadcast4(x + 4 * kk), sign[kk]);
+            dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude[kk], v), ones));
+        }
+        return dot;
+    }
+    __m256i pairs = _mm256_maddubs_epi16(magnitude[0], broadcast4(x));
+    for (int kk = 1; kk < 8; kk++)
+        pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(magnitude[kk], broadcast4(x + 4 * kk)));
+    return _mm256_madd_epi16(pairs, ones);
+#endif
+}
+
+/* One K-quant block of a panel (`v`) times TILE rows of x (256 int8 each, `k` apart): the 8
+ * rows' exact int32 dots, into dots[0 to TILE - 1]; each group's vectors of W loaded once for
+ * the TILE rows. Per group the pair sums add up in int16 over 8 vectors (Q4_K: |sum| <= 8 * 2
+ * * 15 * 127) or 4 (Q5_K's 31, Q6_K's |q - 32| <= 32; Q6_K's scale changes after 4 anyway),
+ * then times the integer scale by vpmaddwd into int32. */
+static inline __attribute__((always_inline)) void panel_dots_k(const int64_t type, const int TILE,
+                                                               const __m256i *restrict v,
+                                                               const int8_t *restrict x, int64_t k,
+                                                               __m256i *restrict dots) {
+    const panel_layout at = panel_layout_of(type);
+    const int run = type == GGML_Q4_K ? 8 : 4; /* vectors per int16 sum */
+    for (int r = 0; r < TILE; r++) dots[r] = _mm256_setzero_si256();
+    for (int g = 0; g < 8; g++) {
+        __m256i magnitude[8], sign[8];
+        for (int kk = 0; kk < 8; kk++) {
+            magnitude[kk] = v[at.q + 8 * g + kk];
+            if (signed_q(type)) sign[kk] = v[at.sign + 8 * g + kk];
+        }
+        for (int r = 0; r < TILE; r++)
+            for (int h = 0; h < 8 / run; h++) {
+                __m256i pairs = _mm256_setzero_si256();
+                for (int kk = h * run; kk < (h + 1) * run; kk++) {
+                    __m256i xv = broadcast4(x + r * k + 32 * g + 4 * kk);
+                    if (signed_q(type)) xv = _mm256_sign_epi8(xv, sign[kk]);
+                    pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(magnitude[kk], xv));
+                }
+                dots[r] = _mm256_add_epi32(dots[r], _mm256_madd_epi16(pairs, v[at.scale + (type == GGML_Q6_K ? 2 * g + h : g)]));
+            }
+    }
+}
+
+#define PANEL_K_TILE 4 /* rows of x per pass over a K-quant block's vectors (in registers) */
+
+/* A row of x's sums over 8 rows of W (one lane each): q8_sums' lanes, a vector each */
+typedef struct {
+    __m256 chain[8], offsets[8];
+} panel_sums;
+
+/* A panel of `count` blocks (W's blocks `first` on, of a row's `blocks`) times `rows` (<=
+ * PANEL_ROWS) rows of quantized x, added to their sums */
+static inline __attribute__((always_inline)) void panel_rows_f32(const int64_t type, int rows,
+                                                                 const __m256i *restrict panel,
+                                                                 int64_t first, int64_t count,
+                                                                 int64_t blocks, const q8_x *restrict x,
+                                                                 panel_sums *restrict sums) {
+    const panel_layout at = panel_layout_of(type);
+    const int64_t per = quant_block_weights(type), octets = blocks / 8 * 8;
+    for (int64_t blk = first; blk < first + count; blk++) {
+        const __m256i *v = panel + (blk - first) * at.vectors;
+        __m256i magnitude[8], sign[8]; /* a per-32 block's, in registers for all the rows */
+        for (int kk = 0; per == 32 && kk < 8; kk++) {
+            magnitude[kk] = v[at.q + kk];
+            if (signed_q(type)) sign[kk] = v[at.sign + kk];
+        }
+        __m256i dots[PANEL_ROWS]; /* the K-quants' (a per-32 block's as they are used) */
+        for (int r = 0; per == 256 && r < rows; r += PANEL_K_TILE) {
+            const int8_t *xq = x->q + r * x->k + 256 * blk;
+            switch (rows - r < PANEL_K_TILE ? rows - r : PANEL_K_TILE) {
+            case 4: panel_dots_k(type, 4, v, xq, x->k, dots + r); break;
+            case 3: panel_dots_k(type, 3, v, xq, x->k, dots + r); break;
+            case 2: panel_dots_k(type, 2, v, xq, x->k, dots + r); break;
+            default: panel_dots_k(type, 1, v, xq, x->k, dots + r);
+            }
+        }
+        const __m256 d = _mm256_castsi256_ps(v[at.d]);
+        const int lane = blk < octets ? (int)(blk % 8) : 0;
+        for (int r = 0; r < rows; r++) {
+            __m256i dot = per == 32 ? panel_dot32(type, magnitude, sign, x->q + r * x->k + 32 * blk) : dots[r];
+            if (type == GGML_Q4_0) /* q - 8: 8 times x's sum less */
+                dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(8 * x->q_sums[r * x->groups + blk]));
+            const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(x->scale[r * x->scales + blk]));
+            sums[r].chain[lane] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, sums[r].chain[lane]);
+            const float *x_sums = x->sums + r * x->groups + per / 32 * blk;
+            if (type == GGML_Q4_1)
+                sums[r].offsets[lane] = _mm256_fmadd_ps(_mm256_castsi256_ps(v[at.m]), _mm256_set1_ps(x_sums[0]),
+                                                        sums[r].offsets[lane]);
+            if (type == GGML_Q4_K || type == GGML_Q5_K)
+                for (int g = 0; g < 8; g++)
+                    sums[r].offsets[g] = _mm256_fmadd_ps(_mm256_castsi256_ps(v[at.offset + g]),
+                                                         _mm256_set1_ps(x_sums[g]), sums[r].offsets[g]);
+        }
+    }
+}
+
+/* each row's sums into out[r * ldo + 0-7]: the lanes added in hsum256's order, 8 at once */
+static void panel_store(int64_t rows, const panel_sums *restrict sums, float *restrict out, int64_t ldo) {
+    for (int64_t r = 0; r < rows; r++) {
+        __m256 total[2];
+        for (int s = 0; s < 2; s++) {
+            const __m256 *t = s ? sums[r].offsets : sums[r].chain;
+            const __m256 m0 = _mm256_add_ps(t[0], t[4]), m1 = _mm256_add_ps(t[1], t[5]);
+            const __m256 m2 = _mm256_add_ps(t[2], t[6]), m3 = _mm256_add_ps(t[3], t[7]);
+            total[s] = _mm256_add_ps(_mm256_add_ps(m0, m1), _mm256_add_ps(m2, m3));
+        }
+        _mm256_storeu_ps(out + r * ldo, _mm256_add_ps(total[0], total[1]));
+    }
+}
+
+#define PANEL_CHUNK 1024 /* values of a row of W per panel: panel and x's rows stay in L1 */
+
+/* W's 8 rows at `w` times every row of x, PANEL_CHUNK values at a time (each packed once, then
+ * multiplied by PANEL_ROWS rows of x at a time), a format's constants inlined */
+#define PANEL_OF(NAME)                                                                            \
+    static void panel_##NAME(const uint8_t *restrict w, int64_t row_bytes, int64_t blocks,        \
+                             __m256i *restrict panel, panel_sums *restrict sums, int64_t rows,    \
+                             const q8_x *restrict x, float *restrict out, int64_t ldo) {          \
+        const int64_t chunk = PANEL_CHUNK / quant_block_weights(GGML_##NAME);                     \
+        memset(sums, 0, (size_t)rows * sizeof *sums);                                             \
+        for (int64_t first = 0; first < blocks; first += chunk) {                                 \
+            const int64_t count = blocks - first < chunk ? blocks - first : chunk;                \
+            panel_pack(GGML_##NAME, w + first * quant_block_bytes(GGML_##NAME), row_bytes, count, \
+                       panel);                                                                    \
+            for (int64_t r = 0; r < rows; r += PANEL_ROWS) {                                      \
+                const q8_x part = {x->q + r * x->k, x->scale + r * x->scales,                     \
+                                   x->sums ? x->sums + r * x->groups : NULL,                      \
+                                   x->q_sums ? x->q_sums + r * x->groups : NULL, x->k, x->groups, \
+                                   x->scales};                                                    \
+                panel_rows_f32(GGML_##NAME, (int)(rows - r < PANEL_ROWS ? rows - r : PANEL_ROWS), \
+                               panel, first, count, blocks, &part, sums + r);                     \
+            }                                                                                     \
+        }                                                                                         \
+        panel_store(rows, sums, out, ldo);                                                        \
+    }
+PANEL_OF(Q4_0)
+PANEL_OF(Q4_1)
+PANEL_OF(Q8_0)
+PANEL_OF(Q4_K)
+PANEL_OF(Q5_K)
+PANEL_OF(Q6_K)
+typedef void (*panel_fn)(const uint8_t *, int64_t, int64_t, __m256i *, panel_sums *, int64_t,
+                         const q8_x *, float *, int64_t);
+static panel_fn panel_of(int64_t type) {
+    switch (type) {
+    case GGML_Q4_0: return panel_Q4_0;
+    case GGML_Q4_1: return panel_Q4_1;
+    case GGML_Q8_0: return panel_Q8_0;
+    case GGML_Q4_K: return panel_Q4_K;
+    case GGML_Q5_K: return panel_Q5_K;
+    default: return panel_Q6_K;
+    }
+}
+
+/* W's first n / 8 * 8 rows in panels, threads over the panels; the rest is the caller's */
+static int q8_panels_f32(int64_t type, const uint8_t *restrict w, int64_t row_bytes, int64_t n,
+                         const q8_x *restrict x, int64_t rows, float *restrict out, int64_t ldo) {
+    const panel_fn run = panel_of(type);
+    const int64_t per = quant_block_weights(type), blocks = x->k / per;
+    const size_t panel_bytes = (size_t)(PANEL_CHUNK / per * panel_layout_of(type).vectors) * sizeof(__m256i);
+    const size_t sums_bytes = (size_t)rows * sizeof(panel_sums);
+    int status = STATUS_OK; /* the threads' first failure */
+    _Pragma("omp parallel if (n > 16)")
+    {
+        __m256i *panel = aligned_alloc(64, panel_bytes + sums_bytes); /* both multiples of 64 */
+        if (!panel) {
+            _Pragma("omp atomic write")
+            status = STATUS_NO_MEMORY;
+        }
+        panel_sums *sums = (panel_sums *)((uint8_t *)panel + panel_bytes);
+        _Pragma("omp for schedule(static)")
+        for (int64_t j = 0; j < n / 8 * 8; j += 8)
+            if (panel) run(w + j * row_bytes, row_bytes, blocks, panel, sums, rows, x, out + j, ldo);
+        free(panel);
+    }
+    return status ? failed(status, "aligned_alloc of a thread's panel of W") : STATUS_OK;
+}
+
 int quant_linear_q8_f32(float *restrict out, const float *restrict x, const uint8_t *restrict w,
                         int64_t type, int64_t rows, int64_t n, int64_t k, int64_t ldo) {
     CHECKED(check_blocks(type, rows, n, k));
@@ -1680,9 +2037,16 @@ int quant_linear_q8_f32(float *restrict out, const float *restrict x, const uint
         return failed(STATUS_NO_MEMORY, "malloc of x quantized to 8 bits");
     }
     quantize_rows_q8(x, rows * k, x_group, xq, x_scale, x_sums, x_q_sums);
+    const q8_x all = {xq, x_scale, x_sums, x_q_sums, k, groups, scales};
+    int64_t first = 0; /* W's first row left to the row kernel */
+    int status = STATUS_OK;
+    if (rows >= panel_min_rows(type) && n >= 8) {
+        status = q8_panels_f32(type, w, row_bytes, n, &all, rows, out, ldo);
+        first = n / 8 * 8;
+    }
     const q8_row_fn run = q8_row_of(type);
-    _Pragma("omp parallel for schedule(static) if (n > 16)")
-    for (int64_t j = 0; j < n; j++)
+    _Pragma("omp parallel for schedule(static) if (n - first > 16)")
+    for (int64_t j = first; j < (status ? first : n); j++)
         for (int64_t r = 0; r < rows; r += Q8_ROWS_MAX) { /* a second pass reads the row from L1 */
             const q8_x part = {xq + r * k, x_scale + r * scales, x_sums ? x_sums + r * groups : NULL,
                                x_q_sums ? x_q_sums + r * groups : NULL, k, groups, scales};
@@ -1693,7 +2057,7 @@ int quant_linear_q8_f32(float *restrict out, const float *restrict x, const uint
     free(x_scale);
     free(x_sums);
     free(x_q_sums);
-    return STATUS_OK;
+    return status;
 }
 
 /* One row of k weights as float32 from its unpacked blocks, 8 at a time: gguf_dequantize_f32's

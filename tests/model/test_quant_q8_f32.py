@@ -137,6 +137,31 @@ def test_the_8_bit_product_is_the_float64_reference_s(level: str, name: str) -> 
                 assert np.array_equal(first, out[0]), (k, n, rows)
 
 
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("name", FORMATS)
+def test_each_row_of_a_many_row_step_is_that_row_alone_bit_for_bit(level: str, name: str) -> None:
+    """Steps of several rows of x (W in transposed panels of 8 rows, 1,024 values at a time,
+    two passes of 8 rows of x and a partial one, the last 5 rows of W by the row kernel) give
+    every output the float32 bits of that row of x multiplied alone; k is 2 chunks and a part,
+    8 blocks and 1 (K-quants), 40 and 3."""
+    library = _library(level)
+    k = 2304 if name in K_QUANTS else 1376
+    for n in (N, 8):
+        raw = random_blocks(name, n, k, seed=n)
+        x = np.random.default_rng(n).standard_normal((21, k)).astype(np.float32)
+        x[3] = 0.0  # a row of zeros: every scale 0
+        outs = []
+        for rows, part in ((21, x), *((1, x[r : r + 1]) for r in range(21))):
+            out = np.empty((rows, n), dtype=np.float32)
+            library.quant_linear_q8_f32(
+                out=out.ctypes.data, x=part.ctypes.data, w=raw.ctypes.data,
+                type=GGMLQuantizationType[name].value, rows=rows, n=n, k=k, ldo=n,
+            )  # fmt: skip
+            outs.append(out)
+        alone = np.concatenate(outs[1:])
+        assert np.array_equal(alone.view(np.uint32), outs[0].view(np.uint32)), n
+
+
 @pytest.mark.parametrize("level", ["baseline", *LEVELS])
 def test_dequantization_is_gguf_py_s_bit_for_bit_at_each_level(level: str) -> None:
     """`gguf_dequantize_f32` (the float32 tiles of larger steps): by block below AVX2, from
