@@ -127,7 +127,8 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
         "(AVX-512 VNNI), as llama.cpp does (one token's pass over a layer's blocks about twice "
         "as fast; each output's error within 2%% of its row's largest); in float32 the same "
         "way in steps of up to 64 tokens (AVX2 and up: vpmaddubsw, or VNNI), larger steps "
-        "in float32 tiles of the file's exact values; bfloat16 (a bfloat16 model's): "
+        "with x exact on the file's exact values (a float32 GEMM fed from the blocks); "
+        "bfloat16 (a bfloat16 model's): "
         "multiplied as they are by the file's exact "
         "weights; float32 (a float32 model's): every GGUF matrix a dense float32 copy of the "
         "file's exact values (default: int8)",

@@ -55,7 +55,7 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 _BUILD_TIMEOUT_S = 120  # about 9x the slowest build measured (bench/kernel_build.py)
-ABI_VERSION = 7  # cpu_kernels.c OTEL_KERNELS_ABI
+ABI_VERSION = 8  # cpu_kernels.c OTEL_KERNELS_ABI
 
 # Instruction-set levels of x86-64, lowest first, and the flags that target each: the
 # x86-64 psABI levels (v3: AVX2 and FMA; v4: AVX-512 F/BW/CD/DQ/VL), plus AVX-512 BF16
@@ -138,6 +138,7 @@ SUFFIXES = ("f32", "bf16")
 # Built only for the targets from a level up (`OPTIONAL_FROM`); absent from the library below.
 OPTIONAL_SIGNATURES: dict[str, tuple[tuple[str, type], ...]] = {
     "quant_linear_q8_f32": _QUANT_LINEAR,
+    "quant_gemm_f32": _QUANT_LINEAR,
     "q4_linear_bf16": (
         ("out", _P), ("x", _P), ("w", _P), ("params", _P), ("sums", _P), ("rows", _I),
         ("n", _I), ("k", _I),
@@ -165,10 +166,11 @@ OPTIONAL_SIGNATURES: dict[str, tuple[tuple[str, type], ...]] = {
     ),
 }  # fmt: skip
 # The lowest level whose build has each optional function (every level above it has it too):
-# the 8-bit float32 matmul needs AVX2's integer dot products, the rest AVX-512 BF16.
+# the float32 GGUF matmuls need AVX2 (integer dot products; FMA), the rest AVX-512 BF16.
 OPTIONAL_FROM: dict[str, str] = {
     **dict.fromkeys(OPTIONAL_SIGNATURES, "avx512bf16"),
     "quant_linear_q8_f32": "avx2",
+    "quant_gemm_f32": "avx2",
 }
 # Built only for AMX targets; these return a value, not a status.
 QUERIES: dict[str, tuple[tuple[str, type], ...]] = {

@@ -57,8 +57,8 @@ class Shard:
 class MatrixKernels:
     """The compiled matmuls the quantized forms call, chosen by the plan's dtype and
     sub-choices, and their shared scratch: in bfloat16 a build for AVX-512 BF16's; in float32
-    (the plan chooses blocks there only with x in 8 bits) `quant_linear_q8_f32`, in every
-    build from AVX2 up."""
+    (the plan chooses blocks there only with x in 8 bits) `quant_linear_q8_f32` and, for
+    larger steps, `quant_gemm_f32`, in every build from AVX2 up."""
 
     def __init__(self, plan: FastPaths) -> None:
         library = plan.library
@@ -67,7 +67,11 @@ class MatrixKernels:
         if plan.dtype == torch.float32:
             self.dequantize = library.gguf_dequantize_f32
             self.blocks = QuantLinear(
-                library.quant_linear_q8_f32, self.dequantize, None, torch.float32
+                library.quant_linear_q8_f32,
+                self.dequantize,
+                None,
+                torch.float32,
+                gemm=library.quant_gemm_f32,
             )
         else:
             small = {

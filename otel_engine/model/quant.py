@@ -16,7 +16,8 @@ bfloat16: the values of the reference path's bfloat16 copy.
 
 A float32 model's matrices run the same way in float32: up to `QUANT_F32_MAX_ROWS` rows
 `quant_linear_q8_f32` (x quantized to 8 bits, integer dot products; every build from AVX2
-up), larger steps tiles dequantized to gguf-py's float32 values (`gguf_dequantize_f32`)."""
+up), larger steps `quant_gemm_f32` (x exact: 16 rows of W at a time dequantized to gguf-py's
+float32 values into the cache, then a float32 micro-kernel over every row of x)."""
 
 from __future__ import annotations
 
@@ -34,15 +35,12 @@ from otel_engine.model.weights import QuantTensor
 # 4.2 (Q6_K and Q8_0 alike; its bfloat16 copy in oneDNN: 1.3-1.5 ms); 16 MiB tiles halve
 # the tiles' times beyond 16 rows (TILE_BYTES).
 QUANT_MAX_ROWS = 8
-# The same for a float32 model (`quant_linear_q8_f32`, tiles dequantized to float32).
-# Measured on a matrix of 8,192 x 2,048 read from memory, AVX2 build, torch capped to AVX2,
-# one thread, CPU ms per call, 8-bit kernel / tiles, at 1 / 8 / 32 / 64 / 96 / 128 rows: Q4_0
-# 0.79 / 11.0, 3.9 / 14.5, 13.6 / 22.9, 34.0 / 42.2, 48.6 / 52.6, 53.8 / 63.9; Q4_K 0.78 /
-# 9.8, 3.4 / 16.6, 14.0 / 28.9, 30.7 / 38.5, 46.4 / 57.1, 61.4 / 62.3; Q6_K 1.10 / 13.1, 5.0 /
-# 19.9, 15.9 / 24.9, 32.8 / 45.4, 50.4 / 54.1, 61.5 / 60.8 (bench/quant_matmul.py --dtype
-# float32 --clock cpu --shape 8192x2048). Past 64 rows the 8-bit kernel still wins by up to
-# 20%, but those steps are prefill, where x rounded to 8 bits costs the most accuracy
-# (bench/loglik.py): they keep x exact on the float32 tiles.
+# The same for a float32 model (`quant_linear_q8_f32`; beyond it `quant_gemm_f32`, x exact).
+# The 8-bit kernel is the faster at every size: a matrix of 8,192 x 2,048, AVX2 build, two
+# threads, wall ms, 8-bit / exact at 16 / 32 / 64 / 96 / 128 rows: Q4_0 1.7 / 5.6, 3.3 / 8.7,
+# 6.5 / 13.7, 9.7 / 19.5, 13.2 / 24.7; Q4_K 1.8 / 5.0, 3.2 / 7.5, 6.4 / 12.3, 9.6 / 16.8,
+# 12.6 / 21.9; Q6_K and Q8_0 between them. The limit is accuracy: steps past 64 rows are
+# prefill, where x rounded to 8 bits costs the most (bench/loglik.py), so they keep x exact.
 QUANT_F32_MAX_ROWS = 64
 # bfloat16 bytes per dequantized tile: torch's matmul costs a fixed overhead per call, so
 # fewer, larger tiles win. A Q4_K matrix of 16,384 x 2,048 at 16 / 64 / 512 rows: 256 KiB
@@ -95,9 +93,9 @@ def pack_quant(parts: list[QuantTensor]) -> QuantWeight | None:
 
 class QuantLinear:
     """x [rows, cols] @ W.T for a `QuantWeight`, x and the output in `dtype` (bfloat16, or
-    float32 with `quant_linear_q8_f32` and `gguf_dequantize_f32`), with the kernels library's
-    functions (`amx`: the AMX kernel where the fast paths chose it, else None); holds the tile
-    buffer."""
+    float32 with `quant_linear_q8_f32` and `quant_gemm_f32`), with the kernels library's
+    functions (`amx`: the AMX kernel where the fast paths chose it, else None; `gemm`: the
+    float32 kernel of larger steps, else tiles); holds the tile buffer."""
 
     def __init__(
         self,
@@ -105,10 +103,12 @@ class QuantLinear:
         dequantize: Callable[..., None],
         amx: Callable[..., None] | None = None,
         dtype: torch.dtype = torch.bfloat16,
+        gemm: Callable[..., None] | None = None,
     ) -> None:
         self._linear = linear
         self._dequantize = dequantize
         self._amx = amx
+        self._gemm = gemm
         self.dtype = dtype
         self.max_rows = QUANT_F32_MAX_ROWS if dtype == torch.float32 else QUANT_MAX_ROWS
         self._tile = torch.empty(0, dtype=dtype)
@@ -121,7 +121,10 @@ class QuantLinear:
     def larger(
         self, x: torch.Tensor, weight: QuantWeight, out: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """A step of many rows: the AMX kernel up to AMX_MAX_ROWS where it runs, else tiles."""
+        """A step of many rows: the float32 GEMM kernel where there is one, the AMX kernel up
+        to AMX_MAX_ROWS where it runs, else tiles."""
+        if self._gemm is not None:
+            return self.fused(x, weight, out, self._gemm)
         if self._amx is not None and x.shape[0] <= AMX_MAX_ROWS:
             return self.fused(x, weight, out, self._amx)
         return self.tiles(x, weight, out)

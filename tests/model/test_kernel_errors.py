@@ -20,10 +20,11 @@ _TYPED = {
     "quant_linear_bf16": {"rows": 1, "n": 1, "k": 256, "ldo": 1},
     "quant_linear_q8_bf16": {"rows": 1, "n": 1, "k": 256, "ldo": 1},
     "quant_linear_q8_f32": {"rows": 1, "n": 1, "k": 256, "ldo": 1},
+    "quant_gemm_f32": {"rows": 1, "n": 1, "k": 256, "ldo": 1},
     "quant_linear_amx_bf16": {"rows": 1, "n": 1, "k": 256, "ldo": 1},
 }
 _NO_ADDRESS_SPACE = 2**60  # bytes no allocation gets on a 64-bit machine
-_Q4_K, _Q8_0 = 12, 8
+_Q4_1, _Q8_0, _Q4_K, _Q6_K = 3, 8, 12, 14
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +76,8 @@ def test_an_unknown_type_id_is_a_bad_type_error(
         ("quant_linear_amx_bf16", {"type": _Q8_0, "rows": 1, "k": _NO_ADDRESS_SPACE // 32}),
         # x in 8 bits: rows * k bytes
         ("quant_linear_q8_f32", {"type": _Q8_0, "rows": _NO_ADDRESS_SPACE // 256, "k": 256}),
+        # x exact, in tiles of 6 rows: rows * k floats
+        ("quant_gemm_f32", {"type": _Q4_K, "rows": _NO_ADDRESS_SPACE // 1024, "k": 256}),
     ],
 )
 def test_an_allocation_that_fails_is_a_no_memory_error(
@@ -149,6 +152,8 @@ _PREFILL = {
         ("quant_linear_q8_bf16", {"type": _Q8_0, "rows": 2, "n": 8, "k": 32, "ldo": 4}, "ldo >= n"),
         ("quant_linear_q8_f32", {"type": _Q4_K, "rows": 2, "n": 8, "k": 256, "ldo": 4}, "ldo >= n"),
         ("quant_linear_q8_f32", {"type": _Q8_0, "rows": 1, "n": 8, "k": 48, "ldo": 8}, "k % quant"),
+        ("quant_gemm_f32", {"type": _Q4_1, "rows": 7, "n": 8, "k": 64, "ldo": 7}, "ldo >= n"),
+        ("quant_gemm_f32", {"type": _Q6_K, "rows": 1, "n": 8, "k": 288, "ldo": 8}, "k % quant"),
         ("fault_drill", {"kind": 4, "thread": 0}, "kind"),
     ],
 )

@@ -162,6 +162,36 @@ def test_each_row_of_a_many_row_step_is_that_row_alone_bit_for_bit(level: str, n
         assert np.array_equal(alone.view(np.uint32), outs[0].view(np.uint32)), n
 
 
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("name", FORMATS)
+def test_larger_steps_are_the_exact_float64_reference_s(level: str, name: str) -> None:
+    """`quant_gemm_f32` (x exact, the steps past QUANT_F32_MAX_ROWS): every output within
+    float32 summation of x times gguf-py's weights in float64, for n of 37 (a partial panel
+    of 16 rows of W) and 300 (two threads' chunks of 256 and a part), k of several chunks of
+    256 and a part, rows of 6 and a partial micro-kernel; each row's output the bits of that
+    row alone."""
+    library = _library(level)
+    k = 2304 if name in K_QUANTS else 1376
+    for n in (37, 300):
+        raw = random_blocks(name, n, k, seed=n)
+        weight = dequantize(raw, GGMLQuantizationType[name]).astype(np.float64)
+        x = np.random.default_rng(n).standard_normal((15, k)).astype(np.float32)
+        outs = []
+        for rows, part in ((15, x), *((1, x[r : r + 1]) for r in range(15))):
+            out = np.full((rows, n + 3), np.nan, dtype=np.float32)  # row stride past n
+            library.quant_gemm_f32(
+                out=out.ctypes.data, x=part.ctypes.data, w=raw.ctypes.data,
+                type=GGMLQuantizationType[name].value, rows=rows, n=n, k=k, ldo=n + 3,
+            )  # fmt: skip
+            assert np.isnan(out[:, n:]).all()  # nothing past n written
+            outs.append(out[:, :n])
+        exact = x.astype(np.float64) @ weight.T
+        terms = np.abs(x).astype(np.float64) @ np.abs(weight).T
+        assert (np.abs(outs[0] - exact) <= SUM_ROUNDING * terms).all(), n
+        alone = np.concatenate(outs[1:])
+        assert np.array_equal(alone.view(np.uint32), outs[0].view(np.uint32)), n
+
+
 @pytest.mark.parametrize("level", ["baseline", *LEVELS])
 def test_dequantization_is_gguf_py_s_bit_for_bit_at_each_level(level: str) -> None:
     """`gguf_dequantize_f32` (the float32 tiles of larger steps): by block below AVX2, from
@@ -244,10 +274,14 @@ def test_the_avx2_build_under_qemu_haswell_gives_the_native_bits(tmp_path: Path)
 def test_a_float32_block_matrix_runs_small_steps_in_8_bits_and_larger_ones_exactly() -> None:
     """`QuantLinear` in float32 on a Q4_K_M-like fused q/k/v (parts in Q4_K and Q6_K): up to
     QUANT_F32_MAX_ROWS rows each part's columns are `quant_linear_q8_f32`'s; more rows run on
-    float32 tiles of gguf-py's exact values, within float32 rounding of the exact product."""
+    gguf-py's exact values (`quant_gemm_f32`), within float32 rounding of the exact product."""
     library = _library("avx2")
     linear = QuantLinear(
-        library.quant_linear_q8_f32, library.gguf_dequantize_f32, None, torch.float32
+        library.quant_linear_q8_f32,
+        library.gguf_dequantize_f32,
+        None,
+        torch.float32,
+        gemm=library.quant_gemm_f32,
     )
     parts = [
         QuantTensor(torch.from_numpy(random_blocks(name, rows, 512, seed=rows)), name, 512)
