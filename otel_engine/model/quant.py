@@ -16,8 +16,8 @@ bfloat16: the values of the reference path's bfloat16 copy.
 
 A float32 model's matrices run the same way in float32: up to `QUANT_F32_MAX_ROWS` rows
 `quant_linear_q8_f32` (x quantized to 8 bits, integer dot products; every build from AVX2
-up), larger steps `quant_gemm_f32` (x exact: 16 rows of W at a time dequantized to gguf-py's
-float32 values into the cache, then a float32 micro-kernel over every row of x)."""
+up), larger steps `quant_gemm_f32` (x exact: W dequantized to gguf-py's float32 values into
+the cache a chunk at a time, then a float32 micro-kernel over every row of x)."""
 
 from __future__ import annotations
 
