@@ -2007,7 +2007,7 @@ static int q8_panels_f32(int64_t type, const uint8_t *restrict w, int64_t row_by
             _Pragma("omp atomic write")
             status = STATUS_NO_MEMORY;
         }
-        panel_sums *sums = (panel_sums *)((uint8_t *)panel + panel_bytes);
+        panel_sums *sums = panel ? (panel_sums *)((uint8_t *)panel + panel_bytes) : NULL;
         _Pragma("omp for schedule(static)")
         for (int64_t j = 0; j < n / 8 * 8; j += 8)
             if (panel) run(w + j * row_bytes, row_bytes, blocks, panel, sums, rows, x, out + j, ldo);
@@ -2188,6 +2188,7 @@ int quant_gemm_f32(float *restrict out, const float *restrict x, const uint8_t *
                    int64_t type, int64_t rows, int64_t n, int64_t k, int64_t ldo) {
     CHECKED(check_blocks(type, rows, n, k));
     REQUIRE(ldo >= n); /* out's row stride */
+    if (!rows || !n) return STATUS_OK;
     const int64_t row_bytes = k / quant_block_weights(type) * quant_block_bytes(type);
     const int64_t tiles = (rows + GEMM_MR - 1) / GEMM_MR;
     /* x in tiles of GEMM_MR rows, value-major: xp[(tile * k + kk) * GEMM_MR + r], rows past

@@ -177,6 +177,17 @@ def test_no_rows_is_no_work_not_a_division_by_zero(library: KernelLibrary) -> No
     _kernel(library, "panel_linear_bf16")(out=None, x=None, panels=None, rows=0, n=16, k=32)
 
 
+@pytest.mark.parametrize("name", ["quant_linear_q8_f32", "quant_gemm_f32"])
+def test_no_rows_through_the_float32_gguf_matmuls_is_no_work(
+    library: KernelLibrary, name: str
+) -> None:
+    """A step of 0 rows, or a matrix of 0 rows, is a no-op: nothing allocated for it (an
+    allocation of 0 bytes may be NULL), nothing read."""
+    kernel = _kernel(library, name)
+    for rows, n in ((0, 32), (3, 0)):
+        kernel(out=None, x=None, w=None, type=_Q4_K, rows=rows, n=n, k=256, ldo=32)
+
+
 def test_the_decoder_stack_reports_the_failure_of_a_kernel_it_calls(
     library: KernelLibrary,
 ) -> None:
