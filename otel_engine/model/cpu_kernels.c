@@ -1699,9 +1699,9 @@ static q8_row_fn q8_row_of(int64_t type) {
  * offsets are laid out the same way, one lane a row of W. Each output is the float32 that
  * `q8_row_f32` computes, bit for bit: the same exact int32 dot per block, rounded by the same
  * fused multiply-add into the same chain lane (block mod 8 within whole octets, lane 0 past
- * them), the offsets into the same lane, the lanes summed in hsum256's order. Memory: one
- * panel per thread (k / per-block x `panel_layout_of(type).vectors` x 32 bytes), never a copy
- * of the matrix. */
+ * them), the offsets into the same lane, the lanes summed in hsum256's order. Memory per
+ * thread: one chunk of a panel (PANEL_CHUNK values of 8 rows of W, 9-19 KiB by format) and the
+ * sums of each row of x (512 bytes a row); never a copy of the matrix. */
 #define PANEL_ROWS 8 /* rows of x per pass over a panel: their sums stay in L1 */
 
 /* Rows of x from which the panels beat the row kernel, one thread capped to AVX2 on an EPYC
