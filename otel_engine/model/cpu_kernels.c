@@ -1107,6 +1107,10 @@ static int64_t quant_block_bytes(int64_t type) {
     default: return 0;
     }
 }
+/* bytes of `weights` weights of `type` in whole blocks: a row's, or an offset into one */
+static int64_t quant_bytes(int64_t type, int64_t weights) {
+    return weights / quant_block_weights(type) * quant_block_bytes(type);
+}
 
 /* Q4_K and Q5_K's 6-bit scale and min of sub-block s (ggml's get_scale_min_k4) */
 static inline void scale_min_k4(int s, const uint8_t *q, float *sc, float *m) {
@@ -1250,11 +1254,13 @@ static inline __m256i dot32_lanes(__m256i magnitude, __m256i signed_x) {
     return _mm256_dpbusd_epi32(_mm256_setzero_si256(), magnitude, signed_x);
 }
 #define HAS_Q8_DOT 1
+#define Q8_DOT_VNNI 1 /* a single instruction: int32 sums, nothing gained by summing in int16 */
 #elif defined(__AVXVNNI__)
 static inline __m256i dot32_lanes(__m256i magnitude, __m256i signed_x) {
     return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), magnitude, signed_x);
 }
 #define HAS_Q8_DOT 1
+#define Q8_DOT_VNNI 1
 #elif defined(__AVX2__) && defined(__FMA__)
 static inline __m256i dot32_lanes(__m256i magnitude, __m256i signed_x) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, signed_x), _mm256_set1_epi16(1));
@@ -1814,40 +1820,28 @@ static inline __m256i broadcast4(const int8_t *p) {
 }
 
 /* One per-32 block of a panel (`magnitude`, `sign`: its 8 vectors each) times 32 int8 of x:
- * the 8 rows' exact int32 dots, one lane a row of W. vpdpbusd accumulates in int32; AVX2's
- * vpmaddubsw pair sums add up in int16 for the 4-bit formats (8 of them: |sum| <= 8 * 2 * 15
- * * 127 < 2^15), then one vpmaddwd. */
+ * the 8 rows' exact int32 dots, one lane a row of W, by the level's `dot32_lanes` per 4 bytes
+ * of x. Without VNNI the 4-bit formats' vpmaddubsw pair sums add up in int16 first (8 of
+ * them: |sum| <= 8 * 2 * 15 * 127 < 2^15), then one vpmaddwd. */
 static inline __attribute__((always_inline)) __m256i panel_dot32(const int64_t type,
                                                                  const __m256i *restrict magnitude,
                                                                  const __m256i *restrict sign,
                                                                  const int8_t *restrict x) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__) || defined(__AVXVNNI__)
+#ifndef Q8_DOT_VNNI
+    if (!signed_q(type)) {
+        __m256i pairs = _mm256_maddubs_epi16(magnitude[0], broadcast4(x));
+        for (int kk = 1; kk < 8; kk++)
+            pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(magnitude[kk], broadcast4(x + 4 * kk)));
+        return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+    }
+#endif
     __m256i dot = _mm256_setzero_si256();
     for (int kk = 0; kk < 8; kk++) {
         __m256i v = broadcast4(x + 4 * kk);
         if (signed_q(type)) v = _mm256_sign_epi8(v, sign[kk]);
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-        dot = _mm256_dpbusd_epi32(dot, magnitude[kk], v);
-#else
-        dot = _mm256_dpbusd_avx_epi32(dot, magnitude[kk], v);
-#endif
+        dot = _mm256_add_epi32(dot, dot32_lanes(magnitude[kk], v));
     }
     return dot;
-#else
-    const __m256i ones = _mm256_set1_epi16(1);
-    if (signed_q(type)) { /* Q8_0: pair sums up to 2 * 128 * 127, to int32 at once */
-        __m256i dot = _mm256_setzero_si256();
-        for (int kk = 0; kk < 8; kk++) {
-            const __m256i v = _mm256_sign_epi8(broadcast4(x + 4 * kk), sign[kk]);
-            dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude[kk], v), ones));
-        }
-        return dot;
-    }
-    __m256i pairs = _mm256_maddubs_epi16(magnitude[0], broadcast4(x));
-    for (int kk = 1; kk < 8; kk++)
-        pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(magnitude[kk], broadcast4(x + 4 * kk)));
-    return _mm256_madd_epi16(pairs, ones);
-#endif
 }
 
 /* One K-quant block of a panel (`v`) times TILE rows of x (256 int8 each, `k` apart): the 8
@@ -1992,29 +1986,32 @@ static panel_fn panel_of(int64_t type) {
     }
 }
 
-/* W's first n / 8 * 8 rows in panels, threads over the panels; the rest is the caller's */
-static int q8_panels_f32(int64_t type, const uint8_t *restrict w, int64_t row_bytes, int64_t n,
-                         const q8_x *restrict x, int64_t rows, float *restrict out, int64_t ldo) {
+/* Bytes of one thread's scratch for the panels: a chunk of a panel, then each row of x's sums
+ * (both multiples of 64) */
+static size_t panel_scratch_bytes(int64_t type, int64_t rows) {
+    const int64_t vectors = PANEL_CHUNK / quant_block_weights(type) * panel_layout_of(type).vectors;
+    return (size_t)vectors * sizeof(__m256i) + (size_t)rows * sizeof(panel_sums);
+}
+
+/* W's first n / 8 * 8 rows in panels, threads over the panels (thread t's scratch at
+ * scratch + t * panel_scratch_bytes); the rest is the caller's */
+static void q8_panels_f32(int64_t type, const uint8_t *restrict w, int64_t row_bytes, int64_t n,
+                          const q8_x *restrict x, int64_t rows, float *restrict out, int64_t ldo,
+                          uint8_t *restrict scratch) {
     const panel_fn run = panel_of(type);
-    const int64_t per = quant_block_weights(type), blocks = x->k / per;
-    const size_t panel_bytes = (size_t)(PANEL_CHUNK / per * panel_layout_of(type).vectors) * sizeof(__m256i);
-    const size_t sums_bytes = (size_t)rows * sizeof(panel_sums);
-    int status = STATUS_OK; /* the threads' first failure */
+    const int64_t blocks = x->k / quant_block_weights(type);
+    const size_t mine = panel_scratch_bytes(type, rows), sums_at = mine - (size_t)rows * sizeof(panel_sums);
     _Pragma("omp parallel if (n > 16)")
     {
-        __m256i *panel = aligned_alloc(64, panel_bytes + sums_bytes); /* both multiples of 64 */
-        if (!panel) {
-            _Pragma("omp atomic write")
-            status = STATUS_NO_MEMORY;
-        }
-        panel_sums *sums = panel ? (panel_sums *)((uint8_t *)panel + panel_bytes) : NULL;
+        uint8_t *at = scratch + (size_t)omp_get_thread_num() * mine;
         _Pragma("omp for schedule(static)")
         for (int64_t j = 0; j < n / 8 * 8; j += 8)
-            if (panel) run(w + j * row_bytes, row_bytes, blocks, panel, sums, rows, x, out + j, ldo);
-        free(panel);
+            run(w + j * row_bytes, row_bytes, blocks, (__m256i *)at, (panel_sums *)(at + sums_at), rows, x,
+                out + j, ldo);
     }
-    return status ? failed(status, "aligned_alloc of a thread's panel of W") : STATUS_OK;
 }
+
+static size_t round64(size_t bytes) { return (bytes + 63) / 64 * 64; }
 
 int quant_linear_q8_f32(float *restrict out, const float *restrict x, const uint8_t *restrict w,
                         int64_t type, int64_t rows, int64_t n, int64_t k, int64_t ldo) {
@@ -2023,41 +2020,39 @@ int quant_linear_q8_f32(float *restrict out, const float *restrict x, const uint
     if (!rows || !n) return STATUS_OK;
     const int64_t groups = k / Q8_X_GROUP, per = quant_block_weights(type);
     const int64_t x_group = per == 256 ? 256 : Q8_X_GROUP, scales = k / x_group;
-    const int64_t row_bytes = k / per * quant_block_bytes(type);
-    int8_t *xq = malloc((size_t)(rows * k));
-    float *x_scale = malloc((size_t)(rows * scales) * sizeof(float));
-    /* the sums only for the formats that read them (the offsets' formats; Q4_0) */
-    float *x_sums = has_offsets(type) ? malloc((size_t)(rows * groups) * sizeof(float)) : NULL;
-    int32_t *x_q_sums = type == GGML_Q4_0 ? malloc((size_t)(rows * groups) * sizeof(int32_t)) : NULL;
-    if (!xq || !x_scale || (has_offsets(type) && !x_sums) || (type == GGML_Q4_0 && !x_q_sums)) {
-        free(xq);
-        free(x_scale);
-        free(x_sums);
-        free(x_q_sums);
-        return failed(STATUS_NO_MEMORY, "malloc of x quantized to 8 bits");
-    }
+    const int64_t row_bytes = quant_bytes(type, k);
+    const int panels = rows >= panel_min_rows(type) && n >= 8;
+    /* The call's scratch in one allocation: x quantized (q, scales, and the sums per 32 of the
+     * formats that read them: the offsets' formats, Q4_0), then each thread's panels. */
+    const size_t q_bytes = round64((size_t)(rows * k)), scale_bytes = round64((size_t)(rows * scales) * sizeof(float));
+    const size_t sums_bytes = has_offsets(type) ? round64((size_t)(rows * groups) * sizeof(float)) : 0;
+    const size_t q_sums_bytes = type == GGML_Q4_0 ? round64((size_t)(rows * groups) * sizeof(int32_t)) : 0;
+    const size_t panel_bytes = panels ? (size_t)omp_get_max_threads() * panel_scratch_bytes(type, rows) : 0;
+    uint8_t *scratch = aligned_alloc(64, q_bytes + scale_bytes + sums_bytes + q_sums_bytes + panel_bytes);
+    if (!scratch) return failed(STATUS_NO_MEMORY, "aligned_alloc of x quantized to 8 bits and the threads' panels");
+    int8_t *xq = (int8_t *)scratch;
+    float *x_scale = (float *)(scratch + q_bytes);
+    float *x_sums = sums_bytes ? (float *)(scratch + q_bytes + scale_bytes) : NULL;
+    int32_t *x_q_sums = q_sums_bytes ? (int32_t *)(scratch + q_bytes + scale_bytes + sums_bytes) : NULL;
     quantize_rows_q8(x, rows * k, x_group, xq, x_scale, x_sums, x_q_sums);
     const q8_x all = {xq, x_scale, x_sums, x_q_sums, k, groups, scales};
     int64_t first = 0; /* W's first row left to the row kernel */
-    int status = STATUS_OK;
-    if (rows >= panel_min_rows(type) && n >= 8) {
-        status = q8_panels_f32(type, w, row_bytes, n, &all, rows, out, ldo);
+    if (panels) {
+        q8_panels_f32(type, w, row_bytes, n, &all, rows, out, ldo,
+                      scratch + q_bytes + scale_bytes + sums_bytes + q_sums_bytes);
         first = n / 8 * 8;
     }
     const q8_row_fn run = q8_row_of(type);
     _Pragma("omp parallel for schedule(static) if (n - first > 16)")
-    for (int64_t j = first; j < (status ? first : n); j++)
+    for (int64_t j = first; j < n; j++)
         for (int64_t r = 0; r < rows; r += Q8_ROWS_MAX) { /* a second pass reads the row from L1 */
             const q8_x part = {xq + r * k, x_scale + r * scales, x_sums ? x_sums + r * groups : NULL,
                                x_q_sums ? x_q_sums + r * groups : NULL, k, groups, scales};
             run((int)(rows - r < Q8_ROWS_MAX ? rows - r : Q8_ROWS_MAX), w + j * row_bytes, &part,
                 out + r * ldo + j, ldo);
         }
-    free(xq);
-    free(x_scale);
-    free(x_sums);
-    free(x_q_sums);
-    return status;
+    free(scratch);
+    return STATUS_OK;
 }
 
 /* One row of k weights as float32 from its unpacked blocks, 8 at a time: gguf_dequantize_f32's
@@ -2085,7 +2080,7 @@ static void dequantize_row_unpacked(int64_t type, const uint8_t *restrict row,
 int gguf_dequantize_f32(float *restrict out, const uint8_t *restrict w, int64_t type, int64_t n,
                         int64_t k) {
     CHECKED(check_blocks(type, 1, n, k));
-    const int64_t row_bytes = k / quant_block_weights(type) * quant_block_bytes(type);
+    const int64_t row_bytes = quant_bytes(type, k);
 #ifdef HAS_Q8_DOT
     const int64_t groups = k / Q8_X_GROUP;
     int status = STATUS_OK; /* the threads' first failure */
@@ -2137,7 +2132,7 @@ static void gemm_pack(int64_t type, const uint8_t *restrict w, int64_t row_bytes
     _Alignas(32) float rows[GEMM_NR][GEMM_KC];
     int8_t q[GEMM_KC];
     float scale[GEMM_KC / 16], offset[GEMM_KC / 32];
-    const int64_t at = first / quant_block_weights(type) * quant_block_bytes(type);
+    const int64_t at = quant_bytes(type, first);
     for (int c = 0; c < GEMM_NR; c++) {
         if (c < count) dequantize_row_unpacked(type, w + c * row_bytes + at, rows[c], len, q, scale, offset);
         else memset(rows[c], 0, sizeof rows[c]);
@@ -2189,12 +2184,14 @@ int quant_gemm_f32(float *restrict out, const float *restrict x, const uint8_t *
     CHECKED(check_blocks(type, rows, n, k));
     REQUIRE(ldo >= n); /* out's row stride */
     if (!rows || !n) return STATUS_OK;
-    const int64_t row_bytes = k / quant_block_weights(type) * quant_block_bytes(type);
+    const int64_t row_bytes = quant_bytes(type, k);
     const int64_t tiles = (rows + GEMM_MR - 1) / GEMM_MR;
     /* x in tiles of GEMM_MR rows, value-major: xp[(tile * k + kk) * GEMM_MR + r], rows past
      * `rows` 0, so that a micro-kernel reads one contiguous run */
-    float *xp = aligned_alloc(64, (size_t)(tiles * k * GEMM_MR) * sizeof(float));
-    if (!xp) return failed(STATUS_NO_MEMORY, "aligned_alloc of x in tiles of 6 rows");
+    const size_t x_bytes = (size_t)(tiles * k * GEMM_MR) * sizeof(float);
+    const size_t chunk_bytes = (size_t)(GEMM_NC * GEMM_KC) * sizeof(float); /* a thread's chunk of W */
+    float *xp = aligned_alloc(64, round64(x_bytes) + (size_t)omp_get_max_threads() * chunk_bytes);
+    if (!xp) return failed(STATUS_NO_MEMORY, "aligned_alloc of x in tiles of 6 rows and the threads' chunks of W");
     _Pragma("omp parallel for schedule(static) if (rows * k > 65536)")
     for (int64_t t = 0; t < tiles; t++)
         for (int64_t kk = 0; kk < k; kk++)
@@ -2204,17 +2201,11 @@ int quant_gemm_f32(float *restrict out, const float *restrict x, const uint8_t *
     const int64_t threads = omp_get_max_threads();
     const int64_t chunks = threads * ((n + threads * GEMM_NC - 1) / (threads * GEMM_NC));
     const int64_t nc = ((n + chunks - 1) / chunks + GEMM_NR - 1) / GEMM_NR * GEMM_NR;
-    int status = STATUS_OK; /* the threads' first failure */
     _Pragma("omp parallel if (n > GEMM_NR)")
     {
-        float *b = aligned_alloc(64, (size_t)(GEMM_NC * GEMM_KC) * sizeof(float));
-        if (!b) {
-            _Pragma("omp atomic write")
-            status = STATUS_NO_MEMORY;
-        }
+        float *b = (float *)((uint8_t *)xp + round64(x_bytes) + (size_t)omp_get_thread_num() * chunk_bytes);
         _Pragma("omp for schedule(static)")
         for (int64_t j = 0; j < n; j += nc) { /* nc rows of W: their chunk in L2 */
-            if (!b) continue;
             const int64_t count = n - j < nc ? n - j : nc;
             for (int64_t r = 0; r < rows; r++) memset(out + r * ldo + j, 0, (size_t)count * sizeof(float));
             for (int64_t first = 0; first < k; first += GEMM_KC) {
@@ -2241,10 +2232,9 @@ int quant_gemm_f32(float *restrict out, const float *restrict x, const uint8_t *
                 }
             }
         }
-        free(b);
     }
     free(xp);
-    return status ? failed(status, "aligned_alloc of a thread's chunk of W") : STATUS_OK;
+    return STATUS_OK;
 }
 #endif
 
@@ -2397,7 +2387,7 @@ static void dequantize_row_bf16(int64_t type, const uint8_t *restrict row, bf16 
 int gguf_dequantize_bf16(bf16 *restrict out, const uint8_t *restrict w, int64_t type, int64_t n,
                          int64_t k) {
     CHECKED(check_blocks(type, 1, n, k));
-    const int64_t row_bytes = k / quant_block_weights(type) * quant_block_bytes(type);
+    const int64_t row_bytes = quant_bytes(type, k);
     _Pragma("omp parallel for schedule(static) if (n > 1)")
     for (int64_t r = 0; r < n; r++) dequantize_row_bf16(type, w + r * row_bytes, out + r * k, k);
     return STATUS_OK;
@@ -2511,7 +2501,7 @@ int quant_linear_bf16(bf16 *restrict out, const bf16 *restrict x, const uint8_t 
     CHECKED(check_blocks(type, rows, n, k));
     REQUIRE(ldo >= n); /* out's row stride */
     if (!rows || !n) return STATUS_OK;
-    const int64_t row_bytes = k / quant_block_weights(type) * quant_block_bytes(type);
+    const int64_t row_bytes = quant_bytes(type, k);
     if (is_kquant(type)) {
         /* bfloat16 bits of 0..31 (small) and of -32..-1 (below: Q6_K's q - 32 below 0) */
         int16_t values[64];
@@ -2841,7 +2831,7 @@ int quant_linear_q8_bf16(bf16 *restrict out, const bf16 *restrict x, const uint8
     CHECKED(check_blocks(type, rows, n, k));
     REQUIRE(ldo >= n); /* out's row stride */
     if (!rows || !n) return STATUS_OK;
-    const int64_t row_bytes = k / quant_block_weights(type) * quant_block_bytes(type);
+    const int64_t row_bytes = quant_bytes(type, k);
     const int has_sums = type == GGML_Q4_K || type == GGML_Q5_K || type == GGML_Q4_1;
     quantized_x qx = {
         .q = malloc((size_t)(rows * k)),
@@ -2987,7 +2977,7 @@ int quant_linear_amx_bf16(bf16 *restrict out, const bf16 *restrict x, const uint
     REQUIRE(ldo >= n); /* out's row stride */
     if (!amx_ready()) return failed(STATUS_UNAVAILABLE, "amx_ready()");
     if (!rows || !n) return STATUS_OK;
-    const int64_t row_bytes = k / quant_block_weights(type) * quant_block_bytes(type);
+    const int64_t row_bytes = quant_bytes(type, k);
     const int64_t chunks = (rows + 15) / 16;
     bf16 *xt = aligned_alloc(64, (size_t)(k / 32 * chunks * 512) * sizeof(bf16));
     if (!xt) return failed(STATUS_NO_MEMORY, "aligned_alloc of x in tiles");

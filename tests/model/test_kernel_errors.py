@@ -74,9 +74,15 @@ def test_an_unknown_type_id_is_a_bad_type_error(
         ("quant_linear_bf16", {"type": _Q8_0, "rows": 1, "k": _NO_ADDRESS_SPACE // 2}),
         ("quant_linear_q8_bf16", {"type": _Q4_K, "rows": _NO_ADDRESS_SPACE // 256, "k": 256}),
         ("quant_linear_amx_bf16", {"type": _Q8_0, "rows": 1, "k": _NO_ADDRESS_SPACE // 32}),
-        # x in 8 bits: rows * k bytes
+        # the call's one scratch allocation: x in 8 bits (rows * k bytes) and, a step of
+        # that many rows, each thread's panels (rows * 512 bytes)
         ("quant_linear_q8_f32", {"type": _Q8_0, "rows": _NO_ADDRESS_SPACE // 256, "k": 256}),
-        # x exact, in tiles of 6 rows: rows * k floats
+        # the same without panels (n < 8: the row kernel alone)
+        (
+            "quant_linear_q8_f32",
+            {"type": _Q4_K, "rows": _NO_ADDRESS_SPACE // 256, "k": 256, "n": 4},
+        ),
+        # x exact, in tiles of 6 rows (rows * k floats), and each thread's chunk of W
         ("quant_gemm_f32", {"type": _Q4_K, "rows": _NO_ADDRESS_SPACE // 1024, "k": 256}),
     ],
 )
@@ -90,7 +96,7 @@ def test_an_allocation_that_fails_is_a_no_memory_error(
         pytest.skip("Linux does not lend this process the AMX tiles")
 
     with pytest.raises(KernelError) as caught:
-        kernel(**_pointers(name), n=32, ldo=32, **arguments)
+        kernel(**{**_pointers(name), "n": 32, "ldo": 32, **arguments})
 
     assert (name, KernelStatus.NO_MEMORY) == (caught.value.kernel, caught.value.status)
     assert "alloc" in caught.value.reason
