@@ -2106,29 +2106,225 @@ int gguf_dequantize_f32(float *restrict out, const uint8_t *restrict w, int64_t 
 }
 
 #ifdef HAS_Q8_DOT
-/* ---- GGUF blocks times float32 x, exactly: many rows (AVX2 and above) ------------------------
+/* ---- GGUF blocks times float32 x: many rows (AVX2 and above) ---------------------------------
  *
- * out[r, j] (row stride ldo) = x[r, :] . W[j, :] for float32 x and W [n, k] in its GGUF blocks,
- * on gguf_dequantize_f32's exact values: the steps too large for x in 8 bits (prefill). x is
- * packed once in tiles of GEMM_MR rows, value-major. Each thread takes GEMM_NC rows of W at a
- * time and GEMM_KC values of them at a time, dequantized into a buffer in L2 in the layout
- * the micro-kernel reads (`gemm_pack`: value kk of 16 rows of W in two vectors), then for each
- * tile of x (in L1 for all of them) every 16 rows of W (`gemm_tile`: 12 float32 accumulators,
- * per value 2 loads of W, 6 broadcasts of x, 12 fused multiply-adds: BLIS's Haswell
- * micro-kernel), adding into out. Each output sums its k products in order (one fused
- * multiply-add each, chunk after chunk), whatever the other rows are. No tile of the matrix
- * is ever in memory: 256 KiB per thread, and x's copy. Against tiles of 16 MiB dequantized
- * and torch's matmul (oneDNN capped to AVX2), the 1B shape's four layer matrices, two
- * threads: 154 -> 83-95 ms at 128 rows, 672 -> 598 ms at 1,024 (about 100 GMAC/s). */
+ * out[r, j] (row stride ldo) = x[r, :] . W[j, :] for float32 x and W [n, k] in its GGUF blocks:
+ * the steps too large for x in 8 bits (prefill). One driver (`quant_gemm_f32`): x packed once
+ * in tiles of GEMM_MR rows (`gemm_pack_x`); each thread takes GEMM_NC rows of W at a time and
+ * GEMM_KC values of them at a time, unpacked into a buffer in L2 in the layout the micro-kernel
+ * reads (`gemm_pack_w`), then for each tile of x (in L1 for all of them) every GEMM_NR rows of
+ * W (`gemm_tile`), adding into out. Each output sums its products in the same order whatever
+ * the other rows are. No tile of the matrix is ever in memory: a chunk a thread, and x's copy.
+ * The micro-kernel is the level's:
+ *  - AVX2 (16 vector registers): x exact, W as gguf_dequantize_f32's float32 values; BLIS's
+ *    Haswell micro-kernel: 6 rows of x by 16 of W in 12 float32 accumulators, per value 2
+ *    loads of W, 6 broadcasts of x, 12 fused multiply-adds. Against tiles of 16 MiB
+ *    dequantized and torch's matmul, the 1B shape's four layer matrices, two threads of a Zen
+ *    4: 154 -> 83-95 ms at 128 rows, 672 -> 598 ms at 1,024 (about 100 GMAC/s of a peak of
+ *    112). The integer pairs below gain nothing at this level: vpmaddwd then vpaddd is two
+ *    instructions per 16 products (FMA: one per 8), and 16 registers hold 4 rows of x.
+ *  - AVX-512 (32 registers of 512 bits): x in 16 bits, W in its integers (`GEMM_X16`). Per 32
+ *    values x is int16 (x / d rounded to nearest even, d = max |x| / 32767; Q6_K: / 16383)
+ *    with its float32 sum, and W its int16 q (Q6_K: q times its int8 scale per 16) with a
+ *    float32 scale and offset (Q4_1, Q4_K, Q5_K); 6 rows of x by 32 of W in 12 int32
+ *    accumulators of pair sums (vpdpwssd with VNNI, else vpmaddwd then vpaddd), then per 32
+ *    values one conversion and fused multiply-add per accumulator (times x's scale times W's)
+ *    and one for the offsets (W's times x's sum). The integer sums are exact (`x16_max`); x's
+ *    rounding, at most half a step of 1/32767 (1/16383) of its 32 values' largest, is the only
+ *    error beyond float32 summation (x in 8 bits: half a step of 1/127). Against the float32
+ *    micro-kernel in the same build, the same four matrices at 512 rows, two threads of a Zen
+ *    4: 311-333 -> 197-221 ms (about 150 GMAC/s), with VNNI 181-198 ms. */
 #define GEMM_KC 256 /* values of a row of W per pass (a K-quant block, 8 of 32) */
-#define GEMM_NR 16  /* rows of W per pass: two vectors */
 #define GEMM_MR 6   /* rows of x per micro-kernel */
-#define GEMM_NC 256 /* rows of W per thread's chunk: GEMM_KC values of each, 256 KiB, in L2 */
+#define GEMM_NC 256 /* rows of W per thread's chunk: GEMM_KC values of each, in L2 */
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define GEMM_X16 1
+#define GEMM_NR 32         /* rows of W per micro-kernel: two vectors */
+#define GEMM_VALUE 2       /* bytes a packed value of x or W: int16 */
+#else
+#define GEMM_X16 0
+#define GEMM_NR 16
+#define GEMM_VALUE 4 /* float32 */
+#endif
+
+/* x packed: value kk of tile t's row r at values[(t * k + kk) * GEMM_MR + r] (GEMM_X16: the
+ * int32 pairs kk / 2, and the scales and sums per 32 at [(t * k / 32 + kk / 32) * GEMM_MR + r]) */
+typedef struct {
+    void *values;
+    float *scales, *sums;
+} gemm_x;
+/* a chunk of W packed, by GEMM_NR rows: value kk of row c at values[kk * GEMM_NR + c] (GEMM_X16:
+ * pairs; the scales and offsets per 32 at [kk / 32 * GEMM_NR + c]) */
+typedef struct {
+    void *values;
+    float *scales, *offsets;
+} gemm_w;
+
+/* tile t's x from value `first` */
+static gemm_x gemm_x_at(gemm_x x, int64_t k, int64_t t, int64_t first) {
+    const int64_t per32 = (t * k + first) / 32 * GEMM_MR;
+    return (gemm_x){(uint8_t *)x.values + (t * k + first) * GEMM_MR * GEMM_VALUE,
+                    x.scales ? x.scales + per32 : NULL, x.sums ? x.sums + per32 : NULL};
+}
+
+/* a chunk's rows from row p (a multiple of GEMM_NR) */
+static gemm_w gemm_w_at(gemm_w b, int64_t p) {
+    const int64_t per32 = p * (GEMM_KC / 32);
+    return (gemm_w){(uint8_t *)b.values + p * GEMM_KC * GEMM_VALUE, b.scales ? b.scales + per32 : NULL,
+                    b.offsets ? b.offsets + per32 : NULL};
+}
+
+/* x's largest q, so that 32 products never leave int32: 32767 (W's |q| <= 128: 32 * 32767 *
+ * 128 < 2^27), Q6_K's 16383 (its q times its int8 scale: 32 * 16383 * 4096 < 2^31) */
+static int x16_max(int64_t type) { return type == GGML_Q6_K ? 16383 : 32767; }
+
+#if GEMM_X16
+/* tile t of x: its rows' 32-value groups in 16 bits, |q| <= top (rows past `rows` 0) */
+static void gemm_pack_x(const float *restrict x, int64_t rows, int64_t k, int64_t t, int top, gemm_x xp) {
+    const __m512 magnitude = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+    const gemm_x tile = gemm_x_at(xp, k, t, 0);
+    int32_t *to = tile.values;
+    for (int r = 0; r < GEMM_MR; r++)
+        for (int64_t g = 0; g < k / 32; g++) {
+            int32_t *pairs = to + g * 16 * GEMM_MR + r;
+            float *scale = tile.scales + g * GEMM_MR + r, *sum = tile.sums + g * GEMM_MR + r;
+            if (t * GEMM_MR + r >= rows) {
+                for (int p = 0; p < 16; p++) pairs[p * GEMM_MR] = 0;
+                *scale = *sum = 0.0f;
+                continue;
+            }
+            const float *xg = x + (t * GEMM_MR + r) * k + g * 32;
+            const __m512 low = _mm512_loadu_ps(xg), high = _mm512_loadu_ps(xg + 16);
+            const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(high, magnitude),
+                                                                  _mm512_max_ps(_mm512_and_ps(low, magnitude),
+                                                                                _mm512_setzero_ps())));
+            const float d = amax / (float)top, inverse = d > 0.0f ? 1.0f / d : 0.0f;
+            /* a NaN in x makes its outputs NaN, as in float32 (max_ps passed over it above) */
+            const int nan = _mm512_cmp_ps_mask(low, low, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(high, high, _CMP_UNORD_Q);
+            *scale = nan ? NAN : d;
+            *sum = hsum256(_mm256_add_ps(_mm256_add_ps(_mm512_castps512_ps256(low), _mm512_extractf32x8_ps(low, 1)),
+                                         _mm256_add_ps(_mm512_castps512_ps256(high), _mm512_extractf32x8_ps(high, 1))));
+            const __m512i high_q = _mm512_set1_epi32(top), low_q = _mm512_set1_epi32(-top);
+            _Alignas(64) int16_t q[32]; /* clamped: NaN and rounding stay in range */
+            _mm256_store_si256((__m256i *)q, _mm512_cvtepi32_epi16(_mm512_max_epi32(_mm512_min_epi32(
+                _mm512_cvtps_epi32(_mm512_mul_ps(low, _mm512_set1_ps(inverse))), high_q), low_q)));
+            _mm256_store_si256((__m256i *)(q + 16), _mm512_cvtepi32_epi16(_mm512_max_epi32(_mm512_min_epi32(
+                _mm512_cvtps_epi32(_mm512_mul_ps(high, _mm512_set1_ps(inverse))), high_q), low_q)));
+            for (int p = 0; p < 16; p++) memcpy(pairs + p * GEMM_MR, q + 2 * p, sizeof(int32_t));
+        }
+}
 
 /* W's rows (count <= GEMM_NR, row_bytes apart), values [first, first + len) (len <= GEMM_KC, a
- * multiple of the block), as b[kk * GEMM_NR + c]; rows past count are 0 */
-static void gemm_pack(int64_t type, const uint8_t *restrict w, int64_t row_bytes, int count,
-                      int64_t first, int64_t len, float *restrict b) {
+ * multiple of the block): int16 pairs, scales and offsets per 32; rows past count are 0 */
+static void gemm_pack_w(int64_t type, const uint8_t *restrict w, int64_t row_bytes, int count,
+                        int64_t first, int64_t len, gemm_w b) {
+    _Alignas(32) int16_t rows[GEMM_NR][GEMM_KC];
+    int8_t q[GEMM_KC];
+    float scale[GEMM_KC / 16], offset[GEMM_KC / 32];
+    const int64_t per = quant_block_weights(type), at = quant_bytes(type, first);
+    for (int c = 0; c < GEMM_NR; c++) {
+        for (int64_t g = 0; g < len / 32; g++) b.scales[g * GEMM_NR + c] = b.offsets[g * GEMM_NR + c] = 0.0f;
+        if (c >= count) {
+            memset(rows[c], 0, sizeof rows[c]);
+            continue;
+        }
+        const uint8_t *row = w + c * row_bytes + at;
+        for (int64_t i = 0; i < len / per; i++)
+            unpack_block(type, row + i * quant_block_bytes(type), q + i * per,
+                         scale + i * (per / 32) * scales_per_32(type), offset + i * (per / 32));
+        for (int64_t i = 0; i < len; i += 16) {
+            __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + i)));
+            if (type == GGML_Q6_K) { /* times the int8 scale of its 16; the block's d per 32 */
+                const uint8_t *block = row + i / 256 * quant_block_bytes(type);
+                v = _mm256_mullo_epi16(v, _mm256_set1_epi16(((const int8_t *)(block + 192))[i % 256 / 16]));
+                b.scales[i / 32 * GEMM_NR + c] = half_f16c(block + 208);
+            }
+            _mm256_store_si256((__m256i *)(rows[c] + i), v);
+        }
+        for (int64_t g = 0; g < len / 32; g++) {
+            if (type != GGML_Q6_K) b.scales[g * GEMM_NR + c] = scale[g];
+            if (has_offsets(type)) b.offsets[g * GEMM_NR + c] = offset[g];
+        }
+    }
+    int32_t *to = b.values;
+    for (int64_t kk = 0; kk < len; kk += 16) /* 8 pairs of 8 rows at a time: 8 x 8 int32 transposes */
+        for (int group = 0; group < GEMM_NR / 8; group++) {
+            __m256i v[8];
+            for (int c = 0; c < 8; c++) v[c] = _mm256_load_si256((const __m256i *)(rows[8 * group + c] + kk));
+            transpose8_epi32(v);
+            for (int i = 0; i < 8; i++) _mm256_store_si256((__m256i *)(to + (kk / 2 + i) * GEMM_NR + 8 * group), v[i]);
+        }
+}
+
+static inline __m512i pair_dots(__m512i acc, __m512i x2, __m512i w2) {
+#ifdef __AVX512VNNI__
+    return _mm512_dpwssd_epi32(acc, x2, w2);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(x2, w2));
+#endif
+}
+
+/* ROWS rows of x (a tile from gemm_x_at) times `len` packed values of 32 rows of W, added into
+ * out's 32 columns (the first `cols` of them) */
+static inline __attribute__((always_inline)) void gemm_tile(const int ROWS, const int OFFSETS, gemm_x x,
+                                                            gemm_w b, int64_t len, float *restrict out,
+                                                            int64_t ldo, int cols) {
+    const int32_t *restrict xq = x.values, *restrict bq = b.values;
+    const __mmask16 first = cols >= 16 ? 0xffff : (__mmask16)((1u << cols) - 1);
+    const __mmask16 second = cols >= 32 ? 0xffff : cols <= 16 ? 0 : (__mmask16)((1u << (cols - 16)) - 1);
+    __m512 acc[GEMM_MR][2];
+    for (int r = 0; r < ROWS; r++) {
+        acc[r][0] = _mm512_maskz_loadu_ps(first, out + r * ldo);
+        acc[r][1] = _mm512_maskz_loadu_ps(second, out + r * ldo + 16);
+    }
+    for (int64_t g = 0; g < len / 32; g++) {
+        __m512i dots[GEMM_MR][2];
+        for (int r = 0; r < ROWS; r++) dots[r][0] = dots[r][1] = _mm512_setzero_si512();
+        const int32_t *bg = bq + g * 16 * GEMM_NR, *xg = xq + g * 16 * GEMM_MR;
+        _Pragma("GCC unroll 2") /* unrolled further, GCC reorders the integer sums and spills */
+        for (int p = 0; p < 16; p++) {
+            const __m512i b0 = _mm512_load_si512(bg + p * GEMM_NR), b1 = _mm512_load_si512(bg + p * GEMM_NR + 16);
+            for (int r = 0; r < ROWS; r++) {
+                const __m512i a = _mm512_set1_epi32(xg[p * GEMM_MR + r]);
+                dots[r][0] = pair_dots(dots[r][0], a, b0);
+                dots[r][1] = pair_dots(dots[r][1], a, b1);
+            }
+        }
+        const __m512 s0 = _mm512_load_ps(b.scales + g * GEMM_NR), s1 = _mm512_load_ps(b.scales + g * GEMM_NR + 16);
+        for (int r = 0; r < ROWS; r++) {
+            const __m512 d = _mm512_set1_ps(x.scales[g * GEMM_MR + r]);
+            acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[r][0]), _mm512_mul_ps(s0, d), acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[r][1]), _mm512_mul_ps(s1, d), acc[r][1]);
+        }
+        if (OFFSETS) {
+            const __m512 o0 = _mm512_load_ps(b.offsets + g * GEMM_NR);
+            const __m512 o1 = _mm512_load_ps(b.offsets + g * GEMM_NR + 16);
+            for (int r = 0; r < ROWS; r++) {
+                const __m512 sum = _mm512_set1_ps(x.sums[g * GEMM_MR + r]);
+                acc[r][0] = _mm512_fmadd_ps(o0, sum, acc[r][0]);
+                acc[r][1] = _mm512_fmadd_ps(o1, sum, acc[r][1]);
+            }
+        }
+    }
+    for (int r = 0; r < ROWS; r++) {
+        _mm512_mask_storeu_ps(out + r * ldo, first, acc[r][0]);
+        _mm512_mask_storeu_ps(out + r * ldo + 16, second, acc[r][1]);
+    }
+}
+#else
+/* tile t of x, value-major (rows past `rows` 0), so that a micro-kernel reads one run */
+static void gemm_pack_x(const float *restrict x, int64_t rows, int64_t k, int64_t t, int top, gemm_x xp) {
+    (void)top; /* x exact */
+    float *to = gemm_x_at(xp, k, t, 0).values;
+    for (int64_t kk = 0; kk < k; kk++)
+        for (int r = 0; r < GEMM_MR; r++)
+            to[kk * GEMM_MR + r] = t * GEMM_MR + r < rows ? x[(t * GEMM_MR + r) * k + kk] : 0.0f;
+}
+
+/* W's rows (count <= GEMM_NR, row_bytes apart), values [first, first + len) (len <= GEMM_KC, a
+ * multiple of the block), as float32; rows past count are 0 */
+static void gemm_pack_w(int64_t type, const uint8_t *restrict w, int64_t row_bytes, int count,
+                        int64_t first, int64_t len, gemm_w b) {
     _Alignas(32) float rows[GEMM_NR][GEMM_KC];
     int8_t q[GEMM_KC];
     float scale[GEMM_KC / 16], offset[GEMM_KC / 32];
@@ -2137,21 +2333,24 @@ static void gemm_pack(int64_t type, const uint8_t *restrict w, int64_t row_bytes
         if (c < count) dequantize_row_unpacked(type, w + c * row_bytes + at, rows[c], len, q, scale, offset);
         else memset(rows[c], 0, sizeof rows[c]);
     }
+    float *to = b.values;
     for (int64_t kk = 0; kk < len; kk += 8) /* 8 x 8 transposes */
         for (int half = 0; half < 2; half++) {
             __m256i v[8];
             for (int c = 0; c < 8; c++) v[c] = _mm256_castps_si256(_mm256_load_ps(rows[8 * half + c] + kk));
             transpose8_epi32(v);
-            for (int i = 0; i < 8; i++) _mm256_store_ps(b + (kk + i) * GEMM_NR + 8 * half, _mm256_castsi256_ps(v[i]));
+            for (int i = 0; i < 8; i++) _mm256_store_ps(to + (kk + i) * GEMM_NR + 8 * half, _mm256_castsi256_ps(v[i]));
         }
 }
 
-/* ROWS rows of x (a tile of xp: value kk of row r at x[kk * GEMM_MR + r]) times `len` packed
- * values of 16 rows of W (`b`), added into out's 16 columns (the first `cols` of them, masked
- * where fewer: vmaskmovps stores are slow on AMD, so only there) */
-static inline __attribute__((always_inline)) void gemm_tile(const int ROWS, const float *restrict x,
-                                                            const float *restrict b, int64_t len,
-                                                            float *restrict out, int64_t ldo, int cols) {
+/* ROWS rows of x (a tile from gemm_x_at) times `len` packed values of 16 rows of W, added into
+ * out's 16 columns (the first `cols` of them, masked where fewer: vmaskmovps stores are slow
+ * on AMD, so only there) */
+static inline __attribute__((always_inline)) void gemm_tile(const int ROWS, const int OFFSETS, gemm_x x,
+                                                            gemm_w b, int64_t len, float *restrict out,
+                                                            int64_t ldo, int cols) {
+    (void)OFFSETS; /* in the float32 values */
+    const float *restrict xv = x.values, *restrict bv = b.values;
     __m256 acc[GEMM_MR][2];
     const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7); /* out's columns < cols */
     const __m256i first = _mm256_cmpgt_epi32(_mm256_set1_epi32(cols), lanes);
@@ -2161,9 +2360,9 @@ static inline __attribute__((always_inline)) void gemm_tile(const int ROWS, cons
         acc[r][1] = cols == GEMM_NR ? _mm256_loadu_ps(out + r * ldo + 8) : _mm256_maskload_ps(out + r * ldo + 8, second);
     }
     for (int64_t kk = 0; kk < len; kk++) {
-        const __m256 b0 = _mm256_load_ps(b + kk * GEMM_NR), b1 = _mm256_load_ps(b + kk * GEMM_NR + 8);
+        const __m256 b0 = _mm256_load_ps(bv + kk * GEMM_NR), b1 = _mm256_load_ps(bv + kk * GEMM_NR + 8);
         for (int r = 0; r < ROWS; r++) {
-            const __m256 a = _mm256_broadcast_ss(x + kk * GEMM_MR + r);
+            const __m256 a = _mm256_broadcast_ss(xv + kk * GEMM_MR + r);
             acc[r][0] = _mm256_fmadd_ps(a, b0, acc[r][0]);
             acc[r][1] = _mm256_fmadd_ps(a, b1, acc[r][1]);
         }
@@ -2178,6 +2377,7 @@ static inline __attribute__((always_inline)) void gemm_tile(const int ROWS, cons
         }
     }
 }
+#endif
 
 int quant_gemm_f32(float *restrict out, const float *restrict x, const uint8_t *restrict w,
                    int64_t type, int64_t rows, int64_t n, int64_t k, int64_t ldo) {
@@ -2186,24 +2386,29 @@ int quant_gemm_f32(float *restrict out, const float *restrict x, const uint8_t *
     if (!rows || !n) return STATUS_OK;
     const int64_t row_bytes = quant_bytes(type, k);
     const int64_t tiles = (rows + GEMM_MR - 1) / GEMM_MR;
-    /* x in tiles of GEMM_MR rows, value-major: xp[(tile * k + kk) * GEMM_MR + r], rows past
-     * `rows` 0, so that a micro-kernel reads one contiguous run */
-    const size_t x_bytes = (size_t)(tiles * k * GEMM_MR) * sizeof(float);
-    const size_t chunk_bytes = (size_t)(GEMM_NC * GEMM_KC) * sizeof(float); /* a thread's chunk of W */
-    float *xp = aligned_alloc(64, round64(x_bytes) + (size_t)omp_get_max_threads() * chunk_bytes);
-    if (!xp) return failed(STATUS_NO_MEMORY, "aligned_alloc of x in tiles of 6 rows and the threads' chunks of W");
+    /* The call's scratch in one allocation: x packed (and its scales and sums per 32), then
+     * each thread's chunk of W (and its scales and offsets per 32). */
+    const size_t x_bytes = round64((size_t)(tiles * k * GEMM_MR * GEMM_VALUE));
+    const size_t x_per32 = GEMM_X16 ? round64((size_t)(tiles * (k / 32) * GEMM_MR) * sizeof(float)) : 0;
+    const size_t w_bytes = round64((size_t)(GEMM_NC * GEMM_KC * GEMM_VALUE));
+    const size_t w_per32 = GEMM_X16 ? round64((size_t)(GEMM_NC * (GEMM_KC / 32)) * sizeof(float)) : 0;
+    const size_t chunk_bytes = w_bytes + 2 * w_per32;
+    uint8_t *memory = aligned_alloc(64, x_bytes + 2 * x_per32 + (size_t)omp_get_max_threads() * chunk_bytes);
+    if (!memory) return failed(STATUS_NO_MEMORY, "aligned_alloc of x in tiles of 6 rows and the threads' chunks of W");
+    const gemm_x xp = {memory, x_per32 ? (float *)(memory + x_bytes) : NULL,
+                       x_per32 ? (float *)(memory + x_bytes + x_per32) : NULL};
     _Pragma("omp parallel for schedule(static) if (rows * k > 65536)")
-    for (int64_t t = 0; t < tiles; t++)
-        for (int64_t kk = 0; kk < k; kk++)
-            for (int r = 0; r < GEMM_MR; r++)
-                xp[(t * k + kk) * GEMM_MR + r] = t * GEMM_MR + r < rows ? x[(t * GEMM_MR + r) * k + kk] : 0.0f;
+    for (int64_t t = 0; t < tiles; t++) gemm_pack_x(x, rows, k, t, GEMM_X16 ? x16_max(type) : 0, xp);
     /* rows of W per chunk: at most GEMM_NC, as many chunks as a multiple of the threads */
     const int64_t threads = omp_get_max_threads();
     const int64_t chunks = threads * ((n + threads * GEMM_NC - 1) / (threads * GEMM_NC));
     const int64_t nc = ((n + chunks - 1) / chunks + GEMM_NR - 1) / GEMM_NR * GEMM_NR;
+    const int offsets = has_offsets(type);
     _Pragma("omp parallel if (n > GEMM_NR)")
     {
-        float *b = (float *)((uint8_t *)xp + round64(x_bytes) + (size_t)omp_get_thread_num() * chunk_bytes);
+        uint8_t *mine = memory + x_bytes + 2 * x_per32 + (size_t)omp_get_thread_num() * chunk_bytes;
+        const gemm_w b = {mine, w_per32 ? (float *)(mine + w_bytes) : NULL,
+                          w_per32 ? (float *)(mine + w_bytes + w_per32) : NULL};
         _Pragma("omp for schedule(static)")
         for (int64_t j = 0; j < n; j += nc) { /* nc rows of W: their chunk in L2 */
             const int64_t count = n - j < nc ? n - j : nc;
@@ -2211,29 +2416,32 @@ int quant_gemm_f32(float *restrict out, const float *restrict x, const uint8_t *
             for (int64_t first = 0; first < k; first += GEMM_KC) {
                 const int64_t len = k - first < GEMM_KC ? k - first : GEMM_KC;
                 for (int64_t p = 0; p < count; p += GEMM_NR)
-                    gemm_pack(type, w + (j + p) * row_bytes, row_bytes,
-                              (int)(count - p < GEMM_NR ? count - p : GEMM_NR), first, len, b + p * GEMM_KC);
+                    gemm_pack_w(type, w + (j + p) * row_bytes, row_bytes,
+                                (int)(count - p < GEMM_NR ? count - p : GEMM_NR), first, len, gemm_w_at(b, p));
                 for (int64_t t = 0; t < tiles; t++) { /* a tile of x in L1 for all the panels */
-                    const float *xt = xp + (t * k + first) * GEMM_MR;
+                    const gemm_x xt = gemm_x_at(xp, k, t, first);
                     const int64_t left = rows - t * GEMM_MR;
                     for (int64_t p = 0; p < count; p += GEMM_NR) {
                         float *o = out + t * GEMM_MR * ldo + j + p;
-                        const float *bp = b + p * GEMM_KC;
+                        const gemm_w bp = gemm_w_at(b, p);
                         const int cols = (int)(count - p < GEMM_NR ? count - p : GEMM_NR);
+#define GEMM_TILE(R) (GEMM_X16 && offsets ? gemm_tile(R, 1, xt, bp, len, o, ldo, cols) \
+                                          : gemm_tile(R, 0, xt, bp, len, o, ldo, cols))
                         switch (left < GEMM_MR ? left : GEMM_MR) {
-                        case 6: gemm_tile(6, xt, bp, len, o, ldo, cols); break;
-                        case 5: gemm_tile(5, xt, bp, len, o, ldo, cols); break;
-                        case 4: gemm_tile(4, xt, bp, len, o, ldo, cols); break;
-                        case 3: gemm_tile(3, xt, bp, len, o, ldo, cols); break;
-                        case 2: gemm_tile(2, xt, bp, len, o, ldo, cols); break;
-                        default: gemm_tile(1, xt, bp, len, o, ldo, cols);
+                        case 6: GEMM_TILE(6); break;
+                        case 5: GEMM_TILE(5); break;
+                        case 4: GEMM_TILE(4); break;
+                        case 3: GEMM_TILE(3); break;
+                        case 2: GEMM_TILE(2); break;
+                        default: GEMM_TILE(1);
                         }
+#undef GEMM_TILE
                     }
                 }
             }
         }
     }
-    free(xp);
+    free(memory);
     return STATUS_OK;
 }
 #endif

@@ -20,8 +20,9 @@ The model, its matrices and the layer ops only read the plan.
                     AMX (`blocks_larger` AMX), else tiles through torch's matmul. float32: x
                     in 8 bits (`activations` int8; float32: dense exact copies instead), a
                     build from AVX2 up (where the layer kernels are off, the build is
-                    loaded for this matmul alone); larger steps with x exact
-                    (`quant_gemm_f32`: the file's values dequantized into the cache)
+                    loaded for this matmul alone); larger steps on the file's exact
+                    values (`quant_gemm_f32`: x exact in AVX2 builds, in 16 bits in
+                    AVX-512 ones)
   prefill_kernel    prompt attention in cpu_kernels.c (else torch's fused attention):
                     bfloat16, head size 64 or 128, a build for AVX-512 BF16; where torch's
                     matmul runs on AMX only steps whose chunks are all of at most 32 tokens

@@ -58,7 +58,7 @@ class MatrixKernels:
     """The compiled matmuls the quantized forms call, chosen by the plan's dtype and
     sub-choices, and their shared scratch: in bfloat16 a build for AVX-512 BF16's; in float32
     (the plan chooses blocks there only with x in 8 bits) `quant_linear_q8_f32` and, for
-    larger steps, `quant_gemm_f32`, in every build from AVX2 up."""
+    larger steps, `quant_gemm_f32` (each level's micro-kernel), in every build from AVX2 up."""
 
     def __init__(self, plan: FastPaths) -> None:
         library = plan.library

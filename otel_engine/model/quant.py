@@ -16,8 +16,9 @@ bfloat16: the values of the reference path's bfloat16 copy.
 
 A float32 model's matrices run the same way in float32: up to `QUANT_F32_MAX_ROWS` rows
 `quant_linear_q8_f32` (x quantized to 8 bits, integer dot products; every build from AVX2
-up), larger steps `quant_gemm_f32` (x exact: W dequantized to gguf-py's float32 values into
-the cache a chunk at a time, then a float32 micro-kernel over every row of x)."""
+up), larger steps `quant_gemm_f32` (W unpacked into the cache a chunk at a time, then the
+level's micro-kernel over every row of x: in AVX2 builds x exact times gguf-py's float32
+values; in AVX-512 builds x in 16 bits per 32 values times W's integers, in int32 sums)."""
 
 from __future__ import annotations
 
@@ -35,12 +36,17 @@ from otel_engine.model.weights import QuantTensor
 # 4.2 (Q6_K and Q8_0 alike; its bfloat16 copy in oneDNN: 1.3-1.5 ms); 16 MiB tiles halve
 # the tiles' times beyond 16 rows (TILE_BYTES).
 QUANT_MAX_ROWS = 8
-# The same for a float32 model (`quant_linear_q8_f32`; beyond it `quant_gemm_f32`, x exact).
+# The same for a float32 model (`quant_linear_q8_f32`; beyond it `quant_gemm_f32`, x exact
+# or in 16 bits).
 # The 8-bit kernel is the faster at every size: a matrix of 8,192 x 2,048, AVX2 build, two
 # threads, wall ms, 8-bit / exact at 16 / 32 / 64 / 96 / 128 rows: Q4_0 1.7 / 5.6, 3.3 / 8.7,
 # 6.5 / 13.7, 9.7 / 19.5, 13.2 / 24.7; Q4_K 1.8 / 5.0, 3.2 / 7.5, 6.4 / 12.3, 9.6 / 16.8,
 # 12.6 / 21.9; Q6_K and Q8_0 between them. The limit is accuracy: steps past 64 rows are
-# prefill, where x rounded to 8 bits costs the most (bench/loglik.py), so they keep x exact.
+# prefill, where x rounded to 8 bits costs the most (bench/loglik.py), so they keep x exact
+# (AVX-512 builds: in 16 bits, a rounding step 1/258 of 8 bits'; there the 8-bit kernel stays
+# the faster up to 64 rows for every format but Q8_0: the 1B shape's four layer matrices,
+# 8-bit / 15-bit ms, Q4_K 10.8 / 14.8 at 16 rows, 23.5 / 32.7 at 64; Q8_0 15.7 / 15.3, 44.1 /
+# 33.4).
 QUANT_F32_MAX_ROWS = 64
 # bfloat16 bytes per dequantized tile: torch's matmul costs a fixed overhead per call, so
 # fewer, larger tiles win. A Q4_K matrix of 16,384 x 2,048 at 16 / 64 / 512 rows: 256 KiB

@@ -165,11 +165,12 @@ def test_each_row_of_a_many_row_step_is_that_row_alone_bit_for_bit(level: str, n
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("name", FORMATS)
 def test_larger_steps_are_the_exact_float64_reference_s(level: str, name: str) -> None:
-    """`quant_gemm_f32` (x exact, the steps past QUANT_F32_MAX_ROWS): every output within
-    float32 summation of x times gguf-py's weights in float64, for n of 37 (a partial panel
-    of 16 rows of W) and 300 (two threads' chunks of 256 and a part), k of several chunks of
-    256 and a part, rows of 6 and a partial micro-kernel; each row's output the bits of that
-    row alone."""
+    """`quant_gemm_f32` (the steps past QUANT_F32_MAX_ROWS): every output within float32
+    summation of x times gguf-py's weights in float64, and in AVX-512 builds (x in 16 bits
+    per 32 values) within x's rounding too: half a step of max |x| / 32767 (Q6_K: 16383) per
+    32 values, times those values' |w|. For n of 37 (a partial micro-kernel of W's rows) and
+    300 (two threads' chunks of 256 and a part), k of several chunks of 256 and a part, rows
+    of 6 and a partial micro-kernel; each row's output the bits of that row alone."""
     library = _library(level)
     k = 2304 if name in K_QUANTS else 1376
     for n in (37, 300):
@@ -187,9 +188,43 @@ def test_larger_steps_are_the_exact_float64_reference_s(level: str, name: str) -
             outs.append(out[:, :n])
         exact = x.astype(np.float64) @ weight.T
         terms = np.abs(x).astype(np.float64) @ np.abs(weight).T
-        assert (np.abs(outs[0] - exact) <= SUM_ROUNDING * terms).all(), n
+        bound = SUM_ROUNDING * terms
+        if level != "avx2":  # x in 16 bits: each 32 values' largest / 32767 / 2, times |w|
+            top = 16383 if name == "Q6_K" else 32767  # Q6_K's q times its scale: int32 sums
+            step = np.abs(x).reshape(15, k // 32, 32).max(axis=2).astype(np.float64) / top
+            bound += (step / 2) @ np.abs(weight).reshape(n, k // 32, 32).sum(axis=2).T
+        assert (np.abs(outs[0] - exact) <= bound).all(), n
         alone = np.concatenate(outs[1:])
         assert np.array_equal(alone.view(np.uint32), outs[0].view(np.uint32)), n
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_nan_in_x_makes_its_row_of_a_larger_step_nan(level: str) -> None:
+    """`quant_gemm_f32` with a NaN in one row of x: that row's outputs are NaN (as float32's
+    arithmetic gives; AVX-512 builds, which round x to 16 bits, make its scale NaN), the
+    other rows' are the bits they have without it."""
+    library = _library(level)
+    raw = random_blocks("Q4_K", 40, 512, seed=5)
+    x = np.random.default_rng(5).standard_normal((9, 512)).astype(np.float32)
+    outs = []
+    for part in (x, np.where(np.arange(512) == 300, np.float32("nan"), x[4])[None]):
+        rows = len(part)
+        out = np.empty((rows, 40), dtype=np.float32)
+        library.quant_gemm_f32(
+            out=out.ctypes.data, x=np.ascontiguousarray(part).ctypes.data, w=raw.ctypes.data,
+            type=GGMLQuantizationType.Q4_K.value, rows=rows, n=40, k=512, ldo=40,
+        )  # fmt: skip
+        outs.append(out)
+    assert np.isnan(outs[1]).all()
+    x[4, 300] = np.nan
+    out = np.empty((9, 40), dtype=np.float32)
+    library.quant_gemm_f32(
+        out=out.ctypes.data, x=x.ctypes.data, w=raw.ctypes.data,
+        type=GGMLQuantizationType.Q4_K.value, rows=9, n=40, k=512, ldo=40,
+    )  # fmt: skip
+    assert np.isnan(out[4]).all()
+    others = [r for r in range(9) if r != 4]
+    assert np.array_equal(out[others].view(np.uint32), outs[0][others].view(np.uint32))
 
 
 @pytest.mark.parametrize("level", ["baseline", *LEVELS])
