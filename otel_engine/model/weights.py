@@ -11,7 +11,7 @@ import glob
 import json
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -43,19 +43,18 @@ INT4_TYPES = frozenset({GgmlType.Q4_0.name, GgmlType.Q4_1.name})  # also the 4-b
 @dataclass(frozen=True, slots=True)
 class QuantTensor:
     """A matrix [rows, cols] in its GGUF blocks: `raw` uint8 [rows, row bytes], each row
-    cols / block weights-per-block blocks of format `kind` (a `GgmlType` name)."""
+    cols / block weights-per-block blocks of format `kind` (a `GgmlType` name). `rows` and
+    `type_id` are computed once: every matmul call of a step reads them."""
 
     raw: torch.Tensor
     kind: str
     cols: int
+    rows: int = field(init=False)
+    type_id: GgmlType = field(init=False)
 
-    @property
-    def rows(self) -> int:
-        return int(self.raw.shape[0])
-
-    @property
-    def type_id(self) -> GgmlType:
-        return GgmlType[self.kind]
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "rows", int(self.raw.shape[0]))
+        object.__setattr__(self, "type_id", GgmlType[self.kind])
 
     def dequantize(self) -> torch.Tensor:
         """The matrix as float32, as gguf-py's dequantize computes it."""

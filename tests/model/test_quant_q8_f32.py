@@ -6,6 +6,7 @@ odd shapes; natively for each level this CPU runs, and the AVX2 build under QEMU
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -18,9 +19,10 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from otel_engine import LLM
+from otel_engine.memory import huge_page_copies
 from otel_engine.model import kernels
 from otel_engine.model.kernels import KernelLibrary
-from otel_engine.model.matrix import BlockMatrix, PackedMatrix
+from otel_engine.model.matrix import BlockMatrix, PackedMatrix, _joined
 from otel_engine.model.projections import QKV
 from otel_engine.model.quant import QUANT_F32_MAX_ROWS, QuantLinear, pack_quant
 from otel_engine.model.weights import QuantTensor
@@ -344,6 +346,37 @@ def test_a_float32_block_matrix_runs_small_steps_in_8_bits_and_larger_ones_exact
     exact = x.double() @ exact_weight.T
     terms = x.double().abs() @ exact_weight.abs().T
     assert ((out.double() - exact).abs() <= 1e-5 * terms).all()
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_joined_neighbour_parts_give_the_same_bits(level: str) -> None:
+    """A fused matrix's parts copied back to back (`huge_page_copies`), neighbours of one
+    format joined into one part (`matrix._joined`: one kernel call for them): the same bits
+    as part by part, at one row, a step of panels and a step past QUANT_F32_MAX_ROWS."""
+    library = _library(level)
+    linear = QuantLinear(
+        library.quant_linear_q8_f32,
+        library.gguf_dequantize_f32,
+        None,
+        torch.float32,
+        gemm=library.quant_gemm_f32,
+    )
+    parts = [
+        QuantTensor(torch.from_numpy(random_blocks(name, rows, 512, seed=rows)), name, 512)
+        for name, rows in (("Q4_K", 64), ("Q4_K", 32), ("Q6_K", 32), ("Q6_K", 16))
+    ]
+    weight = pack_quant(parts)
+    assert weight is not None
+    copies = huge_page_copies([p.raw for p in parts], "a test's blocks")
+    placed = tuple(QuantTensor(c, p.kind, p.cols) for p, c in zip(parts, copies, strict=True))
+    joined = dataclasses.replace(weight, parts=_joined(placed))
+    assert [(p.kind, p.rows) for p in joined.parts] == [("Q4_K", 96), ("Q6_K", 48)]
+    x = torch.randn(QUANT_F32_MAX_ROWS + 7, 512, generator=torch.Generator().manual_seed(1))
+    for rows in (1, 16, QUANT_F32_MAX_ROWS + 7):
+        alone = linear(x[:rows].contiguous(), weight)
+        assert torch.equal(
+            alone.view(torch.int32), linear(x[:rows].contiguous(), joined).view(torch.int32)
+        )
 
 
 # llama.cpp's Q4_K_M: Q4_K, with (some of) the v and down projections in Q6_K
