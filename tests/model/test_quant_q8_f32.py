@@ -308,22 +308,32 @@ def test_the_avx2_build_under_qemu_haswell_gives_the_native_bits(tmp_path: Path)
         assert (np.abs(emulated - reference.expected) <= bound).all(), reference.name
 
 
-def test_a_float32_block_matrix_runs_small_steps_in_8_bits_and_larger_ones_exactly() -> None:
-    """`QuantLinear` in float32 on a Q4_K_M-like fused q/k/v (parts in Q4_K and Q6_K): up to
-    QUANT_F32_MAX_ROWS rows each part's columns are `quant_linear_q8_f32`'s; more rows run on
-    gguf-py's exact values (`quant_gemm_f32`), within float32 rounding of the exact product."""
-    library = _library("avx2")
-    linear = QuantLinear(
+def _float32_linear(library: KernelLibrary) -> QuantLinear:
+    """A float32 model's `QuantLinear`: the 8-bit kernel, and the GEMM past its rows."""
+    return QuantLinear(
         library.quant_linear_q8_f32,
         library.gguf_dequantize_f32,
         None,
         torch.float32,
         gemm=library.quant_gemm_f32,
     )
-    parts = [
+
+
+def _parts(*shapes: tuple[str, int]) -> list[QuantTensor]:
+    """Random blocks of (format, rows) each, 512 columns: a fused matrix's parts."""
+    return [
         QuantTensor(torch.from_numpy(random_blocks(name, rows, 512, seed=rows)), name, 512)
-        for name, rows in (("Q4_K", 64), ("Q6_K", 32))
+        for name, rows in shapes
     ]
+
+
+def test_a_float32_block_matrix_runs_small_steps_in_8_bits_and_larger_ones_exactly() -> None:
+    """`QuantLinear` in float32 on a Q4_K_M-like fused q/k/v (parts in Q4_K and Q6_K): up to
+    QUANT_F32_MAX_ROWS rows each part's columns are `quant_linear_q8_f32`'s; more rows run on
+    gguf-py's exact values (`quant_gemm_f32`), within float32 rounding of the exact product."""
+    library = _library("avx2")
+    linear = _float32_linear(library)
+    parts = _parts(("Q4_K", 64), ("Q6_K", 32))
     weight = pack_quant(parts)
     assert weight is not None
     exact_weight = torch.cat(
@@ -353,18 +363,8 @@ def test_joined_neighbour_parts_give_the_same_bits(level: str) -> None:
     """A fused matrix's parts copied back to back (`huge_page_copies`), neighbours of one
     format joined into one part (`matrix._joined`: one kernel call for them): the same bits
     as part by part, at one row, a step of panels and a step past QUANT_F32_MAX_ROWS."""
-    library = _library(level)
-    linear = QuantLinear(
-        library.quant_linear_q8_f32,
-        library.gguf_dequantize_f32,
-        None,
-        torch.float32,
-        gemm=library.quant_gemm_f32,
-    )
-    parts = [
-        QuantTensor(torch.from_numpy(random_blocks(name, rows, 512, seed=rows)), name, 512)
-        for name, rows in (("Q4_K", 64), ("Q4_K", 32), ("Q6_K", 32), ("Q6_K", 16))
-    ]
+    linear = _float32_linear(_library(level))
+    parts = _parts(("Q4_K", 64), ("Q4_K", 32), ("Q6_K", 32), ("Q6_K", 16))
     weight = pack_quant(parts)
     assert weight is not None
     copies = huge_page_copies([p.raw for p in parts], "a test's blocks")
