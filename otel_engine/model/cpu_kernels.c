@@ -2174,13 +2174,15 @@ static gemm_w gemm_w_at(gemm_w b, int64_t p) {
                     b.offsets ? b.offsets + per32 : NULL};
 }
 
+#if GEMM_X16
 /* x's largest q, so that 32 products never leave int32: 32767 (W's |q| <= 128: 32 * 32767 *
  * 128 < 2^27), Q6_K's 16383 (its q times its int8 scale: 32 * 16383 * 4096 < 2^31) */
 static int x16_max(int64_t type) { return type == GGML_Q6_K ? 16383 : 32767; }
 
-#if GEMM_X16
-/* tile t of x: its rows' 32-value groups in 16 bits, |q| <= top (rows past `rows` 0) */
-static void gemm_pack_x(const float *restrict x, int64_t rows, int64_t k, int64_t t, int top, gemm_x xp) {
+/* tile t of x, for W of `type`: its rows' 32-value groups in 16 bits, |q| <= x16_max(type)
+ * (rows past `rows` 0) */
+static void gemm_pack_x(const float *restrict x, int64_t rows, int64_t k, int64_t t, int64_t type, gemm_x xp) {
+    const int top = x16_max(type);
     const __m512 magnitude = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
     const gemm_x tile = gemm_x_at(xp, k, t, 0);
     int32_t *to = tile.values;
@@ -2313,8 +2315,8 @@ static inline __attribute__((always_inline)) void gemm_tile(const int ROWS, cons
 }
 #else
 /* tile t of x, value-major (rows past `rows` 0), so that a micro-kernel reads one run */
-static void gemm_pack_x(const float *restrict x, int64_t rows, int64_t k, int64_t t, int top, gemm_x xp) {
-    (void)top; /* x exact */
+static void gemm_pack_x(const float *restrict x, int64_t rows, int64_t k, int64_t t, int64_t type, gemm_x xp) {
+    (void)type; /* x exact, whatever W's format */
     float *to = gemm_x_at(xp, k, t, 0).values;
     for (int64_t kk = 0; kk < k; kk++)
         for (int r = 0; r < GEMM_MR; r++)
@@ -2398,7 +2400,7 @@ int quant_gemm_f32(float *restrict out, const float *restrict x, const uint8_t *
     const gemm_x xp = {memory, x_per32 ? (float *)(memory + x_bytes) : NULL,
                        x_per32 ? (float *)(memory + x_bytes + x_per32) : NULL};
     _Pragma("omp parallel for schedule(static) if (rows * k > 65536)")
-    for (int64_t t = 0; t < tiles; t++) gemm_pack_x(x, rows, k, t, GEMM_X16 ? x16_max(type) : 0, xp);
+    for (int64_t t = 0; t < tiles; t++) gemm_pack_x(x, rows, k, t, type, xp);
     /* rows of W per chunk: at most GEMM_NC, as many chunks as a multiple of the threads */
     const int64_t threads = omp_get_max_threads();
     const int64_t chunks = threads * ((n + threads * GEMM_NC - 1) / (threads * GEMM_NC));

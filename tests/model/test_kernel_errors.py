@@ -82,7 +82,8 @@ def test_an_unknown_type_id_is_a_bad_type_error(
             "quant_linear_q8_f32",
             {"type": _Q4_K, "rows": _NO_ADDRESS_SPACE // 256, "k": 256, "n": 4},
         ),
-        # x exact, in tiles of 6 rows (rows * k floats), and each thread's chunk of W
+        # x in tiles of 6 rows (rows * k floats; AVX-512 builds: int16, with scales and sums
+        # per 32), and each thread's chunk of W
         ("quant_gemm_f32", {"type": _Q4_K, "rows": _NO_ADDRESS_SPACE // 1024, "k": 256}),
     ],
 )
