@@ -23,6 +23,7 @@ from otel_engine.config import (
     GENERATION_CONFIGS,
     INT4,
     KERNELS,
+    KV_CACHE_DTYPES,
     QUANT_ACTIVATIONS,
     RAY_PLACEMENT_STRATEGIES,
     EngineConfig,
@@ -52,6 +53,7 @@ ENGINE_FLAGS = (
     "enable_prefix_caching",
     "num_kv_blocks",
     "kv_cache_memory_gib",
+    "kv_cache_dtype",
     "max_num_seqs",
     "max_num_batched_tokens",
     "tensor_parallel_size",
@@ -191,6 +193,14 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     )
     cache.add_argument(
         "--kv-cache-memory-gib", type=float, metavar="GIB", help="memory budget for the KV cache"
+    )
+    cache.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        help="what the KV cache stores. auto: the dtype the model runs in, except float16 "
+        "when a bfloat16 or float16 checkpoint (a .gguf file counts as bfloat16) runs in "
+        "float32: half the cache's memory and reads, as llama.cpp's default f16 cache. "
+        "float16 is also taken with --dtype float32; otherwise it must be the model's dtype",
     )
     cache.add_argument("--max-num-seqs", type=int, metavar="N", help="sequences per step")
     cache.add_argument("--max-num-batched-tokens", type=int, metavar="N", help="tokens per step")

@@ -17,6 +17,7 @@ import msgspec
 from otel_engine.sampling_params import parse_override
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = DTYPES  # auto: model/limits.choose_kv_cache_dtype
 DEVICES = ("cpu", "cuda")
 EXECUTOR_BACKENDS = ("mp", "ray")  # where tensor-parallel ranks run: this machine, a Ray cluster
 RAY_PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
@@ -49,12 +50,14 @@ class ModelConfig:
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
     """The paged KV cache: `num_kv_blocks` wins over the memory budget when set;
-    `enable_prefix_caching` shares the KV of full blocks whose prefix is already cached."""
+    `enable_prefix_caching` shares the KV of full blocks whose prefix is already cached;
+    `kv_cache_dtype` is what the cache stores (model/limits.choose_kv_cache_dtype)."""
 
     block_size: int = 16
     enable_prefix_caching: bool = True
     num_kv_blocks: int | None = None
     kv_cache_memory_gib: float = 1.0
+    kv_cache_dtype: str = "auto"
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +139,11 @@ class EngineConfig:
         """Reject values that can never work, with a message that names the option."""
         if self.model.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.model.dtype!r}")
+        if self.cache.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, "
+                f"got {self.cache.kv_cache_dtype!r}"
+            )
         if self.model.kernels not in KERNELS:
             raise ValueError(f"kernels must be one of {KERNELS}, got {self.model.kernels!r}")
         if self.model.generation_config not in GENERATION_CONFIGS:

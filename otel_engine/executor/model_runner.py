@@ -20,7 +20,12 @@ from otel_engine.model.arch import load_model_arch
 from otel_engine.model.attention import AttentionMetadata
 from otel_engine.model.bandwidth import MemoryBandwidth, peak_read_bandwidth
 from otel_engine.model.cpu import half_precision_blocker
-from otel_engine.model.limits import EngineLimits, choose_dtype, resolve_limits
+from otel_engine.model.limits import (
+    EngineLimits,
+    choose_dtype,
+    choose_kv_cache_dtype,
+    resolve_limits,
+)
 from otel_engine.model.registry import load_model
 from otel_engine.model.sampler import Sampler, logprobs_of
 from otel_engine.model.step_reads import StepReads
@@ -83,6 +88,8 @@ class ModelRunner:
         )
         dtype = choose_dtype(config, self.arch)
         self.dtype = _DTYPES[dtype.name]
+        kv_dtype = choose_kv_cache_dtype(config, self.arch)
+        self.kv_dtype = _DTYPES[kv_dtype.name]
         if dtype.reason == "--dtype" and self.device.type == "cpu" and rank == 0:
             _warn_if_emulated(dtype.name)
         self.block_size = config.cache.block_size
@@ -110,6 +117,8 @@ class ModelRunner:
                 "rank": rank,
                 "dtype": dtype.name,
                 "dtype_reason": dtype.reason,
+                "kv_cache_dtype": kv_dtype.name,
+                "kv_cache_dtype_reason": kv_dtype.reason,
             },
         )
         return_freed_memory()  # the staged checkpoint, and bfloat16 copies the 4-bit replaced
@@ -119,9 +128,11 @@ class ModelRunner:
             self.block_size,
             self.model.head_dim,
         )
-        self.kv_caches = _kv_caches(shape, self.dtype, self.device, self.arch.num_hidden_layers)
+        self.kv_caches = _kv_caches(shape, self.kv_dtype, self.device, self.arch.num_hidden_layers)
         self.sampler = Sampler(self.device, config.model.seed) if rank == 0 else None
-        self.reads = StepReads.of(self.model, computes_logits=self.sampler is not None)
+        self.reads = StepReads.of(
+            self.model, computes_logits=self.sampler is not None, kv_dtype=self.kv_dtype
+        )
 
     def forward_inputs(self, step: ModelInput) -> tuple[torch.Tensor, AttentionMetadata]:
         """The step's token ids as a tensor and its attention metadata (for every layer)."""

@@ -145,10 +145,11 @@ def write_cache(
     v_cache: torch.Tensor,
     slots: torch.Tensor,
 ) -> None:
-    """Store this step's K/V [T, Hkv, D] at their slots."""
-    num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    k_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slots, k.transpose(0, 1))
-    v_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slots, v.transpose(0, 1))
+    """Store this step's K/V [T, Hkv, D] at their slots, in the cache's dtype (a float32
+    model's float16 cache: rounded once, here)."""
+    num_kv_heads, head_dim, stored = k.shape[1], k.shape[2], k_cache.dtype
+    k_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slots, k.transpose(0, 1).to(stored))
+    v_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slots, v.transpose(0, 1).to(stored))
 
 
 def decode_attention(
@@ -175,6 +176,7 @@ def decode_attention(
     max_len = meta.decode_mask.shape[-1]
     keys = k_cache.index_select(1, blocks).view(num_kv_heads * batch, max_len, head_dim)
     values = v_cache.index_select(1, blocks).view(num_kv_heads * batch, max_len, head_dim)
+    keys, values = keys.to(q.dtype), values.to(q.dtype)  # a float16 cache of a float32 model
     qd = q.view(batch, num_kv_heads, group, head_dim).transpose(0, 1)
     scores = torch.bmm(qd.reshape(num_kv_heads * batch, group, head_dim), keys.transpose(1, 2))
     scores = scores.view(num_kv_heads, batch, group, max_len).float().mul_(scale)
@@ -259,4 +261,4 @@ def _prefill_keys(
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     keys = k_cache.view(num_kv_heads, -1, head_dim).index_select(1, seq.slots)
     values = v_cache.view(num_kv_heads, -1, head_dim).index_select(1, seq.slots)
-    return keys, values
+    return keys.to(k.dtype), values.to(v.dtype)  # a float16 cache of a float32 model

@@ -10,8 +10,9 @@
  * output, never a signal on an input it could check), which kernels.py raises as an
  * exception naming the kernel and the failed check. The element-wise ops, decode
  * attention and argmax exist for float32 (suffix _f32) and bfloat16 (_bf16, stored as
- * uint16); arithmetic is float32 throughout, rounded once on store (round to nearest even, as
- * torch does). One source of those loops for every level (`vec`, LANES and a few operations
+ * uint16), and the cache write and decode attention also for float32 over a float16 cache
+ * (_f32_f16); arithmetic is float32 throughout, rounded once on store (round to nearest even,
+ * as torch does). One source of those loops for every level (`vec`, LANES and a few operations
  * on them): with AVX-512 16 lanes at a time (masked tails, any length), with AVX2 and FMA 8
  * (masked tails: vmaskmov for float32, a copy through a buffer for bfloat16), below that one
  * element at a time (what the compiler vectorizes of them).
@@ -93,6 +94,20 @@ static inline void store1_bf16(bf16 *p, float v) {
     *p = (bf16)(bits >> 16);
 }
 
+/* float16, IEEE half precision (stored as uint16): the KV cache of a float32 model from a
+ * half-precision checkpoint. Converted by the compiler's _Float16 (round to nearest even;
+ * F16C's vcvtps2ph where the target has it); beyond +-65504 a value becomes +-inf. */
+typedef uint16_t f16;
+static inline float load1_f16(const f16 *p) {
+    _Float16 h;
+    memcpy(&h, p, sizeof h);
+    return (float)h;
+}
+static inline void store1_f16(f16 *p, float v) {
+    const _Float16 h = (_Float16)v;
+    memcpy(p, &h, sizeof h);
+}
+
 #ifdef __AVX512F__
 /* ---- 16-lane load/store, masked: lanes past n read 0 and are not written ------------------ */
 
@@ -122,6 +137,12 @@ static inline void store_bf16(bf16 *p, vec v, int64_t n) {
     rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(bits, _mm512_set1_epi32(0x400000)));
     _mm256_mask_storeu_epi16(p, tail_mask(n), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
 #endif
+}
+static inline vec load_f16(const f16 *p, int64_t n) {
+    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(tail_mask(n), p));
+}
+static inline void store_f16(f16 *p, vec v, int64_t n) {
+    _mm256_mask_storeu_epi16(p, tail_mask(n), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 /* e^x for x <= 0 (softmax, sigmoid) by the EXP_ method, 2^n by vscalefps; x below -87 gives 0. */
 static inline vec exp_vec(vec x) {
@@ -166,16 +187,25 @@ static inline void store_f32(float *p, vec v, int64_t n) {
     if (n >= 8) _mm256_storeu_ps(p, v);
     else _mm256_maskstore_ps(p, tail_mask(n), v);
 }
-static inline vec load_bf16(const bf16 *p, int64_t n) {
-    __m128i half;
+/* 8 16-bit values (n of them; the rest read 0) and back: no 16-bit masked load or store
+ * below AVX-512, so a tail goes through a buffer */
+static inline __m128i load8_u16(const uint16_t *p, int64_t n) {
+    if (n >= 8) return _mm_loadu_si128((const __m128i *)p);
+    uint16_t part[8] = {0};
+    memcpy(part, p, (size_t)n * sizeof *p);
+    return _mm_loadu_si128((const __m128i *)part);
+}
+static inline void store8_u16(uint16_t *p, __m128i packed, int64_t n) {
     if (n >= 8) {
-        half = _mm_loadu_si128((const __m128i *)p);
-    } else { /* no 16-bit masked load below AVX-512 */
-        bf16 part[8] = {0};
-        memcpy(part, p, (size_t)n * sizeof(bf16));
-        half = _mm_loadu_si128((const __m128i *)part);
+        _mm_storeu_si128((__m128i *)p, packed);
+        return;
     }
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+    uint16_t part[8];
+    _mm_storeu_si128((__m128i *)part, packed);
+    memcpy(p, part, (size_t)n * sizeof *p);
+}
+static inline vec load_bf16(const bf16 *p, int64_t n) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(load8_u16(p, n)), 16));
 }
 static inline void store_bf16(bf16 *p, vec v, int64_t n) {
     /* round to nearest even as store1_bf16; a NaN stays a (quiet) NaN */
@@ -185,14 +215,12 @@ static inline void store_bf16(bf16 *p, vec v, int64_t n) {
     const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
     rounded = _mm256_blendv_epi8(rounded, _mm256_or_si256(bits, _mm256_set1_epi32(0x400000)), nan);
     const __m256i high = _mm256_srli_epi32(rounded, 16); /* 0-65535: packus keeps them */
-    const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(high), _mm256_extracti128_si256(high, 1));
-    if (n >= 8) {
-        _mm_storeu_si128((__m128i *)p, packed);
-    } else {
-        bf16 part[8];
-        _mm_storeu_si128((__m128i *)part, packed);
-        memcpy(p, part, (size_t)n * sizeof(bf16));
-    }
+    store8_u16(p, _mm_packus_epi32(_mm256_castsi256_si128(high), _mm256_extracti128_si256(high, 1)), n);
+}
+/* float16 by F16C (x86-64-v3 has it) */
+static inline vec load_f16(const f16 *p, int64_t n) { return _mm256_cvtph_ps(load8_u16(p, n)); }
+static inline void store_f16(f16 *p, vec v, int64_t n) {
+    store8_u16(p, _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT), n);
 }
 /* e^x for x <= 0 (softmax, sigmoid) by the EXP_ method at 8 lanes, 2^n built in the exponent
  * bits (n >= -126 for x >= -87); x below -87 gives 0. */
@@ -226,6 +254,8 @@ static inline vec load_f32(const float *p, int64_t n) { (void)n; return *p; }
 static inline void store_f32(float *p, vec v, int64_t n) { (void)n; *p = v; }
 static inline vec load_bf16(const bf16 *p, int64_t n) { (void)n; return load1_bf16(p); }
 static inline void store_bf16(bf16 *p, vec v, int64_t n) { (void)n; store1_bf16(p, v); }
+static inline vec load_f16(const f16 *p, int64_t n) { (void)n; return load1_f16(p); }
+static inline void store_f16(f16 *p, vec v, int64_t n) { (void)n; store1_f16(p, v); }
 static inline vec exp_vec(vec x) { return expf(x); }
 static inline vec keep(vec x, int64_t n) { (void)n; return x; }
 #define ZERO() 0.0f
@@ -286,6 +316,9 @@ const char *otel_kernels_failure(void) { return last_failure; }
 #define DECODE_f32(HD, G)                                                                        \
     decode_item_f32(out, qkv, k_cache, v_cache, table, len, b, kvh, num_heads, G, HD, block_size, \
                     num_slots, qkv_width, scale)
+#define DECODE_f32_f16(HD, G)                                                                    \
+    decode_item_f32_f16(out, qkv, k_cache, v_cache, table, len, b, kvh, num_heads, G, HD,        \
+                        block_size, num_slots, qkv_width, scale)
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define DECODE_bf16(HD, G)                                                                       \
     decode_paired_bf16(HD, out + (b * num_heads + kvh * G) * HD, qkv + b * qkv_width + kvh * G * HD, \
@@ -403,142 +436,6 @@ int add_rms_norm_##SUFFIX(T *restrict hidden, const T *restrict delta,          
     return STATUS_OK;                                                                            \
 }                                                                                                \
                                                                                                  \
-/* Rotary embedding (rotate-half layout) on the q and k heads of qkv, in place, then the k   */  \
-/* and v heads written to their cache slots.                                                 */  \
-int rope_and_cache_##SUFFIX(T *restrict qkv, const float *restrict cos_sin,                      \
-                            const int64_t *restrict positions,                                   \
-                            const int64_t *restrict slots, T *restrict k_cache,                  \
-                            T *restrict v_cache, int64_t tokens, int64_t num_heads,              \
-                            int64_t num_kv_heads, int64_t head_dim, int64_t num_slots) {         \
-    REQUIRE(tokens >= 0);                                                                        \
-    REQUIRE(num_heads > 0 && num_kv_heads > 0);                                                  \
-    REQUIRE(head_dim > 0 && head_dim % 2 == 0);                                                  \
-    REQUIRE(num_slots > 0);                                                                      \
-    const int64_t half = head_dim / 2;                                                           \
-    const int64_t width = (num_heads + 2 * num_kv_heads) * head_dim;                             \
-    const int64_t rotated = num_heads + num_kv_heads;                                            \
-    _Pragma("omp parallel for if (tokens > 4)")                                                  \
-    for (int64_t t = 0; t < tokens; t++) {                                                       \
-        T *row = qkv + t * width;                                                                \
-        const float *cs = cos_sin + positions[t] * head_dim;                                     \
-        for (int64_t h = 0; h < rotated; h++) {                                                  \
-            T *x = row + h * head_dim;                                                           \
-            for (int64_t i = 0; i < half; i += LANES) {                                          \
-                const int64_t n = CHUNK(half, i);                                                \
-                const vec a = load_##SUFFIX(x + i, n), b = load_##SUFFIX(x + half + i, n);       \
-                const vec c = load_f32(cs + i, n), s = load_f32(cs + half + i, n);               \
-                store_##SUFFIX(x + i, FMA(a, c, MUL(SET(-1.0f), MUL(b, s))), n);                 \
-                store_##SUFFIX(x + half + i, FMA(b, c, MUL(a, s)), n);                           \
-            }                                                                                    \
-        }                                                                                        \
-        const int64_t slot = slots[t];                                                           \
-        for (int64_t h = 0; h < num_kv_heads; h++) {                                             \
-            memcpy(k_cache + (h * num_slots + slot) * head_dim,                                  \
-                   row + (num_heads + h) * head_dim, head_dim * sizeof(T));                      \
-            memcpy(v_cache + (h * num_slots + slot) * head_dim,                                  \
-                   row + (rotated + h) * head_dim, head_dim * sizeof(T));                      \
-        }                                                                                        \
-    }                                                                                            \
-    return STATUS_OK;                                                                            \
-}                                                                                                \
-                                                                                                 \
-/* One (sequence, KV head) of decode attention; head_dim is a constant where it is called  */  \
-/* with one, so that the loops over it unroll and q stays in registers.                    */  \
-static inline __attribute__((always_inline)) void decode_item_##SUFFIX(                         \
-    T *restrict out, const T *restrict qkv, const T *restrict k_cache,                          \
-    const T *restrict v_cache, const int32_t *restrict table, int64_t len, int64_t b,           \
-    int64_t kvh, int64_t num_heads, const int64_t group, const int64_t head_dim,                 \
-    int64_t block_size, int64_t num_slots, int64_t qkv_width, float scale) {                     \
-    float q[group][head_dim], acc[group][head_dim];                                              \
-    float run_max[group], run_sum[group], rescales[group], scores[group][block_size];            \
-    for (int64_t g = 0; g < group; g++) {                                                        \
-        const T *qh = qkv + b * qkv_width + (kvh * group + g) * head_dim;                        \
-        for (int64_t d = 0; d < head_dim; d++) {                                                 \
-            q[g][d] = load1_##SUFFIX(qh + d) * scale;                                            \
-            acc[g][d] = 0.0f;                                                                    \
-        }                                                                                        \
-        run_max[g] = -INFINITY;                                                                  \
-        run_sum[g] = 0.0f;                                                                       \
-    }                                                                                            \
-    const T *keys = k_cache + kvh * num_slots * head_dim;                                        \
-    const T *values = v_cache + kvh * num_slots * head_dim;                                      \
-    for (int64_t start = 0; start < len; start += block_size) {                                  \
-        const int64_t block = table[start / block_size];                                         \
-        const int64_t count = len - start < block_size ? len - start : block_size;               \
-        const T *kb = keys + block * block_size * head_dim;                                      \
-        const T *vb = values + block * block_size * head_dim;                                    \
-        if (start + block_size < len) { /* blocks are scattered: fetch the next one early */     \
-            const int64_t next = table[start / block_size + 1] * block_size * head_dim;          \
-            for (int64_t byte = 0; byte < block_size * head_dim * (int64_t)sizeof(T); byte += 64) { \
-                __builtin_prefetch((const char *)(keys + next) + byte);                          \
-                __builtin_prefetch((const char *)(values + next) + byte);                        \
-            }                                                                                    \
-        }                                                                                        \
-        scores_##SUFFIX(&scores[0][0], block_size, &q[0][0], kb, count, group, head_dim);        \
-        for (int64_t g = 0; g < group; g++) {                                                    \
-            float block_max = -INFINITY;                                                         \
-            for (int64_t j = 0; j < count; j++)                                                  \
-                block_max = scores[g][j] > block_max ? scores[g][j] : block_max;                 \
-            const float new_max = block_max > run_max[g] ? block_max : run_max[g];               \
-            const float rescale = expf(run_max[g] - new_max);                                    \
-            run_max[g] = new_max;                                                                \
-            float total = 0.0f;                                                                  \
-            for (int64_t j = 0; j < count; j += LANES) {                                         \
-                const int64_t n = CHUNK(count, j);                                               \
-                const vec p = keep(exp_vec(ADD(load_f32(&scores[g][j], n), SET(-new_max))), n);  \
-                store_f32(&scores[g][j], p, n);                                                  \
-                total += HSUM(p);                                                                \
-            }                                                                                    \
-            run_sum[g] = run_sum[g] * rescale + total;                                           \
-            rescales[g] = rescale;                                                               \
-        }                                                                                        \
-        values_##SUFFIX(&acc[0][0], &scores[0][0], block_size, rescales, vb, count, group,        \
-                        head_dim);                                                               \
-    }                                                                                            \
-    for (int64_t g = 0; g < group; g++) {                                                        \
-        T *o = out + (b * num_heads + kvh * group + g) * head_dim;                               \
-        const vec inv = SET(run_sum[g] > 0.0f ? 1.0f / run_sum[g] : 0.0f);                       \
-        for (int64_t d = 0; d < head_dim; d += LANES) {                                          \
-            const int64_t n = CHUNK(head_dim, d);                                                \
-            store_##SUFFIX(o + d, MUL(load_f32(&acc[g][d], n), inv), n);                         \
-        }                                                                                        \
-    }                                                                                            \
-}                                                                                                \
-                                                                                                 \
-/* One query token per sequence against its cached keys and values (paged), every query   */    \
-/* head of a group sharing its KV head: online softmax, one pass over the cache.          */    \
-int decode_attention_##SUFFIX(T *restrict out, const T *restrict qkv,                            \
-                              const T *restrict k_cache, const T *restrict v_cache,              \
-                              const int32_t *restrict block_tables,                              \
-                              const int32_t *restrict seq_lens, int64_t batch,                   \
-                              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,         \
-                              int64_t block_size, int64_t max_blocks, int64_t num_slots,         \
-                              int64_t qkv_width, float scale) {                                  \
-    REQUIRE(batch >= 0);                                                                         \
-    REQUIRE(num_kv_heads > 0 && num_heads > 0 && num_heads % num_kv_heads == 0);                 \
-    REQUIRE(head_dim > 0);                                                                       \
-    REQUIRE(block_size > 0 && block_size <= MAX_BLOCK_SIZE);                                     \
-    REQUIRE((block_size & (block_size - 1)) == 0); /* a power of two */                          \
-    REQUIRE(max_blocks >= 0 && num_slots > 0);                                                   \
-    REQUIRE(qkv_width >= (num_heads + 2 * num_kv_heads) * head_dim);                             \
-    const int64_t group = num_heads / num_kv_heads;                                              \
-    _Pragma("omp parallel for schedule(dynamic) if (batch * num_kv_heads > 1)")                  \
-    for (int64_t work = 0; work < batch * num_kv_heads; work++) {                                \
-        const int64_t b = work / num_kv_heads, kvh = work % num_kv_heads;                        \
-        const int32_t *table = block_tables + b * max_blocks;                                    \
-        const int64_t len = seq_lens[b];                                                         \
-        if (head_dim == 64 && group <= 8) {                                                      \
-            switch (group) { DECODE_CASES(SUFFIX, 64) }                                          \
-        } else if (head_dim == 128 && group <= 8) {                                              \
-            switch (group) { DECODE_CASES(SUFFIX, 128) }                                         \
-        } else {                                                                                 \
-            decode_item_##SUFFIX(out, qkv, k_cache, v_cache, table, len, b, kvh, num_heads,      \
-                                 group, head_dim, block_size, num_slots, qkv_width, scale);      \
-        }                                                                                        \
-    }                                                                                            \
-    return STATUS_OK;                                                                            \
-}                                                                                                \
-                                                                                                 \
 /* out[r] = the index of row r's first greatest logit (its first NaN if any): greedy      */  \
 /* sampling straight from the LM head's output, in its own type.                         */  \
 int argmax_##SUFFIX(int64_t *restrict out, const T *restrict logits, int64_t rows,              \
@@ -613,6 +510,7 @@ static inline __attribute__((always_inline)) void scores_##SUFFIX(              
 }
 DEFINE_SCORES(float, f32)
 DEFINE_SCORES(bf16, bf16)
+DEFINE_SCORES(f16, f16)
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 /* The sums of 16 vectors, one per lane: lane j = sum of v[j]'s 16 lanes (pairs added
@@ -661,6 +559,7 @@ static inline __attribute__((always_inline)) void values_##SUFFIX(              
 }
 DEFINE_VALUES(float, f32)
 DEFINE_VALUES(bf16, bf16)
+DEFINE_VALUES(f16, f16)
 
 /* ---- decode attention, bfloat16, head_dim 64 or 128 (AVX-512 BF16) --------------------------
  *
@@ -793,6 +692,160 @@ static inline __attribute__((always_inline)) void decode_paired_bf16(
 
 DEFINE_KERNELS(float, f32)
 DEFINE_KERNELS(bf16, bf16)
+
+/* Rotary with the cache write and decode attention, for activations of type T (load_##TS)
+ * over a cache of type C (load_##CS): float32 over float32 (_f32), bfloat16 over bfloat16
+ * (_bf16), and float32 over float16 (_f32_f16: the half-precision cache of a float32 model).
+ * The arithmetic is float32 either way; a cached value is rounded once, when it is written. */
+#define DEFINE_ATTENTION(T, TS, C, CS, SUFFIX)                                                   \
+/* One head's k or v row into its cache slot: copied, or converted to the cache's type. */       \
+static inline void cache_row_##SUFFIX(C *restrict slot, const T *restrict row, int64_t n) {      \
+    if (sizeof(C) == sizeof(T)) {                                                                \
+        memcpy(slot, row, (size_t)n * sizeof(T));                                                \
+        return;                                                                                  \
+    }                                                                                            \
+    for (int64_t i = 0; i < n; i += LANES)                                                       \
+        store_##CS(slot + i, load_##TS(row + i, CHUNK(n, i)), CHUNK(n, i));                     \
+}                                                                                                \
+                                                                                                 \
+/* Rotary embedding (rotate-half layout) on the q and k heads of qkv, in place, then the k   */  \
+/* and v heads written to their cache slots.                                                 */  \
+int rope_and_cache_##SUFFIX(T *restrict qkv, const float *restrict cos_sin,                      \
+                            const int64_t *restrict positions,                                   \
+                            const int64_t *restrict slots, C *restrict k_cache,                  \
+                            C *restrict v_cache, int64_t tokens, int64_t num_heads,              \
+                            int64_t num_kv_heads, int64_t head_dim, int64_t num_slots) {         \
+    REQUIRE(tokens >= 0);                                                                        \
+    REQUIRE(num_heads > 0 && num_kv_heads > 0);                                                  \
+    REQUIRE(head_dim > 0 && head_dim % 2 == 0);                                                  \
+    REQUIRE(num_slots > 0);                                                                      \
+    const int64_t half = head_dim / 2;                                                           \
+    const int64_t width = (num_heads + 2 * num_kv_heads) * head_dim;                             \
+    const int64_t rotated = num_heads + num_kv_heads;                                            \
+    _Pragma("omp parallel for if (tokens > 4)")                                                  \
+    for (int64_t t = 0; t < tokens; t++) {                                                       \
+        T *row = qkv + t * width;                                                                \
+        const float *cs = cos_sin + positions[t] * head_dim;                                     \
+        for (int64_t h = 0; h < rotated; h++) {                                                  \
+            T *x = row + h * head_dim;                                                           \
+            for (int64_t i = 0; i < half; i += LANES) {                                          \
+                const int64_t n = CHUNK(half, i);                                                \
+                const vec a = load_##TS(x + i, n), b = load_##TS(x + half + i, n);               \
+                const vec c = load_f32(cs + i, n), s = load_f32(cs + half + i, n);               \
+                store_##TS(x + i, FMA(a, c, MUL(SET(-1.0f), MUL(b, s))), n);                     \
+                store_##TS(x + half + i, FMA(b, c, MUL(a, s)), n);                               \
+            }                                                                                    \
+        }                                                                                        \
+        const int64_t slot = slots[t];                                                           \
+        for (int64_t h = 0; h < num_kv_heads; h++) {                                             \
+            cache_row_##SUFFIX(k_cache + (h * num_slots + slot) * head_dim,                      \
+                               row + (num_heads + h) * head_dim, head_dim);                      \
+            cache_row_##SUFFIX(v_cache + (h * num_slots + slot) * head_dim,                      \
+                               row + (rotated + h) * head_dim, head_dim);                        \
+        }                                                                                        \
+    }                                                                                            \
+    return STATUS_OK;                                                                            \
+}                                                                                                \
+                                                                                                 \
+/* One (sequence, KV head) of decode attention; head_dim is a constant where it is called  */    \
+/* with one, so that the loops over it unroll and q stays in registers.                    */    \
+static inline __attribute__((always_inline)) void decode_item_##SUFFIX(                          \
+    T *restrict out, const T *restrict qkv, const C *restrict k_cache,                           \
+    const C *restrict v_cache, const int32_t *restrict table, int64_t len, int64_t b,            \
+    int64_t kvh, int64_t num_heads, const int64_t group, const int64_t head_dim,                 \
+    int64_t block_size, int64_t num_slots, int64_t qkv_width, float scale) {                     \
+    float q[group][head_dim], acc[group][head_dim];                                              \
+    float run_max[group], run_sum[group], rescales[group], scores[group][block_size];            \
+    for (int64_t g = 0; g < group; g++) {                                                        \
+        const T *qh = qkv + b * qkv_width + (kvh * group + g) * head_dim;                        \
+        for (int64_t d = 0; d < head_dim; d++) {                                                 \
+            q[g][d] = load1_##TS(qh + d) * scale;                                                \
+            acc[g][d] = 0.0f;                                                                    \
+        }                                                                                        \
+        run_max[g] = -INFINITY;                                                                  \
+        run_sum[g] = 0.0f;                                                                       \
+    }                                                                                            \
+    const C *keys = k_cache + kvh * num_slots * head_dim;                                        \
+    const C *values = v_cache + kvh * num_slots * head_dim;                                      \
+    for (int64_t start = 0; start < len; start += block_size) {                                  \
+        const int64_t block = table[start / block_size];                                         \
+        const int64_t count = len - start < block_size ? len - start : block_size;               \
+        const C *kb = keys + block * block_size * head_dim;                                      \
+        const C *vb = values + block * block_size * head_dim;                                    \
+        if (start + block_size < len) { /* blocks are scattered: fetch the next one early */     \
+            const int64_t next = table[start / block_size + 1] * block_size * head_dim;          \
+            for (int64_t byte = 0; byte < block_size * head_dim * (int64_t)sizeof(C); byte += 64) { \
+                __builtin_prefetch((const char *)(keys + next) + byte);                          \
+                __builtin_prefetch((const char *)(values + next) + byte);                        \
+            }                                                                                    \
+        }                                                                                        \
+        scores_##CS(&scores[0][0], block_size, &q[0][0], kb, count, group, head_dim);            \
+        for (int64_t g = 0; g < group; g++) {                                                    \
+            float block_max = -INFINITY;                                                         \
+            for (int64_t j = 0; j < count; j++)                                                  \
+                block_max = scores[g][j] > block_max ? scores[g][j] : block_max;                 \
+            const float new_max = block_max > run_max[g] ? block_max : run_max[g];               \
+            const float rescale = expf(run_max[g] - new_max);                                    \
+            run_max[g] = new_max;                                                                \
+            float total = 0.0f;                                                                  \
+            for (int64_t j = 0; j < count; j += LANES) {                                         \
+                const int64_t n = CHUNK(count, j);                                               \
+                const vec p = keep(exp_vec(ADD(load_f32(&scores[g][j], n), SET(-new_max))), n);  \
+                store_f32(&scores[g][j], p, n);                                                  \
+                total += HSUM(p);                                                                \
+            }                                                                                    \
+            run_sum[g] = run_sum[g] * rescale + total;                                           \
+            rescales[g] = rescale;                                                               \
+        }                                                                                        \
+        values_##CS(&acc[0][0], &scores[0][0], block_size, rescales, vb, count, group,           \
+                        head_dim);                                                               \
+    }                                                                                            \
+    for (int64_t g = 0; g < group; g++) {                                                        \
+        T *o = out + (b * num_heads + kvh * group + g) * head_dim;                               \
+        const vec inv = SET(run_sum[g] > 0.0f ? 1.0f / run_sum[g] : 0.0f);                       \
+        for (int64_t d = 0; d < head_dim; d += LANES) {                                          \
+            const int64_t n = CHUNK(head_dim, d);                                                \
+            store_##TS(o + d, MUL(load_f32(&acc[g][d], n), inv), n);                             \
+        }                                                                                        \
+    }                                                                                            \
+}                                                                                                \
+                                                                                                 \
+/* One query token per sequence against its cached keys and values (paged), every query   */     \
+/* head of a group sharing its KV head: online softmax, one pass over the cache.          */     \
+int decode_attention_##SUFFIX(T *restrict out, const T *restrict qkv,                            \
+                              const C *restrict k_cache, const C *restrict v_cache,              \
+                              const int32_t *restrict block_tables,                              \
+                              const int32_t *restrict seq_lens, int64_t batch,                   \
+                              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,         \
+                              int64_t block_size, int64_t max_blocks, int64_t num_slots,         \
+                              int64_t qkv_width, float scale) {                                  \
+    REQUIRE(batch >= 0);                                                                         \
+    REQUIRE(num_kv_heads > 0 && num_heads > 0 && num_heads % num_kv_heads == 0);                 \
+    REQUIRE(head_dim > 0);                                                                       \
+    REQUIRE(block_size > 0 && block_size <= MAX_BLOCK_SIZE);                                     \
+    REQUIRE((block_size & (block_size - 1)) == 0); /* a power of two */                          \
+    REQUIRE(max_blocks >= 0 && num_slots > 0);                                                   \
+    REQUIRE(qkv_width >= (num_heads + 2 * num_kv_heads) * head_dim);                             \
+    const int64_t group = num_heads / num_kv_heads;                                              \
+    _Pragma("omp parallel for schedule(dynamic) if (batch * num_kv_heads > 1)")                  \
+    for (int64_t work = 0; work < batch * num_kv_heads; work++) {                                \
+        const int64_t b = work / num_kv_heads, kvh = work % num_kv_heads;                        \
+        const int32_t *table = block_tables + b * max_blocks;                                    \
+        const int64_t len = seq_lens[b];                                                         \
+        if (head_dim == 64 && group <= 8) {                                                      \
+            switch (group) { DECODE_CASES(SUFFIX, 64) }                                          \
+        } else if (head_dim == 128 && group <= 8) {                                              \
+            switch (group) { DECODE_CASES(SUFFIX, 128) }                                         \
+        } else {                                                                                 \
+            decode_item_##SUFFIX(out, qkv, k_cache, v_cache, table, len, b, kvh, num_heads,      \
+                                 group, head_dim, block_size, num_slots, qkv_width, scale);      \
+        }                                                                                        \
+    }                                                                                            \
+    return STATUS_OK;                                                                            \
+}
+DEFINE_ATTENTION(float, f32, float, f32, f32)
+DEFINE_ATTENTION(bf16, bf16, bf16, bf16, bf16)
+DEFINE_ATTENTION(float, f32, f16, f16, f32_f16)
 
 /* ---- 4-bit weights, bfloat16 activations (AVX-512 BF16) -------------------------------------
  *
@@ -3528,7 +3581,7 @@ int fault_drill(int64_t kind, int64_t thread, const void *target) {
  * before it is loaded (a library built for another CPU is never run); otel_kernels_contract()
  * says the rest as key=value pairs, the stack's field and dim names, the prefill chunks'
  * fields and the status names in their order, the GGML types as name:id. */
-#define OTEL_KERNELS_ABI 8
+#define OTEL_KERNELS_ABI 9
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) &&                  \
     defined(__AVX512VL__) && defined(__AVX512BF16__)
 #define OTEL_KERNELS_ISA "avx512bf16"

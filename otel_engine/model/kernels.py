@@ -55,7 +55,7 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 _BUILD_TIMEOUT_S = 120  # about 9x the slowest build measured (bench/kernel_build.py)
-ABI_VERSION = 8  # cpu_kernels.c OTEL_KERNELS_ABI
+ABI_VERSION = 9  # cpu_kernels.c OTEL_KERNELS_ABI
 
 # Instruction-set levels of x86-64, lowest first, and the flags that target each: the
 # x86-64 psABI levels (v3: AVX2 and FMA; v4: AVX-512 F/BW/CD/DQ/VL), plus AVX-512 BF16
@@ -135,6 +135,26 @@ _QUANT_LINEAR = (
     ("ldo", _I),
 )  # fmt: skip
 SUFFIXES = ("f32", "bf16")
+# The cache write and decode attention also take float32 activations over a float16 cache
+# (the half-precision KV cache of a float32 model): by the cache's dtype, each activation
+# suffix's function.
+CACHE_SUFFIXES: dict[str, dict[str, str]] = {
+    "f32": {"float32": "f32", "float16": "f32_f16"},
+    "bf16": {"bfloat16": "bf16"},
+}
+CACHE_KERNELS = ("rope_and_cache", "decode_attention")
+
+
+def exported_names() -> dict[str, tuple[tuple[str, type], ...]]:
+    """Every function of SIGNATURES by its exported name (`name_suffix`), with its
+    parameters."""
+    names = {f"{n}_{suffix}": p for n, p in SIGNATURES.items() for suffix in SUFFIXES}
+    for name in CACHE_KERNELS:
+        for suffixes in CACHE_SUFFIXES.values():
+            names.update({f"{name}_{s}": SIGNATURES[name] for s in suffixes.values()})
+    return names
+
+
 # Built only for the targets from a level up (`OPTIONAL_FROM`); absent from the library below.
 OPTIONAL_SIGNATURES: dict[str, tuple[tuple[str, type], ...]] = {
     "quant_linear_q8_f32": _QUANT_LINEAR,
@@ -465,7 +485,7 @@ def load(isa: str | None = None) -> KernelLibrary | None:
 
 def _exported(cdll: ctypes.CDLL) -> dict[str, tuple[tuple[str, type], ...]]:
     """Every function this build exports, by name, with its parameters."""
-    exported = {f"{n}_{suffix}": p for n, p in SIGNATURES.items() for suffix in SUFFIXES}
+    exported = exported_names()
     exported.update(PLAIN_SIGNATURES)
     optional = {**OPTIONAL_SIGNATURES, **QUERIES}
     exported.update({n: p for n, p in optional.items() if hasattr(cdll, n)})

@@ -31,7 +31,7 @@ from otel_engine.model.attention import (
     write_cache,
 )
 from otel_engine.model.fast_paths import FastPaths, Path
-from otel_engine.model.kernels import PREFILL_CHUNK_FIELDS, PREFILL_TILE_KEYS
+from otel_engine.model.kernels import CACHE_SUFFIXES, PREFILL_CHUNK_FIELDS, PREFILL_TILE_KEYS
 from otel_engine.model.layers import RotaryEmbedding, rms_norm
 
 
@@ -184,6 +184,7 @@ class TorchOps:
 
 
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class KernelOps(TorchOps):
@@ -204,8 +205,14 @@ class KernelOps(TorchOps):
         assert library is not None
         suffix = _SUFFIX[dtype]
         self._add_rms_norm = getattr(library, f"add_rms_norm_{suffix}")
-        self._rope_and_cache = getattr(library, f"rope_and_cache_{suffix}")
-        self._decode_attention = getattr(library, f"decode_attention_{suffix}")
+        # the cache write and decode attention by the cache's dtype (kernels.CACHE_SUFFIXES)
+        by_cache = {_DTYPES[name]: s for name, s in CACHE_SUFFIXES[suffix].items()}
+        self._rope_and_cache = {
+            d: getattr(library, f"rope_and_cache_{s}") for d, s in by_cache.items()
+        }
+        self._decode_attention = {
+            d: getattr(library, f"decode_attention_{s}") for d, s in by_cache.items()
+        }
         self._silu_mul = getattr(library, f"silu_mul_{suffix}")
         self.argmax = getattr(library, f"argmax_{suffix}")
         self._prefill_attention = None
@@ -277,7 +284,7 @@ class KernelOps(TorchOps):
         num_heads, num_kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         num_tokens = qkv.shape[0]
         num_slots = k_cache.shape[1] * k_cache.shape[2]
-        self._rope_and_cache(
+        self._rope_and_cache[k_cache.dtype](
             qkv=qkv,
             cos_sin=self.cos_sin,
             positions=meta.positions,
@@ -295,7 +302,7 @@ class KernelOps(TorchOps):
         if batch:
             assert meta.decode_tables is not None
             assert meta.decode_lens is not None
-            self._decode_attention(
+            self._decode_attention[k_cache.dtype](
                 out=out,
                 qkv=qkv,
                 k_cache=k_cache,

@@ -56,9 +56,31 @@ def choose_dtype(config: EngineConfig, arch: ModelArch) -> DtypeChoice:
     return DtypeChoice(stored, f"auto: the checkpoint's {stored}, which this CPU computes in")
 
 
-def dtype_name(config: EngineConfig, arch: ModelArch) -> str:
-    """The dtype the model runs in (`choose_dtype`)."""
-    return choose_dtype(config, arch).name
+HALF_PRECISION = ("bfloat16", "float16")
+
+
+def choose_kv_cache_dtype(config: EngineConfig, arch: ModelArch) -> DtypeChoice:
+    """What the KV cache stores: the flag, or for `auto` the dtype the model runs in, except
+    float16 for a half-precision checkpoint run in float32 (a CPU without bfloat16
+    arithmetic, or --dtype float32): the checkpoint's values held 16 bits wide, as
+    llama.cpp's default f16 cache holds them, in half the memory and half the reads of each
+    decode step. A float16 cache is taken by float32 models alone (the compiled kernels
+    convert on write and read); any other cache must be the model's own dtype."""
+    model = choose_dtype(config, arch).name
+    name = config.cache.kv_cache_dtype
+    if name == "auto":
+        stored = arch.torch_dtype
+        if model == "float32" and stored in HALF_PRECISION:
+            return DtypeChoice(
+                "float16", f"auto: a {stored} checkpoint run in float32 keeps its KV in 16 bits"
+            )
+        return DtypeChoice(model, "auto: the model's dtype")
+    if name != model and not (name == "float16" and model == "float32"):
+        raise ValueError(
+            f"--kv-cache-dtype {name} does not go with the model's {model}: choose {model}"
+            + (" or float16" if model == "float32" else "")
+        )
+    return DtypeChoice(name, "--kv-cache-dtype")
 
 
 def check_tensor_parallel(arch: ModelArch, tp_size: int) -> None:
@@ -86,7 +108,7 @@ def resolve_limits(config: EngineConfig, arch: ModelArch) -> EngineLimits:
     block_size = config.cache.block_size
     num_blocks = config.cache.num_kv_blocks
     if num_blocks is None:
-        itemsize = DTYPE_BYTES[dtype_name(config, arch)]
+        itemsize = DTYPE_BYTES[choose_kv_cache_dtype(config, arch).name]
         per_block = (
             2
             * arch.num_hidden_layers

@@ -21,6 +21,8 @@ from otel_engine.model.int4 import INT4_MAX_ROWS
 from otel_engine.model.matrix import DenseMatrix, Int4Matrix, Matrix
 
 if TYPE_CHECKING:
+    import torch
+
     from otel_engine.model.llama import LlamaModel
 
 # A form this count does not know yet is counted as bfloat16, never refused: the count is
@@ -59,8 +61,11 @@ class StepReads:
     kv_per_token: int
 
     @classmethod
-    def of(cls, model: LlamaModel, *, computes_logits: bool) -> StepReads:
-        """Counted once from the loaded model; `computes_logits`: this rank runs the LM head."""
+    def of(
+        cls, model: LlamaModel, *, computes_logits: bool, kv_dtype: torch.dtype | None = None
+    ) -> StepReads:
+        """Counted once from the loaded model; `computes_logits`: this rank runs the LM head;
+        `kv_dtype`: what its KV cache stores (None: the model's dtype)."""
         matrices = [m for layer in model.layers for m in layer.matrices.values()]
         sizes = (1, INT4_MAX_ROWS + 1)
         layers = [sum(matrix_bytes(m, rows) for m in matrices) for rows in sizes]
@@ -76,6 +81,7 @@ class StepReads:
             assert embedding.weight is not None
             row = embedding.weight[0].nbytes
         kv_heads, head_dim = model.num_kv_heads, model.head_dim
+        kv_itemsize = (model.dtype if kv_dtype is None else kv_dtype).itemsize
         return cls(
             layers=(layers[0], layers[1]),
             lm_head=(lm_head[0], lm_head[1]),
@@ -83,7 +89,7 @@ class StepReads:
             num_experts=experts[0].gate_up.shape[0] if experts else 0,
             top_k=experts[0].top_k if experts else 0,
             embedding_row=row,
-            kv_per_token=2 * len(model.layers) * kv_heads * head_dim * model.dtype.itemsize,
+            kv_per_token=2 * len(model.layers) * kv_heads * head_dim * kv_itemsize,
         )
 
     def bytes_read(self, num_tokens: int, seq_lens: Sequence[int], num_logit_rows: int) -> int:

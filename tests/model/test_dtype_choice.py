@@ -18,7 +18,7 @@ import pytest
 from otel_engine.config import EngineConfig
 from otel_engine.model.arch import load_model_arch
 from otel_engine.model.cpu import cpu_flags, half_precision_blocker
-from otel_engine.model.limits import choose_dtype
+from otel_engine.model.limits import choose_dtype, choose_kv_cache_dtype, resolve_limits
 
 _CAPS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "OTEL_ENGINE_KERNEL_ISA")
 _ZEN3 = frozenset({"avx2", "fma", "f16c"})  # no AVX-512: what a Zen 3 reports, in part
@@ -71,6 +71,40 @@ def test_auto_follows_the_cpu_and_an_explicit_dtype_is_kept(
     assert ("bfloat16", "--dtype") == (choose_dtype(config, arch).name, "--dtype")
 
 
+def test_a_half_precision_checkpoint_run_in_float32_keeps_its_kv_in_float16(
+    bf16_checkpoint: str, tiny_model_dir: str, uncapped: None
+) -> None:
+    """`--kv-cache-dtype auto`: float16 where a bfloat16 checkpoint runs in float32 (half
+    the bytes a block, so twice the blocks in the same memory budget), the model's dtype
+    elsewhere; an explicit float16 only under a float32 model; any other pairing refused at
+    start, naming what would go."""
+    half, full = load_model_arch(bf16_checkpoint), load_model_arch(tiny_model_dir)
+    as_float32 = EngineConfig.from_kwargs(model=bf16_checkpoint, dtype="float32")
+    chosen = choose_kv_cache_dtype(as_float32, half)
+    assert ("float16", True) == (chosen.name, chosen.reason.startswith("auto: a bfloat16"))
+    as_bfloat16 = EngineConfig.from_kwargs(model=bf16_checkpoint, dtype="bfloat16")
+    assert "bfloat16" == choose_kv_cache_dtype(as_bfloat16, half).name
+    stored_float32 = EngineConfig.from_kwargs(model=tiny_model_dir)
+    assert "float32" == choose_kv_cache_dtype(stored_float32, full).name  # parity: unrounded
+    explicit = EngineConfig.from_kwargs(model=tiny_model_dir, kv_cache_dtype="float16")
+    assert ("float16", "--kv-cache-dtype") == tuple(
+        getattr(choose_kv_cache_dtype(explicit, full), f) for f in ("name", "reason")
+    )
+    budget = {"kv_cache_memory_gib": 0.01}
+    blocks = [
+        resolve_limits(EngineConfig.from_kwargs(model=tiny_model_dir, **budget, **kv), full)
+        for kv in ({}, {"kv_cache_dtype": "float16"})
+    ]
+    assert blocks[1].num_kv_blocks in (2 * blocks[0].num_kv_blocks + i for i in (0, 1))
+    refused = EngineConfig.from_kwargs(
+        model=bf16_checkpoint, dtype="bfloat16", kv_cache_dtype="float16"
+    )
+    with pytest.raises(ValueError, match="--kv-cache-dtype float16 does not go with the model's"):
+        choose_kv_cache_dtype(refused, half)
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        EngineConfig.from_kwargs(model=tiny_model_dir, kv_cache_dtype="int8")
+
+
 def _start_log(model_dir: str, *flags: str) -> list[dict[str, object]]:
     """The JSON log of `generate` on an AVX2-capped CPU (torch, oneDNN and the kernels)."""
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
@@ -93,7 +127,7 @@ def test_an_avx2_cpu_runs_auto_in_float32_and_warns_of_explicit_bfloat16(
     how much slower its matmuls are here, measured at start."""
     auto = _start_log(bf16_checkpoint)
     (selected,) = [r for r in auto if r.get("event") == "kernels.selected"]
-    assert "float32" == selected["dtype"]
+    assert ("float32", "float16") == (selected["dtype"], selected["kv_cache_dtype"])
     assert "ATEN_CPU_CAPABILITY=avx2" in str(selected["dtype_reason"])
     assert not [r for r in auto if r.get("event") == "dtype.emulated"]
 
@@ -103,3 +137,4 @@ def test_an_avx2_cpu_runs_auto_in_float32_and_warns_of_explicit_bfloat16(
     assert 1.0 < float(str(warning["matmul_slowdown_vs_float32"]))
     (selected,) = [r for r in explicit if r.get("event") == "kernels.selected"]
     assert ("bfloat16", "--dtype") == (selected["dtype"], selected["dtype_reason"])
+    assert "bfloat16" == selected["kv_cache_dtype"]

@@ -27,7 +27,6 @@ from otel_engine.model.kernels import (
     PLAIN_SIGNATURES,
     SIGNATURES,
     SOURCE,
-    SUFFIXES,
 )
 from otel_engine.model.weights import GgmlType
 from tests.helpers.isa import require_isa
@@ -103,7 +102,7 @@ def test_the_stack_fields_are_named_in_c_order(library: kernels.KernelLibrary) -
 
 def _declared(library: kernels.KernelLibrary) -> dict[str, tuple[tuple[str, type], ...]]:
     """Every function of SIGNATURES that this build has, by its exported name."""
-    declared = {f"{n}_{suffix}": p for n, p in SIGNATURES.items() for suffix in SUFFIXES}
+    declared = kernels.exported_names()
     declared.update(PLAIN_SIGNATURES)
     declared.update({n: p for n, p in OPTIONAL_SIGNATURES.items() if library.has(n)})
     return declared
