@@ -1298,8 +1298,9 @@ __attribute__((unused)) static void dequantize_row(int64_t type, const uint8_t *
  * per level (`dot32_lanes`): with AVX-512 VNNI (and VL) vpdpbusd on 256 bits; with AVX-VNNI
  * its VEX form; with AVX2 vpmaddubsw then vpmaddwd. vpdpbusd and vpmaddubsw multiply unsigned
  * by signed bytes, so the signed formats' signs move onto x (vpsignb): |w| <= 128 and |x| <=
- * 127, so no pair sum of vpmaddubsw saturates. A build without any of them has no such
- * function (the plan does not choose it there). */
+ * 127, so no pair sum of vpmaddubsw saturates. The panels' arithmetic runs on 512 bits with
+ * AVX-512 BW (`pv_`, 16 rows of W a panel). A build without any of them has no such function
+ * (the plan does not choose it there). */
 /* dot32_lanes: the int32 sums of magnitude[i] * signed_x[i] (unsigned times signed bytes)
  * over each 4 of 32 (lane l: elements 4 l to 4 l + 3). */
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -1747,21 +1748,82 @@ static q8_row_fn q8_row_of(int64_t type) {
     }
 }
 
-/* ---- Many rows of x: W in panels of 8 rows, transposed ----------------------------------------
+/* ---- Many rows of x: W in panels of 8 or 16 rows, transposed ----------------------------------
  *
- * For steps of several rows of x (`panel_min_rows`), `q8_panels_f32` decodes 8 rows of W at a
- * time into a buffer of the thread's (`panel_pack`) in which every group of 32 weights is 8
- * vectors, vector kk holding the 8 rows' bytes 4 kk to 4 kk + 3 (one lane a row of W), then
+ * For steps of several rows of x (`panel_min_rows`), `q8_panels_f32` decodes PANEL_W rows of W
+ * at a time into a buffer of the thread's (`panel_pack`) in which every group of 32 weights is
+ * 8 vectors, vector kk holding the rows' bytes 4 kk to 4 kk + 3 (one lane a row of W), then
  * multiplies every row of x by it: x's 4 bytes broadcast, one vpmaddubsw (or vpdpbusd) gives
- * the 8 rows' pair sums at once, so the decoding is paid once per 8 rows of W for all the
- * rows of x, and no horizontal sum is left to do per block. The K-quants' integer scales and
+ * the rows' pair sums at once, so the decoding is paid once per panel for all the rows of x,
+ * and no horizontal sum is left to do per block. PANEL_W is 8 (256-bit vectors) from AVX2 up
+ * and 16 with AVX-512 BW (512-bit, `pv_` below): a 16-row panel is two 8-row halves packed by
+ * the same 256-bit code, their vectors interleaved, so that one 512-bit load takes a vector's
+ * 16 rows. The K-quants' integer scales and
  * offsets are laid out the same way, one lane a row of W. Each output is the float32 that
  * `q8_row_f32` computes, bit for bit: the same exact int32 dot per block, rounded by the same
  * fused multiply-add into the same chain lane (block mod 8 within whole octets, lane 0 past
  * them), the offsets into the same lane, the lanes summed in hsum256's order. Memory per
- * thread: one chunk of a panel (PANEL_CHUNK values of 8 rows of W, 9-19 KiB by format) and the
- * sums of each row of x (512 bytes a row); never a copy of the matrix. */
+ * thread: one chunk of a panel (PANEL_CHUNK values of PANEL_W rows of W, 9-19 KiB by format)
+ * and the sums of each row of x (PANEL_W * 64 bytes a row); never a copy of the matrix. */
 #define PANEL_ROWS 8 /* rows of x per pass over a panel: their sums stay in L1 */
+
+/* The panels' vectors, one lane a row of W, and the few operations on them */
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define PANEL_HALVES 2
+typedef __m512i pv_i;
+typedef __m512 pv_f;
+#define pv_maddubs _mm512_maddubs_epi16
+#define pv_madd _mm512_madd_epi16
+#define pv_add16 _mm512_add_epi16
+#define pv_add32 _mm512_add_epi32
+#define pv_sub32 _mm512_sub_epi32
+#define pv_set32 _mm512_set1_epi32
+#define pv_zero_i _mm512_setzero_si512
+#define pv_cvt _mm512_cvtepi32_ps
+#define pv_as_f _mm512_castsi512_ps
+#define pv_as_i _mm512_castps_si512
+#define pv_fma _mm512_fmadd_ps
+#define pv_mul _mm512_mul_ps
+#define pv_addf _mm512_add_ps
+#define pv_setf _mm512_set1_ps
+#define pv_storef _mm512_storeu_ps
+/* x's bytes negated where W's are negative (no vpsignb at 512 bits; where W's byte is 0 its
+ * magnitude is 0, so the product is 0 either way) */
+static inline pv_i pv_sign(pv_i x, pv_i w) {
+    return _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
+}
+#ifdef Q8_DOT_VNNI
+static inline pv_i pv_dot32_lanes(pv_i magnitude, pv_i signed_x) {
+    return _mm512_dpbusd_epi32(_mm512_setzero_si512(), magnitude, signed_x);
+}
+#else
+static inline pv_i pv_dot32_lanes(pv_i magnitude, pv_i signed_x) {
+    return _mm512_madd_epi16(_mm512_maddubs_epi16(magnitude, signed_x), _mm512_set1_epi16(1));
+}
+#endif
+#else
+#define PANEL_HALVES 1
+typedef __m256i pv_i;
+typedef __m256 pv_f;
+#define pv_maddubs _mm256_maddubs_epi16
+#define pv_madd _mm256_madd_epi16
+#define pv_add16 _mm256_add_epi16
+#define pv_add32 _mm256_add_epi32
+#define pv_sub32 _mm256_sub_epi32
+#define pv_set32 _mm256_set1_epi32
+#define pv_zero_i _mm256_setzero_si256
+#define pv_cvt _mm256_cvtepi32_ps
+#define pv_as_f _mm256_castsi256_ps
+#define pv_as_i _mm256_castps_si256
+#define pv_fma _mm256_fmadd_ps
+#define pv_mul _mm256_mul_ps
+#define pv_addf _mm256_add_ps
+#define pv_setf _mm256_set1_ps
+#define pv_storef _mm256_storeu_ps
+#define pv_sign _mm256_sign_epi8
+#define pv_dot32_lanes dot32_lanes
+#endif
+#define PANEL_W (8 * PANEL_HALVES) /* rows of W per panel */
 
 /* Rows of x from which the panels beat the row kernel, one thread capped to AVX2 on an EPYC
  * Zen 4 (2,048 x 2,048 unless said): Q4_0 and Q4_1 from 3 (1.1x at 3 rows, 1.7x at 16); Q8_0
@@ -1777,7 +1839,7 @@ static int64_t panel_min_rows(int64_t type) {
     }
 }
 
-/* Where each part of a panel's block (8 rows of W) starts, in 32-byte vectors: per group of
+/* Where each part of a panel's block (PANEL_W rows of W) starts, in vectors: per group of
  * 32 the 8 vectors of magnitudes (the unsigned formats' q), the signed formats' q as many
  * again; the K-quants' integer scales as int16 pairs (one vector per group, Q6_K's two: one
  * per 16), Q4_K and Q5_K's float32 offsets (one vector per group), then d, then Q4_1's m. */
@@ -1815,22 +1877,24 @@ static inline __attribute__((always_inline)) void transpose8_epi32(__m256i *rest
     }
 }
 
-/* 8 rows of W (`w`, row_bytes apart) as a panel */
-static inline __attribute__((always_inline)) void panel_pack(const int64_t type, const uint8_t *restrict w,
-                                                             int64_t row_bytes, int64_t blocks,
-                                                             __m256i *restrict panel) {
+/* 8 rows of W (`w`, row_bytes apart) as half `half` of a panel: its vector i at 256-bit
+ * position i * PANEL_HALVES + half */
+static inline __attribute__((always_inline)) void panel_pack_half(const int64_t type, const uint8_t *restrict w,
+                                                                  int64_t row_bytes, int64_t blocks,
+                                                                  __m256i *restrict panel, int half) {
     const panel_layout at = panel_layout_of(type);
     const int64_t bytes = quant_block_bytes(type), groups = quant_block_weights(type) / 32;
     for (int64_t blk = 0; blk < blocks; blk++) {
-        __m256i *v = panel + blk * at.vectors;
+        __m256i *half_v = panel + PANEL_HALVES * blk * at.vectors + half; /* vector i: [PANEL_HALVES * i] */
         _Pragma("GCC unroll 8") /* g a constant in group_q */
         for (int g = 0; g < groups; g++) {
             __m256i q[8];
             for (int c = 0; c < 8; c++) q[c] = group_q(type, w + c * row_bytes + blk * bytes, g);
             transpose8_epi32(q);
             for (int kk = 0; kk < 8; kk++) {
-                v[at.q + 8 * g + kk] = signed_q(type) ? _mm256_sign_epi8(q[kk], q[kk]) : q[kk];
-                if (signed_q(type)) v[at.sign + 8 * g + kk] = q[kk];
+                half_v[PANEL_HALVES * (at.q + 8 * g + kk)] =
+                    signed_q(type) ? _mm256_sign_epi8(q[kk], q[kk]) : q[kk];
+                if (signed_q(type)) half_v[PANEL_HALVES * (at.sign + 8 * g + kk)] = q[kk];
             }
         }
         float d[8], m[8];
@@ -1851,107 +1915,116 @@ static inline __attribute__((always_inline)) void panel_pack(const int64_t type,
                 scale[1][c] = _mm256_cvtepi8_epi32(_mm_srli_si128(scales, 8));
             }
         }
-        v[at.d] = _mm256_castps_si256(_mm256_loadu_ps(d));
-        if (type == GGML_Q4_1) v[at.m] = _mm256_castps_si256(_mm256_loadu_ps(m));
-        for (int half = 0; half < (at.offset - at.scale) / 8; half++) { /* each scale in both int16 */
-            transpose8_epi32(scale[half]);
+        half_v[PANEL_HALVES * at.d] = _mm256_castps_si256(_mm256_loadu_ps(d));
+        if (type == GGML_Q4_1) half_v[PANEL_HALVES * at.m] = _mm256_castps_si256(_mm256_loadu_ps(m));
+        for (int part = 0; part < (at.offset - at.scale) / 8; part++) { /* each scale in both int16 */
+            transpose8_epi32(scale[part]);
             for (int s = 0; s < 8; s++)
-                v[at.scale + 8 * half + s] = _mm256_or_si256(_mm256_and_si256(scale[half][s], _mm256_set1_epi32(0xffff)),
-                                                             _mm256_slli_epi32(scale[half][s], 16));
+                half_v[PANEL_HALVES * (at.scale + 8 * part + s)] =
+                    _mm256_or_si256(_mm256_and_si256(scale[part][s], _mm256_set1_epi32(0xffff)),
+                                    _mm256_slli_epi32(scale[part][s], 16));
         }
         if (at.d > at.offset) {
             transpose8_epi32(offset);
-            for (int g = 0; g < 8; g++) v[at.offset + g] = offset[g];
+            for (int g = 0; g < 8; g++) half_v[PANEL_HALVES * (at.offset + g)] = offset[g];
         }
     }
 }
 
-static inline __m256i broadcast4(const int8_t *p) {
+/* PANEL_W rows of W as a panel, each 8 as a half */
+static inline __attribute__((always_inline)) void panel_pack(const int64_t type, const uint8_t *restrict w,
+                                                             int64_t row_bytes, int64_t blocks,
+                                                             pv_i *restrict panel) {
+    for (int half = 0; half < PANEL_HALVES; half++)
+        panel_pack_half(type, w + 8 * half * row_bytes, row_bytes, blocks, (__m256i *)panel, half);
+}
+
+static inline pv_i broadcast4(const int8_t *p) {
     int32_t v;
     memcpy(&v, p, sizeof v);
-    return _mm256_set1_epi32(v);
+    return pv_set32(v);
 }
 
 /* One per-32 block of a panel (`magnitude`, `sign`: its 8 vectors each) times 32 int8 of x:
- * the 8 rows' exact int32 dots, one lane a row of W, by the level's `dot32_lanes` per 4 bytes
+ * the rows' exact int32 dots, one lane a row of W, by the level's `dot32_lanes` per 4 bytes
  * of x. Without VNNI the 4-bit formats' vpmaddubsw pair sums add up in int16 first (8 of
  * them: |sum| <= 8 * 2 * 15 * 127 < 2^15), then one vpmaddwd. */
-static inline __attribute__((always_inline)) __m256i panel_dot32(const int64_t type,
-                                                                 const __m256i *restrict magnitude,
-                                                                 const __m256i *restrict sign,
-                                                                 const int8_t *restrict x) {
+static inline __attribute__((always_inline)) pv_i panel_dot32(const int64_t type,
+                                                              const pv_i *restrict magnitude,
+                                                              const pv_i *restrict sign,
+                                                              const int8_t *restrict x) {
 #ifndef Q8_DOT_VNNI
     if (!signed_q(type)) {
-        __m256i pairs = _mm256_maddubs_epi16(magnitude[0], broadcast4(x));
+        pv_i pairs = pv_maddubs(magnitude[0], broadcast4(x));
         for (int kk = 1; kk < 8; kk++)
-            pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(magnitude[kk], broadcast4(x + 4 * kk)));
-        return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+            pairs = pv_add16(pairs, pv_maddubs(magnitude[kk], broadcast4(x + 4 * kk)));
+        return pv_madd(pairs, pv_set32(0x00010001));
     }
 #endif
-    __m256i dot = _mm256_setzero_si256();
+    pv_i dot = pv_zero_i();
     for (int kk = 0; kk < 8; kk++) {
-        __m256i v = broadcast4(x + 4 * kk);
-        if (signed_q(type)) v = _mm256_sign_epi8(v, sign[kk]);
-        dot = _mm256_add_epi32(dot, dot32_lanes(magnitude[kk], v));
+        pv_i v = broadcast4(x + 4 * kk);
+        if (signed_q(type)) v = pv_sign(v, sign[kk]);
+        dot = pv_add32(dot, pv_dot32_lanes(magnitude[kk], v));
     }
     return dot;
 }
 
-/* One K-quant block of a panel (`v`) times TILE rows of x (256 int8 each, `k` apart): the 8
- * rows' exact int32 dots, into dots[0 to TILE - 1]; each group's vectors of W loaded once for
+/* One K-quant block of a panel (`v`) times TILE rows of x (256 int8 each, `k` apart): the
+ * panel rows' exact int32 dots, into dots[0 to TILE - 1]; each group's vectors of W loaded once for
  * the TILE rows. Per group the pair sums add up in int16 over 8 vectors (Q4_K: |sum| <= 8 * 2
  * * 15 * 127) or 4 (Q5_K's 31, Q6_K's |q - 32| <= 32; Q6_K's scale changes after 4 anyway),
  * then times the integer scale by vpmaddwd into int32. */
 static inline __attribute__((always_inline)) void panel_dots_k(const int64_t type, const int TILE,
-                                                               const __m256i *restrict v,
+                                                               const pv_i *restrict v,
                                                                const int8_t *restrict x, int64_t k,
-                                                               __m256i *restrict dots) {
+                                                               pv_i *restrict dots) {
     const panel_layout at = panel_layout_of(type);
     const int run = type == GGML_Q4_K ? 8 : 4; /* vectors per int16 sum */
-    for (int r = 0; r < TILE; r++) dots[r] = _mm256_setzero_si256();
+    for (int r = 0; r < TILE; r++) dots[r] = pv_zero_i();
     for (int g = 0; g < 8; g++) {
-        __m256i magnitude[8], sign[8];
+        pv_i magnitude[8], sign[8];
         for (int kk = 0; kk < 8; kk++) {
             magnitude[kk] = v[at.q + 8 * g + kk];
             if (signed_q(type)) sign[kk] = v[at.sign + 8 * g + kk];
         }
         for (int r = 0; r < TILE; r++)
             for (int h = 0; h < 8 / run; h++) {
-                __m256i pairs = _mm256_setzero_si256();
+                pv_i pairs = pv_zero_i();
                 for (int kk = h * run; kk < (h + 1) * run; kk++) {
-                    __m256i xv = broadcast4(x + r * k + 32 * g + 4 * kk);
-                    if (signed_q(type)) xv = _mm256_sign_epi8(xv, sign[kk]);
-                    pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(magnitude[kk], xv));
+                    pv_i xv = broadcast4(x + r * k + 32 * g + 4 * kk);
+                    if (signed_q(type)) xv = pv_sign(xv, sign[kk]);
+                    pairs = pv_add16(pairs, pv_maddubs(magnitude[kk], xv));
                 }
-                dots[r] = _mm256_add_epi32(dots[r], _mm256_madd_epi16(pairs, v[at.scale + (type == GGML_Q6_K ? 2 * g + h : g)]));
+                dots[r] = pv_add32(dots[r], pv_madd(pairs, v[at.scale + (type == GGML_Q6_K ? 2 * g + h : g)]));
             }
     }
 }
 
 #define PANEL_K_TILE 4 /* rows of x per pass over a K-quant block's vectors (in registers) */
 
-/* A row of x's sums over 8 rows of W (one lane each): q8_sums' lanes, a vector each */
+/* A row of x's sums over a panel's rows of W (one lane each): q8_sums' lanes, a vector each */
 typedef struct {
-    __m256 chain[8], offsets[8];
+    pv_f chain[8], offsets[8];
 } panel_sums;
 
 /* A panel of `count` blocks (W's blocks `first` on, of a row's `blocks`) times `rows` (<=
  * PANEL_ROWS) rows of quantized x, added to their sums */
 static inline __attribute__((always_inline)) void panel_rows_f32(const int64_t type, int rows,
-                                                                 const __m256i *restrict panel,
+                                                                 const pv_i *restrict panel,
                                                                  int64_t first, int64_t count,
                                                                  int64_t blocks, const q8_x *restrict x,
                                                                  panel_sums *restrict sums) {
     const panel_layout at = panel_layout_of(type);
     const int64_t per = quant_block_weights(type), octets = blocks / 8 * 8;
     for (int64_t blk = first; blk < first + count; blk++) {
-        const __m256i *v = panel + (blk - first) * at.vectors;
-        __m256i magnitude[8], sign[8]; /* a per-32 block's, in registers for all the rows */
+        const pv_i *v = panel + (blk - first) * at.vectors;
+        pv_i magnitude[8], sign[8]; /* a per-32 block's, in registers for all the rows */
         for (int kk = 0; per == 32 && kk < 8; kk++) {
             magnitude[kk] = v[at.q + kk];
             if (signed_q(type)) sign[kk] = v[at.sign + kk];
         }
-        __m256i dots[PANEL_ROWS]; /* the K-quants' (a per-32 block's as they are used) */
+        pv_i dots[PANEL_ROWS]; /* the K-quants' (a per-32 block's as they are used) */
         for (int r = 0; per == 256 && r < rows; r += PANEL_K_TILE) {
             const int8_t *xq = x->q + r * x->k + 256 * blk;
             switch (rows - r < PANEL_K_TILE ? rows - r : PANEL_K_TILE) {
@@ -1961,47 +2034,48 @@ static inline __attribute__((always_inline)) void panel_rows_f32(const int64_t t
             default: panel_dots_k(type, 1, v, xq, x->k, dots + r);
             }
         }
-        const __m256 d = _mm256_castsi256_ps(v[at.d]);
+        const pv_f d = pv_as_f(v[at.d]);
         const int lane = blk < octets ? (int)(blk % 8) : 0;
         for (int r = 0; r < rows; r++) {
-            __m256i dot = per == 32 ? panel_dot32(type, magnitude, sign, x->q + r * x->k + 32 * blk) : dots[r];
+            pv_i dot = per == 32 ? panel_dot32(type, magnitude, sign, x->q + r * x->k + 32 * blk) : dots[r];
             if (type == GGML_Q4_0) /* q - 8: 8 times x's sum less */
-                dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(8 * x->q_sums[r * x->groups + blk]));
-            const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(x->scale[r * x->scales + blk]));
-            sums[r].chain[lane] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, sums[r].chain[lane]);
+                dot = pv_sub32(dot, pv_set32(8 * x->q_sums[r * x->groups + blk]));
+            const pv_f scale = pv_mul(d, pv_setf(x->scale[r * x->scales + blk]));
+            sums[r].chain[lane] = pv_fma(pv_cvt(dot), scale, sums[r].chain[lane]);
             const float *x_sums = x->sums + r * x->groups + per / 32 * blk;
             if (type == GGML_Q4_1)
-                sums[r].offsets[lane] = _mm256_fmadd_ps(_mm256_castsi256_ps(v[at.m]), _mm256_set1_ps(x_sums[0]),
-                                                        sums[r].offsets[lane]);
+                sums[r].offsets[lane] = pv_fma(pv_as_f(v[at.m]), pv_setf(x_sums[0]), sums[r].offsets[lane]);
             if (type == GGML_Q4_K || type == GGML_Q5_K)
                 for (int g = 0; g < 8; g++)
-                    sums[r].offsets[g] = _mm256_fmadd_ps(_mm256_castsi256_ps(v[at.offset + g]),
-                                                         _mm256_set1_ps(x_sums[g]), sums[r].offsets[g]);
+                    sums[r].offsets[g] = pv_fma(pv_as_f(v[at.offset + g]), pv_setf(x_sums[g]), sums[r].offsets[g]);
         }
     }
 }
 
-/* each row's sums into out[r * ldo + 0-7]: the lanes added in hsum256's order, 8 at once */
+/* each row's sums into out[r * ldo + 0 to PANEL_W - 1]: the lanes added in hsum256's order,
+ * PANEL_W at once */
 static void panel_store(int64_t rows, const panel_sums *restrict sums, float *restrict out, int64_t ldo) {
     for (int64_t r = 0; r < rows; r++) {
-        __m256 total[2];
+        pv_f total[2];
         for (int s = 0; s < 2; s++) {
-            const __m256 *t = s ? sums[r].offsets : sums[r].chain;
-            const __m256 m0 = _mm256_add_ps(t[0], t[4]), m1 = _mm256_add_ps(t[1], t[5]);
-            const __m256 m2 = _mm256_add_ps(t[2], t[6]), m3 = _mm256_add_ps(t[3], t[7]);
-            total[s] = _mm256_add_ps(_mm256_add_ps(m0, m1), _mm256_add_ps(m2, m3));
+            const pv_f *t = s ? sums[r].offsets : sums[r].chain;
+            const pv_f m0 = pv_addf(t[0], t[4]), m1 = pv_addf(t[1], t[5]);
+            const pv_f m2 = pv_addf(t[2], t[6]), m3 = pv_addf(t[3], t[7]);
+            total[s] = pv_addf(pv_addf(m0, m1), pv_addf(m2, m3));
         }
-        _mm256_storeu_ps(out + r * ldo, _mm256_add_ps(total[0], total[1]));
+        pv_storef(out + r * ldo, pv_addf(total[0], total[1]));
     }
 }
 
-#define PANEL_CHUNK 1024 /* values of a row of W per panel: panel and x's rows stay in L1 */
+/* values of a row of W per panel: panel and x's rows stay in L1 (the same bytes at 8 and 16
+ * rows of W) */
+#define PANEL_CHUNK (1024 / PANEL_HALVES)
 
-/* W's 8 rows at `w` times every row of x, PANEL_CHUNK values at a time (each packed once, then
+/* W's PANEL_W rows at `w` times every row of x, PANEL_CHUNK values at a time (each packed once, then
  * multiplied by PANEL_ROWS rows of x at a time), a format's constants inlined */
 #define PANEL_OF(NAME)                                                                            \
     static void panel_##NAME(const uint8_t *restrict w, int64_t row_bytes, int64_t blocks,        \
-                             __m256i *restrict panel, panel_sums *restrict sums, int64_t rows,    \
+                             pv_i *restrict panel, panel_sums *restrict sums, int64_t rows,       \
                              const q8_x *restrict x, float *restrict out, int64_t ldo) {          \
         const int64_t chunk = PANEL_CHUNK / quant_block_weights(GGML_##NAME);                     \
         memset(sums, 0, (size_t)rows * sizeof *sums);                                             \
@@ -2026,7 +2100,7 @@ PANEL_OF(Q8_0)
 PANEL_OF(Q4_K)
 PANEL_OF(Q5_K)
 PANEL_OF(Q6_K)
-typedef void (*panel_fn)(const uint8_t *, int64_t, int64_t, __m256i *, panel_sums *, int64_t,
+typedef void (*panel_fn)(const uint8_t *, int64_t, int64_t, pv_i *, panel_sums *, int64_t,
                          const q8_x *, float *, int64_t);
 static panel_fn panel_of(int64_t type) {
     switch (type) {
@@ -2043,10 +2117,10 @@ static panel_fn panel_of(int64_t type) {
  * (both multiples of 64) */
 static size_t panel_scratch_bytes(int64_t type, int64_t rows) {
     const int64_t vectors = PANEL_CHUNK / quant_block_weights(type) * panel_layout_of(type).vectors;
-    return (size_t)vectors * sizeof(__m256i) + (size_t)rows * sizeof(panel_sums);
+    return (size_t)vectors * sizeof(pv_i) + (size_t)rows * sizeof(panel_sums);
 }
 
-/* W's first n / 8 * 8 rows in panels, threads over the panels (thread t's scratch at
+/* W's first n / PANEL_W * PANEL_W rows in panels, threads over the panels (thread t's scratch at
  * scratch + t * panel_scratch_bytes); the rest is the caller's */
 static void q8_panels_f32(int64_t type, const uint8_t *restrict w, int64_t row_bytes, int64_t n,
                           const q8_x *restrict x, int64_t rows, float *restrict out, int64_t ldo,
@@ -2058,8 +2132,8 @@ static void q8_panels_f32(int64_t type, const uint8_t *restrict w, int64_t row_b
     {
         uint8_t *at = scratch + (size_t)omp_get_thread_num() * mine;
         _Pragma("omp for schedule(static)")
-        for (int64_t j = 0; j < n / 8 * 8; j += 8)
-            run(w + j * row_bytes, row_bytes, blocks, (__m256i *)at, (panel_sums *)(at + sums_at), rows, x,
+        for (int64_t j = 0; j < n / PANEL_W * PANEL_W; j += PANEL_W)
+            run(w + j * row_bytes, row_bytes, blocks, (pv_i *)at, (panel_sums *)(at + sums_at), rows, x,
                 out + j, ldo);
     }
 }
@@ -2074,7 +2148,7 @@ int quant_linear_q8_f32(float *restrict out, const float *restrict x, const uint
     const int64_t groups = k / Q8_X_GROUP, per = quant_block_weights(type);
     const int64_t x_group = per == 256 ? 256 : Q8_X_GROUP, scales = k / x_group;
     const int64_t row_bytes = quant_bytes(type, k);
-    const int panels = rows >= panel_min_rows(type) && n >= 8;
+    const int panels = rows >= panel_min_rows(type) && n >= PANEL_W;
     /* The call's scratch in one allocation: x quantized (q, scales, and the sums per 32 of the
      * formats that read them: the offsets' formats, Q4_0), then each thread's panels. */
     const size_t q_bytes = round64((size_t)(rows * k)), scale_bytes = round64((size_t)(rows * scales) * sizeof(float));
@@ -2093,7 +2167,7 @@ int quant_linear_q8_f32(float *restrict out, const float *restrict x, const uint
     if (panels) {
         q8_panels_f32(type, w, row_bytes, n, &all, rows, out, ldo,
                       scratch + q_bytes + scale_bytes + sums_bytes + q_sums_bytes);
-        first = n / 8 * 8;
+        first = n / PANEL_W * PANEL_W;
     }
     const q8_row_fn run = q8_row_of(type);
     _Pragma("omp parallel for schedule(static) if (n - first > 16)")

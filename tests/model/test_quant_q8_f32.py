@@ -142,13 +142,15 @@ def test_the_8_bit_product_is_the_float64_reference_s(level: str, name: str) -> 
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("name", FORMATS)
 def test_each_row_of_a_many_row_step_is_that_row_alone_bit_for_bit(level: str, name: str) -> None:
-    """Steps of several rows of x (W in transposed panels of 8 rows, 1,024 values at a time,
-    two passes of 8 rows of x and a partial one, the last 5 rows of W by the row kernel) give
-    every output the float32 bits of that row of x multiplied alone; k is 2 chunks and a part,
-    8 blocks and 1 (K-quants), 40 and 3."""
+    """Steps of several rows of x (W in transposed panels of 8 rows, 1,024 values at a time;
+    with AVX-512 of 16 rows, 512 values at a time; two passes of 8 rows of x and a partial
+    one, the rows of W past the last whole panel by the row kernel) give every output the
+    float32 bits of that row of x multiplied alone; k is 2 chunks and a part (more with
+    AVX-512), 8 blocks and 1 (K-quants), 40 and 3; n is 37, 8 (one 8-row panel, or the row
+    kernel alone) and 24 (a 16-row panel and 8 rows left over)."""
     library = _library(level)
     k = 2304 if name in K_QUANTS else 1376
-    for n in (N, 8):
+    for n in (N, 8, 24):
         raw = random_blocks(name, n, k, seed=n)
         x = np.random.default_rng(n).standard_normal((21, k)).astype(np.float32)
         x[3] = 0.0  # a row of zeros: every scale 0
