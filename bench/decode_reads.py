@@ -5,7 +5,7 @@ The bytes a decode step reads are counted from the GGUF file, the same for both 
 output norm, the LM head: `output.weight`, or `token_embd` where there is none), but of a
 `token_embd` beside an `output.weight` only one row per stream; plus, per stream, K and V of
 2 x layers x KV heads x head dim values a token at the mean context of the timed steps, in f16
-for llama.cpp (llama-server's default KV type) and in otel-engine's selected dtype (`kv_dtype`).
+for llama.cpp (llama-server's default KV type) and in otel-engine's KV cache dtype (`kv_dtype`).
 Those bytes over the TPOT median are the decode bandwidth (`decode_bandwidth`), held against
 this machine's peak read bandwidth, measured once before any server starts (`measure_peak`:
 otel_engine/model/bandwidth.py, cached per CPU and thread count). otel-engine's own count is
@@ -77,8 +77,9 @@ ENGINE_BANDWIDTH_METRICS = {  # otel-engine's own count (otel_engine/model/step_
 
 
 def kv_dtype(engine: str, selected: dict[str, Any]) -> str | None:
-    """The KV cache's element type: llama-server's default, otel-engine's model dtype."""
-    return LLAMA_CPP_KV_DTYPE if engine == "llama.cpp" else selected.get("dtype")
+    """The KV cache's element type: llama-server's default, otel-engine's as its start log
+    `kernels.selected` names it (`kv_cache_dtype`)."""
+    return LLAMA_CPP_KV_DTYPE if engine == "llama.cpp" else selected.get("kv_cache_dtype")
 
 
 def measure_peak(threads: int) -> dict[str, Any] | None:
@@ -173,6 +174,6 @@ def counting_note(mean_context: float | None) -> str:
         f"step (the LM head included; a token_embd beside an output.weight only one row per "
         f"stream), plus per stream K and V of 2 x layers x KV heads x head dim values a token "
         f"at the mean context of {fmt(mean_context)} tokens, in "
-        f"{LLAMA_CPP_KV_DTYPE} for llama.cpp (its default) and in the selected dtype for "
+        f"{LLAMA_CPP_KV_DTYPE} for llama.cpp (its default) and in its KV cache dtype for "
         f"otel-engine. The engine's own count (JSON: engine_decode_*) is in the log lines."
     )

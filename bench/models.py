@@ -41,10 +41,11 @@ server starts, this machine's peak read bandwidth is measured once with `--threa
 threads (the servers' count) and printed. The bytes a decode step reads are counted from the
 GGUF file, the same for both engines (`DecodeReads`), with K and V per stream at the mean
 context of the timed steps (prompt + max_tokens / 2), in f16 for llama.cpp and in otel-engine's
-selected dtype (`kernels.selected`). Each stream count's table row has "decode GB/s" (those
-bytes / TPOT median) and "of peak" (that / the peak); for otel-engine its own count from
-`/metrics` (`otel_engine_decode_bandwidth_bytes_per_second` and `_ratio`, its last second of
-decode-only steps) is scraped right after each stream count and printed in its log line.
+KV cache dtype (`kv_cache_dtype` of `kernels.selected`). Each stream count's table row has
+"decode GB/s" (those bytes / TPOT median) and "of peak" (that / the peak); for otel-engine
+its own count from `/metrics` (`otel_engine_decode_bandwidth_bytes_per_second` and `_ratio`,
+its last second of decode-only steps) is scraped right after each stream count and printed
+in its log line.
 The tables at the end: bench/models_summary.py. `--json` keeps all of it.
 Random weights make the text meaningless; the work per token is that of the real model
 (smollm2-135m has its real weights; its prompts are random tokens of its own vocabulary too).
