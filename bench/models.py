@@ -147,13 +147,15 @@ def otel_engine_caps(level: Level | None) -> dict[str, str]:
 
 def otel_engine_selected(server: ServerProcess) -> dict[str, Any]:
     """What the engine's start log (`kernels.selected`, rank 0) says it runs: its dtype and
-    why, the CPU level it sees, the kernels' build and the fast paths on."""
+    why, its KV cache's dtype, the CPU level it sees, the kernels' build and the fast paths
+    on."""
     for record in server.json_lines():
         if record.get("event") == "kernels.selected" and record.get("rank", 0) == 0:
             paths = record.get("paths") or {}
             return {
                 "dtype": record.get("dtype"),
                 "dtype_reason": record.get("dtype_reason"),
+                "kv_cache_dtype": record.get("kv_cache_dtype"),
                 "cpu_isa": record.get("cpu_isa"),
                 "kernel_isa": record.get("kernel_isa"),
                 "paths_on": [name for name, path in paths.items() if path.get("enabled")],

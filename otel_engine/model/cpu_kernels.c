@@ -14,7 +14,7 @@
  * (_f32_f16); arithmetic is float32 throughout, rounded once on store (round to nearest even,
  * as torch does). One source of those loops for every level (`vec`, LANES and a few operations
  * on them): with AVX-512 16 lanes at a time (masked tails, any length), with AVX2 and FMA 8
- * (masked tails: vmaskmov for float32, a copy through a buffer for bfloat16), below that one
+ * (masked tails: vmaskmov for float32, a copy through a buffer for 16-bit types), below that one
  * element at a time (what the compiler vectorizes of them).
  * The functions marked AVX-512 BF16 exist only in a build for that target.
  *

@@ -184,7 +184,6 @@ class TorchOps:
 
 
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class KernelOps(TorchOps):
@@ -206,7 +205,7 @@ class KernelOps(TorchOps):
         suffix = _SUFFIX[dtype]
         self._add_rms_norm = getattr(library, f"add_rms_norm_{suffix}")
         # the cache write and decode attention by the cache's dtype (kernels.CACHE_SUFFIXES)
-        by_cache = {_DTYPES[name]: s for name, s in CACHE_SUFFIXES[suffix].items()}
+        by_cache = {getattr(torch, name): s for name, s in CACHE_SUFFIXES[suffix].items()}
         self._rope_and_cache = {
             d: getattr(library, f"rope_and_cache_{s}") for d, s in by_cache.items()
         }

@@ -102,13 +102,15 @@ def check_tensor_parallel(arch: ModelArch, tp_size: int) -> None:
 
 
 def resolve_limits(config: EngineConfig, arch: ModelArch) -> EngineLimits:
-    """KV blocks from the flag or the memory budget; context length capped by both."""
+    """KV blocks from the flag or the memory budget (at the KV cache's dtype); context length
+    capped by both."""
     tp = config.parallel.tensor_parallel_size
     check_tensor_parallel(arch, tp)
     block_size = config.cache.block_size
+    kv_dtype = choose_kv_cache_dtype(config, arch)  # a pairing it refuses fails the start here
     num_blocks = config.cache.num_kv_blocks
     if num_blocks is None:
-        itemsize = DTYPE_BYTES[choose_kv_cache_dtype(config, arch).name]
+        itemsize = DTYPE_BYTES[kv_dtype.name]
         per_block = (
             2
             * arch.num_hidden_layers
