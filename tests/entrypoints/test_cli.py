@@ -47,6 +47,7 @@ CORE_SERVE_FLAGS = {
 EXTRA_FLAGS = {
     "--served-model-name",
     "--kv-cache-memory-gib",
+    "--kv-cache-dtype",
     "--seed",
     "--kernels",
     "--int4",

@@ -138,3 +138,18 @@ def test_an_avx2_cpu_runs_auto_in_float32_and_warns_of_explicit_bfloat16(
     (selected,) = [r for r in explicit if r.get("event") == "kernels.selected"]
     assert ("bfloat16", "--dtype") == (selected["dtype"], selected["dtype_reason"])
     assert "bfloat16" == selected["kv_cache_dtype"]
+
+
+def test_a_kv_cache_dtype_the_model_cannot_take_stops_the_start_with_the_reason(
+    tiny_model_dir: str,
+) -> None:
+    """`generate` with a float16 cache under a bfloat16 model exits non-zero, and stderr says
+    which pairing was refused and what would do."""
+    command = [sys.executable, "-m", "otel_engine.cli", "generate", "--model", tiny_model_dir]
+    command += ["--dtype", "bfloat16", "--kv-cache-dtype", "float16", "--max-tokens", "2"]
+    done = subprocess.run(
+        [*command, "Hello"], capture_output=True, text=True, timeout=180, check=False
+    )
+    assert 0 != done.returncode
+    reason = "--kv-cache-dtype float16 does not go with the model's bfloat16: choose bfloat16"
+    assert reason in done.stderr
