@@ -129,6 +129,7 @@ def engine_config_part(
         "block_size": config.cache.block_size,
         "num_kv_blocks": config.cache.num_kv_blocks,
         "kv_cache_memory_gib": config.cache.kv_cache_memory_gib,
+        "kv_cache_dtype": config.cache.kv_cache_dtype,
         "max_num_seqs": config.scheduler.max_num_seqs,
         "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
         "engine_ready_timeout_s": config.timeouts.engine_ready_timeout,

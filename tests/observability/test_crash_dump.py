@@ -323,6 +323,7 @@ def test_engine_config_part_names_model_parallelism_limits_and_versions() -> Non
         "tensor_parallel_size": 2,
         "num_kv_blocks": 100,
         "block_size": 16,
+        "kv_cache_dtype": "auto",
         "architecture": "LlamaForCausalLM",
     }.items() <= part.items()
     assert {"otel_engine", "torch", "python"} == set(part["versions"])
