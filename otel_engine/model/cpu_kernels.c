@@ -95,17 +95,36 @@ static inline void store1_bf16(bf16 *p, float v) {
 }
 
 /* float16, IEEE half precision (stored as uint16): the KV cache of a float32 model from a
- * half-precision checkpoint. Converted by the compiler's _Float16 (round to nearest even;
- * F16C's vcvtps2ph where the target has it); beyond +-65504 a value becomes +-inf. */
+ * half-precision checkpoint. One element at a time in integer steps (no _Float16, which GCC
+ * has on x86 only from version 12): exact widening; narrowing rounds to nearest even, as
+ * F16C's vcvtps2ph (the vector levels) and torch do, a value from 65520 up (65504 and a half
+ * step) becomes infinite, a NaN stays a (quiet) NaN. */
 typedef uint16_t f16;
 static inline float load1_f16(const f16 *p) {
-    _Float16 h;
-    memcpy(&h, p, sizeof h);
-    return (float)h;
+    const uint32_t h = *p, sign = (h & 0x8000u) << 16, exponent = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+    float value;
+    if (exponent == 0) { /* zero or subnormal: m * 2^-24, exact in float32 */
+        value = (float)m * 0x1p-24f;
+        return sign ? -value : value;
+    }
+    const uint32_t bits = sign | (exponent == 0x1f ? 0x7f800000u : (exponent + 112) << 23) | (m << 13);
+    memcpy(&value, &bits, sizeof value);
+    return value;
 }
 static inline void store1_f16(f16 *p, float v) {
-    const _Float16 h = (_Float16)v;
-    memcpy(p, &h, sizeof h);
+    uint32_t bits;
+    memcpy(&bits, &v, sizeof bits);
+    const uint32_t sign = (bits >> 16) & 0x8000u, magnitude = bits & 0x7fffffffu;
+    if (magnitude > 0x7f800000u) { /* NaN */
+        *p = (f16)(sign | 0x7e00u | ((magnitude >> 13) & 0x3ffu));
+    } else if (magnitude >= 0x477ff000u) { /* 65520 and up, infinity: infinite */
+        *p = (f16)(sign | 0x7c00u);
+    } else if (magnitude >= 0x38800000u) { /* a normal half (2^-14 up): rebias, round */
+        const uint32_t rebiased = magnitude - 0x38000000u;
+        *p = (f16)(sign | ((rebiased + 0xfffu + ((rebiased >> 13) & 1u)) >> 13));
+    } else { /* a subnormal half or zero: |v| in steps of 2^-24, rounded to nearest even */
+        *p = (f16)(sign | (uint32_t)nearbyintf(fabsf(v) * 0x1p24f));
+    }
 }
 
 #ifdef __AVX512F__

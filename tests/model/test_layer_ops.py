@@ -234,6 +234,45 @@ def test_attend_matches(
             assert_close(written_by_torch, written_by_kernel, dtype)
 
 
+def test_a_float16_cache_holds_each_value_as_torch_rounds_it(library: KernelLibrary) -> None:
+    """A float32 model's values (never rotated) written to a float16 cache are torch's
+    float32 -> float16 conversion bit for bit, at every build: ties to even, subnormals and
+    what rounds into or out of them, 65504 and the first value rounded to infinity, signed
+    zeros, infinities and NaN, and random values over 13 orders of magnitude."""
+    heads, kv_heads, head_dim = 2, 1, 16
+    special = [1 + 2**-11, 1 + 3 * 2**-11, 2**-24, 2**-25, 3 * 2**-25, 2**-14 - 2**-26]
+    special += [65504.0, 65519.0, 65520.0, 1e6, -0.0, 0.0, float("inf"), float("-inf")]
+    special += [float("nan"), 1e-30, -(2**-24) * 0.75, 2**-14 * (1 - 2**-11)]
+    generator = torch.Generator().manual_seed(16)
+    magnitudes = 10.0 ** torch.randint(-8, 5, (110,), generator=generator).float()
+    values = torch.cat([torch.tensor(special), torch.randn(110, generator=generator) * magnitudes])
+    tokens = values.numel() // head_dim
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=generator)
+    qkv[:, (heads + kv_heads) * head_dim :] = values.view(tokens, head_dim)
+    num_slots = 2 * tokens
+    k_cache, v_cache = (
+        torch.zeros(kv_heads, num_slots, head_dim, dtype=torch.float16) for _ in "kv"
+    )
+    library.rope_and_cache_f32_f16(
+        qkv=qkv,
+        cos_sin=torch.cat([torch.ones(1, head_dim // 2), torch.zeros(1, head_dim // 2)], dim=1),
+        positions=torch.zeros(tokens, dtype=torch.int64),
+        slots=torch.arange(1, 2 * tokens, 2),
+        k_cache=k_cache,
+        v_cache=v_cache,
+        tokens=tokens,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        num_slots=num_slots,
+    )
+    written, expected = v_cache[0, 1::2].flatten(), values.to(torch.float16)
+    nan = expected.isnan()
+    assert torch.equal(nan, written.isnan())
+    assert torch.equal(expected[~nan].view(torch.int16), written[~nan].view(torch.int16))
+    assert not v_cache[0, 0::2].any()  # only the slots given were written
+
+
 @pytest.mark.parametrize(("dtype", "cache_dtype"), CACHE_DTYPES)
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 2, 16), (8, 2, 128)])
 @pytest.mark.parametrize("step", ["decode", "prefill"])
