@@ -332,21 +332,19 @@ const char *otel_kernels_failure(void) { return last_failure; }
     DECODE_CASE(SUFFIX, HD, 1) DECODE_CASE(SUFFIX, HD, 2) DECODE_CASE(SUFFIX, HD, 3)             \
     DECODE_CASE(SUFFIX, HD, 4) DECODE_CASE(SUFFIX, HD, 5) DECODE_CASE(SUFFIX, HD, 6)             \
     DECODE_CASE(SUFFIX, HD, 7) DECODE_CASE(SUFFIX, HD, 8)
-#define DECODE_f32(HD, G)                                                                        \
-    decode_item_f32(out, qkv, k_cache, v_cache, table, len, b, kvh, num_heads, G, HD, block_size, \
-                    num_slots, qkv_width, scale)
-#define DECODE_f32_f16(HD, G)                                                                    \
-    decode_item_f32_f16(out, qkv, k_cache, v_cache, table, len, b, kvh, num_heads, G, HD,        \
-                        block_size, num_slots, qkv_width, scale)
+/* the portable kernel of one (sequence, KV head), its head size and group constants */
+#define DECODE_ITEM(SUFFIX, HD, G)                                                               \
+    decode_item_##SUFFIX(out, qkv, k_cache, v_cache, table, len, b, kvh, num_heads, G, HD,       \
+                         block_size, num_slots, qkv_width, scale)
+#define DECODE_f32(HD, G) DECODE_ITEM(f32, HD, G)
+#define DECODE_f32_f16(HD, G) DECODE_ITEM(f32_f16, HD, G)
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define DECODE_bf16(HD, G)                                                                       \
     decode_paired_bf16(HD, out + (b * num_heads + kvh * G) * HD, qkv + b * qkv_width + kvh * G * HD, \
                        k_cache + kvh * num_slots * HD, v_cache + kvh * num_slots * HD, table, len, \
                        G, __builtin_ctzll((unsigned long long)block_size), scale)
 #else
-#define DECODE_bf16(HD, G)                                                                       \
-    decode_item_bf16(out, qkv, k_cache, v_cache, table, len, b, kvh, num_heads, G, HD,           \
-                     block_size, num_slots, qkv_width, scale)
+#define DECODE_bf16(HD, G) DECODE_ITEM(bf16, HD, G)
 #endif
 #define CHUNK(n, i) ((n) - (i) < LANES ? (n) - (i) : LANES)
 

@@ -45,8 +45,8 @@ QUANT_MAX_ROWS = 8
 # prefill, where x rounded to 8 bits costs the most (bench/loglik.py), so they keep x exact
 # (AVX-512 builds: in 16 bits, a rounding step 1/258 of 8 bits'; there the 8-bit kernel stays
 # the faster up to 64 rows for every format but Q8_0: the 1B shape's four layer matrices,
-# 8-bit / 15-bit ms, Q4_K 10.8 / 14.8 at 16 rows, 23.5 / 32.7 at 64; Q8_0 15.7 / 15.3, 44.1 /
-# 33.4).
+# 8-bit (256-bit panels then; 512-bit ones now, 5-21% less CPU at 16-64 rows) / 15-bit ms,
+# Q4_K 10.8 / 14.8 at 16 rows, 23.5 / 32.7 at 64; Q8_0 15.7 / 15.3, 44.1 / 33.4).
 QUANT_F32_MAX_ROWS = 64
 # bfloat16 bytes per dequantized tile: torch's matmul costs a fixed overhead per call, so
 # fewer, larger tiles win. A Q4_K matrix of 16,384 x 2,048 at 16 / 64 / 512 rows: 256 KiB
