@@ -84,8 +84,15 @@ ENVIRONMENT: list[tuple[str, str, str]] = [
         EVERY,
         "fault injection for drills and tests: `<worker\\|engine_core>:"
         f"<{FAULT_KINDS}>[:rank=R][:step=S][:when=KEY>=N]"
-        "[:phase=run\\|load]` "
+        "[:phase=run\\|load][:restart=K]` "
         "(see operations.md)",
+    ),
+    (
+        "`OTEL_ENGINE_RESTARTS`",
+        "engine core, workers",
+        "set by the server for the engine it starts: how many restarts came before it "
+        "(`--on-engine-failure restart`); the fault injector's `restart=K` and the crash "
+        "dump's `system_stats.engine_restarts` read it. Not for operators to set",
     ),
     (
         "`OTEL_SERVICE_NAME`",

@@ -24,6 +24,7 @@ from otel_engine.config import (
     INT4,
     KERNELS,
     KV_CACHE_DTYPES,
+    ON_ENGINE_FAILURE,
     QUANT_ACTIVATIONS,
     RAY_PLACEMENT_STRATEGIES,
     EngineConfig,
@@ -73,6 +74,8 @@ ENGINE_FLAGS = (
     "crash_history_steps",
     "crash_dump_dir",
 )
+# `serve` only: what the server does when its engine fails (engine/recovery.py).
+RECOVERY_FLAGS = ("on_engine_failure", "max_engine_restarts", "engine_restart_window")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
@@ -304,6 +307,33 @@ def _add_limit_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_recovery_flags(parser: argparse.ArgumentParser) -> None:
+    recovery = parser.add_argument_group("recovery")
+    recovery.add_argument(
+        "--on-engine-failure",
+        choices=ON_ENGINE_FAILURE,
+        help="when the engine core or a worker fails (an exception, a crash, an OOM kill, a "
+        "hung step): shutdown fails every in-flight request (engine_dead) and exits 1; restart "
+        "records the crash the same way, starts a new engine in this server and carries every "
+        "in-flight request over as prompt + the tokens already sent, so its client gets what "
+        "it would have got without the fault, later (a request in the batches of two failures "
+        "in a row fails alone: engine_fault_request) (default: shutdown)",
+    )
+    recovery.add_argument(
+        "--max-engine-restarts",
+        type=int,
+        metavar="N",
+        help="with --on-engine-failure restart: at most N restarts in any "
+        "--engine-restart-window; the next failure shuts down (default: 3)",
+    )
+    recovery.add_argument(
+        "--engine-restart-window",
+        type=float,
+        metavar="S",
+        help="the window of --max-engine-restarts, in seconds (default: 600)",
+    )
+
+
 def server_limits(args: argparse.Namespace) -> ServerLimits:
     return ServerLimits(
         max_prompt_chars=args.max_prompt_chars,
@@ -376,6 +406,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: 0, exit at once)",
     )
     _add_limit_flags(serve)
+    _add_recovery_flags(serve)
     _add_engine_flags(serve)
 
     generate = commands.add_parser(
@@ -411,7 +442,9 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """The engine flags that were given, as `EngineConfig.from_kwargs` keyword arguments;
     the log format defaults by command (`default_log_format`)."""
     options = {
-        name: getattr(args, name) for name in ENGINE_FLAGS if getattr(args, name) is not None
+        name: getattr(args, name)
+        for name in ENGINE_FLAGS + RECOVERY_FLAGS
+        if getattr(args, name, None) is not None
     }
     options.setdefault("log_format", default_log_format(args.command))
     return options

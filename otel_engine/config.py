@@ -93,6 +93,21 @@ class TimeoutConfig:
     shutdown_timeout: float = 30.0
 
 
+ON_ENGINE_FAILURE = ("shutdown", "restart")
+
+
+@dataclass(frozen=True, slots=True)
+class RecoveryConfig:
+    """What the server does when its engine fails (engine/recovery.py): `shutdown` fails
+    every in-flight request and exits 1; `restart` starts a new engine in the same server
+    and carries the in-flight requests over, at most `max_engine_restarts` times in any
+    `engine_restart_window` seconds (past that, `shutdown`)."""
+
+    on_engine_failure: str = "shutdown"
+    max_engine_restarts: int = 3
+    engine_restart_window: float = 600.0
+
+
 @dataclass(frozen=True, slots=True)
 class ObservabilityConfig:
     """Telemetry export and log format; None endpoint means the OTEL_* variables decide."""
@@ -119,6 +134,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     instance_id: str = field(default_factory=lambda: f"{os.getpid()}-{uuid.uuid4().hex[:8]}")
 
@@ -165,8 +181,21 @@ class EngineConfig:
         for name in ("engine_ready_timeout", "step_timeout", "shutdown_timeout"):
             if getattr(self.timeouts, name) <= 0:
                 raise ValueError(f"{name} must be positive")
+        self._validate_recovery()
         if not 0 <= self.observability.crash_history_steps <= MAX_CRASH_HISTORY_STEPS:
             raise ValueError(f"crash_history_steps must be in [0, {MAX_CRASH_HISTORY_STEPS}]")
+
+    def _validate_recovery(self) -> None:
+        recovery = self.recovery
+        if recovery.on_engine_failure not in ON_ENGINE_FAILURE:
+            raise ValueError(
+                f"on_engine_failure must be one of {ON_ENGINE_FAILURE}, "
+                f"got {recovery.on_engine_failure!r}"
+            )
+        if recovery.max_engine_restarts < 0:
+            raise ValueError("max_engine_restarts must be 0 or more")
+        if not recovery.engine_restart_window > 0:  # NaN fails too
+            raise ValueError("engine_restart_window must be positive")
 
     def _validate_parallel(self) -> None:
         parallel = self.parallel
@@ -216,5 +245,6 @@ _SECTIONS: dict[str, type] = {
     "scheduler": SchedulerConfig,
     "parallel": ParallelConfig,
     "timeouts": TimeoutConfig,
+    "recovery": RecoveryConfig,
     "observability": ObservabilityConfig,
 }

@@ -61,6 +61,8 @@ class ErrorCode(enum.StrEnum):
     # The server side.
     ENGINE_DEAD = "engine_dead"
     ENGINE_STALLED = "engine_stalled"
+    ENGINE_RECOVERING = "engine_recovering"  # a restart is under way and its queue is full
+    ENGINE_FAULT_REQUEST = "engine_fault_request"  # in the batches of two engine failures
     SHUTTING_DOWN = "shutting_down"
     REQUEST_FAILED = "request_failed"  # one request's output could not be processed
     STRUCTURED_OUTPUT_FAILED = "structured_output_failed"  # its grammar failed in the engine
@@ -144,9 +146,28 @@ class RequestError(OtelEngineError):
 
 class RequestFailedError(OtelEngineError):
     """One request failed inside the engine for a reason that is not the client's (its
-    output could not be processed); the engine keeps serving every other request."""
+    output could not be processed, or it was in the failing batch of two engine failures:
+    `crash_context` is then the W3C context of the span with the last crash); the engine
+    keeps serving every other request."""
 
-    def __init__(self, message: str, *, code: str = ErrorCode.REQUEST_FAILED) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: str = ErrorCode.REQUEST_FAILED,
+        crash_context: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.code = code
+        self.crash_context = crash_context or {}
+
+
+class EngineRecoveringError(OtelEngineError):
+    """A new request came while the engine restarts (`--on-engine-failure restart`) and as
+    many requests as may wait for it already do: try again in `retry_after_s`."""
+
+    def __init__(self, message: str, *, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.message = message
+        self.retry_after_s = retry_after_s

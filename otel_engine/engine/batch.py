@@ -87,6 +87,7 @@ def prepare_model_input(
         prompt_logprobs=prompt_logprobs,
         grammar_rows=grammar_rows,
         grammar_bitmask=fill_bitmasks(grammars) if grammars else b"",
+        max_prompt_len=max((chunk.request.num_prompt_tokens for chunk in chunks), default=0),
     )
 
 

@@ -158,6 +158,7 @@ class EngineCore:
                 vocab_size=self.arch.vocab_size,
                 max_model_len=self.limits.max_model_len,
                 limited_by=self.limits.limited_by,
+                output_token_ids=message.output_token_ids,
             )
         except RequestError as error:
             logger.warning(
@@ -173,6 +174,7 @@ class EngineCore:
             arrival_time=message.arrival_time,
             trace_link=link_from(message.trace_context) if self.is_tracing else None,
             prompt_logprobs=[] if message.sampling_params.prompt_logprobs is not None else None,
+            output_token_ids=list(message.output_token_ids),
         )
         structured = message.sampling_params.structured_output
         if structured is None:
@@ -206,7 +208,7 @@ class EngineCore:
                 continue
             del self.compiling[request_id]
             try:
-                request.grammar = future.result()
+                request.grammar = _replayed(future.result(), request.output_token_ids)
             except RequestError as error:
                 rejected = RequestRejected(error.code, error.message, error.param)
                 refused.append(RequestUpdate(request_id, [], "abort", rejected=rejected))
@@ -279,6 +281,7 @@ class EngineCore:
                 step=output.step_id,
                 num_requests=len(output.chunks),
                 num_tokens=output.num_batched_tokens,
+                prompt_len=max((c.request.num_prompt_tokens for c in output.chunks), default=0),
             )
             result = self._execute(output, trace_context)
             if result.prompt_logprobs:
@@ -454,7 +457,15 @@ class EngineCore:
         self.record_crash(info)
         shutdown_telemetry(timeout_s=CRASH_FLUSH_S)
         self.executor.kill()
-        return EngineDead(error=info, trace_context=self.failed_step_context)
+        return EngineDead(
+            error=info, trace_context=self.failed_step_context, batch=self.failed_batch()
+        )
+
+    def failed_batch(self) -> list[str] | None:
+        """The request ids of the step that failed (none outside a step), for `EngineDead`:
+        the suspects of a poison request (`engine/recovery.py`)."""
+        output = self.current_output
+        return [] if output is None else [chunk.request.request_id for chunk in output.chunks]
 
     def record_crash(self, info: ErrorInfo) -> None:
         """Build the crash dump of the current step and deliver it (span event and log, and
@@ -509,6 +520,17 @@ class EngineCore:
     def shutdown(self, *, graceful: bool = True) -> None:
         self.grammars.shutdown()
         self.executor.shutdown(graceful=graceful)
+
+
+def _replayed(grammar: RequestGrammar, output_token_ids: list[int]) -> RequestGrammar:
+    """`grammar` advanced over the tokens a request carried over from an engine that died
+    had already produced (`AddRequest.output_token_ids`): it goes on where it was. A token
+    the grammar refuses is a failure of this request alone."""
+    for token_id in output_token_ids:
+        grammar.accept(token_id)
+        if grammar.error is not None:
+            raise RuntimeError("the grammar refused a carried-over token")
+    return grammar
 
 
 def _logprobs_by_request(output: SchedulerOutput, result: ModelOutput) -> dict[str, Any]:

@@ -48,6 +48,7 @@ from otel_engine.ipc.process import ENGINE_CORE, spawn, wait_for_death
 from otel_engine.model.limits import EngineLimits
 from otel_engine.observability import crash_delivery, crash_dump
 from otel_engine.observability.decode_bandwidth import DecodeBandwidth
+from otel_engine.observability.faults import RESTARTS_ENV_VAR
 from otel_engine.observability.setup import spawn_env
 from otel_engine.observability.tracing import get_tracer, inject_context, is_tracing
 from otel_engine.sched.scheduler import SchedulerOutput
@@ -185,7 +186,9 @@ class InprocClient:
         except Exception as exc:
             logger.exception("engine.failed")
             self._death = EngineDead(
-                error=failure_info(exc, ENGINE_CORE), trace_context=core.failed_step_context
+                error=failure_info(exc, ENGINE_CORE),
+                trace_context=core.failed_step_context,
+                batch=core.failed_batch(),
             )
             return self._death
 
@@ -198,8 +201,10 @@ class InprocClient:
 class MPClient:
     """The engine core in its own process, behind two ZMQ sockets that this side binds."""
 
-    def __init__(self, config: EngineConfig, model_dir: str) -> None:
+    def __init__(self, config: EngineConfig, model_dir: str, restarts: int = 0) -> None:
+        """`restarts`: how many engines this server started before this one (`recovery`)."""
         self.config = config
+        self.restarts = restarts
         self.ipc_dir = IpcDir(config.instance_id)
         self._encoder: Codec[CoreRequest] = Codec(CoreRequest)
         self._decoder: Codec[CoreOutput] = Codec(CoreOutput)
@@ -222,7 +227,7 @@ class MPClient:
             self.ipc_dir.address("core-in"),
             self.ipc_dir.address("core-out"),
             role=ENGINE_CORE,
-            env=spawn_env(config),
+            env={**spawn_env(config), RESTARTS_ENV_VAR: str(restarts)},
             fault_dir=self.ipc_dir.path,
         )
         try:
@@ -264,6 +269,7 @@ class MPClient:
                 self._started_at,
                 self.fast_paths,
                 self.bandwidth.part(),
+                self.restarts,
             )
         self._death = info
 
@@ -369,6 +375,7 @@ def record_core_death(
     started_at: float,
     fast_paths: dict[str, Any] | None = None,
     memory_bandwidth: dict[str, Any] | None = None,
+    engine_restarts: int = 0,
 ) -> dict[str, str]:
     """The crash dump of an engine core that died without recording one, built here from
     what the front end knows (the failure, the engine config; the batch, the history and
@@ -386,7 +393,10 @@ def record_core_death(
                 ),
                 "history": lambda: crash_dump.not_available(lost),
                 "system_stats": lambda: crash_dump.front_end_stats_part(
-                    failure=failure, started_at=started_at, memory_bandwidth=memory_bandwidth
+                    failure=failure,
+                    started_at=started_at,
+                    memory_bandwidth=memory_bandwidth,
+                    engine_restarts=engine_restarts,
                 ),
             }
         )

@@ -102,7 +102,10 @@ def run_engine_core(
         info = failure_info(exc, PROCESS_NAME)
         core.record_crash(info)
         shutdown_telemetry(timeout_s=CRASH_FLUSH_S)  # the dump reaches the collector first
-        outputs.send(encoder.encode(EngineDead(error=info, trace_context=core.failed_step_context)))
+        dead = EngineDead(
+            error=info, trace_context=core.failed_step_context, batch=core.failed_batch()
+        )
+        outputs.send(encoder.encode(dead))
     finally:
         watchdog.stop()
         core.shutdown(graceful=exit_code == 0)

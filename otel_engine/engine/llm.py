@@ -35,6 +35,11 @@ class LLM:
     ) -> None:
         enable_on_stderr()
         self.config = EngineConfig.from_kwargs(model=model, multiprocess=multiprocess, **options)
+        if self.config.recovery.on_engine_failure != "shutdown":
+            raise ValueError(
+                "on_engine_failure='restart' is the server's (AsyncLLM): an offline batch "
+                "fails with its engine"
+            )
         self._frontend = Frontend(self.config)
         self.tokenizer = self._frontend.tokenizer
         self.max_model_len = self._frontend.max_model_len

@@ -55,11 +55,13 @@ def check_request(
     vocab_size: int,
     max_model_len: int,
     limited_by: str = "model",
+    output_token_ids: Sequence[int] = (),
 ) -> None:
     """Raise `RequestError` (with `code` and `param`) unless the request can run.
 
     The length is checked before the per-token range, so the cost is bounded by the
-    context length whatever the client sent.
+    context length whatever the client sent. `output_token_ids` (a request carried over
+    from an engine that died) must leave at least one token to generate.
     """
     params.validate(vocab_size)
     num_prompt = len(token_ids)
@@ -69,6 +71,15 @@ def check_request(
     if any(not 0 <= t < vocab_size for t in token_ids):
         raise RequestError(
             f"prompt token ids must be in [0, {vocab_size})",
+            code=ErrorCode.INVALID_PROMPT,
+            param="prompt",
+        )
+    if output_token_ids and (
+        len(output_token_ids) >= params.max_tokens
+        or any(not 0 <= t < vocab_size for t in output_token_ids)
+    ):
+        raise RequestError(
+            "the carried-over output does not fit the request",
             code=ErrorCode.INVALID_PROMPT,
             param="prompt",
         )

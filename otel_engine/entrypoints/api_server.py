@@ -35,7 +35,9 @@ from otel_engine.entrypoints.connections import (
 )
 from otel_engine.entrypoints.errors import (
     InternalErrorMiddleware,
+    engine_recovering,
     engine_stalled,
+    engine_unavailable,
     error_response,
     install_error_handlers,
 )
@@ -114,11 +116,29 @@ def build_app(state: ServerState) -> FastAPI:
         responses={200: {"model": HealthResponse}, **errors(*CONNECTION_ERRORS)},
     )
     async def health() -> Response:
+        # Readiness: 503 while the engine cannot take work now (dead, draining, stalled,
+        # or restarting after a failure: then with Retry-After).
         error = state.unavailable()
+        if error is None and state.engine.is_recovering:
+            error = engine_recovering(state.engine.retry_after_s)
         if error is None and state.engine.is_stalled:
             error = engine_stalled(max(state.engine.stalled_for, state.engine.silent_for))
         if error is not None:
             return error_response(error)
+        return Response(b'{"status":"ok"}', media_type="application/json")
+
+    @app.get(
+        "/health/live",
+        responses={200: {"model": HealthResponse}, **errors(*CONNECTION_ERRORS)},
+    )
+    async def live() -> Response:
+        # Liveness: 503 only when a restart of the pod is the cure (the engine is dead or
+        # stalled); 200 while draining or while the engine restarts in place.
+        engine = state.engine
+        if engine.is_dead:
+            return error_response(engine_unavailable(engine.dead_error))
+        if engine.is_stalled:
+            return error_response(engine_stalled(max(engine.stalled_for, engine.silent_for)))
         return Response(b'{"status":"ok"}', media_type="application/json")
 
     @app.get("/get_load", response_model=LoadResponse, responses=errors(*CONNECTION_ERRORS))

@@ -9,6 +9,7 @@ Messages never echo request content (prompts, token ids) and never carry a trace
 from __future__ import annotations
 
 import logging
+import math
 from http import HTTPStatus
 from typing import Any
 
@@ -19,7 +20,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from otel_engine.errors import EngineDeadError, ErrorCode, RequestError, RequestFailedError
+from otel_engine.errors import (
+    EngineDeadError,
+    EngineRecoveringError,
+    ErrorCode,
+    RequestError,
+    RequestFailedError,
+)
 
 logger = logging.getLogger("otel_engine.api_server")
 
@@ -39,6 +46,7 @@ class APIError(Exception):
         type: str = INVALID_REQUEST,
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         # A message may quote the client (a model name): keep it encodable whatever they sent.
         message = message.encode("utf-8", "replace").decode("utf-8")
@@ -48,6 +56,7 @@ class APIError(Exception):
         self.type = type
         self.param = param
         self.code = code
+        self.headers = headers  # e.g. Retry-After on a 503 that will pass
         self.is_counted = False  # the request's telemetry already recorded this error
 
     def body(self) -> dict[str, Any]:
@@ -92,13 +101,32 @@ def from_engine_dead(error: EngineDeadError) -> APIError:
     )
 
 
-def from_engine_error(exc: RequestError | RequestFailedError | EngineDeadError) -> APIError:
+EngineError = RequestError | RequestFailedError | EngineDeadError | EngineRecoveringError
+# What `AsyncLLM.generate` raises for one request: answered by `from_engine_error`.
+ENGINE_ERRORS = (RequestError, RequestFailedError, EngineDeadError, EngineRecoveringError)
+
+
+def from_engine_error(exc: EngineError) -> APIError:
     """What a request answers for an exception the engine raised for it."""
     if isinstance(exc, RequestError):
         return from_request_error(exc)
     if isinstance(exc, RequestFailedError):
         return APIError(500, exc.message, type=INTERNAL, code=exc.code)
+    if isinstance(exc, EngineRecoveringError):
+        return engine_recovering(exc.retry_after_s)
     return from_engine_dead(exc)
+
+
+def engine_recovering(retry_after_s: float) -> APIError:
+    """503 while the engine restarts (`--on-engine-failure restart`): /health's answer, and
+    a new request's when the queue of requests waiting for the restart is full."""
+    return APIError(
+        503,
+        "engine is restarting after a failure; retry shortly",
+        type=UNAVAILABLE,
+        code=ErrorCode.ENGINE_RECOVERING,
+        headers={"Retry-After": str(max(1, math.ceil(retry_after_s)))},
+    )
 
 
 def internal_error(exc: BaseException, **log_fields: Any) -> APIError:
@@ -139,7 +167,10 @@ def draining() -> APIError:
 
 def error_response(error: APIError) -> Response:
     return Response(
-        msgspec.json.encode(error.body()), status_code=error.status, media_type="application/json"
+        msgspec.json.encode(error.body()),
+        status_code=error.status,
+        media_type="application/json",
+        headers=error.headers,
     )
 
 

@@ -58,6 +58,7 @@ class ServerState:
 
     def __post_init__(self) -> None:
         self.engine.add_step_listener(step_listener(self.metrics))
+        self.engine.add_recovery_listener(self.metrics)
 
     def unavailable(self) -> APIError | None:
         """The 503 every new request gets, or None while the server serves."""
@@ -74,6 +75,8 @@ class ServerState:
             state = "dead"
         elif self.is_draining:
             state = "draining"
+        elif self.engine.is_recovering:
+            state = "recovering"
         elif self.engine.is_stalled:
             state = "stalled"
         else:

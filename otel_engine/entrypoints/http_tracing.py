@@ -21,7 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from otel_engine.entrypoints.errors import is_server_error
 from otel_engine.observability.tracing import extract_context, get_tracer, is_tracing
 
-UNTRACED_PATHS = frozenset({"/health", "/metrics"})
+UNTRACED_PATHS = frozenset({"/health", "/health/live", "/metrics"})
 KNOWN_METHODS = frozenset(
     {"CONNECT", "DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT", "TRACE"}
 )

@@ -19,6 +19,7 @@ from starlette.responses import Response
 from otel_engine.engine import structured_output
 from otel_engine.entrypoints.connections import CLIENT_STALLED_KEY
 from otel_engine.entrypoints.errors import (
+    ENGINE_ERRORS,
     APIError,
     aborted_by_engine,
     draining,
@@ -37,7 +38,7 @@ from otel_engine.entrypoints.tools import ToolPlan
 
 if TYPE_CHECKING:
     from otel_engine.entrypoints.responses import ResponsesEcho
-from otel_engine.errors import EngineDeadError, ErrorCode, RequestError, RequestFailedError
+from otel_engine.errors import EngineDeadError, ErrorCode, RequestFailedError
 from otel_engine.outputs import TokenLogprobs
 from otel_engine.sampling_params import SamplingParams
 
@@ -202,7 +203,7 @@ class ResponseRenderer:
             if job.include_usage:
                 yield sse_event(job.envelope(True, choices=[], usage=job.usage()))
             yield DONE_EVENT
-        except (RequestError, RequestFailedError, EngineDeadError) as exc:
+        except ENGINE_ERRORS as exc:
             error = from_engine_error(exc)
             record_failure(telemetry, job, error, exc)
             yield sse_event(error.body())
@@ -418,6 +419,8 @@ def record_failure(
             if server_error and exc is not None and not isinstance(exc, APIError)
             else None
         ),
+        # a request failed as the poison of two engine failures: a link to the last crash
+        crash_context=exc.crash_context if isinstance(exc, RequestFailedError) else None,
     )
 
 

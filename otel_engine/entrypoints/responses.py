@@ -22,13 +22,13 @@ import msgspec
 from starlette.responses import Response
 
 from otel_engine.entrypoints.errors import (
+    ENGINE_ERRORS,
     APIError,
     aborted_by_engine,
     from_engine_error,
     internal_error,
 )
 from otel_engine.entrypoints.tool_parsers import Delta, ToolCall
-from otel_engine.errors import EngineDeadError, RequestError, RequestFailedError
 
 if TYPE_CHECKING:
     from starlette.requests import Request
@@ -349,7 +349,7 @@ async def events(
             output = await anext(outputs, None)
             if output is not None:
                 telemetry.observe(output)
-    except (RequestError, RequestFailedError, EngineDeadError, APIError) as exc:
+    except (*ENGINE_ERRORS, APIError) as exc:
         error = exc if isinstance(exc, APIError) else from_engine_error(exc)
         record_failure(telemetry, job, error, None if isinstance(exc, APIError) else exc)
         for frame in _failed(stream, job, error):

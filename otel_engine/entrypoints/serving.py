@@ -30,6 +30,7 @@ from otel_engine.entrypoints import responses
 from otel_engine.entrypoints.bodies import BodyParser
 from otel_engine.entrypoints.chat import ChatRenderer
 from otel_engine.entrypoints.errors import (
+    ENGINE_ERRORS,
     INTERNAL,
     APIError,
     bad_request,
@@ -54,7 +55,7 @@ from otel_engine.entrypoints.streaming import (
     RequestWatch,
 )
 from otel_engine.entrypoints.tools import Function, ToolPlan, ToolSupport
-from otel_engine.errors import EngineDeadError, ErrorCode, RequestError, RequestFailedError
+from otel_engine.errors import ErrorCode, RequestError
 from otel_engine.sampling_params import SamplingParams, StructuredOutput
 
 if TYPE_CHECKING:
@@ -414,7 +415,7 @@ class OpenAIServing:
         except ClientDisconnected:
             record_gone(telemetry, job, request)
             return Response(status_code=499)
-        except (RequestError, RequestFailedError, EngineDeadError, APIError) as exc:
+        except (*ENGINE_ERRORS, APIError) as exc:
             error = exc if isinstance(exc, APIError) else from_engine_error(exc)
             record_failure(telemetry, job, error, exc)
             raise error from None

@@ -128,6 +128,7 @@ class UniprocExecutor:
             step=step.step_id,
             num_requests=len(step.query_lens),
             num_tokens=len(step.input_ids),
+            prompt_len=step.max_prompt_len,
         )
         return self.runner.execute(step)
 

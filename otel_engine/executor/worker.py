@@ -142,6 +142,7 @@ def busy_loop(
                 step=message.step_id,
                 num_requests=len(message.query_lens),
                 num_tokens=len(message.input_ids),
+                prompt_len=message.max_prompt_len,
             )
             sampled = runner.execute(message)
         except Exception as exc:

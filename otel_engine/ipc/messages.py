@@ -73,13 +73,18 @@ HandshakeMessage = Ready | Failed
 
 
 class AddRequest(msgspec.Struct, frozen=True, tag="add", array_like=True):
-    """A new request, sent once in full. `trace_context` is W3C traceparent/tracestate."""
+    """A new request, sent once in full. `trace_context` is W3C traceparent/tracestate.
+
+    `output_token_ids`: the tokens an engine that died had already sent for it (a request
+    carried over to the restarted engine, `engine/recovery.py`); they count as output, as
+    after a preemption, and the request goes on from there."""
 
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     arrival_time: float
     trace_context: dict[str, str] = {}
+    output_token_ids: list[int] = []
 
 
 class AbortRequests(msgspec.Struct, frozen=True, tag="abort", array_like=True):
@@ -171,6 +176,9 @@ class EngineDead(msgspec.Struct, frozen=True, tag="dead", array_like=True):
 
     error: ErrorInfo
     trace_context: dict[str, str] = {}
+    # The request ids of the failing step's batch, when the core knew it (None: it died
+    # without a word); the suspects of `engine/recovery.py`.
+    batch: list[str] | None = None
 
 
 class Heartbeat(msgspec.Struct, frozen=True, tag="heartbeat", array_like=True):
@@ -229,6 +237,8 @@ class ModelInput(msgspec.Struct, frozen=True, tag="execute", array_like=True):
     # allows token 32 w + b; `engine/structured_output.fill_bitmasks`).
     grammar_rows: list[int] = []
     grammar_bitmask: bytes = b""
+    # The longest prompt of the batch's requests (the fault injector's `when=prompt_len>=N`).
+    max_prompt_len: int = 0
 
 
 class StopWorker(msgspec.Struct, frozen=True, tag="stop", array_like=True):

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from otel_engine.observability.faults import RESTARTS_ENV_VAR
 from otel_engine.observability.redaction import (
     MAX_LIST_ITEMS,
     describe_error,
@@ -135,6 +136,9 @@ def engine_config_part(
         "engine_ready_timeout_s": config.timeouts.engine_ready_timeout,
         "step_timeout_s": config.timeouts.step_timeout,
         "shutdown_timeout_s": config.timeouts.shutdown_timeout,
+        "on_engine_failure": config.recovery.on_engine_failure,
+        "max_engine_restarts": config.recovery.max_engine_restarts,
+        "engine_restart_window_s": config.recovery.engine_restart_window,
         "versions": safe(_versions),
     }
     if fast_paths is not None:
@@ -202,8 +206,16 @@ def system_stats_part(
         "load_average": safe(lambda: [round(x, 2) for x in os.getloadavg()]),
         "accelerator_memory": safe(_accelerator_memory),
         "memory_bandwidth": memory_bandwidth,
+        "engine_restarts": engine_restarts(),
     }
     return part
+
+
+def engine_restarts() -> int:
+    """How many times the server restarted its engine before this one started
+    (`--on-engine-failure restart`), as the front end told the engine core it started."""
+    value = os.environ.get(RESTARTS_ENV_VAR, "0")
+    return int(value) if value.isdigit() else 0
 
 
 def not_available(why: str) -> dict[str, Any]:
@@ -216,10 +228,12 @@ def front_end_stats_part(
     failure: dict[str, Any],
     started_at: float,
     memory_bandwidth: dict[str, Any] | None = None,
+    engine_restarts: int = 0,
 ) -> dict[str, Any]:
     """`system_stats` as the front end sees it after the engine core died: the failure,
-    its own uptime and process memory, the machine's load, and the memory read bandwidth
-    (the peak and the recent decode-only steps the core reported)."""
+    its own uptime and process memory, the machine's load, the memory read bandwidth
+    (the peak and the recent decode-only steps the core reported), and how many times the
+    engine was restarted before the one that died."""
     return {
         "failure": failure,
         "scheduler": not_available("the engine core died with its scheduler state"),
@@ -228,6 +242,7 @@ def front_end_stats_part(
         "cpu_count": os.cpu_count(),
         "load_average": safe(lambda: [round(x, 2) for x in os.getloadavg()]),
         "memory_bandwidth": memory_bandwidth,
+        "engine_restarts": engine_restarts,
     }
 
 

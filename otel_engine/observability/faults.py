@@ -1,12 +1,15 @@
 """Fault injection for tests and chaos drills: `OTEL_ENGINE_FAULT`.
 
-`OTEL_ENGINE_FAULT="<where>:<kind>[:rank=R][:step=S][:when=KEY>=N][:phase=P]"` with where
-in {worker, engine_core}, kind a `FaultKind`, phase in {run, load}, and KEY in
-{num_requests, num_tokens} (scheduled in the step): `when` fires at the first
-step whose batch is at least that large (with `step=` too: only at that step, if it is). Read from
-the environment by every process when it sets itself up (`configure()`: the spawn
-trampoline for children, the engine's set-up in the caller's process), never at import, so a
-bad value is a clear startup error; nothing else can set it.
+`OTEL_ENGINE_FAULT="<where>:<kind>[:rank=R][:step=S][:when=KEY>=N][:phase=P][:restart=K]"`
+with where in {worker, engine_core}, kind a `FaultKind`, phase in {run, load}, and KEY in
+{num_requests, num_tokens} (scheduled in the step) or prompt_len (the longest prompt of a
+request in the step): `when` fires at every step whose batch is at least that large (with
+`step=` too: only at that step, if it is), so `when=prompt_len>=N` fires each time a request
+with such a prompt is scheduled, a request that kills the engine. `restart=K` fires only in
+the engine started after K restarts (`--on-engine-failure restart`; 0: the first start),
+without it in every one. Read from the environment by every process when it sets itself up
+(`configure()`: the spawn trampoline for children, the engine's set-up in the caller's
+process), never at import, so a bad value is a clear startup error; nothing else can set it.
 
 `segfault` is a real invalid memory access in native code (ctypes reads address 0), as a
 broken kernel would make: the process dies of SIGSEGV, its faulthandler writes the stack.
@@ -30,6 +33,9 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 ENV_VAR = "OTEL_ENGINE_FAULT"
+# How many times the engine was restarted before this process's engine started: set by the
+# front end for the engine core it starts (`engine/recovery.py`), inherited by its workers.
+RESTARTS_ENV_VAR = "OTEL_ENGINE_RESTARTS"
 WHERE = ("worker", "engine_core")
 
 
@@ -74,7 +80,7 @@ KERNEL_FAULTS: dict[FaultKind, tuple[DrillSignal, DrillThread]] = {
 }
 KINDS = tuple(FaultKind)
 PHASES = ("run", "load")
-WHEN_KEYS = ("num_requests", "num_tokens")
+WHEN_KEYS = ("num_requests", "num_tokens", "prompt_len")
 
 
 class InjectedFault(RuntimeError):
@@ -93,15 +99,17 @@ class Fault:
     step: int | None = 1  # None: any step (with `when`)
     phase: str = "run"
     when: tuple[str, int] | None = None  # (KEY, N): the step's KEY >= N
+    restart: int | None = None  # only in the engine started after this many restarts
 
-    def matches(self, step: int, num_requests: int, num_tokens: int) -> bool:
+    def matches(self, step: int, num_requests: int, num_tokens: int, prompt_len: int) -> bool:
         """Whether a run-phase step of this shape fires the fault."""
         if self.step is not None and self.step != step:
             return False
         if self.when is None:
             return True
         key, minimum = self.when
-        return (num_requests if key == "num_requests" else num_tokens) >= minimum
+        shape = {"num_requests": num_requests, "num_tokens": num_tokens, "prompt_len": prompt_len}
+        return shape[key] >= minimum
 
     @classmethod
     def parse(cls, text: str) -> Fault:
@@ -113,7 +121,7 @@ class Fault:
         options: dict[str, str] = {}
         for part in parts[2:]:
             key, _, value = part.partition("=")
-            if key not in ("rank", "step", "phase", "when") or not value:
+            if key not in ("rank", "step", "phase", "when", "restart") or not value:
                 raise ValueError(f"{ENV_VAR}={text!r}: unknown option {part!r}")
             options[key] = value
         phase = options.get("phase", "run")
@@ -125,8 +133,14 @@ class Fault:
             if key not in WHEN_KEYS or not minimum.isdigit():
                 raise ValueError(f"{ENV_VAR}={text!r}: when must be <{'|'.join(WHEN_KEYS)}>>=N")
             when = (key, int(minimum))
+        for key in ("rank", "step", "restart"):
+            if not options.get(key, "0").isdigit():
+                raise ValueError(f"{ENV_VAR}={text!r}: {key} must be a whole number")
         step = int(options["step"]) if "step" in options else (None if when else 1)
-        return cls(parts[0], FaultKind(parts[1]), int(options.get("rank", 0)), step, phase, when)
+        restart = int(options["restart"]) if "restart" in options else None
+        return cls(
+            parts[0], FaultKind(parts[1]), int(options.get("rank", 0)), step, phase, when, restart
+        )
 
 
 def configured_fault() -> Fault | None:
@@ -135,9 +149,14 @@ def configured_fault() -> Fault | None:
 
 
 def configure() -> Fault | None:
-    """Read `OTEL_ENGINE_FAULT` for this process (ValueError naming it when malformed)."""
+    """Read `OTEL_ENGINE_FAULT` for this process (ValueError naming it when malformed); a
+    fault for another of the engine's restarts (`restart=K`) is none here."""
     global _FAULT
-    _FAULT = configured_fault()
+    fault = configured_fault()
+    restarts = os.environ.get(RESTARTS_ENV_VAR, "0")
+    if fault is not None and fault.restart is not None and str(fault.restart) != restarts:
+        fault = None
+    _FAULT = fault
     return _FAULT
 
 
@@ -149,13 +168,14 @@ def maybe_inject(
     step: int = 0,
     num_requests: int = 0,
     num_tokens: int = 0,
+    prompt_len: int = 0,
 ) -> None:
     """Fire the configured fault if it matches this place (and, in a step, its number and
     shape); cheap when none is set."""
     fault = _FAULT
     if fault is None or fault.where != where or fault.phase != phase or fault.rank != rank:
         return
-    if phase == "run" and not fault.matches(step, num_requests, num_tokens):
+    if phase == "run" and not fault.matches(step, num_requests, num_tokens, prompt_len):
         return
     logger.warning(
         "fault.injected", extra={"where": where, "kind": fault.kind, "rank": rank, "step": step}

@@ -39,7 +39,7 @@ from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as OPEN
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 from prometheus_client.registry import Collector
 
-from otel_engine.errors import ErrorCode
+from otel_engine.errors import ErrorCode, FailureCause
 from otel_engine.observability.decode_bandwidth import DecodeBandwidth
 
 if TYPE_CHECKING:
@@ -129,8 +129,18 @@ FINISH_REASONS = ("stop", "length", "tool_calls", "abort")
 INVALID_JSON_REASONS = ("length", "stop_string", "invalid")
 # what became of the tool calls a model wrote (entrypoints/tool_parsers.py)
 TOOL_CALL_OUTCOMES = ("parsed", "invalid")
-# stalled: work is pending and no step finished within --step-timeout (/health answers 503)
-HEALTH_STATES = ("starting", "healthy", "draining", "stalled", "dead")
+# stalled: work is pending and no step finished within --step-timeout (/health answers 503);
+# recovering: a new engine is starting after a failure (--on-engine-failure restart)
+HEALTH_STATES = ("starting", "healthy", "draining", "stalled", "recovering", "dead")
+# failures with no exception of their own (FailureCause), counted from 0 from the start
+RESTART_CAUSES = (
+    FailureCause.ENGINE_CORE_DIED,
+    FailureCause.WORKER_DIED,
+    FailureCause.STEP_TIMEOUT,
+    FailureCause.ENGINE_STALLED,
+)
+# crash to a carried-over request's first token after the restart (engine/recovery.py)
+RECOVERY_BUCKETS = (0.5, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0)
 # why the server closed an HTTP connection (entrypoints/connections.py)
 CONNECTION_CLOSE_REASONS = (
     "refused",
@@ -141,7 +151,11 @@ CONNECTION_CLOSE_REASONS = (
 )
 # error_type values that exist at 0 from the start, so that `increase()` sees the first one:
 # engine failures and clients dropped for not reading (the others appear when they happen)
-PRESET_ERROR_TYPES = (ErrorCode.ENGINE_DEAD, ErrorCode.CLIENT_STALLED)
+PRESET_ERROR_TYPES = (
+    ErrorCode.ENGINE_DEAD,
+    ErrorCode.CLIENT_STALLED,
+    ErrorCode.ENGINE_FAULT_REQUEST,
+)
 
 
 # `--vllm-metric-names`: otel_engine family -> (vLLM's family name, label renames). These are
@@ -432,12 +446,7 @@ class EngineMetrics:
             registry=r,
         )
         self.bandwidth = DecodeBandwidth(None)  # what GET /v1/models shows of the same
-        self.health_state = Gauge(
-            "otel_engine_engine_health_state",
-            "1 for the engine's current state, else 0.",
-            ["state"],
-            registry=r,
-        )
+        self._add_health_families(r)
         self._success = {reason: self.request_success.labels(reason) for reason in FINISH_REASONS}
         self._errors: dict[str, Any] = {
             error_type: self.request_errors.labels(error_type) for error_type in PRESET_ERROR_TYPES
@@ -452,6 +461,47 @@ class EngineMetrics:
         }
         self._tool_calls = {o: self.tool_calls.labels(o) for o in TOOL_CALL_OUTCOMES}
         self.set_health("starting")
+
+    def _add_health_families(self, r: CollectorRegistry) -> None:
+        """The engine's health state, and its restarts in place (--on-engine-failure
+        restart, engine/recovery.py)."""
+        self.health_state = Gauge(
+            "otel_engine_engine_health_state",
+            "1 for the engine's current state, else 0.",
+            ["state"],
+            registry=r,
+        )
+        self.engine_restarts = Counter(
+            "otel_engine_engine_restarts",
+            "Engines started again after a failure (--on-engine-failure restart), by the "
+            "failure's type (an exception class, or EngineCoreDied, WorkerDied, StepTimeout, ...).",
+            ["cause"],
+            registry=r,
+        )
+        for cause in RESTART_CAUSES:  # at 0 from the start, so that increase() sees the first
+            self.engine_restarts.labels(cause)
+        self.requests_migrated = Counter(
+            "otel_engine_requests_migrated",
+            "In-flight requests carried over to a restarted engine (one per request and restart).",
+            registry=r,
+        )
+        self.tokens_recomputed = Counter(
+            "otel_engine_tokens_recomputed",
+            "Prompt and already-sent tokens the carried-over requests had computed again.",
+            registry=r,
+        )
+        self.recovery_time = Histogram(
+            "otel_engine_engine_recovery_seconds",
+            "From an engine failure to a carried-over request's first token after the restart.",
+            buckets=RECOVERY_BUCKETS,
+            registry=r,
+        )
+        self.requests_poisoned = Counter(
+            "otel_engine_requests_poisoned",
+            "Requests failed alone (engine_fault_request) for being in the failing batch of "
+            "two engine failures in a row.",
+            registry=r,
+        )
 
     def _families_registry(self, model_name: str | None, vllm_names: bool) -> CollectorRegistry:
         """Where the families are registered: `registry` itself, or an inner one that
@@ -586,8 +636,21 @@ class EngineMetrics:
         prefix = "true" if prefix_caching else "false"
         self.cache_config.labels(str(block_size), str(num_blocks), prefix).set(1)
 
+    def on_engine_restart(self, cause: str) -> None:
+        self.engine_restarts.labels(cause).inc()
+
+    def on_requests_migrated(self, num_requests: int, num_tokens: int) -> None:
+        self.requests_migrated.inc(num_requests)
+        self.tokens_recomputed.inc(num_tokens)
+
+    def on_stream_recovered(self, seconds: float) -> None:
+        self.recovery_time.observe(seconds)
+
+    def on_request_poisoned(self) -> None:
+        self.requests_poisoned.inc()
+
     def set_health(self, state: str) -> None:
-        """One of HEALTH_STATES: starting, healthy, draining, stalled, dead."""
+        """One of HEALTH_STATES: starting, healthy, draining, stalled, recovering, dead."""
         if state not in self._health:
             raise ValueError(f"health state must be one of {HEALTH_STATES}, got {state!r}")
         for name, child in self._health.items():

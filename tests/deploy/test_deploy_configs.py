@@ -394,6 +394,7 @@ def engine_app_routes() -> dict[str, set[str]]:
 
     engine = SimpleNamespace(
         add_step_listener=lambda listener: None,
+        add_recovery_listener=lambda listener: None,
         config=SimpleNamespace(observability=SimpleNamespace(log_prompts=False)),
         max_model_len=512,
     )
@@ -621,12 +622,20 @@ def test_k8s_engine_args_are_accepted_by_the_cli() -> None:
 
 
 def test_k8s_engine_probes_use_health_on_the_container_port() -> None:
+    """Readiness (and startup) on /health, liveness on /health/live, which stays 200 while
+    the engine restarts in place: the pod is taken out of the Service, not restarted."""
     engine = engine_container()
-    port = engine_k8s_args().port
-    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+    args = engine_k8s_args()
+    paths = {
+        "startupProbe": "/health",
+        "readinessProbe": "/health",
+        "livenessProbe": "/health/live",
+    }
+    for probe, path in paths.items():
         http = engine[probe]["httpGet"]
-        assert "/health" == http["path"], probe
-        assert port == container_port(engine, http["port"]), probe
+        assert path == http["path"], probe
+        assert args.port == container_port(engine, http["port"]), probe
+    assert "restart" == args.on_engine_failure
 
 
 def test_k8s_engine_startup_probe_allows_the_whole_model_load() -> None:

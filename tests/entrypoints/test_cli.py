@@ -70,6 +70,10 @@ EXTRA_FLAGS = {
     "--ray-address",
     "--ray-placement-strategy",
     "--ray-cpus-per-rank",
+    # recovery in place (docs/operations.md, "Recovery in place")
+    "--on-engine-failure",
+    "--max-engine-restarts",
+    "--engine-restart-window",
 }
 # the post-mortem flags (docs/operations.md, "Reading a crash")
 POST_MORTEM_FLAGS = {"--crash-dump-dir", "--crash-history-steps"}

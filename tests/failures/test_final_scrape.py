@@ -94,6 +94,7 @@ def test_a_scrape_counts_only_once_every_failed_request_is_counted() -> None:
 
     engine = SimpleNamespace(
         add_step_listener=lambda listener: None,
+        add_recovery_listener=lambda listener: None,
         config=SimpleNamespace(observability=SimpleNamespace(log_prompts=False)),
         max_model_len=512,
         is_dead=True,

@@ -21,21 +21,54 @@ def test_step_and_when_conditions() -> None:
     default = Fault.parse("engine_core:raise")
 
     assert (by_step.rank, by_step.step, by_step.when) == (1, 5, None)
-    assert by_step.matches(5, 1, 1)
-    assert not by_step.matches(4, 9, 999)
+    assert by_step.matches(5, 1, 1, 0)
+    assert not by_step.matches(4, 9, 999, 0)
     assert by_shape.step is None
-    assert by_shape.matches(17, 1, 64)
-    assert not by_shape.matches(17, 9, 63)
-    assert both.matches(3, 3, 1)
-    assert not both.matches(3, 2, 1)
-    assert not both.matches(4, 3, 1)
-    assert default.matches(1, 0, 0)
-    assert not default.matches(2, 0, 0)
+    assert by_shape.matches(17, 1, 64, 0)
+    assert not by_shape.matches(17, 9, 63, 0)
+    assert both.matches(3, 3, 1, 0)
+    assert not both.matches(3, 2, 1, 0)
+    assert not both.matches(4, 3, 1, 0)
+    assert default.matches(1, 0, 0, 0)
+    assert not default.matches(2, 0, 0, 0)
+
+
+def test_a_request_shaped_trigger_fires_at_every_step_that_schedules_a_long_prompt() -> None:
+    poison = Fault.parse("worker:segfault:when=prompt_len>=100")
+
+    assert (poison.step, poison.when, poison.restart) == (None, ("prompt_len", 100), None)
+    assert poison.matches(1, 4, 300, 100)
+    assert poison.matches(57, 1, 1, 250)  # a decode step of that request fires it again
+    assert not poison.matches(2, 32, 2048, 99)
+
+
+def test_restart_option_keeps_a_fault_to_one_engine_of_a_recovering_server(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`restart=K` fires in the engine started after K restarts only; without it, a fault
+    fires in every engine the server starts."""
+    from otel_engine.observability import faults
+
+    monkeypatch.setenv(faults.ENV_VAR, "engine_core:raise:step=3:restart=1")
+    monkeypatch.delenv(faults.RESTARTS_ENV_VAR, raising=False)
+    assert faults.configure() is None  # the first engine
+    monkeypatch.setenv(faults.RESTARTS_ENV_VAR, "1")
+    fault = faults.configure()
+    assert fault is not None
+    assert (fault.step, fault.restart) == (3, 1)
+    monkeypatch.setenv(faults.RESTARTS_ENV_VAR, "2")
+    assert faults.configure() is None
+    monkeypatch.setenv(faults.ENV_VAR, "engine_core:raise:step=3")
+    assert faults.configure() is not None  # every engine
+    monkeypatch.delenv(faults.ENV_VAR)
+    assert faults.configure() is None
 
 
 @pytest.mark.parametrize(
     "text",
     [
+        "worker:raise:restart=first",
+        "worker:raise:rank=-1",
         "worker:raise:when=num_blocks>=3",
         "worker:raise:when=num_tokens>3",
         "worker:raise:when=num_tokens>=x",

@@ -45,6 +45,11 @@ FAMILIES = {
     "otel_engine_structured_output_invalid": "counter",
     "otel_engine_tool_calls": "counter",
     "otel_engine_engine_health_state": "gauge",
+    "otel_engine_engine_restarts": "counter",
+    "otel_engine_requests_migrated": "counter",
+    "otel_engine_tokens_recomputed": "counter",
+    "otel_engine_engine_recovery_seconds": "histogram",
+    "otel_engine_requests_poisoned": "counter",
     "otel_engine_fast_path_info": "gauge",
     "otel_engine_step_grammar_mask_seconds": "histogram",
     "otel_engine_memory_read_bandwidth_bytes_per_second": "gauge",
@@ -247,7 +252,34 @@ def test_health_state_is_one_hot() -> None:
         for (name, labels), value in values.items()
         if name == "otel_engine_engine_health_state"
     }
-    assert {"starting": 0, "healthy": 0, "draining": 0, "stalled": 0, "dead": 1} == states
+    assert {
+        "starting": 0,
+        "healthy": 0,
+        "draining": 0,
+        "stalled": 0,
+        "recovering": 0,
+        "dead": 1,
+    } == states
+
+
+def test_restarts_in_place_are_counted_from_zero() -> None:
+    """The failures with no exception of their own exist at 0 before the first restart, so
+    that `increase()` sees it; an exception's class appears when it happens."""
+    metrics = EngineMetrics()
+    before = samples(metrics)
+    assert 0 == before[("otel_engine_engine_restarts_total", (("cause", "EngineCoreDied"),))]
+
+    metrics.on_engine_restart("InjectedFault")
+    metrics.on_requests_migrated(3, 420)
+    metrics.on_stream_recovered(2.5)
+    metrics.on_request_poisoned()
+    values = samples(metrics)
+
+    assert 1 == values[("otel_engine_engine_restarts_total", (("cause", "InjectedFault"),))]
+    assert 3 == values[("otel_engine_requests_migrated_total", ())]
+    assert 420 == values[("otel_engine_tokens_recomputed_total", ())]
+    assert 1 == values[("otel_engine_engine_recovery_seconds_count", ())]
+    assert 1 == values[("otel_engine_requests_poisoned_total", ())]
 
 
 def test_unknown_health_state_is_rejected() -> None:

@@ -1,0 +1,166 @@
+"""The rules of `--on-engine-failure restart`: the restart budget, the suspects of a request
+that kills the engine, and what a restart tells the server's metrics.
+
+`AsyncLLM` carries them out: when its engine core dies (any cause its `EngineDead` names),
+it keeps every client's stream open, tears the process tree down, starts a new engine core
+from the same config and admits each unfinished request again as its prompt plus the tokens
+already sent (`AddRequest.output_token_ids`), so that the engine recomputes them as after a
+preemption and goes on from there.
+
+**Poison requests.** A failure that follows one request (a kernel fault on its shape) would
+otherwise come back after every restart. Such a request fails at its first step, so the
+suspects are the requests of the failing step's batch that had not yet produced a token
+(all of the batch when every one had): the batch the engine core reported, or, for a core
+that died without a word, the front end's best account of it (the requests of the last
+step it heard of and those without a token since they were admitted). After the restart,
+suspects go on trial one at a time: the others are admitted at once; a suspect is admitted
+alone, and the next one once it has produced a token. A failure whose batch holds the
+request on trial as its only request without a token is that request's second: it fails
+alone (`engine_fault_request`), the others go on, and the restart budget does not count
+that failure. Such failures are bounded on their own, by
+as many again as the budget in the same window: an engine that fails at every step, with
+a suspect on trial each time, still ends.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Collection, Iterable
+from typing import Protocol
+
+from otel_engine.config import RecoveryConfig
+
+# Requests that may wait for a restart to end; past that, new ones get 503 with Retry-After.
+RECOVERY_WAIT_QUEUE = 64
+# Retry-After before any restart was timed (the first failure).
+DEFAULT_RESTART_S = 5.0
+
+
+class RestartBudget:
+    """At most `max_restarts` restarts in any `window_s` seconds."""
+
+    def __init__(self, max_restarts: int, window_s: float) -> None:
+        self.max_restarts = max_restarts
+        self.window_s = window_s
+        self._times: deque[float] = deque()
+
+    def take(self, now: float) -> bool:
+        """Count one restart at `now` if the budget has room; False when it has none."""
+        times = self._times
+        while times and now - times[0] >= self.window_s:
+            times.popleft()
+        if len(times) >= self.max_restarts:
+            return False
+        times.append(now)
+        return True
+
+
+class Isolation:
+    """Which carried-over requests are suspects, and which one is on trial."""
+
+    def __init__(self) -> None:
+        self._suspects: deque[str] = deque()
+        self._suspected: set[str] = set()
+        self.on_trial: str | None = None
+
+    def blame(self, batch: Iterable[str], unproven: Collection[str]) -> str | None:
+        """At a failure whose step ran `batch`: the poison to fail alone, or None.
+
+        `unproven` are the requests that had not produced a token since they were admitted
+        to the failed engine: a request that kills the engine does so at its first step. The
+        request on trial is the poison when it is the only unproven one in the batch. The
+        batch's unproven requests (all of its requests when none is) become suspects; a
+        request on trial that is not the poison waits for its trial again, first."""
+        batch = list(batch)
+        new = [request_id for request_id in batch if request_id in unproven]
+        on_trial = self.on_trial
+        poison = on_trial if on_trial is not None and new == [on_trial] else None
+        self.on_trial = None
+        if on_trial is not None and poison is None:
+            self._suspects.appendleft(on_trial)
+            self._suspected.add(on_trial)
+        for request_id in new or batch:
+            if request_id != poison and request_id not in self._suspected:
+                self._suspects.append(request_id)
+                self._suspected.add(request_id)
+        return poison
+
+    def is_suspect(self, request_id: str) -> bool:
+        return request_id in self._suspected or request_id == self.on_trial
+
+    @property
+    def num_suspects(self) -> int:
+        return len(self._suspected) + (self.on_trial is not None)
+
+    def next_trial(
+        self, is_live: Callable[[str], bool], is_ready: Callable[[str], bool] | None = None
+    ) -> str | None:
+        """The next suspect to admit alone (None: none is ready, or one is on trial). Ended
+        requests leave the queue; one not ready (its client holds it) keeps its place."""
+        if self.on_trial is not None:
+            return None
+        for request_id in list(self._suspects):
+            if not is_live(request_id):
+                self.forget(request_id)
+            elif is_ready is None or is_ready(request_id):
+                self.forget(request_id)
+                self.on_trial = request_id
+                return request_id
+        return None
+
+    def cleared(self, request_id: str) -> bool:
+        """`request_id` produced a token (or ended): True if that ends its trial."""
+        if request_id != self.on_trial:
+            return False
+        self.on_trial = None
+        return True
+
+    def forget(self, request_id: str) -> None:
+        """The request ended (its client went away, or it failed)."""
+        if request_id in self._suspected:
+            self._suspected.discard(request_id)
+            self._suspects.remove(request_id)
+        elif request_id == self.on_trial:
+            self.on_trial = None
+
+
+class RecoveryPolicy:
+    """Whether a failure restarts the engine, and the request it is pinned on, if any."""
+
+    def __init__(self, config: RecoveryConfig) -> None:
+        self.config = config
+        self.isolation = Isolation()
+        self._budget = RestartBudget(config.max_engine_restarts, config.engine_restart_window)
+        # failures pinned on a poison request: not charged to `_budget`, but bounded
+        self._forgiven = RestartBudget(config.max_engine_restarts, config.engine_restart_window)
+
+    @property
+    def restarts(self) -> bool:
+        return self.config.on_engine_failure == "restart"
+
+    def on_failure(
+        self, batch: Iterable[str], unproven: Collection[str], now: float
+    ) -> tuple[bool, str | None]:
+        """At a failure whose step ran `batch` (the live requests of it; `unproven` as for
+        `Isolation.blame`): whether to restart (within the budget), and the poison request
+        to fail alone (or None)."""
+        poison = self.isolation.blame(batch, unproven)
+        is_forgiven = poison is not None and self._forgiven.take(now)
+        return is_forgiven or self._budget.take(now), poison
+
+
+class RecoveryListener(Protocol):
+    """What the server's metrics hear of restarts (`EngineMetrics` is one)."""
+
+    def on_engine_restart(self, cause: str) -> None:
+        """The engine failed and is being restarted; `cause` is its failure's type."""
+
+    def on_requests_migrated(self, num_requests: int, num_tokens: int) -> None:
+        """Requests admitted again after a restart, with the tokens they recompute."""
+
+    def on_stream_recovered(self, seconds: float) -> None:
+        """A carried-over request's first token after the restart, `seconds` after the
+        failure."""
+
+    def on_request_poisoned(self) -> None:
+        """A request failed alone as the poison of two failures."""
