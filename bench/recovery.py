@@ -8,10 +8,11 @@ Pause (default): start `otel-engine serve --on-engine-failure restart` (the defa
 unless --model), open N streaming `/v1/completions` (greedy, `ignore_eos`), wait until every
 stream has tokens, then fail the engine: SIGKILL the process titled --kill (as the OOM killer
 would), or `OTEL_ENGINE_FAULT=SPEC` set from the start (add `:restart=0` so that only the
-first engine fails). For each stream: the pause, from the failure to its first token after
-the restart. Printed: its quantiles, where the time went (the server's log: the failure
-noticed, `engine.restarting`; the new engine ready, `engine.recovered`), and how every stream
-ended (all must finish: none failed, none lost).
+first engine fails; the failure's time is its `fault.injected` line). For each stream: the
+pause, from the failure to its first token after the restart. Printed: its quantiles, where
+the time went (the server's log: the failure noticed, `engine.restarting`; the new engine
+ready, `engine.recovered`), and how every stream ended (all must finish: none failed, none
+lost).
 
 Restarts (`--restarts K`): with no traffic, SIGKILL the engine core K times, each time waiting
 for `/health`; the api_server's open fds, threads and RSS after the first restart and after
@@ -163,12 +164,15 @@ def run_pause(args: argparse.Namespace) -> dict[str, Any]:
     fault_at = killed_at or (injected[0][0] if injected else None)
     if fault_at is None:
         raise RuntimeError(f"no failure happened; log: {stop.get('server_log')}")
-    firsts = [next((t for t in s.chunks if t > fault_at), None) for s in streams]
+    # The first token after the front end heard of the failure (nothing of the failed
+    # engine comes after that), counted from the failure.
+    restarting = log["engine.restarting"]
+    after = restarting[0][0] if restarting else fault_at
+    firsts = [next((t for t in s.chunks if t > after), None) for s in streams]
     pauses = [first - fault_at for first in firsts if first is not None]
     outcomes: dict[str, int] = {}
     for stream in streams:
         outcomes[stream.outcome] = outcomes.get(stream.outcome, 0) + 1
-    restarting = log["engine.restarting"]
     recovered = log["engine.recovered"]
     return {
         "streams": args.streams,

@@ -29,6 +29,8 @@ RAY_PING_TIMEOUT_S = 3.0
 RAY_REACH_TIMEOUT_S = 5.0
 FAILED_REPORT_WAIT_S = 1.5  # a rank that exited with code 1 reported first: wait for it
 CRASH_FLUSH_S = 1.0  # the crash dump's telemetry flush before EngineDead is sent
+# Retry-After of a request refused during the first restart (later ones: the last's duration)
+RETRY_AFTER_FIRST_RESTART_S = 5.0
 STALL_GRACE_S = 5.0  # a frozen core (no watchdog report) is given up this much after the timeout
 # The engine core's step-watchdog thread sends a heartbeat this often, also while a step runs
 # (its main thread computes; the watchdog thread keeps running). The front end reports the

@@ -3,9 +3,9 @@
 The engine core runs in its own process. A thread (`core-output-io`) receives its outputs
 and hands them to the event loop that submitted the requests; an `EngineDead` frame, or the
 core's process dying, fails every in-flight request with `EngineDeadError`, or, with
-`--on-engine-failure restart` and within its budget, starts a new engine core (thread
-`engine-restart`) and carries every in-flight request over to it (engine/recovery.py): its
-consumer waits and then gets what it would have got without the failure. Nothing here
+`--on-engine-failure restart` and within its budget, starts a new engine core and carries
+every in-flight request over to it (`Restarter`, engine/restarter.py): its consumer waits
+and then gets what it would have got without the failure. Nothing here
 depends on signal handlers, so it works the same outside the main thread (faulthandler,
 enabled on stderr as by `LLM`, is set up from any thread too).
 
@@ -32,24 +32,12 @@ from opentelemetry import trace
 from otel_engine.config import EngineConfig
 from otel_engine.engine.core_client import MPClient
 from otel_engine.engine.frontend import Frontend, dead_error
-from otel_engine.engine.output import RequestState
-from otel_engine.engine.recovery import (
-    DEFAULT_RESTART_S,
-    RECOVERY_WAIT_QUEUE,
-    RecoveryListener,
-    RecoveryPolicy,
-)
-from otel_engine.errors import (
-    EngineDeadError,
-    EngineRecoveringError,
-    ErrorCode,
-    FailureCause,
-    RequestFailedError,
-)
-from otel_engine.ipc.messages import AddRequest, EngineDead, ErrorInfo, StepOutputs
+from otel_engine.engine.recovery import RecoveryListener
+from otel_engine.engine.restarter import Restarter
+from otel_engine.errors import EngineDeadError, FailureCause
+from otel_engine.ipc.messages import EngineDead, ErrorInfo, StepOutputs
 from otel_engine.ipc.native_fault import enable_on_stderr
 from otel_engine.ipc.process import ENGINE_CORE
-from otel_engine.observability.tracing import inject_context, link_from
 from otel_engine.outputs import RequestOutput
 from otel_engine.sampling_params import SamplingParams
 from otel_engine.timing import HEARTBEAT_TIMEOUT_S, STALL_GRACE_S, THREAD_JOIN_S
@@ -62,8 +50,6 @@ RESUME_BELOW_OUTPUTS = 8  # the consumer caught up: the request runs again
 # again: on a starved machine steps pile up, and handing out the whole backlog in one go
 # kept `/health` waiting for hundreds of milliseconds.
 DELIVER_BUDGET_S = 0.01
-# The span event of a request carried over to a restarted engine (linked to the crash).
-EVENT_ENGINE_RESTARTED = "otel_engine.request.engine_restarted"
 
 
 @dataclass(slots=True, eq=False)
@@ -109,20 +95,7 @@ class AsyncLLM:
         self.num_kv_blocks = self._frontend.num_kv_blocks  # the KV cache's size, in blocks
         self.generation_defaults = self._frontend.generation_defaults
         self.dead_error: EngineDeadError | None = None
-        self.restarts = 0  # engines started after a failure (`--on-engine-failure restart`)
-        self.is_recovering = False
-        self._recovery = RecoveryPolicy(config.recovery)
-        self._isolation = self._recovery.isolation
-        self._crash: EngineDead | None = None  # the failure being recovered from
-        self._crashed_at = 0.0
-        self._restart_s = DEFAULT_RESTART_S  # how long the last restart took (Retry-After)
-        self._waiting: list[asyncio.Future[None]] = []  # new requests waiting for a restart
-        self._recovery_listeners: list[RecoveryListener] = []
-        # Requests admitted to the current engine that have not produced a token since
-        # (engine/recovery.py: a poison fails at its first step), and the requests of the
-        # last step heard of: the account of the batch of a core that died without a word.
-        self._not_started: set[str] = set()
-        self._last_batch: set[str] = set()
+        self._restarter = Restarter(self)  # --on-engine-failure restart
         self._streams: dict[str, _Stream] = {}
         self.num_paused = 0
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -140,6 +113,11 @@ class AsyncLLM:
             self, _shutdown, self._stopped, self._frontend, self._threads
         )
 
+    def _install_client(self, client: MPClient) -> None:
+        """The engine's client from here on (a restarted engine's), with its output thread."""
+        self._frontend.client = self._client = client
+        self._start_output_thread(client)
+
     def _start_output_thread(self, client: MPClient) -> None:
         thread = threading.Thread(
             target=_pump_outputs,
@@ -153,6 +131,15 @@ class AsyncLLM:
     @property
     def is_dead(self) -> bool:
         return self.dead_error is not None
+
+    @property
+    def is_recovering(self) -> bool:
+        """A new engine is starting after a failure (`--on-engine-failure restart`)."""
+        return self._restarter.is_recovering
+
+    @property
+    def restarts(self) -> int:
+        return self._restarter.restarts
 
     @property
     def num_in_flight(self) -> int:
@@ -195,11 +182,11 @@ class AsyncLLM:
     @property
     def retry_after_s(self) -> float:
         """How long a restart under way may still take (the last one's duration)."""
-        return self._restart_s
+        return self._restarter.restart_s
 
     def add_recovery_listener(self, listener: RecoveryListener) -> None:
         """`listener` hears of every restart (metrics), in the event loop."""
-        self._recovery_listeners.append(listener)
+        self._restarter.add_listener(listener)
 
     def encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         return self._frontend.inputs.encode(prompt, add_special_tokens)
@@ -227,10 +214,10 @@ class AsyncLLM:
         elif self._loop is not loop:
             raise RuntimeError("AsyncLLM is bound to the event loop of its first request")
         if self.is_recovering:
-            await self._wait_for_restart()
+            await self._restarter.wait()
         stream = _Stream(span=trace.get_current_span())
         self._frontend.add_request(request_id, prompt, params)
-        self._not_started.add(request_id)
+        self._restarter.admitted(request_id)
         if len(self._streams) == self.num_paused:
             self.last_progress_at = time.monotonic()
         self._streams[request_id] = stream
@@ -276,10 +263,7 @@ class AsyncLLM:
         stream = self._streams.pop(request_id, None)
         if stream is not None and stream.is_paused:
             self.num_paused -= 1
-        self._not_started.discard(request_id)
-        self._isolation.forget(request_id)
-        if self._isolation.num_suspects:  # it may have held the next trial back
-            self._next_trial()
+        self._restarter.forgotten(request_id)
         return stream
 
     def _set_paused(self, request_id: str, stream: _Stream, is_paused: bool) -> None:
@@ -288,16 +272,13 @@ class AsyncLLM:
             self.num_paused += 1
             self._client.pause_requests([request_id])
             logger.info("request.paused", extra={"request_id": request_id})
-            self._isolation.cleared(request_id)  # a trial its client stopped: it ends here
-            if self._isolation.num_suspects:
-                self._next_trial()
+            self._restarter.paused(request_id, True)
             return
         if len(self._streams) == self.num_paused:
             self.last_progress_at = time.monotonic()  # work pending again from now
         self.num_paused -= 1
         self._client.resume_requests([request_id])
-        if self._isolation.is_suspect(request_id):  # its trial may start now
-            self._next_trial()
+        self._restarter.paused(request_id, False)
 
     def _hand_over(self, output: StepOutputs | EngineDead) -> None:
         """From the output thread: queue `output` for the event loop and make sure a drain
@@ -335,8 +316,7 @@ class AsyncLLM:
         now = self.last_progress_at = time.monotonic()
         for listener in self._step_listeners:
             listener(step)
-        if step.step_id:
-            self._last_batch = {update.request_id for update in step.updates}
+        self._restarter.stepped(step)
         processed = self._frontend.outputs.process(step)
         self._client.abort_requests(processed.to_abort)
         streams = self._streams
@@ -345,9 +325,7 @@ class AsyncLLM:
             stream = streams.get(request_id)
             if stream is None:
                 continue
-            self._not_started.discard(request_id)
-            if stream.crashed_at is not None:
-                self._recovered_stream(request_id, stream, now)
+            self._restarter.produced(request_id, stream, now)
             stream.queue.put_nowait(result)
             if (
                 not stream.is_paused
@@ -359,224 +337,12 @@ class AsyncLLM:
             stream = streams.get(request_id)
             if stream is not None:
                 stream.queue.put_nowait(error)
-        if self._isolation.num_suspects:
-            self._next_trial()
-
-    def _recovered_stream(self, request_id: str, stream: _Stream, now: float) -> None:
-        """A carried-over request's first output after the restart: its recovery time,
-        and the end of its trial if it was on one."""
-        assert stream.crashed_at is not None
-        for listener in self._recovery_listeners:
-            listener.on_stream_recovered(now - stream.crashed_at)
-        stream.crashed_at = None
-        if self._isolation.cleared(request_id):
-            self._next_trial()
+        self._restarter.next_trial()
 
     def _on_engine_dead(self, dead: EngineDead) -> None:
-        """The engine failed: restart it (`--on-engine-failure restart`, within the budget,
-        never during shutdown), else fail every request (`_fail_all`)."""
-        if not self._recovery.restarts or self._stopped.is_set():
+        """The engine failed: restarted (`Restarter`), or dead."""
+        if not self._restarter.on_engine_dead(dead):
             self._fail_all(dead)
-            return
-        now = time.monotonic()
-        live = self._streams
-        batch = dead.batch if dead.batch is not None else self._last_batch | self._not_started
-        restart, poison = self._recovery.on_failure(
-            (r for r in batch if r in live), self._not_started, now
-        )
-        info = dead.error
-        if not restart:
-            recovery = self.config.recovery
-            logger.error(
-                "engine.restart_budget_exhausted",
-                extra={
-                    "cause": info.type,
-                    "failed_process": info.process,
-                    "max_engine_restarts": recovery.max_engine_restarts,
-                    "engine_restart_window_s": recovery.engine_restart_window,
-                },
-            )
-            self._fail_all(dead)
-            return
-        self.is_recovering = True
-        self.restarts += 1
-        self._crash, self._crashed_at = dead, now
-        self._last_batch, self._not_started = set(), set()  # of the new engine, from here
-        logger.error(
-            "engine.restarting",
-            extra={
-                "cause": info.type,
-                "failed_process": info.process,
-                "restart": self.restarts,
-                "num_requests": len(live),
-                "num_suspects": self._isolation.num_suspects,
-                "poison_request_id": poison,
-            },
-        )
-        for listener in self._recovery_listeners:
-            listener.on_engine_restart(info.type)
-        if poison is not None:
-            self._fail_poison(poison, dead)
-        for stream in live.values():
-            stream.crashed_at = now
-        threading.Thread(
-            target=_restart_engine,
-            args=(self, self._client, list(self._threads)),
-            name="engine-restart",
-            daemon=True,
-        ).start()
-
-    def _fail_poison(self, request_id: str, dead: EngineDead) -> None:
-        """Fail the request on trial, which was in the batch of a second failure, alone."""
-        info = dead.error
-        logger.error(
-            "request.engine_fault",
-            extra={"request_id": request_id, "cause": info.type, "failed_process": info.process},
-        )
-        for listener in self._recovery_listeners:
-            listener.on_request_poisoned()
-        self._frontend.outputs.remove(request_id)
-        stream = self._streams.get(request_id)
-        if stream is not None:
-            stream.queue.put_nowait(
-                RequestFailedError(
-                    f"the engine failed twice with this request in the failing step "
-                    f"({info.type}): it is failed alone, and the other requests go on",
-                    code=ErrorCode.ENGINE_FAULT_REQUEST,
-                    crash_context=dict(dead.trace_context),
-                )
-            )
-
-    def _restarted(self, client: MPClient) -> None:
-        """In the event loop (or the restart thread before any request bound one): the new
-        engine is up; carry every in-flight request over to it."""
-        if self._stopped.is_set():
-            client.shutdown(graceful=False)
-            return
-        self._frontend.client = self._client = client
-        self._start_output_thread(client)
-        now = time.monotonic()
-        self._restart_s = now - self._crashed_at
-        self.is_recovering = False
-        self.last_progress_at = now
-        num_requests = num_tokens = 0
-        for request_id, state in list(self._frontend.outputs.states.items()):
-            stream = self._streams.get(request_id)
-            if stream is None or self._isolation.is_suspect(request_id):
-                continue
-            num_requests += 1
-            num_tokens += self._readmit(request_id, state, stream)
-        num_suspects = self._isolation.num_suspects
-        self._next_trial()
-        logger.info(
-            "engine.recovered",
-            extra={
-                "restart": self.restarts,
-                "seconds": round(self._restart_s, 3),
-                "num_requests": num_requests,
-                "num_tokens": num_tokens,
-                "num_suspects": num_suspects,
-            },
-        )
-        for listener in self._recovery_listeners:
-            listener.on_requests_migrated(num_requests, num_tokens)
-        self._wake_waiting(None)
-
-    def _restart_failed(self, error: BaseException) -> None:
-        """The new engine did not start: the engine is dead, as without a restart."""
-        crash = self._crash
-        assert crash is not None
-        self.is_recovering = False
-        logger.error("engine.restart_failed", extra={"error_type": type(error).__name__})
-        cause = getattr(error, "cause_type", type(error).__name__)
-        failed = EngineDead(
-            error=ErrorInfo(
-                type=str(cause),
-                message=f"the engine failed ({crash.error.type}) and did not start again",
-                process=getattr(error, "failed_process", "") or ENGINE_CORE,
-            ),
-            trace_context=crash.trace_context,
-        )
-        self._fail_all(failed)
-
-    def _readmit(self, request_id: str, state: RequestState, stream: _Stream) -> int:
-        """Admit a carried-over request to the new engine as its prompt plus the tokens
-        already sent; returns the tokens it recomputes."""
-        span = stream.span
-        context = inject_context(trace.set_span_in_context(span)) if span is not None else {}
-        try:
-            self._client.add_request(
-                AddRequest(
-                    request_id,
-                    state.prompt_token_ids,
-                    state.params,
-                    state.arrival_time,
-                    context,
-                    output_token_ids=list(state.token_ids),
-                )
-            )
-        except EngineDeadError:
-            return 0  # the new engine died too: its EngineDead is on its way
-        if stream.is_paused:
-            self._client.pause_requests([request_id])
-        self._not_started.add(request_id)
-        num_tokens = len(state.prompt_token_ids) + len(state.token_ids)
-        crash = self._crash
-        if span is not None and span.is_recording() and crash is not None:
-            span.add_event(
-                EVENT_ENGINE_RESTARTED,
-                {
-                    "otel_engine.engine.restarts": self.restarts,
-                    "otel_engine.engine.failure_type": crash.error.type,
-                    "otel_engine.request.tokens_recomputed": num_tokens,
-                },
-            )
-            link = link_from(crash.trace_context) if crash.trace_context else None
-            if link is not None:
-                span.add_link(link.context, {"otel_engine.link.reason": "engine_restarted"})
-        return num_tokens
-
-    def _next_trial(self) -> None:
-        """Admit the next suspect alone (engine/recovery.py): when none is on trial and every
-        other request the engine runs has produced a token, so that a failure of its first
-        step names it."""
-        if self.is_recovering or self.dead_error is not None:
-            return
-        states = self._frontend.outputs.states
-        streams = self._streams
-        if any(r in streams and not streams[r].is_paused for r in self._not_started):
-            return
-        request_id = self._isolation.next_trial(
-            lambda r: r in streams and r in states, lambda r: not streams[r].is_paused
-        )
-        if request_id is None:
-            return
-        logger.info("request.on_trial", extra={"request_id": request_id})
-        tokens = self._readmit(request_id, states[request_id], self._streams[request_id])
-        for listener in self._recovery_listeners:
-            listener.on_requests_migrated(1, tokens)
-
-    async def _wait_for_restart(self) -> None:
-        """A new request during a restart waits for it, if the wait queue has room."""
-        if len(self._waiting) >= RECOVERY_WAIT_QUEUE:
-            raise EngineRecoveringError(
-                "the engine is restarting after a failure", retry_after_s=self._restart_s
-            )
-        waiter = asyncio.get_running_loop().create_future()
-        self._waiting.append(waiter)
-        try:
-            await waiter
-        finally:
-            self._waiting.remove(waiter)
-
-    def _wake_waiting(self, error: BaseException | None) -> None:
-        for waiter in self._waiting:
-            if waiter.done():
-                continue
-            if error is None:
-                waiter.get_loop().call_soon_threadsafe(_set_done, waiter, None)
-            else:
-                waiter.get_loop().call_soon_threadsafe(_set_done, waiter, error)
 
     def _fail_all(self, dead: EngineDead) -> None:
         error = dead_error(dead)
@@ -585,7 +351,7 @@ class AsyncLLM:
         logger.error("engine.dead", extra={"cause": info.type, "failed_process": info.process})
         for stream in self._streams.values():
             stream.queue.put_nowait(error)
-        self._wake_waiting(error)
+        self._restarter.wake(error)
 
     def shutdown(self) -> None:
         """Stop the engine and reap its processes; idempotent, safe from any thread."""
@@ -632,44 +398,6 @@ def _stalled(step_timeout: float) -> ErrorInfo:
         "pending and did not report it (see --step-timeout)",
         process=ENGINE_CORE,
     )
-
-
-def _restart_engine(llm: AsyncLLM, old: MPClient, old_threads: list[threading.Thread]) -> None:
-    """Thread `engine-restart`: take the failed engine's process tree down (nothing left
-    behind), start a new one from the same config, and hand it to the event loop."""
-    for thread in old_threads:
-        thread.join(timeout=THREAD_JOIN_S)
-    old.shutdown(graceful=False)
-    try:
-        client = MPClient(llm.config, llm._frontend.model_dir, restarts=llm.restarts)
-    except Exception as exc:  # EngineStartupError, or the spawn itself failed
-        _call_in_loop(llm, llm._restart_failed, exc)
-        return
-    if not _call_in_loop(llm, llm._restarted, client):
-        client.shutdown(graceful=False)
-
-
-def _call_in_loop(llm: AsyncLLM, function: Callable[..., None], argument: object) -> bool:
-    """Run `function(argument)` in the engine's event loop (here when no request bound one
-    yet); False when that loop is closed."""
-    loop = llm._loop
-    if loop is None:
-        function(argument)
-        return True
-    try:
-        loop.call_soon_threadsafe(function, argument)
-    except RuntimeError:  # the loop closed
-        return False
-    return True
-
-
-def _set_done(waiter: asyncio.Future[None], error: BaseException | None) -> None:
-    if waiter.done():
-        return
-    if error is None:
-        waiter.set_result(None)
-    else:
-        waiter.set_exception(error)
 
 
 def _shutdown(

@@ -32,8 +32,6 @@ from otel_engine.config import RecoveryConfig
 
 # Requests that may wait for a restart to end; past that, new ones get 503 with Retry-After.
 RECOVERY_WAIT_QUEUE = 64
-# Retry-After before any restart was timed (the first failure).
-DEFAULT_RESTART_S = 5.0
 
 
 class RestartBudget:
