@@ -215,6 +215,19 @@ class ServerProcess(_TestServer):
         """The server and its descendants, as seen now."""
         return [self._seen[self.pid], *self.descendants()]
 
+    def find(self, title: str, timeout: float = 30.0) -> psutil.Process:
+        """The living process under the server whose title is `title` (`otel-worker-1`)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for proc in self.processes():
+                try:
+                    if proc.cmdline() and proc.cmdline()[0].split()[0] == title:
+                        return proc
+                except psutil.Error:
+                    continue
+            time.sleep(0.05)
+        raise RuntimeError(f"no process titled {title} under the server")
+
     def wait_ready(self, timeout: float) -> float:
         """Seconds from process start until `/health` answered 200; raises on failure."""
         self.wait_healthy(timeout - (time.monotonic() - self.started_at))

@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import psutil
 from common import ServerProcess, fmt, free_port, is_alive, print_table, quantile, tiny_model
 
 PROMPT = "When a worker process dies, the engine core notices within a second."
@@ -133,19 +132,6 @@ async def _crowd(
     return streams, killed_at
 
 
-def _find(server: ServerProcess, title: str, timeout: float = 30.0) -> psutil.Process:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for proc in server.processes():
-            try:
-                if proc.cmdline() and proc.cmdline()[0].split()[0] == title:
-                    return proc
-            except psutil.Error:
-                continue
-        time.sleep(0.1)
-    raise RuntimeError(f"no process titled {title} under the server")
-
-
 def _log_times(path: str) -> dict[str, float]:
     """time.time() of the first log line of each interesting event."""
     times: dict[str, float] = {}
@@ -184,7 +170,7 @@ def run_level(args: argparse.Namespace, model: str, num: int) -> dict[str, Any]:
     exit_box: dict[str, float] = {}
     try:
         startup = server.wait_ready(args.startup_timeout)
-        kill_pid = None if args.fault else _find(server, args.kill).pid
+        kill_pid = None if args.fault else server.find(args.kill).pid
         threading.Thread(
             target=lambda: (server.proc.wait(), exit_box.setdefault("exited_at", time.time())),
             daemon=True,

@@ -100,7 +100,7 @@ async def _crowd(
             await asyncio.sleep(0.05)
         killed_at = None
         if args.fault is None:
-            target = _find(server, args.kill)
+            target = server.find(args.kill)
             killed_at = time.time()
             os.kill(target.pid, signal.SIGKILL)
         _, pending = await asyncio.wait(tasks, timeout=args.client_timeout)
@@ -110,19 +110,6 @@ async def _crowd(
         if stream.outcome == "running":
             stream.outcome = "timeout"
     return streams, killed_at
-
-
-def _find(server: ServerProcess, title: str, timeout: float = 30.0) -> psutil.Process:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for proc in server.processes():
-            try:
-                if proc.cmdline() and proc.cmdline()[0].split()[0] == title:
-                    return proc
-            except psutil.Error:
-                continue
-        time.sleep(0.05)
-    raise RuntimeError(f"no process titled {title} under the server")
 
 
 def _log(path: str, events: tuple[str, ...]) -> dict[str, list[tuple[float, dict[str, Any]]]]:
@@ -203,7 +190,7 @@ def run_restarts(args: argparse.Namespace) -> dict[str, Any]:
         api = psutil.Process(server.pid)
         before = _greedy(server.base_url)
         for restart in range(1, args.restarts + 1):
-            os.kill(_find(server, "otel-engine-core").pid, signal.SIGKILL)
+            os.kill(server.find("otel-engine-core").pid, signal.SIGKILL)
             _wait_restarted(server, restart, args.startup_timeout)
             if restart == 1 or restart % 10 == 0:
                 samples.append(
