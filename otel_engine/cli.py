@@ -316,8 +316,9 @@ def _add_recovery_flags(parser: argparse.ArgumentParser) -> None:
         "hung step): shutdown fails every in-flight request (engine_dead) and exits 1; restart "
         "records the crash the same way, starts a new engine in this server and carries every "
         "in-flight request over as prompt + the tokens already sent, so its client gets what "
-        "it would have got without the fault, later (a request in the batches of two failures "
-        "in a row fails alone: engine_fault_request) (default: shutdown)",
+        "it would have got without the fault, later (a new request that fails the engine at "
+        "its first step, again when tried alone, fails alone: engine_fault_request) "
+        "(default: shutdown)",
     )
     recovery.add_argument(
         "--max-engine-restarts",

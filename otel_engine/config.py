@@ -7,6 +7,7 @@ so every field is a plain value.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import os
 import uuid
 from dataclasses import dataclass, field
@@ -93,7 +94,14 @@ class TimeoutConfig:
     shutdown_timeout: float = 30.0
 
 
-ON_ENGINE_FAILURE = ("shutdown", "restart")
+class EngineFailureMode(enum.StrEnum):
+    """--on-engine-failure: what the server does when its engine fails."""
+
+    SHUTDOWN = "shutdown"  # fail every in-flight request, exit 1
+    RESTART = "restart"  # a new engine in the same server; requests carried over
+
+
+ON_ENGINE_FAILURE = tuple(EngineFailureMode)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +111,7 @@ class RecoveryConfig:
     and carries the in-flight requests over, at most `max_engine_restarts` times in any
     `engine_restart_window` seconds (past that, `shutdown`)."""
 
-    on_engine_failure: str = "shutdown"
+    on_engine_failure: str = EngineFailureMode.SHUTDOWN
     max_engine_restarts: int = 3
     engine_restart_window: float = 600.0
 

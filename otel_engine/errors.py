@@ -62,7 +62,7 @@ class ErrorCode(enum.StrEnum):
     ENGINE_DEAD = "engine_dead"
     ENGINE_STALLED = "engine_stalled"
     ENGINE_RECOVERING = "engine_recovering"  # a restart is under way and its queue is full
-    ENGINE_FAULT_REQUEST = "engine_fault_request"  # in the batches of two engine failures
+    ENGINE_FAULT_REQUEST = "engine_fault_request"  # failed the engine twice at its first step
     SHUTTING_DOWN = "shutting_down"
     REQUEST_FAILED = "request_failed"  # one request's output could not be processed
     STRUCTURED_OUTPUT_FAILED = "structured_output_failed"  # its grammar failed in the engine

@@ -40,7 +40,12 @@ from otel_engine.ipc.native_fault import enable_on_stderr
 from otel_engine.ipc.process import ENGINE_CORE
 from otel_engine.outputs import RequestOutput
 from otel_engine.sampling_params import SamplingParams
-from otel_engine.timing import HEARTBEAT_TIMEOUT_S, STALL_GRACE_S, THREAD_JOIN_S
+from otel_engine.timing import (
+    CORE_OUTPUT_POLL_S,
+    HEARTBEAT_TIMEOUT_S,
+    STALL_GRACE_S,
+    THREAD_JOIN_S,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -213,10 +218,8 @@ class AsyncLLM:
             self._loop = loop
         elif self._loop is not loop:
             raise RuntimeError("AsyncLLM is bound to the event loop of its first request")
-        if self.is_recovering:
-            await self._restarter.wait()
+        await self._admit(request_id, prompt, params)
         stream = _Stream(span=trace.get_current_span())
-        self._frontend.add_request(request_id, prompt, params)
         self._restarter.admitted(request_id)
         if len(self._streams) == self.num_paused:
             self.last_progress_at = time.monotonic()
@@ -237,6 +240,28 @@ class AsyncLLM:
             self._forget(request_id)
             if not finished and self.dead_error is None and not self._stopped.is_set():
                 self._frontend.abort([request_id])
+
+    async def _admit(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams
+    ) -> None:
+        """Send the request to the engine; with restarts, first wait while a new engine
+        starts or suspects wait for their trials, and wait again when the engine failed
+        between (its failure reaches the event loop a moment after the send fails)."""
+        restarter = self._restarter
+        while True:
+            while restarter.holds_new_requests:
+                await restarter.wait()
+            try:
+                self._frontend.add_request(request_id, prompt, params)
+                return
+            except EngineDeadError:
+                if not restarter.policy.restarts or self.dead_error is not None:
+                    raise
+            if self._stopped.is_set():
+                raise EngineDeadError(
+                    "the engine is shut down", cause_type=FailureCause.ENGINE_SHUTDOWN
+                )
+            await asyncio.sleep(CORE_OUTPUT_POLL_S)
 
     def hold(self, request_ids: list[str], held: bool) -> None:
         """Pause the requests in the engine until released (`held` False), whatever their

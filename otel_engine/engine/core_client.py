@@ -218,6 +218,7 @@ class MPClient:
         self._kill_reason: ErrorInfo | None = None  # why this side gave the core up
         self._started_at = time.monotonic()
         self._stopping = False
+        self._is_retired = False  # a failed engine being replaced: nothing more is sent
         self._monitor: threading.Thread | None = None
         self.core = spawn(
             "otel_engine.engine.core_proc:run_engine_core",
@@ -273,8 +274,13 @@ class MPClient:
             )
         self._death = info
 
+    def retire(self) -> None:
+        """Send nothing more to this engine (it failed and is being replaced); its sockets
+        stay open until `shutdown`, from whichever thread."""
+        self._is_retired = True
+
     def add_request(self, message: AddRequest) -> None:
-        if self._death is not None or self._stopping or not self._push(message):
+        if self._death is not None or self._stopping or self._is_retired or not self._push(message):
             raise EngineDeadError(
                 "the engine is not running",
                 cause_type=self._death.type if self._death else FailureCause.ENGINE_SHUTDOWN,
@@ -305,7 +311,7 @@ class MPClient:
         self._send(ResumeRequests(request_ids))
 
     def _send(self, message: CoreRequest) -> None:
-        if self._death is None and not self._stopping:
+        if self._death is None and not self._stopping and not self._is_retired:
             self._push(message)  # a core that is gone has nothing to abort, pause or resume
 
     def get_output(self, timeout_s: float = CORE_OUTPUT_POLL_S) -> StepOutputs | EngineDead | None:

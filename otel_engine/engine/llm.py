@@ -12,7 +12,7 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
-from otel_engine.config import EngineConfig
+from otel_engine.config import EngineConfig, EngineFailureMode
 from otel_engine.engine import generation_defaults
 from otel_engine.engine.frontend import Frontend, dead_error
 from otel_engine.errors import EngineDeadError, FailureCause
@@ -35,7 +35,7 @@ class LLM:
     ) -> None:
         enable_on_stderr()
         self.config = EngineConfig.from_kwargs(model=model, multiprocess=multiprocess, **options)
-        if self.config.recovery.on_engine_failure != "shutdown":
+        if self.config.recovery.on_engine_failure != EngineFailureMode.SHUTDOWN:
             raise ValueError(
                 "on_engine_failure='restart' is the server's (AsyncLLM): an offline batch "
                 "fails with its engine"

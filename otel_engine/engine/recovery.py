@@ -1,25 +1,17 @@
-"""The rules of `--on-engine-failure restart`: the restart budget, the suspects of a request
-that kills the engine, and what a restart tells the server's metrics.
-
-`AsyncLLM` carries them out: when its engine core dies (any cause its `EngineDead` names),
-it keeps every client's stream open, tears the process tree down, starts a new engine core
-from the same config and admits each unfinished request again as its prompt plus the tokens
-already sent (`AddRequest.output_token_ids`), so that the engine recomputes them as after a
-preemption and goes on from there.
+"""The rules of `--on-engine-failure restart` (engine/restarter.py carries them out): the
+restart budget, the suspects of a request that kills the engine, and what a restart tells
+the server's metrics.
 
 **Poison requests.** A failure that follows one request (a kernel fault on its shape) would
-otherwise come back after every restart. Such a request fails at its first step, so the
-suspects are the requests of the failing step's batch that had not yet produced a token
-(all of the batch when every one had): the batch the engine core reported, or, for a core
-that died without a word, the front end's best account of it (the requests of the last
-step it heard of and those without a token since they were admitted). After the restart,
-suspects go on trial one at a time: the others are admitted at once; a suspect is admitted
-alone, and the next one once it has produced a token. A failure whose batch holds the
-request on trial as its only request without a token is that request's second: it fails
-alone (`engine_fault_request`), the others go on, and the restart budget does not count
-that failure. Such failures are bounded on their own, by
-as many again as the budget in the same window: an engine that fails at every step, with
-a suspect on trial each time, still ends.
+come back after every restart. Such a request fails at its first step, so the suspects of
+a failure are the requests of its batch that had not produced a token since they were
+admitted; a failure in a batch where every request had one (a step of decodes: SIGKILL, the
+OOM killer, a hang) has none. After the restart, suspects go on trial one at a time, each
+alone among requests that have all produced a token (new requests wait meanwhile). A
+failure of the same type, in the same process, whose batch holds the request on trial as
+its only request without a token, is that request's second: it fails alone
+(`engine_fault_request`), and the restart budget does not count that failure. Such failures
+are bounded on their own, by as many again as the budget in the same window.
 """
 
 from __future__ import annotations
@@ -28,7 +20,7 @@ from collections import deque
 from collections.abc import Callable, Collection, Iterable
 from typing import Protocol
 
-from otel_engine.config import RecoveryConfig
+from otel_engine.config import EngineFailureMode, RecoveryConfig
 
 # Requests that may wait for a restart to end; past that, new ones get 503 with Retry-After.
 RECOVERY_WAIT_QUEUE = 64
@@ -59,28 +51,34 @@ class Isolation:
     def __init__(self) -> None:
         self._suspects: deque[str] = deque()
         self._suspected: set[str] = set()
+        self._failures: dict[str, str] = {}  # suspect -> the failure that made it one
         self.on_trial: str | None = None
 
-    def blame(self, batch: Iterable[str], unproven: Collection[str]) -> str | None:
-        """At a failure whose step ran `batch`: the poison to fail alone, or None.
+    def blame(self, batch: Iterable[str], unproven: Collection[str], failure: str) -> str | None:
+        """At a failure (`failure`: its type and process) whose step ran `batch`: the poison
+        to fail alone, or None.
 
         `unproven` are the requests that had not produced a token since they were admitted
         to the failed engine: a request that kills the engine does so at its first step. The
-        request on trial is the poison when it is the only unproven one in the batch. The
-        batch's unproven requests (all of its requests when none is) become suspects; a
-        request on trial that is not the poison waits for its trial again, first."""
-        batch = list(batch)
+        request on trial is the poison when it is the only unproven one in the batch and
+        the failure is the one that made it a suspect. The batch's other unproven requests
+        become suspects; a request on trial that is not the poison waits for its trial
+        again, first."""
         new = [request_id for request_id in batch if request_id in unproven]
         on_trial = self.on_trial
-        poison = on_trial if on_trial is not None and new == [on_trial] else None
+        is_same = on_trial is not None and self._failures.get(on_trial) == failure
+        poison = on_trial if is_same and new == [on_trial] else None
         self.on_trial = None
         if on_trial is not None and poison is None:
             self._suspects.appendleft(on_trial)
             self._suspected.add(on_trial)
-        for request_id in new or batch:
+        if poison is not None:
+            del self._failures[poison]
+        for request_id in new:
             if request_id != poison and request_id not in self._suspected:
                 self._suspects.append(request_id)
                 self._suspected.add(request_id)
+                self._failures[request_id] = failure
         return poison
 
     def is_suspect(self, request_id: str) -> bool:
@@ -101,7 +99,8 @@ class Isolation:
             if not is_live(request_id):
                 self.forget(request_id)
             elif is_ready is None or is_ready(request_id):
-                self.forget(request_id)
+                self._suspected.discard(request_id)
+                self._suspects.remove(request_id)
                 self.on_trial = request_id
                 return request_id
         return None
@@ -111,6 +110,7 @@ class Isolation:
         if request_id != self.on_trial:
             return False
         self.on_trial = None
+        self._failures.pop(request_id, None)
         return True
 
     def forget(self, request_id: str) -> None:
@@ -120,6 +120,7 @@ class Isolation:
             self._suspects.remove(request_id)
         elif request_id == self.on_trial:
             self.on_trial = None
+        self._failures.pop(request_id, None)
 
 
 class RecoveryPolicy:
@@ -134,15 +135,15 @@ class RecoveryPolicy:
 
     @property
     def restarts(self) -> bool:
-        return self.config.on_engine_failure == "restart"
+        return self.config.on_engine_failure == EngineFailureMode.RESTART
 
     def on_failure(
-        self, batch: Iterable[str], unproven: Collection[str], now: float
+        self, batch: Iterable[str], unproven: Collection[str], failure: str, now: float
     ) -> tuple[bool, str | None]:
-        """At a failure whose step ran `batch` (the live requests of it; `unproven` as for
-        `Isolation.blame`): whether to restart (within the budget), and the poison request
-        to fail alone (or None)."""
-        poison = self.isolation.blame(batch, unproven)
+        """At a failure whose step ran `batch` (the live requests of it; `unproven` and
+        `failure` as for `Isolation.blame`): whether to restart (within the budget), and
+        the poison request to fail alone (or None)."""
+        poison = self.isolation.blame(batch, unproven, failure)
         is_forgiven = poison is not None and self._forgiven.take(now)
         return is_forgiven or self._budget.take(now), poison
 

@@ -6,8 +6,9 @@ Within the budget, every client's stream stays open; thread `engine-restart` tak
 failed engine's process tree down and starts a new engine core from the same config; back
 in the event loop, each unfinished request is admitted to it again as its prompt plus the
 tokens its client already got (`AddRequest.output_token_ids`), which the core recomputes as
-after a preemption. The suspects follow one at a time. `Restarter` is `AsyncLLM`'s
-collaborator: it reads that engine's streams and output states and replaces its client.
+after a preemption. The suspects follow one at a time, new requests waiting meanwhile.
+`Restarter` is `AsyncLLM`'s collaborator: it reads that engine's streams and output states
+and replaces its client.
 """
 
 from __future__ import annotations
@@ -24,7 +25,13 @@ from opentelemetry import trace
 from otel_engine.engine.core_client import MPClient
 from otel_engine.engine.output import RequestState
 from otel_engine.engine.recovery import RECOVERY_WAIT_QUEUE, RecoveryListener, RecoveryPolicy
-from otel_engine.errors import EngineDeadError, EngineRecoveringError, ErrorCode, RequestFailedError
+from otel_engine.errors import (
+    EngineDeadError,
+    EngineRecoveringError,
+    ErrorCode,
+    FailureCause,
+    RequestFailedError,
+)
 from otel_engine.ipc.messages import AddRequest, EngineDead, ErrorInfo, StepOutputs
 from otel_engine.ipc.process import ENGINE_CORE
 from otel_engine.observability.tracing import inject_context, link_from
@@ -62,6 +69,12 @@ class Restarter:
 
     def add_listener(self, listener: RecoveryListener) -> None:
         self._listeners.append(listener)
+
+    @property
+    def holds_new_requests(self) -> bool:
+        """New requests wait: a new engine is starting, or suspects wait for their trials
+        (which must run among requests that have all produced a token)."""
+        return self.is_recovering or self.isolation.num_suspects > 0
 
     # What the engine tells it.
 
@@ -107,10 +120,13 @@ class Restarter:
         now = time.monotonic()
         live = llm._streams
         batch = dead.batch if dead.batch is not None else self._last_batch | self._not_started
-        restart, poison = self.policy.on_failure(
-            (r for r in batch if r in live), self._not_started, now
-        )
         info = dead.error
+        restart, poison = self.policy.on_failure(
+            [r for r in batch if r in live],
+            self._not_started,
+            f"{info.type} in {info.process}",
+            now,
+        )
         if not restart:
             recovery = self.policy.config
             logger.error(
@@ -144,12 +160,16 @@ class Restarter:
             self._fail_poison(poison, dead)
         for stream in live.values():
             stream.crashed_at = now
-        threading.Thread(
+        old = llm._client
+        old.retire()  # nothing is sent to it from here; the restart thread shuts it down
+        thread = threading.Thread(
             target=_restart_engine,
-            args=(self, llm._client, list(llm._threads)),
+            args=(self, old, list(llm._threads)),
             name="engine-restart",
             daemon=True,
-        ).start()
+        )
+        llm._threads.append(thread)  # joined at shutdown, with the output thread
+        thread.start()
         return True
 
     def _fail_poison(self, request_id: str, dead: EngineDead) -> None:
@@ -181,6 +201,10 @@ class Restarter:
         llm = self._llm
         if llm._stopped.is_set():
             client.shutdown(graceful=False)
+            self.is_recovering = False
+            self.wake(
+                EngineDeadError("the engine is shut down", cause_type=FailureCause.ENGINE_SHUTDOWN)
+            )
             return
         llm._install_client(client)
         now = time.monotonic()
@@ -270,7 +294,11 @@ class Restarter:
         other request the engine runs has produced a token, so that a failure of its first
         step names it."""
         llm = self._llm
-        if not self.isolation.num_suspects or self.is_recovering or llm.dead_error is not None:
+        if self.is_recovering or llm.dead_error is not None:
+            return
+        if not self.isolation.num_suspects:
+            if self._waiting:  # the last trial ended: the requests held for it go on
+                self.wake(None)
             return
         states = llm._frontend.outputs.states
         streams = llm._streams
@@ -322,8 +350,8 @@ def _restart_engine(
     except Exception as exc:  # EngineStartupError, or the spawn itself failed
         _call_in_loop(llm, restarter.restart_failed, exc)
         return
-    if not _call_in_loop(llm, restarter.restarted, client):
-        client.shutdown(graceful=False)
+    if llm._stopped.is_set() or not _call_in_loop(llm, restarter.restarted, client):
+        client.shutdown(graceful=False)  # the engine was shut down meanwhile
 
 
 def _call_in_loop(llm: AsyncLLM, function: Callable[..., None], argument: object) -> bool:

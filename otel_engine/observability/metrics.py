@@ -473,7 +473,8 @@ class EngineMetrics:
         )
         self.engine_restarts = Counter(
             "otel_engine_engine_restarts",
-            "Engines started again after a failure (--on-engine-failure restart), by the "
+            "Engine restarts begun after a failure (--on-engine-failure restart; one that does "
+            "not start counts too), by the "
             "failure's type (an exception class, or EngineCoreDied, WorkerDied, StepTimeout, ...).",
             ["cause"],
             registry=r,

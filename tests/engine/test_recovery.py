@@ -8,6 +8,9 @@ import pytest
 from otel_engine.config import EngineConfig, RecoveryConfig
 from otel_engine.engine.recovery import Isolation, RecoveryPolicy, RestartBudget
 
+SEGV = "EngineCoreDied in engine_core"
+RAISE = "InjectedFault in engine_core"
+
 
 def always(_: str) -> bool:
     return True
@@ -24,13 +27,27 @@ def test_the_budget_allows_n_restarts_in_any_window() -> None:
     assert not RestartBudget(max_restarts=0, window_s=10.0).take(0.0)
 
 
-def test_suspects_go_on_trial_one_at_a_time_and_a_second_failure_names_the_poison() -> None:
+def test_the_requests_at_their_first_step_are_the_suspects() -> None:
+    """A request that kills the engine does so at its first step: only the batch's
+    requests without a token are suspects."""
+    isolation = Isolation()
+
+    assert isolation.blame(["a", "b", "new"], {"new", "elsewhere"}, SEGV) is None
+    assert ["new"] == _trial_order(isolation)
+
+
+def test_a_failure_in_a_step_of_decodes_has_no_suspect() -> None:
+    isolation = Isolation()
+
+    assert isolation.blame(["a", "b", "c"], set(), SEGV) is None
+    assert 0 == isolation.num_suspects
+
+
+def test_suspects_go_on_trial_one_at_a_time_and_the_same_failure_again_names_the_poison() -> None:
     isolation = Isolation()
     live = {"a", "b", "c", "d"}
 
-    # The first failure, in a step of decodes only (no request without a token): the
-    # whole batch is suspect.
-    assert isolation.blame(["a", "b", "c"], unproven=set()) is None
+    assert isolation.blame(["a", "b", "c", "d"], {"a", "b", "c"}, SEGV) is None
     assert isolation.is_suspect("a")
     assert not isolation.is_suspect("d")
     assert "a" == isolation.next_trial(live.__contains__)
@@ -38,44 +55,44 @@ def test_suspects_go_on_trial_one_at_a_time_and_a_second_failure_names_the_poiso
     assert isolation.cleared("a")  # its first token: the next may go
     assert not isolation.is_suspect("a")
     assert "b" == isolation.next_trial(live.__contains__)
-    # The second failure's batch holds the request on trial as its only request without a
-    # token: it is the poison.
-    assert "b" == isolation.blame(["a", "b", "d"], unproven={"b"})
+    # The same failure, and the request on trial is its batch's only request without a
+    # token: the poison.
+    assert "b" == isolation.blame(["a", "b", "d"], {"b"}, SEGV)
     assert not isolation.is_suspect("b")
     assert "c" == isolation.next_trial(live.__contains__)
 
 
-def test_the_requests_at_their_first_step_are_the_suspects() -> None:
-    """A request that kills the engine does so at its first step: when the failing batch
-    has requests without a token, only they are suspects."""
+def test_another_failure_during_a_trial_names_no_poison() -> None:
     isolation = Isolation()
+    isolation.blame(["a"], {"a"}, SEGV)
+    assert "a" == isolation.next_trial(always)
 
-    assert isolation.blame(["a", "b", "new"], unproven={"new", "elsewhere"}) is None
-    assert ["new"] == _trial_order(isolation)
+    assert isolation.blame(["a", "b"], {"a"}, RAISE) is None  # not what made it a suspect
+    assert ["a"] == _trial_order(isolation)
 
 
 def test_a_failure_with_another_request_at_its_first_step_names_no_poison() -> None:
     isolation = Isolation()
-    isolation.blame(["a"], unproven=set())
+    isolation.blame(["a"], {"a"}, SEGV)
     assert "a" == isolation.next_trial(always)
 
-    # "late" came during the trial and ran its first step with it: either may be the one.
-    assert isolation.blame(["a", "late", "c"], unproven={"a", "late"}) is None
+    # "late" ran its first step with the trial: either may be the one.
+    assert isolation.blame(["a", "late", "c"], {"a", "late"}, SEGV) is None
     assert ["a", "late"] == _trial_order(isolation)
 
 
 def test_a_request_on_trial_outside_the_failing_batch_waits_for_its_trial_again() -> None:
     isolation = Isolation()
-    isolation.blame(["a", "b"], unproven=set())
+    isolation.blame(["a", "b"], {"a", "b"}, SEGV)
     assert "a" == isolation.next_trial(always)
 
-    assert isolation.blame(["c"], unproven=set()) is None  # "a" was not in the batch
+    assert isolation.blame(["c"], {"c"}, SEGV) is None  # "a" was not in the batch
     assert ["a", "b", "c"] == _trial_order(isolation)
 
 
 def test_ended_requests_leave_the_suspects() -> None:
     isolation = Isolation()
-    isolation.blame(["a", "b", "c"], unproven=set())
+    isolation.blame(["a", "b", "c"], {"a", "b", "c"}, SEGV)
     isolation.forget("b")
     assert "a" == isolation.next_trial(always)
     isolation.forget("a")  # its client went away during its trial
@@ -89,14 +106,14 @@ def test_ended_requests_leave_the_suspects() -> None:
 
 def test_a_dead_suspect_is_skipped() -> None:
     isolation = Isolation()
-    isolation.blame(["a", "b"], unproven=set())
+    isolation.blame(["a", "b"], {"a", "b"}, SEGV)
     assert "b" == isolation.next_trial(lambda request_id: request_id == "b")
     assert 1 == isolation.num_suspects
 
 
 def test_a_suspect_its_client_holds_keeps_its_place_until_released() -> None:
     isolation = Isolation()
-    isolation.blame(["a", "b"], unproven=set())
+    isolation.blame(["a", "b"], {"a", "b"}, SEGV)
     held = {"a"}
 
     assert "b" == isolation.next_trial(always, lambda r: r not in held)
@@ -112,14 +129,34 @@ def test_failures_pinned_on_a_poison_request_are_not_charged_but_are_bounded() -
         RecoveryConfig("restart", max_engine_restarts=1, engine_restart_window=60.0)
     )
 
-    assert (True, None) == policy.on_failure(["a", "b", "c"], set(), 0.0)  # charged: 1 of 1
+    assert (True, None) == policy.on_failure(["a", "b", "c"], {"a", "b"}, SEGV, 0.0)
     assert "a" == policy.isolation.next_trial(always)
-    assert (True, "a") == policy.on_failure(["a", "b"], {"a"}, 1.0)  # the poison: free
+    assert (True, "a") == policy.on_failure(["a", "c"], {"a"}, SEGV, 1.0)  # the poison: free
     assert "b" == policy.isolation.next_trial(always)
     # Another poison at once: the allowance (as many as the budget) is spent, and so is
     # the budget: the server shuts down.
-    assert (False, "b") == policy.on_failure(["b"], {"b"}, 2.0)
-    assert (True, None) == policy.on_failure([], set(), 61.0)  # the window moved on
+    assert (False, "b") == policy.on_failure(["b"], {"b"}, SEGV, 2.0)
+    assert (True, None) == policy.on_failure([], set(), SEGV, 61.0)  # the window moved on
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"on_engine_failure": "sometimes"},
+        {"max_engine_restarts": -1},
+        {"engine_restart_window": 0.0},
+    ],
+)
+def test_the_recovery_options_are_checked(bad: dict[str, object]) -> None:
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        EngineConfig.from_kwargs(**bad)
+
+
+def test_the_offline_engine_refuses_restarts() -> None:
+    from otel_engine import LLM
+
+    with pytest.raises(ValueError, match="the server's"):
+        LLM(on_engine_failure="restart")
 
 
 def _trial_order(isolation: Isolation) -> list[str]:
@@ -128,17 +165,3 @@ def _trial_order(isolation: Isolation) -> list[str]:
         order.append(request_id)
         assert isolation.cleared(request_id)
     return order
-
-
-def test_the_options_are_checked_and_the_offline_engine_refuses_restarts() -> None:
-    from otel_engine import LLM
-
-    for bad in (
-        {"on_engine_failure": "sometimes"},
-        {"max_engine_restarts": -1},
-        {"engine_restart_window": 0.0},
-    ):
-        with pytest.raises(ValueError, match=next(iter(bad))):
-            EngineConfig.from_kwargs(**bad)
-    with pytest.raises(ValueError, match="the server's"):
-        LLM(on_engine_failure="restart")
