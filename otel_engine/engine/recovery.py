@@ -88,6 +88,10 @@ class Isolation:
     def num_suspects(self) -> int:
         return len(self._suspected) + (self.on_trial is not None)
 
+    def has_ready(self, is_ready: Callable[[str], bool]) -> bool:
+        """Whether a suspect could go on trial now (one its client holds cannot)."""
+        return any(is_ready(request_id) for request_id in self._suspects)
+
     def next_trial(
         self, is_live: Callable[[str], bool], is_ready: Callable[[str], bool] | None = None
     ) -> str | None:

@@ -72,9 +72,16 @@ class Restarter:
 
     @property
     def holds_new_requests(self) -> bool:
-        """New requests wait: a new engine is starting, or suspects wait for their trials
-        (which must run among requests that have all produced a token)."""
-        return self.is_recovering or self.isolation.num_suspects > 0
+        """New requests wait: a new engine is starting, or a suspect is on trial or could
+        go on one (trials run among requests that have all produced a token); a suspect
+        its client holds holds nobody back."""
+        if self.is_recovering or self.isolation.on_trial is not None:
+            return True
+        return self.isolation.num_suspects > 0 and self.isolation.has_ready(self._is_ready)
+
+    def _is_ready(self, request_id: str) -> bool:
+        stream = self._llm._streams.get(request_id)
+        return stream is not None and not stream.is_paused
 
     # What the engine tells it.
 
@@ -296,18 +303,18 @@ class Restarter:
         llm = self._llm
         if self.is_recovering or llm.dead_error is not None:
             return
-        if not self.isolation.num_suspects:
-            if self._waiting:  # the last trial ended: the requests held for it go on
-                self.wake(None)
-            return
         states = llm._frontend.outputs.states
         streams = llm._streams
-        if any(r in streams and not streams[r].is_paused for r in self._not_started):
-            return
+        if self.isolation.num_suspects and any(
+            r in streams and not streams[r].is_paused for r in self._not_started
+        ):
+            return  # a trial waits for every request in the engine to have a token
         request_id = self.isolation.next_trial(
-            lambda r: r in streams and r in states, lambda r: not streams[r].is_paused
+            lambda r: r in streams and r in states, self._is_ready
         )
         if request_id is None:
+            if self._waiting and not self.holds_new_requests:
+                self.wake(None)  # no trial to run: the requests held for it go on
             return
         logger.info("request.on_trial", extra={"request_id": request_id})
         tokens = self._readmit(request_id, states[request_id], streams[request_id])

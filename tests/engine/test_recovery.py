@@ -124,6 +124,14 @@ def test_a_suspect_its_client_holds_keeps_its_place_until_released() -> None:
     assert "a" == isolation.next_trial(always, lambda r: r not in held)
 
 
+def test_only_a_suspect_that_could_go_on_trial_holds_new_requests_back() -> None:
+    isolation = Isolation()
+    isolation.blame(["a"], {"a"}, SEGV)
+
+    assert not isolation.has_ready(lambda r: r != "a")  # its client holds it
+    assert isolation.has_ready(always)
+
+
 def test_failures_pinned_on_a_poison_request_are_not_charged_but_are_bounded() -> None:
     policy = RecoveryPolicy(
         RecoveryConfig("restart", max_engine_restarts=1, engine_restart_window=60.0)
