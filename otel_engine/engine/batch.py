@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 from otel_engine.engine.structured_output import RequestGrammar, fill_bitmasks
 from otel_engine.ipc.messages import ModelInput, PromptLogprobsChunk
+from otel_engine.observability import faults
 from otel_engine.sampling_params import LogitsProcessing
 from otel_engine.sched.request import Request
 from otel_engine.sched.scheduler import ScheduledChunk
@@ -87,8 +88,13 @@ def prepare_model_input(
         prompt_logprobs=prompt_logprobs,
         grammar_rows=grammar_rows,
         grammar_bitmask=fill_bitmasks(grammars) if grammars else b"",
-        max_prompt_len=max((chunk.request.num_prompt_tokens for chunk in chunks), default=0),
+        max_prompt_len=longest_prompt(chunks) if faults.wants_prompt_len() else 0,
     )
+
+
+def longest_prompt(chunks: Sequence[ScheduledChunk]) -> int:
+    """The longest prompt of the step's requests (the fault injector's `when=prompt_len`)."""
+    return max((chunk.request.num_prompt_tokens for chunk in chunks), default=0)
 
 
 def logits_processing(request: Request) -> LogitsProcessing:

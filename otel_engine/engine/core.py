@@ -17,7 +17,7 @@ from typing import Any
 from opentelemetry import trace
 
 from otel_engine.config import EngineConfig
-from otel_engine.engine.batch import prepare_model_input
+from otel_engine.engine.batch import longest_prompt, prepare_model_input
 from otel_engine.engine.structured_output import (
     LIMIT_EXCEEDED,
     GrammarCompiler,
@@ -49,7 +49,7 @@ from otel_engine.model.arch import ModelArch
 from otel_engine.model.limits import EngineLimits
 from otel_engine.observability import crash_delivery, crash_dump
 from otel_engine.observability.decode_bandwidth import DecodeBandwidth
-from otel_engine.observability.faults import maybe_inject
+from otel_engine.observability.faults import maybe_inject, wants_prompt_len
 from otel_engine.observability.step_history import StepHistory
 from otel_engine.observability.tracing import (
     get_tracer,
@@ -281,7 +281,7 @@ class EngineCore:
                 step=output.step_id,
                 num_requests=len(output.chunks),
                 num_tokens=output.num_batched_tokens,
-                prompt_len=max((c.request.num_prompt_tokens for c in output.chunks), default=0),
+                prompt_len=longest_prompt(output.chunks) if wants_prompt_len() else 0,
             )
             result = self._execute(output, trace_context)
             if result.prompt_logprobs:

@@ -237,7 +237,8 @@ class ModelInput(msgspec.Struct, frozen=True, tag="execute", array_like=True):
     # allows token 32 w + b; `engine/structured_output.fill_bitmasks`).
     grammar_rows: list[int] = []
     grammar_bitmask: bytes = b""
-    # The longest prompt of the batch's requests (the fault injector's `when=prompt_len>=N`).
+    # The longest prompt of the batch's requests, only while the fault injector fires by
+    # prompt length (`when=prompt_len>=N`; 0 otherwise).
     max_prompt_len: int = 0
 
 

@@ -160,6 +160,13 @@ def configure() -> Fault | None:
     return _FAULT
 
 
+def wants_prompt_len() -> bool:
+    """Whether this process's fault fires by prompt length (`when=prompt_len>=N`): only
+    then does a step find its longest prompt for it."""
+    fault = _FAULT
+    return fault is not None and fault.when is not None and fault.when[0] == "prompt_len"
+
+
 def maybe_inject(
     where: str,
     *,

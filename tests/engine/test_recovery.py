@@ -173,3 +173,49 @@ def _trial_order(isolation: Isolation) -> list[str]:
         order.append(request_id)
         assert isolation.cleared(request_id)
     return order
+
+
+def test_a_carried_over_output_must_fit_the_request() -> None:
+    """The engine core checks the tokens a restarted engine is given as output: at least one
+    token left to generate, each in the vocabulary."""
+    from otel_engine.engine.validation import check_request
+    from otel_engine.errors import RequestError
+    from otel_engine.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=4)
+    check = {"vocab_size": 100, "max_model_len": 64}
+    check_request([1, 2], params, output_token_ids=[5, 6, 7], **check)  # one left
+    for output in ([5, 6, 7, 8], [5, 100]):
+        with pytest.raises(RequestError, match="carried-over output"):
+            check_request([1, 2], params, output_token_ids=output, **check)
+
+
+def test_past_the_wait_queue_a_new_request_gets_retry_after() -> None:
+    """While the engine restarts, up to RECOVERY_WAIT_QUEUE requests wait; the next one is
+    refused with the last restart's duration, answered as 503 with Retry-After."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from otel_engine.engine.recovery import RECOVERY_WAIT_QUEUE
+    from otel_engine.engine.restarter import Restarter
+    from otel_engine.entrypoints.errors import from_engine_error
+    from otel_engine.errors import EngineRecoveringError
+
+    restarter = Restarter(SimpleNamespace(config=EngineConfig()))  # type: ignore[arg-type]
+    restarter.is_recovering, restarter.restart_s = True, 2.4
+
+    async def crowd() -> EngineRecoveringError:
+        waiting = [asyncio.create_task(restarter.wait()) for _ in range(RECOVERY_WAIT_QUEUE)]
+        await asyncio.sleep(0)
+        with pytest.raises(EngineRecoveringError) as refused:
+            await restarter.wait()
+        restarter.wake(None)
+        await asyncio.gather(*waiting)  # the others go on once the restart ends
+        return refused.value
+
+    error = from_engine_error(asyncio.run(crowd()))
+    assert (503, "engine_recovering", {"Retry-After": "3"}) == (
+        error.status,
+        error.code,
+        error.headers,
+    )

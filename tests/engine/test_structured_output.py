@@ -588,3 +588,32 @@ def test_the_token_trie_from_tokenizer_json_is_the_transformers_one(tiny_model_d
     for token in range(trie.vocab_size):
         assert reference.decode_bytes([token]) == trie.decode_bytes([token]), token
         assert reference.is_special_token(token) == trie.is_special_token(token), token
+
+
+def test_a_carried_over_output_advances_the_grammar_or_fails_the_request(
+    tiny_model_dir: str,
+) -> None:
+    """A request carried over to a restarted engine has its grammar advanced over the
+    tokens it already produced; a token the grammar refuses fails that request."""
+    from transformers import AutoTokenizer
+
+    from otel_engine.engine.core import _replayed
+
+    compiler = compiler_for(tiny_model_dir)
+    schema = {
+        "type": "object",
+        "properties": {"kind": {"enum": ["fox", "dog"]}},
+        "required": ["kind"],
+        "additionalProperties": False,
+    }
+    spec = from_response_format(schema_format(schema))
+    assert spec is not None
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    sent = tokenizer.encode('{"kind":', add_special_tokens=False)
+
+    grammar = _replayed(compiler.submit(spec).result(timeout=60), sent)
+    assert grammar.error is None
+    refused = tokenizer.encode("not json", add_special_tokens=False)
+    with pytest.raises(RuntimeError, match="refused a carried-over token"):
+        _replayed(compiler.submit(spec).result(timeout=60), refused)
+    compiler.shutdown()

@@ -64,6 +64,24 @@ def test_restart_option_keeps_a_fault_to_one_engine_of_a_recovering_server(
     assert faults.configure() is None
 
 
+def test_a_step_finds_its_longest_prompt_only_for_a_fault_that_fires_by_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from otel_engine.observability import faults
+
+    monkeypatch.delenv(faults.RESTARTS_ENV_VAR, raising=False)
+    for text, wanted in (
+        ("worker:segfault:when=prompt_len>=100", True),
+        ("worker:segfault:when=num_tokens>=100", False),
+        ("", False),
+    ):
+        monkeypatch.setenv(faults.ENV_VAR, text)
+        faults.configure()
+        assert wanted == faults.wants_prompt_len(), text
+    monkeypatch.delenv(faults.ENV_VAR)
+    faults.configure()
+
+
 @pytest.mark.parametrize(
     "text",
     [
