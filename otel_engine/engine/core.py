@@ -25,7 +25,8 @@ from otel_engine.engine.structured_output import (
 )
 from otel_engine.engine.validation import check_request
 from otel_engine.errors import ErrorCode, RequestError
-from otel_engine.executor.executor import Executor, failure_info
+from otel_engine.executor.channel import failure_info
+from otel_engine.executor.executor import Executor
 from otel_engine.executor.hang import hang_error, ranks_part
 from otel_engine.executor.rank_plans import runs_kernels
 from otel_engine.ipc.messages import (

@@ -27,7 +27,7 @@ from otel_engine.config import EngineConfig
 from otel_engine.engine.core import EngineCore
 from otel_engine.engine.core_proc import FAILED_EXIT_CODE, PROCESS_NAME, build_engine_core
 from otel_engine.errors import EngineDeadError, EngineStartupError, FailureCause
-from otel_engine.executor.executor import failure_info
+from otel_engine.executor.channel import failure_info
 from otel_engine.ipc.codec import Codec
 from otel_engine.ipc.messages import (
     AbortRequests,

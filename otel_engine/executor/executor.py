@@ -1,8 +1,12 @@
 """Executors: run one step's `ModelInput` and return rank 0's sampled tokens.
 
-`UniprocExecutor` runs the model in the calling process (TP=1). `MultiprocExecutor` drives
-`--tensor-parallel-size` worker processes over ZMQ and reports what they did: a worker that
-reports a failure, or whose process sentinel fires (killed, OOM), turns the current or next
+`Executor` is what the engine core asks of one: run a step, say whether a rank has failed,
+ask the ranks where they are (a hung step), kill and shut down its ranks, and name their
+processes and places for a crash dump. `UniprocExecutor` runs the model in the calling
+process (TP=1). `MultiprocExecutor` drives `--tensor-parallel-size` worker processes on this
+machine and `RayExecutor` (ray_executor.py) ranks as Ray actors; both own a `StepChannel`
+(channel.py) for the step path and its failures, and differ only in how they start ranks and
+see one die: here a worker's process sentinel (killed, OOM) turns the current or next
 `execute()` into `WorkerError` within a fraction of a second. A worker that hangs is not
 this module's to judge: the step watchdog of the process running the step ends it.
 """
@@ -13,89 +17,52 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
-from typing import Any
-
-import zmq
+from typing import Any, Protocol
 
 from otel_engine.config import EngineConfig
 from otel_engine.errors import FailureCause
+from otel_engine.executor.channel import StepChannel
 from otel_engine.executor.hang import ask_ranks
 from otel_engine.executor.rank_plans import collect
 from otel_engine.executor.responder import flight_recorder_env
-from otel_engine.ipc.codec import Codec, error_info
-from otel_engine.ipc.messages import (
-    ErrorInfo,
-    ModelInput,
-    ModelOutput,
-    RankReport,
-    StopWorker,
-    WorkerFailure,
-    WorkerRequest,
-    WorkerResponse,
-)
+from otel_engine.ipc.messages import ErrorInfo, ModelInput, ModelOutput, RankReport
 from otel_engine.ipc.paths import IpcDir, loopback_env
-from otel_engine.ipc.process import (
-    ENGINE_CORE,
-    ChildProcess,
-    process_title,
-    spawn,
-    stop_all,
-    wait_for_death,
-)
+from otel_engine.ipc.process import ENGINE_CORE, ChildProcess, spawn, stop_all, wait_for_death
 from otel_engine.model.bandwidth import MemoryBandwidth
 from otel_engine.model.limits import EngineLimits
 from otel_engine.observability.faults import maybe_inject
 from otel_engine.observability.setup import spawn_env
-from otel_engine.timing import (
-    FAILED_REPORT_WAIT_S,
-    FAILURE_GRACE_S,
-    GRACEFUL_WORKER_STOP_MAX_S,
-    MONITOR_JOIN_S,
-    STOP_SEND_TIMEOUT_S,
-    WORKER_RESULT_POLL_S,
-)
+from otel_engine.timing import GRACEFUL_WORKER_STOP_MAX_S, MONITOR_JOIN_S
 
 logger = logging.getLogger(__name__)
 
 
-class WorkerError(Exception):
-    """A worker failed or died; carries the flattened cause."""
+class Executor(Protocol):
+    """What the engine core asks of the ranks that run its steps."""
 
-    def __init__(self, info: ErrorInfo) -> None:
-        super().__init__(f"{info.process}: {info.type}: {info.message}")
-        self.info = info
+    fast_paths: dict[str, Any] | None  # every rank's plan (`rank_plans`), once they are ready
+    memory_bandwidth: MemoryBandwidth | None  # rank 0's peak (model/bandwidth.py)
 
+    def execute(self, step: ModelInput) -> ModelOutput:
+        """Run `step` on every rank; rank 0's sampled tokens. A rank's failure raises."""
 
-def failure_info(exc: BaseException, process: str) -> ErrorInfo:
-    """What failed, for `EngineDead`: a worker's own error as it reported it, else `exc`."""
-    if isinstance(exc, WorkerError):
-        return exc.info
-    return error_info(exc, process)
+    def check_health(self, next_step: int | None = None) -> None:
+        """Raise if a rank has failed since the last step (between steps)."""
 
+    def ask_ranks(self) -> list[RankReport | None]:
+        """Every rank's answer to where it is (None: no answer), from any thread."""
 
-def choose_root_cause(
-    died: ErrorInfo | None, failures: Sequence[WorkerFailure], first_seen: ErrorInfo
-) -> ErrorInfo:
-    """Which failure caused the others. A worker that died without a report (killed, OOM)
-    is the cause: its peers' collectives broke because of it. Else the earliest report (a
-    worker that raised reports before it exits). Else the failure seen first."""
-    reporters = {process_title("worker", f.rank) for f in failures}
-    if died is not None and died.process not in reporters:
-        return died
-    if failures:
-        return min(failures, key=lambda f: f.failed_at).error
-    return first_seen
+    def kill(self) -> None:
+        """Kill every rank now (fatal paths)."""
 
+    def shutdown(self, *, graceful: bool = True) -> None:
+        """Stop every rank and give back what the executor holds."""
 
-def expects_report(
-    died: ErrorInfo | None, exit_code: int | None, failures: Sequence[WorkerFailure], waited: float
-) -> bool:
-    """Whether to wait longer for a report: a worker that raised reports, then exits with
-    code 1, and its report can arrive after its death is seen (for `FAILED_REPORT_WAIT_S`)."""
-    reporters = {process_title("worker", f.rank) for f in failures}
-    silent = died is not None and died.process not in reporters
-    return silent and exit_code == 1 and waited < FAILED_REPORT_WAIT_S
+    def process_pids(self) -> dict[str, int | None]:
+        """The processes on this machine, by title (for the crash dump)."""
+
+    def placement(self) -> list[dict[str, Any]]:
+        """Where each rank runs, where that is not this machine (for the crash dump)."""
 
 
 def worker_death(workers: list[ChildProcess]) -> tuple[ErrorInfo, int | None]:
@@ -154,38 +121,26 @@ class UniprocExecutor:
 
 
 class MultiprocExecutor:
-    """`tensor_parallel_size` worker processes, rank 0 samples."""
-
-    config: EngineConfig
-    tp_size: int
-    _requests: Codec[WorkerRequest]
-    _responses: Codec[WorkerResponse]
-    _context: zmq.Context[zmq.Socket[bytes]]
-    _inputs: list[zmq.Socket[bytes]]
-    _results: zmq.Socket[bytes]
-    _probe_addresses: list[str]
-    workers: list[ChildProcess]
-    fast_paths: dict[str, Any] | None
-    memory_bandwidth: MemoryBandwidth | None
-    _failure: ErrorInfo | None
-    _died: ErrorInfo | None
-    _died_code: int | None
-    _root: ErrorInfo | None
-    _stopping: bool
-    _monitor: threading.Thread | None
+    """`tensor_parallel_size` worker processes on this machine, rank 0 samples; the step
+    path is its `StepChannel`'s, a worker's death is seen by its process sentinel."""
 
     def __init__(
         self, config: EngineConfig, model_dir: str, limits: EngineLimits, ipc_dir: IpcDir
     ) -> None:
-        self._init_state(config)
-        self._results.bind(ipc_dir.address("worker-out"))
-        self._probe_addresses = [ipc_dir.address(f"worker-probe-{r}") for r in range(self.tp_size)]
+        self.config = config
+        self.tp_size = config.parallel.tensor_parallel_size
+        self.workers: list[ChildProcess] = []
+        self.fast_paths: dict[str, Any] | None = None  # every rank's plan, once ready
+        self.memory_bandwidth: MemoryBandwidth | None = None
+        self._stopping = False
+        self._monitor: threading.Thread | None = None
+        self._probes = [ipc_dir.address(f"worker-probe-{r}") for r in range(self.tp_size)]
+        self.channel = StepChannel(
+            self.tp_size,
+            ipc_dir.address("worker-out"),
+            [ipc_dir.address(f"worker-in-{rank}") for rank in range(self.tp_size)],
+        )
         store_path = ipc_dir.file("dist-store-port")  # rank 0 publishes its store's port
-        for rank in range(self.tp_size):
-            socket = self._context.socket(zmq.PUSH)
-            address = ipc_dir.address(f"worker-in-{rank}")
-            socket.bind(address)
-            self._inputs.append(socket)
         worker_env = {**spawn_env(config), **flight_recorder_env(), **loopback_env()}
         try:
             for rank in range(self.tp_size):
@@ -197,9 +152,9 @@ class MultiprocExecutor:
                         limits.encode(),
                         rank,
                         store_path,
-                        ipc_dir.address(f"worker-in-{rank}"),
-                        ipc_dir.address("worker-out"),
-                        self._probe_addresses[rank],
+                        self.channel.input_addresses[rank],
+                        self.channel.results_address,
+                        self._probes[rank],
                         role="worker",
                         rank=rank,
                         env=worker_env,
@@ -218,26 +173,6 @@ class MultiprocExecutor:
         )
         self._monitor.start()
 
-    def _init_state(self, config: EngineConfig) -> None:
-        """What the step path needs, before any rank exists (the Ray executor's too)."""
-        self.config = config
-        self.tp_size = config.parallel.tensor_parallel_size
-        self._requests = Codec(WorkerRequest)
-        self._responses = Codec(WorkerResponse)
-        self._context = zmq.Context(io_threads=1)
-        self._inputs = []
-        self.workers = []  # local processes (none on Ray)
-        self._failure = None
-        self.fast_paths = None  # every rank's plan (`rank_plans`), once they are ready
-        self.memory_bandwidth = None
-        self._died = None  # a worker that exited, as the monitor saw it
-        self._died_code = None
-        self._root = None  # the cause, once decided
-        self._stopping = False
-        self._monitor = None
-        self._results = self._context.socket(zmq.PULL)
-        self._probe_addresses = []
-
     def _watch_workers(self) -> None:
         died, exit_code = worker_death(self.workers)
         if self._stopping:
@@ -251,57 +186,17 @@ class MultiprocExecutor:
                 "location": died.location or None,
             },
         )
-        self._died_code, self._died = exit_code, died
-        if self._failure is None:
-            self._failure = died
-
-    def check_health(self, next_step: int | None = None) -> None:
-        """Raise WorkerError if a worker has died or reported a failure, or sent a result
-        nobody asked for (before `next_step`, when one is about to run)."""
-        if self._failure is None and self._results.poll(0):
-            self._take_result(next_step)
-        if self._failure is not None:
-            self._failure = self._root_cause([])
-            raise WorkerError(self._failure)
+        self.channel.rank_died(died, exit_code)
 
     def execute(self, step: ModelInput) -> ModelOutput:
-        self.check_health(step.step_id)
-        data = self._requests.encode(step)
-        for socket in self._inputs:
-            socket.send(data, copy=False)
-        # No deadline here: a step that hangs is the step watchdog's to end, in the process
-        # that runs the step (core_proc.StepWatchdog; the caller's, for in-process engines).
-        while True:
-            if self._results.poll(int(WORKER_RESULT_POLL_S * 1000)):
-                return self._take_result(step.step_id)
-            if self._failure is not None:  # the monitor saw a worker die
-                self._failure = self._root_cause([])
-                raise WorkerError(self._failure)
+        return self.channel.execute(step)
 
-    def _take_result(self, step_id: int | None) -> ModelOutput:
-        """The sampled tokens of `step_id` (None: no step is running). A failure report, or
-        a result for another step (the core and its workers disagree on where they are: a
-        protocol bug that would otherwise look like a hang), raises WorkerError."""
-        message = self._responses.decode(self._results.recv(copy=False).buffer)
-        if isinstance(message, WorkerFailure):
-            self._failure = self._root_cause([message])
-            raise WorkerError(self._failure)
-        if message.step_id != step_id:
-            waiting = "no step" if step_id is None else f"step {step_id}"
-            sender = process_title("worker", 0)  # rank 0 sends the results
-            self._failure = self._root = ErrorInfo(
-                type=FailureCause.STEP_MISMATCH,
-                message=f"{sender} sent the result of step {message.step_id} while the "
-                f"engine core was waiting for {waiting}",
-                process=sender,
-                rank=0,
-            )
-            raise WorkerError(self._failure)
-        return message
+    def check_health(self, next_step: int | None = None) -> None:
+        self.channel.check_health(next_step)
 
     def ask_ranks(self) -> list[RankReport | None]:
         """Every worker's answer to where it is (`hang.ask_ranks`), from any thread."""
-        return ask_ranks(self._context, self._probe_addresses)
+        return ask_ranks(self.channel.context, self._probes)
 
     def placement(self) -> list[dict[str, Any]]:
         """Every rank is on this machine: nothing to say (a Ray cluster's ranks say where)."""
@@ -318,26 +213,6 @@ class MultiprocExecutor:
         for worker in self.workers:
             worker.kill()
 
-    def _root_cause(self, failures: list[WorkerFailure]) -> ErrorInfo:
-        """Collect the failure reports that arrive within a moment (`FAILURE_GRACE_S`, longer
-        while `expects_report`), then decide once (`choose_root_cause`)."""
-        if self._root is not None:
-            return self._root
-        started = time.monotonic()
-        while True:
-            waited = time.monotonic() - started
-            if waited > FAILURE_GRACE_S and not expects_report(
-                self._died, self._died_code, failures, waited
-            ):
-                break
-            if self._results.poll(int(1000 * WORKER_RESULT_POLL_S)):
-                message = self._responses.decode(self._results.recv(copy=False).buffer)
-                if isinstance(message, WorkerFailure):
-                    failures.append(message)
-        assert self._failure is not None
-        self._root = choose_root_cause(self._died, failures, self._failure)
-        return self._root
-
     def shutdown(self, *, graceful: bool = True) -> None:
         """Ask workers to stop, then escalate (SIGTERM, SIGKILL) under one deadline.
 
@@ -346,26 +221,14 @@ class MultiprocExecutor:
         """
         self._stopping = True
         graceful_s = 0.0
-        if graceful and self._failure is None:
+        if graceful and not self.channel.failed and self.channel.send_stop():
             graceful_s = min(self.config.timeouts.shutdown_timeout, GRACEFUL_WORKER_STOP_MAX_S)
-            stop = self._requests.encode(StopWorker())
-            for socket in self._inputs:
-                socket.setsockopt(zmq.SNDTIMEO, int(1000 * STOP_SEND_TIMEOUT_S))
-                try:
-                    socket.send(stop)
-                except zmq.ZMQError:
-                    graceful_s = 0.0
         stop_all(self.workers, graceful_s=graceful_s)
         if self._monitor is not None:
             self._monitor.join(timeout=MONITOR_JOIN_S)
         for worker in self.workers:
             worker.close()
-        for socket in [*self._inputs, self._results]:
-            socket.close(linger=0)
-        self._context.term()
-
-
-Executor = UniprocExecutor | MultiprocExecutor
+        self.channel.close()
 
 
 def make_executor(

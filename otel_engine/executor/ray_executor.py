@@ -28,20 +28,23 @@ import time
 from typing import Any
 
 import msgspec
-import zmq
 
 from otel_engine.config import EngineConfig
 from otel_engine.errors import EngineStartupError, FailureCause
-from otel_engine.executor.executor import MultiprocExecutor
+from otel_engine.executor.channel import StepChannel
+from otel_engine.executor.hang import ask_ranks
 from otel_engine.executor.rank_plans import collect
 from otel_engine.executor.ray_worker import RayWorker, describe_node
 from otel_engine.executor.responder import flight_recorder_env
 from otel_engine.ipc.messages import (
     ErrorInfo,
-    StopWorker,
+    ModelInput,
+    ModelOutput,
+    RankReport,
     WorkerFailure,
 )
 from otel_engine.ipc.process import ENGINE_CORE, process_title
+from otel_engine.model.bandwidth import MemoryBandwidth
 from otel_engine.model.limits import EngineLimits
 from otel_engine.observability.faults import ENV_VAR as FAULT_ENV
 from otel_engine.observability.setup import child_env
@@ -50,7 +53,6 @@ from otel_engine.timing import (
     MONITOR_JOIN_S,
     RAY_PING_TIMEOUT_S,
     RAY_REACH_TIMEOUT_S,
-    STOP_SEND_TIMEOUT_S,
 )
 
 logger = logging.getLogger(__name__)
@@ -92,18 +94,27 @@ def actor_env(config: EngineConfig) -> dict[str, str]:
     return env
 
 
-def death_reason(error: BaseException) -> str:
-    """Why Ray says an actor died, in a few words (its own message has ids and advice, and
-    goes to the `worker.died` log line whole)."""
-    text = str(error)
-    if "worker process has died" in text or "unexpectedly exits" in text:
-        return "its process died"
-    if "node" in text and ("has died" in text or "is dead" in text):
-        return "its node died"
-    if "ray.kill" in text:
-        return "it was killed (ray.kill)"
-    if type(error).__name__ == "ActorUnavailableError":
-        return "it is unreachable (its node is gone, or its process is)"
+# Ray's exception types (`ray.exceptions`) that say on their own why a rank is gone.
+DEATH_BY_TYPE = (
+    ("ActorUnavailableError", "it is unreachable (its node is gone, or its process is)"),
+    ("OutOfMemoryError", "Ray's memory monitor killed it (out of memory)"),
+    ("NodeDiedError", "its node died"),
+)
+
+
+def death_reason(error: BaseException, exceptions: Any, node_alive: bool | None) -> str:
+    """Why Ray says a rank's actor is gone, in a few words, from the type of its error
+    (`exceptions`: `ray.exceptions`) and whether the rank's node is still alive (None: not
+    known yet). Ray's own message, with ids and advice, goes to the `worker.died` line whole."""
+    for name, reason in DEATH_BY_TYPE:
+        if isinstance(error, getattr(exceptions, name)):
+            return reason
+    if isinstance(error, exceptions.RayActorError | exceptions.WorkerCrashedError):
+        if getattr(error, "preempted", False):
+            return "its node was preempted"
+        return "its node died" if node_alive is False else "its process died"
+    if isinstance(error, exceptions.RayTaskError):
+        return f"it raised {type(error.cause).__name__}"
     return type(error).__name__
 
 
@@ -120,6 +131,20 @@ def unreachable(address: str) -> str:
         return f"nothing answers there ({error.strerror or type(error).__name__})"
 
 
+def same_cluster(address: str, joined: str) -> bool:
+    """Whether `--ray-address` `address` is the cluster at GCS address `joined` (an address
+    that is not `host:port`, such as "auto" or `ray://`, is taken to be)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or "/" in host:
+        return True
+    joined_host, _, joined_port = joined.rpartition(":")
+    try:
+        same_host = socket.gethostbyname(host) == socket.gethostbyname(joined_host)
+    except OSError:
+        same_host = host == joined_host
+    return same_host and port == joined_port
+
+
 def bundles_held(per_node: list[dict[str, float]], bundle: dict[str, float], strategy: str) -> int:
     """How many of `bundle` the nodes' total resources hold under `strategy`: every node's
     share (PACK, SPREAD), at most one per node (STRICT_SPREAD), one node's (STRICT_PACK)."""
@@ -131,30 +156,36 @@ def bundles_held(per_node: list[dict[str, float]], bundle: dict[str, float], str
     return sum(shares)
 
 
-class RayExecutor(MultiprocExecutor):
+class RayExecutor:
     """`tensor_parallel_size` ranks as Ray actors; rank 0 samples. The step path (`execute`,
-    `check_health`, failure reports, `ask_ranks`) is `MultiprocExecutor`'s."""
+    `check_health`, failure reports) is its `StepChannel`'s, over TCP; a rank's death is seen
+    by its pending `run` call."""
 
     def __init__(self, config: EngineConfig, model_dir: str, limits: EngineLimits) -> None:
         ray = import_ray()
-        self._init_state(config)
+        self.config = config
+        self.tp_size = config.parallel.tensor_parallel_size
+        self.fast_paths: dict[str, Any] | None = None
+        self.memory_bandwidth: MemoryBandwidth | None = None
         self._ray = ray
+        self._owns_session = False  # whether this executor's ray.init made the session
+        self._stopping = False
+        self._monitor: threading.Thread | None = None
+        self._channel: StepChannel | None = None
         self._actors: list[Any] = []
         self._runs: list[Any] = []
         self._nodes: list[dict[str, Any]] = []
+        self._probes: list[str] = []
         self._group: Any = None
         deadline = time.monotonic() + config.timeouts.engine_ready_timeout
         try:
             self._join_cluster()
             host = str(ray.util.get_node_ip_address())
-            self._results.bind(f"tcp://{host}:*")
-            results_address = self._results.getsockopt_string(zmq.LAST_ENDPOINT)
-            input_addresses = []
-            for _ in range(self.tp_size):
-                socket = self._context.socket(zmq.PUSH)
-                socket.bind(f"tcp://{host}:*")
-                input_addresses.append(socket.getsockopt_string(zmq.LAST_ENDPOINT))
-                self._inputs.append(socket)
+            address = f"tcp://{host}:*"
+            channel = StepChannel(
+                self.tp_size, address, [address] * self.tp_size, refine=self._refine
+            )
+            self._channel = channel
             self._group = self._place(deadline)
             self._actors = self._create_actors()
             store = self._get(
@@ -168,8 +199,8 @@ class RayExecutor(MultiprocExecutor):
                     model_dir,
                     limits.encode(),
                     *store,
-                    input_addresses[rank],
-                    results_address,
+                    channel.input_addresses[rank],
+                    channel.results_address,
                 )
                 for rank, actor in enumerate(self._actors)
             ]
@@ -177,7 +208,7 @@ class RayExecutor(MultiprocExecutor):
         except BaseException:
             self.shutdown(graceful=False)
             raise
-        self._probe_addresses = [r["probe_address"] for r in ready]
+        self._probes = [r["probe_address"] for r in ready]
         self._nodes = [{k: r[k] for k in ("node_id", "node_ip", "hostname", "pid")} for r in ready]
         self.fast_paths = collect([r["fast_paths"] for r in ready])
         self.memory_bandwidth = ready[0]["memory_bandwidth"]
@@ -191,10 +222,38 @@ class RayExecutor(MultiprocExecutor):
         )
         self._monitor.start()
 
+    @property
+    def channel(self) -> StepChannel:
+        assert self._channel is not None, "the step channel is bound before any rank starts"
+        return self._channel
+
+    # --- the step path -------------------------------------------------------------------
+
+    def execute(self, step: ModelInput) -> ModelOutput:
+        return self.channel.execute(step)
+
+    def check_health(self, next_step: int | None = None) -> None:
+        self.channel.check_health(next_step)
+
+    def ask_ranks(self) -> list[RankReport | None]:
+        """Every rank's answer to where it is (`hang.ask_ranks`), from any thread."""
+        return ask_ranks(self.channel.context, self._probes)
+
     # --- startup -----------------------------------------------------------------------
 
     def _join_cluster(self) -> None:
+        """Join the cluster as a driver; in a program that is one already (its own
+        `ray.init`), use its session, which this executor will then never shut down."""
         address = self.config.parallel.ray_address or os.environ.get("RAY_ADDRESS") or "auto"
+        if self._ray.is_initialized():
+            joined = self._ray.get_runtime_context().gcs_address
+            if self.config.parallel.ray_address and not same_cluster(address, joined):
+                raise EngineStartupError(
+                    f"--ray-address {address!r} names another cluster than the one this "
+                    f"process has joined ({joined!r}, by its own ray.init)",
+                    failed_process=ENGINE_CORE,
+                )
+            return
         reach_error = unreachable(address)
         if reach_error:  # ray.init would retry for minutes
             raise EngineStartupError(
@@ -216,6 +275,7 @@ class RayExecutor(MultiprocExecutor):
                 "`ray start --head`, or pass --ray-address)",
                 failed_process=ENGINE_CORE,
             ) from error
+        self._owns_session = True
 
     def _bundle(self) -> dict[str, float]:
         bundle = {"CPU": float(self.config.parallel.ray_cpus_per_rank)}
@@ -300,7 +360,8 @@ class RayExecutor(MultiprocExecutor):
             ) from error
         except self._ray.exceptions.RayActorError as error:
             raise EngineStartupError(
-                f"{name}{self._node_of(rank)} died while starting: {death_reason(error)}",
+                f"{name}{self._node_of(rank)} died while starting: "
+                f"{death_reason(error, self._ray.exceptions, None)}",
                 failed_process=name,
             ) from error
 
@@ -346,7 +407,8 @@ class RayExecutor(MultiprocExecutor):
             self._ray.get(ready[0])
             how = "stopped serving"
         except Exception as error:  # what Ray says of the death
-            how, said = death_reason(error), str(error)
+            how = death_reason(error, self._ray.exceptions, self._node_alive(rank))
+            said = str(error)
         died = self._rank_died(rank, how)
         logger.error(
             "worker.died",
@@ -358,19 +420,14 @@ class RayExecutor(MultiprocExecutor):
                 "ray_error": said[:RAY_ERROR_CHARS],
             },
         )
-        self._died = died
-        if self._failure is None:
-            self._failure = died
+        self.channel.rank_died(died)
 
-    def _root_cause(self, failures: list[WorkerFailure]) -> ErrorInfo:
-        """The local executor's choice, checked against the ranks that said nothing: Ray
-        sees a node go only after its health checks fail (seconds), while the peers'
-        collectives break at once and they report that; a rank that neither reported nor
-        answers a ping is the cause. The failed rank's node is named where its own report
-        could not know it."""
-        if self._root is not None:
-            return self._root
-        root = super()._root_cause(failures)
+    def _refine(self, root: ErrorInfo, failures: list[WorkerFailure]) -> ErrorInfo:
+        """The channel's choice, checked against the ranks that said nothing: Ray sees a
+        node go only after its health checks fail (seconds), while the peers' collectives
+        break at once and they report that; a rank that neither reported nor answers a ping
+        is the cause. The failed rank's node is named where its own report could not know
+        it."""
         if root.type != FailureCause.WORKER_DIED:
             reporters = {f.rank for f in failures} | {root.rank}
             silent = self._silent_rank(reporters)
@@ -382,8 +439,17 @@ class RayExecutor(MultiprocExecutor):
             root = msgspec.structs.replace(
                 root, location=f"{root.location} ({where})" if root.location else where
             )
-        self._root = root
         return root
+
+    def _node_alive(self, rank: int) -> bool | None:
+        """Whether the node `rank` ran on is alive, as the cluster says (None: unknown)."""
+        if rank >= len(self._nodes):
+            return None
+        with contextlib.suppress(Exception):
+            for node in self._ray.nodes():
+                if node.get("NodeID") == self._nodes[rank].get("node_id"):
+                    return bool(node.get("Alive"))
+        return None
 
     def _rank_died(self, rank: int, how: str) -> ErrorInfo:
         """`WorkerDied` of `rank`, naming its node and `how` (also client-safe: `location`)."""
@@ -413,7 +479,7 @@ class RayExecutor(MultiprocExecutor):
                     f"it did not answer within {RAY_PING_TIMEOUT_S:g} s (its node is gone?)",
                 )
             except Exception as error:
-                return rank, death_reason(error)
+                return rank, death_reason(error, self._ray.exceptions, self._node_alive(rank))
         return None
 
     # --- what the core asks --------------------------------------------------------------
@@ -437,14 +503,12 @@ class RayExecutor(MultiprocExecutor):
 
     def shutdown(self, *, graceful: bool = True) -> None:
         """Ask the ranks to stop (their `run` returns), then kill what is left, remove the
-        placement group and leave the cluster: nothing of this engine stays in it."""
+        placement group and leave the cluster if this executor joined it: nothing of this
+        engine stays in it, and a session the program opened itself stays open."""
         self._stopping = True
-        if graceful and self._failure is None and self._runs:
-            stop = self._requests.encode(StopWorker())
-            for socket in self._inputs:
-                socket.setsockopt(zmq.SNDTIMEO, int(1000 * STOP_SEND_TIMEOUT_S))
-                with contextlib.suppress(zmq.ZMQError):
-                    socket.send(stop)
+        channel = self._channel
+        stoppable = graceful and self._runs and channel is not None and not channel.failed
+        if stoppable and channel is not None and channel.send_stop():
             timeout = min(self.config.timeouts.shutdown_timeout, GRACEFUL_WORKER_STOP_MAX_S)
             with contextlib.suppress(Exception):
                 self._ray.wait(self._runs, num_returns=len(self._runs), timeout=timeout)
@@ -454,9 +518,8 @@ class RayExecutor(MultiprocExecutor):
                 self._ray.util.remove_placement_group(self._group)
         if self._monitor is not None:
             self._monitor.join(timeout=MONITOR_JOIN_S)
-        for socket in [*self._inputs, self._results]:
-            socket.close(linger=0)
-        self._context.term()
-        with contextlib.suppress(Exception):
-            if self._ray.is_initialized():
+        if channel is not None:
+            channel.close()
+        if self._owns_session:
+            with contextlib.suppress(Exception):
                 self._ray.shutdown()

@@ -359,3 +359,86 @@ def test_a_rank_that_fails_to_start_is_one_line_naming_it(
     for part in expected:
         assert part in line, line
     wait_nothing_left()
+
+
+def test_a_program_with_its_own_ray_session_keeps_it(
+    tiny_model_dir: str, cluster: Any, tmp_path: Path
+) -> None:
+    """The engine in this process (the offline `LLM`), in a program that has called
+    `ray.init` itself (this test's cluster fixture did): the engine joins that session, gives
+    the same greedy output as the local executor, and at shutdown removes its actors and
+    placement group but leaves the program's session open."""
+    from otel_engine import LLM, SamplingParams
+
+    prompts = [[1, 2, 3, 4], [5, 6, 7]]
+    params = SamplingParams(max_tokens=8, temperature=0)
+    options: dict[str, Any] = {"tensor_parallel_size": 2, "dtype": "float32", "num_kv_blocks": 64}
+    local = LLM(tiny_model_dir, **options)
+    try:
+        expected = [o.outputs[0].token_ids for o in local.generate(prompts, params)]
+    finally:
+        local.shutdown()
+
+    session = ray.get_runtime_context().get_job_id()
+    llm = LLM(
+        tiny_model_dir,
+        distributed_executor_backend="ray",
+        ray_address=cluster.address,
+        engine_ready_timeout=120,
+        **options,
+    )
+    try:
+        assert expected == [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    finally:
+        llm.shutdown()
+    assert ray.is_initialized()
+    assert session == ray.get_runtime_context().get_job_id()
+    wait_nothing_left()
+
+
+def test_a_ray_address_other_than_the_programs_session_is_refused(
+    tiny_model_dir: str, cluster: Any
+) -> None:
+    from otel_engine import LLM
+    from otel_engine.errors import EngineStartupError
+    from tests.helpers.procs import free_port
+
+    other = f"127.0.0.1:{free_port()}"
+    with pytest.raises(EngineStartupError, match="names another cluster than the one this"):
+        LLM(
+            tiny_model_dir,
+            tensor_parallel_size=2,
+            distributed_executor_backend="ray",
+            ray_address=other,
+        )
+    assert ray.is_initialized()
+    wait_nothing_left()
+
+
+def test_a_ranks_death_is_told_by_rays_exception_type() -> None:
+    """Ray's exception types and the node's state say how a rank went, not Ray's wording."""
+    if ray is None:
+        missing("Ray is not installed (pip install 'otel-engine[ray]'; make install does)")
+    from otel_engine.executor.ray_executor import death_reason
+
+    errors = ray.exceptions
+    died = errors.ActorDiedError()
+    assert "its process died" == death_reason(died, errors, node_alive=True)
+    assert "its process died" == death_reason(died, errors, node_alive=None)
+    assert "its node died" == death_reason(died, errors, node_alive=False)
+    assert "its node died" == death_reason(errors.NodeDiedError("gone"), errors, None)
+    unavailable = errors.ActorUnavailableError("no answer", None)
+    assert death_reason(unavailable, errors, True).startswith("it is unreachable")
+    assert "out of memory" in death_reason(errors.OutOfMemoryError("m"), errors, True)
+    assert "its process died" == death_reason(errors.WorkerCrashedError(), errors, True)
+    assert "RuntimeError" == death_reason(RuntimeError("x"), errors, True)
+
+
+def test_which_ray_addresses_name_the_joined_cluster() -> None:
+    from otel_engine.executor.ray_executor import same_cluster
+
+    assert same_cluster("127.0.0.1:6379", "127.0.0.1:6379")
+    assert same_cluster("localhost:6379", "127.0.0.1:6379")
+    assert not same_cluster("127.0.0.1:6380", "127.0.0.1:6379")
+    assert same_cluster("auto", "10.0.0.7:6379")
+    assert same_cluster("ray://head:10001", "10.0.0.7:6379")

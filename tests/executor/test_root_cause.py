@@ -8,7 +8,8 @@ import time
 import pytest
 
 from otel_engine.errors import FailureCause
-from otel_engine.executor.executor import choose_root_cause, expects_report, worker_death
+from otel_engine.executor.channel import choose_root_cause, expects_report
+from otel_engine.executor.executor import worker_death
 from otel_engine.ipc.messages import ErrorInfo, WorkerFailure
 from otel_engine.ipc.process import ChildProcess, spawn
 from otel_engine.timing import FAILED_REPORT_WAIT_S
