@@ -15,7 +15,8 @@ ready, `engine.recovered`), and how every stream ended (all must finish: none fa
 lost).
 
 Restarts (`--restarts K`): with no traffic, SIGKILL the engine core K times, each time waiting
-for `/health`; the api_server's open fds, threads and RSS after the first restart and after
+for `/health`; the api_server's open fds, threads, RSS and processes under it (the engine
+core, its workers, the spare engine core) after the first restart and after
 every tenth, and one greedy request's text before and after, which must be the same.
 Numbers only.
 """
@@ -199,6 +200,7 @@ def run_restarts(args: argparse.Namespace) -> dict[str, Any]:
                         "fds": api.num_fds(),
                         "threads": api.num_threads(),
                         "rss_mib": round(api.memory_info().rss / 2**20, 1),
+                        "processes": len(api.children(recursive=True)),
                     }
                 )
                 print(f"  {samples[-1]}", flush=True)
@@ -261,10 +263,16 @@ def main() -> None:
     if args.restarts:
         result = run_restarts(args)
         rows = [
-            [str(s["restart"]), str(s["fds"]), str(s["threads"]), fmt(s["rss_mib"])]
+            [
+                str(s["restart"]),
+                str(s["fds"]),
+                str(s["threads"]),
+                fmt(s["rss_mib"]),
+                str(s["processes"]),
+            ]
             for s in result["samples"]
         ]
-        print_table(["restart", "fds", "threads", "RSS MiB"], rows)
+        print_table(["restart", "fds", "threads", "RSS MiB", "processes under it"], rows)
         print(f"same greedy text after: {result['same_text_after']}; exit {result['exit_code']}")
     else:
         result = run_pause(args)

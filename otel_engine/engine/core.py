@@ -77,7 +77,10 @@ class EngineCore:
         limits: EngineLimits,
         executor: Executor,
         model_dir: str = "",
+        grammars: GrammarCompiler | None = None,
     ) -> None:
+        """`grammars`: the structured-output compiler, its token trie begun (else one is
+        made here, its trie built before this returns when there is a `model_dir`)."""
         self.config = config
         self.arch = arch
         self.limits = limits
@@ -97,7 +100,7 @@ class EngineCore:
         self.memory_bandwidth = executor.memory_bandwidth  # rank 0's peak (model/bandwidth.py)
         self.bandwidth = DecodeBandwidth(self.memory_bandwidth)
         # Structured-output requests wait here, outside the scheduler, for their grammar.
-        self.grammars = GrammarCompiler(model_dir, arch.vocab_size, arch.eos_token_ids)
+        self.grammars = grammars or GrammarCompiler(model_dir, arch.vocab_size, arch.eos_token_ids)
         if model_dir:
             self._build_token_trie()
         self.compiling: dict[str, tuple[Request, futures.Future[RequestGrammar]]] = {}

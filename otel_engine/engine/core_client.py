@@ -25,7 +25,12 @@ from opentelemetry import trace
 
 from otel_engine.config import EngineConfig
 from otel_engine.engine.core import EngineCore
-from otel_engine.engine.core_proc import FAILED_EXIT_CODE, PROCESS_NAME, build_engine_core
+from otel_engine.engine.core_proc import (
+    FAILED_EXIT_CODE,
+    PRELOAD,
+    PROCESS_NAME,
+    build_engine_core,
+)
 from otel_engine.errors import EngineDeadError, EngineStartupError, FailureCause
 from otel_engine.executor.channel import failure_info
 from otel_engine.ipc.codec import Codec
@@ -44,7 +49,7 @@ from otel_engine.ipc.messages import (
 )
 from otel_engine.ipc.native_fault import enable_on_stderr
 from otel_engine.ipc.paths import IpcDir
-from otel_engine.ipc.process import ENGINE_CORE, spawn, wait_for_death
+from otel_engine.ipc.process import ENGINE_CORE, Standby, wait_for_death
 from otel_engine.model.limits import EngineLimits
 from otel_engine.observability import crash_delivery, crash_dump
 from otel_engine.observability.decode_bandwidth import DecodeBandwidth
@@ -198,11 +203,24 @@ class InprocClient:
         self.ipc_dir.cleanup()
 
 
+def spare_core(config: EngineConfig) -> Standby:
+    """An engine core process started ahead of a restart, torch and the model code imported
+    (`core_proc.PRELOAD`), for `MPClient`'s `standby`: a restart then skips those seconds."""
+    return Standby(spawn_env(config), preload=PRELOAD)
+
+
 class MPClient:
     """The engine core in its own process, behind two ZMQ sockets that this side binds."""
 
-    def __init__(self, config: EngineConfig, model_dir: str, restarts: int = 0) -> None:
-        """`restarts`: how many engines this server started before this one (`recovery`)."""
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_dir: str,
+        restarts: int = 0,
+        standby: Standby | None = None,
+    ) -> None:
+        """`restarts`: how many engines this server started before this one (`recovery`);
+        `standby`: a `spare_core` to launch it in (else a new process)."""
         self.config = config
         self.restarts = restarts
         self.ipc_dir = IpcDir(config.instance_id)
@@ -220,7 +238,8 @@ class MPClient:
         self._stopping = False
         self._is_retired = False  # a failed engine being replaced: nothing more is sent
         self._monitor: threading.Thread | None = None
-        self.core = spawn(
+        standby = standby or Standby(spawn_env(config))
+        self.core = standby.launch(
             "otel_engine.engine.core_proc:run_engine_core",
             config.encode(),
             model_dir,
@@ -228,7 +247,7 @@ class MPClient:
             self.ipc_dir.address("core-in"),
             self.ipc_dir.address("core-out"),
             role=ENGINE_CORE,
-            env={**spawn_env(config), RESTARTS_ENV_VAR: str(restarts)},
+            env={RESTARTS_ENV_VAR: str(restarts)},
             fault_dir=self.ipc_dir.path,
         )
         try:

@@ -22,6 +22,7 @@ import zmq
 
 from otel_engine.config import EngineConfig
 from otel_engine.engine.core import EngineCore
+from otel_engine.engine.structured_output import GrammarCompiler
 from otel_engine.executor.channel import failure_info
 from otel_engine.executor.executor import make_executor
 from otel_engine.ipc.codec import Codec
@@ -54,6 +55,9 @@ from otel_engine.timing import (
 logger = logging.getLogger(__name__)
 
 PROCESS_NAME = ENGINE_CORE
+# What a spare engine core imports before it is launched (`ipc.process.Standby`): torch and
+# the model code, the most of an engine core's start after the weights.
+PRELOAD = ("otel_engine.engine.core_proc", "otel_engine.executor.model_runner")
 # The exit of an engine core that failed after recording its crash dump and sending
 # EngineDead; any other unasked-for exit left no dump (the front end records one).
 FAILED_EXIT_CODE = 1
@@ -61,12 +65,18 @@ FAILED_EXIT_CODE = 1
 
 def build_engine_core(config: EngineConfig, model_dir: str, ipc_dir: IpcDir) -> EngineCore:
     """The model's limits (resolved here, once, for every rank), the executor (its workers
-    started and ready), and the core."""
+    started and ready) while the grammar thread builds its token trie, and the core."""
     arch = load_model_arch(model_dir)
     limits = resolve_limits(config, arch)
-    maybe_inject(ENGINE_CORE, phase="load")
-    executor = make_executor(config, model_dir, limits, ipc_dir)
-    return EngineCore(config, arch, limits, executor, model_dir)
+    grammars = GrammarCompiler(model_dir, arch.vocab_size, arch.eos_token_ids)
+    grammars.start()
+    try:
+        maybe_inject(ENGINE_CORE, phase="load")
+        executor = make_executor(config, model_dir, limits, ipc_dir)
+    except BaseException:
+        grammars.shutdown()
+        raise
+    return EngineCore(config, arch, limits, executor, model_dir, grammars)
 
 
 def run_engine_core(

@@ -5,17 +5,19 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from typing import Any
 
-from otel_engine.config import EngineConfig
+from otel_engine.config import EngineConfig, EngineFailureMode
 from otel_engine.engine import generation_defaults
-from otel_engine.engine.core_client import CoreClient, InprocClient, MPClient
+from otel_engine.engine.core_client import CoreClient, InprocClient, MPClient, spare_core
 from otel_engine.engine.input import InputProcessor
 from otel_engine.engine.output import OutputProcessor
 from otel_engine.engine.validation import describe_context
 from otel_engine.errors import EngineDeadError
 from otel_engine.ipc.messages import AddRequest, EngineDead
+from otel_engine.ipc.process import Standby
 from otel_engine.model.arch import load_model_arch
 from otel_engine.model.gguf import ROUNDED_KEY
 from otel_engine.model.limits import choose_dtype
@@ -100,6 +102,30 @@ class Frontend:
             self.tokenizer, self.max_model_len, arch.vocab_size, self.context_limited_by
         )
         self.outputs = OutputProcessor(self.tokenizer)
+        # A server that restarts its engine keeps the next engine core's process ready.
+        self._spare_lock = threading.Lock()
+        self._is_shut_down = False
+        self._spare: Standby | None = None
+        if self._keeps_spare():
+            self._spare = spare_core(config)
+
+    def _keeps_spare(self) -> bool:
+        recovery = self.config.recovery
+        return self.config.parallel.multiprocess and (
+            recovery.on_engine_failure == EngineFailureMode.RESTART
+        )
+
+    def next_client(self, restarts: int) -> MPClient:
+        """A new engine (a restart; `restarts` engines were started before it) in the spare
+        engine core process, and the next spare started."""
+        with self._spare_lock:
+            standby = self._spare
+            self._spare = None if self._is_shut_down else spare_core(self.config)
+        if standby is not None and not standby.is_alive():  # killed while it waited
+            logger.warning("engine.spare_lost", extra={"exitcode": standby.popen.returncode})
+            standby.close()
+            standby = None
+        return MPClient(self.config, self.model_dir, restarts=restarts, standby=standby)
 
     def add_request(
         self,
@@ -133,6 +159,11 @@ class Frontend:
 
     def shutdown(self) -> None:
         self.client.shutdown()
+        with self._spare_lock:
+            self._is_shut_down = True
+            spare, self._spare = self._spare, None
+        if spare is not None:
+            spare.close()
 
 
 def _default_name(model: str | None, model_dir: str) -> str:

@@ -353,7 +353,7 @@ def _restart_engine(
         thread.join(timeout=THREAD_JOIN_S)
     old.shutdown(graceful=False)
     try:
-        client = MPClient(llm.config, llm._frontend.model_dir, restarts=restarter.restarts)
+        client = llm._frontend.next_client(restarter.restarts)
     except Exception as exc:  # EngineStartupError, or the spawn itself failed
         _call_in_loop(llm, restarter.restart_failed, exc)
         return

@@ -374,7 +374,8 @@ class GrammarCompiler:
     """The engine core's grammars: built in the `grammar` thread, cached per spec.
 
     `start` builds the tokenizer's llguidance view (a token trie, 0.4 s for a 49k
-    vocabulary) in that thread; the engine core waits for it before it is ready.
+    vocabulary) in that thread, while the ranks load the model; the engine core waits for it
+    before it is ready.
     The lexer states that masks build are shared by a spec's template and its copies, so
     the cache is what holds a costly grammar's memory: a spec whose request went past a
     budget leaves it and is refused (400) from then on, one whose lexer outgrew KEEP_BYTES
@@ -390,6 +391,7 @@ class GrammarCompiler:
         self.eos_token_ids = list(eos_token_ids)
         self._thread: ThreadPoolExecutor | None = None
         self._tokenizer: llguidance.LLTokenizer | None = None
+        self._trie: Future[llguidance.LLTokenizer] | None = None
         self._cache: OrderedDict[StructuredOutput, _Template] = OrderedDict()
         self._refused: OrderedDict[StructuredOutput, str] = OrderedDict()
         self.compile_times: deque[float] = deque()
@@ -402,8 +404,13 @@ class GrammarCompiler:
             return self._thread
 
     def start(self) -> Future[llguidance.LLTokenizer]:
-        """Build the token trie now, in the grammar thread (requests queue behind it)."""
-        return self._executor().submit(self._llg_tokenizer)
+        """Build the token trie now, in the grammar thread (requests queue behind it); the
+        same future each time."""
+        executor = self._executor()
+        with self._lock:
+            if self._trie is None:
+                self._trie = executor.submit(self._llg_tokenizer)
+            return self._trie
 
     def submit(self, spec: StructuredOutput) -> Future[RequestGrammar]:
         """A fresh grammar for one request, built off the caller's thread; the future raises

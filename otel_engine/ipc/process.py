@@ -24,7 +24,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -58,6 +58,7 @@ class Launch(msgspec.Struct, frozen=True):
     death_fd: int
     args: list[Any]
     fault_path: str = ""  # where its faulthandler writes ("": stderr)
+    env: dict[str, str] = {}  # set before it sets itself up (a standby's start-specific part)
 
 
 class ReadyChannel:
@@ -283,6 +284,80 @@ def process_title(role: str, rank: int | None = None) -> str:
     return f"otel-{role.replace('_', '-')}"
 
 
+class Standby:
+    """A child process started before it is needed: a fresh interpreter that imports the
+    modules in `preload` (the slow part of a start: torch and the model code take seconds) on
+    a thread of the idle scheduling class, so that it never slows the processes that serve,
+    then waits on its stdin for its `launch`. A parent that keeps one ready starts its next
+    child without those seconds. A standby whose parent dies reads EOF and exits quietly;
+    one never launched is stopped by `close`."""
+
+    def __init__(self, env: Mapping[str, str] | None = None, preload: Sequence[str] = ()) -> None:
+        if not hasattr(os, "pidfd_open"):  # refused before anything is started
+            raise OSError("a child process cannot be supervised here: that needs Linux")
+        self._ready_r, self._ready_w = os.pipe()
+        self._death_r, self._death_w = os.pipe()
+        self.popen = subprocess.Popen(
+            [sys.executable, "-c", f"from {__name__} import child_main; child_main()", *preload],
+            stdin=subprocess.PIPE,
+            pass_fds=(self._ready_w, self._death_r),
+            close_fds=True,
+            env=None if env is None else dict(env),
+        )
+        os.close(self._ready_w)  # the child's, under the same numbers
+        os.close(self._death_r)
+        self._launched = False
+
+    def launch(
+        self,
+        target: str,
+        *args: Any,
+        role: str,
+        rank: int | None = None,
+        env: Mapping[str, str] | None = None,
+        fault_dir: str | None = None,
+    ) -> ChildProcess:
+        """Run `target` ("module:function") in it as `process_title(role, rank)`, with `env`
+        added to its environment; arguments must be plain data. Its faulthandler writes to
+        `fault_dir`/fault-<name> (the engine's private IPC directory), or to its stderr."""
+        assert not self._launched, "a standby is launched once"
+        self._launched = True
+        name = process_title(role, rank)
+        fault_path = os.path.join(fault_dir, f"fault-{name}") if fault_dir else ""
+        launch = Launch(
+            name,
+            target,
+            role,
+            rank,
+            self._ready_w,
+            self._death_r,
+            list(args),
+            fault_path,
+            dict(env or {}),
+        )
+        stdin = self.popen.stdin
+        assert stdin is not None
+        with contextlib.suppress(BrokenPipeError):  # it died: its ChildProcess says how
+            stdin.write(msgspec.msgpack.encode(launch))
+            stdin.close()
+        return ChildProcess(name, self.popen, self._ready_r, self._death_w, fault_path, rank)
+
+    def is_alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def close(self) -> None:
+        """Stop a standby that was never launched, and reap it."""
+        if self._launched:
+            return
+        self._launched = True
+        self.popen.kill()
+        self.popen.wait()
+        if self.popen.stdin is not None:
+            self.popen.stdin.close()
+        os.close(self._ready_r)
+        os.close(self._death_w)
+
+
 def spawn(
     target: str,
     *args: Any,
@@ -292,34 +367,20 @@ def spawn(
     fault_dir: str | None = None,
 ) -> ChildProcess:
     """Start `target` ("module:function") as the process `process_title(role, rank)` with
-    environment `env` (this process's by default); arguments must be plain data. Its
-    faulthandler writes to `fault_dir`/fault-<name> (the engine's private IPC directory),
-    or to its stderr without one."""
-    name = process_title(role, rank)
-    if not hasattr(os, "pidfd_open"):  # refused before anything is started
-        raise OSError(f"{name} cannot be supervised here: process supervision needs Linux")
-    fault_path = os.path.join(fault_dir, f"fault-{name}") if fault_dir else ""
-    ready_r, ready_w = os.pipe()
-    death_r, death_w = os.pipe()
-    launch = Launch(name, target, role, rank, ready_w, death_r, list(args), fault_path)
-    popen = subprocess.Popen(
-        [sys.executable, "-c", "from otel_engine.ipc.process import child_main; child_main()"],
-        stdin=subprocess.PIPE,
-        pass_fds=(ready_w, death_r),
-        close_fds=True,
-        env=None if env is None else dict(env),
-    )
-    os.close(ready_w)
-    os.close(death_r)
-    assert popen.stdin is not None
-    popen.stdin.write(msgspec.msgpack.encode(launch))
-    popen.stdin.close()
-    return ChildProcess(name, popen, ready_r, death_w, fault_path, rank)
+    environment `env` (this process's by default): `Standby.launch` at once."""
+    return Standby(env).launch(target, *args, role=role, rank=rank, fault_dir=fault_dir)
 
 
 def child_main() -> None:
-    """Entry point of every child process (see `spawn`)."""
-    launch = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=Launch)
+    """Entry point of every child process (see `Standby`); its arguments are the modules
+    to import before it reads its launch."""
+    if sys.argv[1:]:
+        _preload(sys.argv[1:])
+    data = sys.stdin.buffer.read()
+    if not data:  # a standby whose parent died before launching it
+        os._exit(0)
+    launch = msgspec.msgpack.decode(data, type=Launch)
+    os.environ.update(launch.env)
     if launch.fault_path:
         native_fault.enable_to_file(launch.fault_path)
     else:
@@ -340,6 +401,23 @@ def child_main() -> None:
             channel.failed(exc)
             os._exit(1)
         raise
+
+
+def _preload(modules: Sequence[str]) -> None:
+    """Import `modules` on a thread of the idle scheduling class (Linux schedules threads:
+    this one runs only on a CPU nobody else wants, and the main thread keeps its class). A
+    module that fails to import is imported again by its launch, which then reports it."""
+
+    def load() -> None:
+        with contextlib.suppress(OSError):
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        for module in modules:
+            with contextlib.suppress(Exception):
+                importlib.import_module(module)
+
+    thread = threading.Thread(target=load, name="preload")
+    thread.start()
+    thread.join()
 
 
 def _set_title(name: str) -> None:

@@ -48,3 +48,20 @@ def ready_then_segfault(channel: Any) -> None:
 def ready_then_abort(channel: Any) -> None:
     channel.ready()
     os.abort()
+
+
+def report_start(channel: Any, path: str) -> None:
+    """Write how this child started (its preloaded module, scheduling, environment)."""
+    import json
+    import sys
+
+    preloaded = sys.modules.get("tests.ipc.preloaded")
+    facts = {
+        "preloaded_by": getattr(preloaded, "THREAD", None),
+        "preload_scheduler": getattr(preloaded, "SCHEDULER", None),
+        "scheduler": os.sched_getscheduler(0),
+        "launch_env": os.environ.get("OTEL_ENGINE_TEST_LAUNCH"),
+    }
+    with open(path, "w") as file:
+        json.dump(facts, file)
+    channel.ready()

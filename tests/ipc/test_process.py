@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import json
+import os
 import time
+from pathlib import Path
 
 import pytest
 
 from otel_engine.errors import EngineStartupError
-from otel_engine.ipc.process import ChildProcess, process_title, spawn, stop_all, wait_for_death
+from otel_engine.ipc.process import (
+    ChildProcess,
+    Standby,
+    process_title,
+    spawn,
+    stop_all,
+    wait_for_death,
+)
 
 TARGETS = "tests.ipc.targets"
 
@@ -129,3 +139,49 @@ def test_without_pidfd_nothing_is_spawned(monkeypatch: pytest.MonkeyPatch) -> No
     with pytest.raises(OSError, match="needs Linux"):
         process.spawn("tests.ipc.targets:ready_and_wait", role="worker", rank=0)
     assert [] == started
+
+
+def test_a_standby_imports_ahead_on_an_idle_thread_then_runs_its_launch(
+    started: list[ChildProcess], tmp_path: Path
+) -> None:
+    """The modules a standby preloads are imported on a thread of the idle scheduling class
+    before its launch; the launched target runs on the main thread, of the normal class, with
+    the launch's environment."""
+    standby = Standby(preload=["tests.ipc.preloaded"])
+    report = tmp_path / "start.json"
+    child = standby.launch(
+        f"{TARGETS}:report_start",
+        str(report),
+        role="worker",
+        rank=5,
+        env={"OTEL_ENGINE_TEST_LAUNCH": "yes"},
+    )
+    started.append(child)
+
+    assert "otel-worker-5" == child.wait_ready(time.monotonic() + 30).process
+    facts = json.loads(report.read_text())
+    assert {
+        "preloaded_by": "preload",
+        "preload_scheduler": os.SCHED_IDLE,
+        "scheduler": os.SCHED_OTHER,
+        "launch_env": "yes",
+    } == facts
+
+
+def test_a_standby_never_launched_is_stopped_by_close() -> None:
+    standby = Standby(preload=["tests.ipc.preloaded"])
+    assert standby.is_alive()
+
+    standby.close()
+
+    assert standby.popen.returncode is not None
+
+
+def test_a_standby_whose_parent_is_gone_exits_quietly() -> None:
+    """A parent that dies closes the standby's stdin: it exits 0 without a launch."""
+    standby = Standby()
+    assert standby.popen.stdin is not None
+    standby.popen.stdin.close()  # what the parent's death does
+
+    assert 0 == standby.popen.wait(30)
+    standby.close()
