@@ -37,7 +37,7 @@ RATE = "[$__rate_interval]"
 OPS = "docs/operations.md"
 
 # error_type values answered with 5xx (engine failures, drain, internal errors) and aborts by
-# the client; every other error_type is a 4xx client error (see entrypoints/errors.py).
+# the client; every other error_type is a 4xx client error (see entrypoints/network/errors.py).
 SERVER_ERRORS = (
     "engine_dead|shutting_down|aborted_by_engine|internal_server_error|service_unavailable_error"
     "|request_failed"

@@ -29,8 +29,8 @@ from otel_engine.config import (
     RAY_PLACEMENT_STRATEGIES,
     EngineConfig,
 )
-from otel_engine.entrypoints.limits import CHARS_PER_TOKEN_BOUND, ServerLimits
-from otel_engine.entrypoints.tool_parsers import PARSER_CHOICES
+from otel_engine.entrypoints.network.limits import CHARS_PER_TOKEN_BOUND, ServerLimits
+from otel_engine.entrypoints.tools.parser import PARSER_CHOICES
 from otel_engine.observability.logging import adopt_library_loggers
 from otel_engine.observability.setup import setup_main_process
 from otel_engine.observability.tracing import shutdown_telemetry
@@ -496,7 +496,7 @@ def _interrupt(signum: int, frame: object) -> None:
 def serve(args: argparse.Namespace, config: EngineConfig) -> int:
     from otel_engine import AsyncLLM
     from otel_engine.entrypoints.api_server import bind_socket, run_server
-    from otel_engine.entrypoints.guard import ApiKeyError, resolve_api_key
+    from otel_engine.entrypoints.network.guard import ApiKeyError, resolve_api_key
 
     try:
         api_key = resolve_api_key(args.api_key, args.api_key_file, os.environ)

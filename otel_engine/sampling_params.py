@@ -38,7 +38,7 @@ MAX_SHOWN_DIGITS = 20
 class StructuredOutput(msgspec.Struct, frozen=True, array_like=True):
     """Output constrained by a grammar (`engine/structured_output.py` enforces it): any JSON
     object (`json_object`), a value that validates against `json_schema` (its text), or
-    `tool_calls`: the llguidance (Lark) `grammar` that entrypoints/tools.py builds from a
+    `tool_calls`: the llguidance (Lark) `grammar` that entrypoints/tools/plan.py builds from a
     request's `num_tools` tools, text or calls of them in the model's format."""
 
     type: str
@@ -109,7 +109,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     # such a request computes its whole prompt (the prefix cache would skip positions).
     prompt_logprobs: int | None = None
     structured_output: StructuredOutput | None = None  # JSON, enforced token by token
-    num_tools: int = 0  # the request's tools (entrypoints/tools.py): counted in dumps only
+    num_tools: int = 0  # the request's tools (entrypoints/tools/plan.py): counted in dumps only
 
     # Crash dumps show limits and flags, never stop strings, stop token ids or the seed.
     __crash_dump__: ClassVar[dict[str, str]] = {

@@ -26,14 +26,14 @@ import uvicorn
 from fastapi import FastAPI, Request
 from starlette.responses import PlainTextResponse, Response
 
-from otel_engine.entrypoints.access_log import AccessLogMiddleware
-from otel_engine.entrypoints.bodies import body_route_class
-from otel_engine.entrypoints.connections import (
+from otel_engine.entrypoints.network.access_log import AccessLogMiddleware
+from otel_engine.entrypoints.network.bodies import body_route_class
+from otel_engine.entrypoints.network.connections import (
     ConnectionTable,
     protocol_class,
     rate_limited_exception_handler,
 )
-from otel_engine.entrypoints.errors import (
+from otel_engine.entrypoints.network.errors import (
     InternalErrorMiddleware,
     engine_recovering,
     engine_stalled,
@@ -41,10 +41,10 @@ from otel_engine.entrypoints.errors import (
     error_response,
     install_error_handlers,
 )
-from otel_engine.entrypoints.guard import GuardMiddleware, ServerState
-from otel_engine.entrypoints.http_tracing import HttpTracingMiddleware
-from otel_engine.entrypoints.limits import ServerLimits
-from otel_engine.entrypoints.openapi import (
+from otel_engine.entrypoints.network.guard import GuardMiddleware, ServerState
+from otel_engine.entrypoints.network.http_tracing import HttpTracingMiddleware
+from otel_engine.entrypoints.network.limits import ServerLimits
+from otel_engine.entrypoints.openai.openapi import (
     CONNECTION_ERRORS,
     GENERATION_ERRORS,
     GUARD_ERRORS,
@@ -52,7 +52,7 @@ from otel_engine.entrypoints.openapi import (
     install_openapi,
     json_or_events,
 )
-from otel_engine.entrypoints.protocol import (
+from otel_engine.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
@@ -67,7 +67,7 @@ from otel_engine.entrypoints.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from otel_engine.entrypoints.serving import OpenAIServing
+from otel_engine.entrypoints.openai.serving import OpenAIServing
 from otel_engine.memory import freeze_startup_objects
 from otel_engine.observability.metrics import EngineMetrics
 from otel_engine.observability.otlp_export import on_export_failure

@@ -127,7 +127,7 @@ GRAMMAR_MASK_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
 FINISH_REASONS = ("stop", "length", "tool_calls", "abort")
 # why a structured-output choice was returned without valid JSON (engine/structured_output.py)
 INVALID_JSON_REASONS = ("length", "stop_string", "invalid")
-# what became of the tool calls a model wrote (entrypoints/tool_parsers.py)
+# what became of the tool calls a model wrote (entrypoints/tools/parser.py)
 TOOL_CALL_OUTCOMES = ("parsed", "invalid")
 # stalled: work is pending and no step finished within --step-timeout (/health answers 503);
 # recovering: a new engine is starting after a failure (--on-engine-failure restart)
@@ -141,7 +141,7 @@ RESTART_CAUSES = (
 )
 # crash to a carried-over request's first token after the restart (engine/recovery.py)
 RECOVERY_BUCKETS = (0.5, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0)
-# why the server closed an HTTP connection (entrypoints/connections.py)
+# why the server closed an HTTP connection (entrypoints/network/connections.py)
 CONNECTION_CLOSE_REASONS = (
     "refused",
     "evicted",

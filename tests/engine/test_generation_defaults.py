@@ -10,7 +10,7 @@ import pytest
 
 from otel_engine.config import EngineConfig
 from otel_engine.engine.generation_defaults import DEFAULT_MODEL_CARD, parse_override, resolve
-from otel_engine.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
+from otel_engine.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 
 
 @pytest.fixture

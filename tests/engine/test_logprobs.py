@@ -143,7 +143,7 @@ def test_chat_bytes_are_each_tokens_own_bytes(tiny_model_dir: str) -> None:
     shows U+FFFD; special tokens are their text."""
     from transformers import AutoTokenizer
 
-    from otel_engine.entrypoints.logprobs import LogprobsFormatter
+    from otel_engine.entrypoints.openai.logprobs import LogprobsFormatter
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     text = "héllo 🌍 naïve 世界<|im_end|>"

@@ -198,7 +198,7 @@ def test_past_the_wait_queue_a_new_request_gets_retry_after() -> None:
 
     from otel_engine.engine.recovery import RECOVERY_WAIT_QUEUE
     from otel_engine.engine.restarter import Restarter
-    from otel_engine.entrypoints.errors import from_engine_error
+    from otel_engine.entrypoints.network.errors import from_engine_error
     from otel_engine.errors import EngineRecoveringError
 
     restarter = Restarter(SimpleNamespace(config=EngineConfig()))  # type: ignore[arg-type]

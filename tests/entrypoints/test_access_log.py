@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from otel_engine.entrypoints.access_log import MAX_CLIENTS, ClientLogBudget
+from otel_engine.entrypoints.network.access_log import MAX_CLIENTS, ClientLogBudget
 
 
 def test_a_client_gets_its_lines_then_the_count_of_those_left_out() -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from otel_engine.entrypoints.guard import ApiKeyError, resolve_api_key
+from otel_engine.entrypoints.network.guard import ApiKeyError, resolve_api_key
 
 ENV = {"OTEL_ENGINE_API_KEY": "from-env"}
 

@@ -6,11 +6,15 @@ import json
 
 import pytest
 
-from otel_engine.entrypoints.bodies import check_chat_counts, validate
-from otel_engine.entrypoints.errors import APIError
-from otel_engine.entrypoints.limits import MAX_CONTENT_PARTS, MAX_MESSAGES, MESSAGE_OVERHEAD_CHARS
-from otel_engine.entrypoints.protocol import ChatCompletionRequest
-from otel_engine.entrypoints.serving import chat_chars
+from otel_engine.entrypoints.network.bodies import check_chat_counts, validate
+from otel_engine.entrypoints.network.errors import APIError
+from otel_engine.entrypoints.network.limits import (
+    MAX_CONTENT_PARTS,
+    MAX_MESSAGES,
+    MESSAGE_OVERHEAD_CHARS,
+)
+from otel_engine.entrypoints.openai.protocol import ChatCompletionRequest
+from otel_engine.entrypoints.openai.serving import chat_chars
 
 
 def _chat(messages: list[dict[str, object]]) -> bytes:

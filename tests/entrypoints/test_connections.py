@@ -16,8 +16,11 @@ from fastapi import FastAPI
 
 from otel_engine import AsyncLLM
 from otel_engine.entrypoints.api_server import make_server
-from otel_engine.entrypoints.connections import RateLimitedLog, rate_limited_exception_handler
-from otel_engine.entrypoints.limits import ServerLimits
+from otel_engine.entrypoints.network.connections import (
+    RateLimitedLog,
+    rate_limited_exception_handler,
+)
+from otel_engine.entrypoints.network.limits import ServerLimits
 from tests.entrypoints.conftest import Served, ServerLoop
 
 pytestmark = pytest.mark.slow  # starts servers or engine processes

@@ -8,7 +8,7 @@ from typing import Any
 import openai
 import pytest
 
-from otel_engine.entrypoints.limits import MAX_BODY_BYTES
+from otel_engine.entrypoints.network.limits import MAX_BODY_BYTES
 from tests.entrypoints.conftest import API_KEY, Served
 
 PROMPT = "Once upon a time"

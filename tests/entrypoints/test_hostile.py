@@ -21,7 +21,7 @@ import httpx
 import psutil
 import pytest
 
-from otel_engine.entrypoints.limits import MAX_BODY_BYTES, MAX_CONTENT_PARTS
+from otel_engine.entrypoints.network.limits import MAX_BODY_BYTES, MAX_CONTENT_PARTS
 from otel_engine.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from tests.helpers.probe import HealthProbe
 from tests.helpers.procs import ServerProcess

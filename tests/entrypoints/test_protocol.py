@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from otel_engine.entrypoints.errors import APIError
-from otel_engine.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
+from otel_engine.entrypoints.network.errors import APIError
+from otel_engine.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 
 
 def test_sampling_params_carry_every_field() -> None:

@@ -16,7 +16,7 @@ import pytest
 
 from otel_engine import AsyncLLM
 from otel_engine.entrypoints.api_server import make_server
-from otel_engine.entrypoints.limits import ServerLimits
+from otel_engine.entrypoints.network.limits import ServerLimits
 from tests.entrypoints.conftest import Served, ServerLoop
 
 pytestmark = pytest.mark.slow  # starts servers or engine processes

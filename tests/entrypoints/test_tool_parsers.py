@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from otel_engine.entrypoints.tool_parsers import (
+from otel_engine.entrypoints.tools.parser import (
     FORMATS,
     ToolCallParser,
     mistral_call_id,

@@ -13,8 +13,8 @@ import llguidance
 import pytest
 
 from otel_engine.engine.structured_output import _byte_tokenizer, grammar_of
-from otel_engine.entrypoints.tool_parsers import FORMATS, parse_tool_calls
-from otel_engine.entrypoints.tools import (
+from otel_engine.entrypoints.tools.parser import FORMATS, parse_tool_calls
+from otel_engine.entrypoints.tools.plan import (
     Function,
     ToolSupport,
     detect_format,

@@ -90,7 +90,7 @@ def test_a_scrape_counts_only_once_every_failed_request_is_counted() -> None:
     from starlette.testclient import TestClient
 
     from otel_engine.entrypoints.api_server import build_app
-    from otel_engine.entrypoints.guard import ServerState
+    from otel_engine.entrypoints.network.guard import ServerState
 
     engine = SimpleNamespace(
         add_step_listener=lambda listener: None,

@@ -19,8 +19,8 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
-from otel_engine.entrypoints.http_tracing import HttpTracingMiddleware
-from otel_engine.entrypoints.request_telemetry import RequestTelemetry
+from otel_engine.entrypoints.network.http_tracing import HttpTracingMiddleware
+from otel_engine.entrypoints.openai.request_telemetry import RequestTelemetry
 from otel_engine.errors import EngineDeadError
 from otel_engine.observability.metrics import EngineMetrics
 from otel_engine.observability.tracing import inject_context

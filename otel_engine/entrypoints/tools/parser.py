@@ -8,7 +8,7 @@ Formats (`FORMATS`), as the families' chat templates teach them:
 - `mistral`: `[TOOL_CALLS]` then a JSON array of `{"name": ..., "arguments": {...}}` (or one
   object);
 - `phi4_mini`: `functools[{"name": ..., "arguments": {...}}, ...]`;
-- `generic` (models whose template has no tool format, see tools.py): the whole answer is
+- `generic` (models whose template has no tool format, see plan.py): the whole answer is
   `{"tool_calls": [{"name": ..., "arguments": {...}}, ...]}`.
 
 `ToolCallParser` reads a choice's text as it is generated (`feed`) and says what it holds:

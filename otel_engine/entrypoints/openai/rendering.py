@@ -17,8 +17,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from otel_engine.engine import structured_output
-from otel_engine.entrypoints.connections import CLIENT_STALLED_KEY
-from otel_engine.entrypoints.errors import (
+from otel_engine.entrypoints.network.connections import CLIENT_STALLED_KEY
+from otel_engine.entrypoints.network.errors import (
     ENGINE_ERRORS,
     APIError,
     aborted_by_engine,
@@ -27,17 +27,17 @@ from otel_engine.entrypoints.errors import (
     internal_error,
     is_server_error,
 )
-from otel_engine.entrypoints.logprobs import LogprobsFormatter
-from otel_engine.entrypoints.request_telemetry import RequestTelemetry
-from otel_engine.entrypoints.streaming import (
+from otel_engine.entrypoints.network.streaming import (
     DONE_EVENT,
     sse_event,
 )
-from otel_engine.entrypoints.tool_parsers import Parsed, ToolCall
-from otel_engine.entrypoints.tools import ToolPlan
+from otel_engine.entrypoints.openai.logprobs import LogprobsFormatter
+from otel_engine.entrypoints.openai.request_telemetry import RequestTelemetry
+from otel_engine.entrypoints.tools.parser import Parsed, ToolCall
+from otel_engine.entrypoints.tools.plan import ToolPlan
 
 if TYPE_CHECKING:
-    from otel_engine.entrypoints.responses import ResponsesEcho
+    from otel_engine.entrypoints.openai.responses import ResponsesEcho
 from otel_engine.errors import EngineDeadError, ErrorCode, RequestFailedError
 from otel_engine.outputs import TokenLogprobs
 from otel_engine.sampling_params import SamplingParams

@@ -23,7 +23,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from structlog.contextvars import bound_contextvars
 
-from otel_engine.entrypoints.errors import is_server_error
+from otel_engine.entrypoints.network.errors import is_server_error
 from otel_engine.errors import ErrorCode
 from otel_engine.observability.tracing import get_tracer, link_from
 

@@ -21,21 +21,21 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from starlette.responses import Response
 
-from otel_engine.entrypoints.errors import (
+from otel_engine.entrypoints.network.errors import (
     ENGINE_ERRORS,
     APIError,
     aborted_by_engine,
     from_engine_error,
     internal_error,
 )
-from otel_engine.entrypoints.tool_parsers import Delta, ToolCall
+from otel_engine.entrypoints.tools.parser import Delta, ToolCall
 
 if TYPE_CHECKING:
     from starlette.requests import Request
 
     from otel_engine import RequestOutput
-    from otel_engine.entrypoints.rendering import Job, ResponseRenderer
-    from otel_engine.entrypoints.request_telemetry import RequestTelemetry
+    from otel_engine.entrypoints.openai.rendering import Job, ResponseRenderer
+    from otel_engine.entrypoints.openai.request_telemetry import RequestTelemetry
     from otel_engine.outputs import CompletionOutput
 
 JSON = "application/json"
@@ -326,7 +326,7 @@ async def events(
     request: Request,
 ) -> AsyncIterator[bytes]:
     """The response's server-sent events (see the module docstring)."""
-    from otel_engine.entrypoints.rendering import record_failure
+    from otel_engine.entrypoints.openai.rendering import record_failure
 
     assert job.responses is not None
     stream = job.response_stream = _Stream(job)

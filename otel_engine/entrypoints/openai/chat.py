@@ -20,7 +20,7 @@ from typing import Any
 
 import jinja2
 
-from otel_engine.entrypoints.errors import bad_request
+from otel_engine.entrypoints.network.errors import bad_request
 from otel_engine.errors import ErrorCode
 
 # What a client writes into a message: its text, and any string inside an assistant's

@@ -29,9 +29,9 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import Response
 
-from otel_engine.entrypoints.errors import bad_request
-from otel_engine.entrypoints.limits import MAX_CONTENT_PARTS, MAX_MESSAGES
-from otel_engine.entrypoints.protocol import ChatCompletionRequest, TokenizeRequest
+from otel_engine.entrypoints.network.errors import bad_request
+from otel_engine.entrypoints.network.limits import MAX_CONTENT_PARTS, MAX_MESSAGES
+from otel_engine.entrypoints.openai.protocol import ChatCompletionRequest, TokenizeRequest
 from otel_engine.errors import ErrorCode
 from otel_engine.memory import malloc_trim
 

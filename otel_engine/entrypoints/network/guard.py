@@ -21,16 +21,21 @@ from typing import TYPE_CHECKING, cast
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from otel_engine.entrypoints.access_log import ClientLogBudget, client_address
-from otel_engine.entrypoints.errors import APIError, draining, engine_unavailable, error_response
-from otel_engine.entrypoints.limits import ServerLimits
+from otel_engine.entrypoints.network.access_log import ClientLogBudget, client_address
+from otel_engine.entrypoints.network.errors import (
+    APIError,
+    draining,
+    engine_unavailable,
+    error_response,
+)
+from otel_engine.entrypoints.network.limits import ServerLimits
 from otel_engine.errors import ErrorCode
 from otel_engine.observability.metrics import EngineMetrics
 from otel_engine.timing import DRAIN_CANCEL_GRACE_S
 
 if TYPE_CHECKING:
     from otel_engine import AsyncLLM
-    from otel_engine.entrypoints.serving import OpenAIServing
+    from otel_engine.entrypoints.openai.serving import OpenAIServing
     from otel_engine.ipc.messages import StepOutputs
     from otel_engine.observability.metrics import StepStats
 
@@ -45,7 +50,7 @@ class ServerState:
     api_key: str | None = None
     limits: ServerLimits = field(default_factory=ServerLimits)
     allow_special_tokens_in_content: bool = False  # chat.py: control tokens from clients
-    tool_call_parser: str = "auto"  # tools.py: the format of tool calls
+    tool_call_parser: str = "auto"  # tools/plan.py: the format of tool calls
     metrics: EngineMetrics = field(default_factory=EngineMetrics)
     num_in_flight: int = 0
     is_draining: bool = False

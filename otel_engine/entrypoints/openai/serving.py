@@ -26,10 +26,8 @@ from starlette.responses import Response
 from otel_engine.engine import structured_output
 from otel_engine.engine.choices import generate_choices, sample_ids
 from otel_engine.engine.validation import check_context
-from otel_engine.entrypoints import responses
-from otel_engine.entrypoints.bodies import BodyParser
-from otel_engine.entrypoints.chat import ChatRenderer
-from otel_engine.entrypoints.errors import (
+from otel_engine.entrypoints.network.bodies import BodyParser
+from otel_engine.entrypoints.network.errors import (
     ENGINE_ERRORS,
     INTERNAL,
     APIError,
@@ -38,23 +36,30 @@ from otel_engine.entrypoints.errors import (
     from_request_error,
     internal_error,
 )
-from otel_engine.entrypoints.limits import MESSAGE_OVERHEAD_CHARS
-from otel_engine.entrypoints.protocol import (
+from otel_engine.entrypoints.network.limits import MESSAGE_OVERHEAD_CHARS
+from otel_engine.entrypoints.network.streaming import (
+    ClientDisconnected,
+    EventStreamResponse,
+    RequestWatch,
+)
+from otel_engine.entrypoints.openai import responses
+from otel_engine.entrypoints.openai.chat import ChatRenderer
+from otel_engine.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     ResponsesRequest,
     TokenizeRequest,
 )
-from otel_engine.entrypoints.rendering import Job, ResponseRenderer, record_failure, record_gone
-from otel_engine.entrypoints.request_telemetry import RequestTelemetry
-from otel_engine.entrypoints.responses import ResponsesEcho
-from otel_engine.entrypoints.streaming import (
-    ClientDisconnected,
-    EventStreamResponse,
-    RequestWatch,
+from otel_engine.entrypoints.openai.rendering import (
+    Job,
+    ResponseRenderer,
+    record_failure,
+    record_gone,
 )
-from otel_engine.entrypoints.tools import Function, ToolPlan, ToolSupport
+from otel_engine.entrypoints.openai.request_telemetry import RequestTelemetry
+from otel_engine.entrypoints.openai.responses import ResponsesEcho
+from otel_engine.entrypoints.tools.plan import Function, ToolPlan, ToolSupport
 from otel_engine.errors import ErrorCode, RequestError
 from otel_engine.sampling_params import SamplingParams, StructuredOutput
 

@@ -1,6 +1,6 @@
 """Function tools on the chat endpoints: the format the model calls tools in, how the tools
 and a conversation's earlier calls reach its prompt, the grammar that enforces a call, and
-the parser of its answer (tool_parsers.py).
+the parser of its answer (parser.py).
 
 The format comes from the model's chat template (or `--tool-call-parser`):
 - a template with a tool format of a family the engine knows (hermes, llama3_json, mistral,
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from otel_engine.engine import structured_output
-from otel_engine.entrypoints.tool_parsers import PARSER_CHOICES, ToolCallParser
+from otel_engine.entrypoints.tools.parser import PARSER_CHOICES, ToolCallParser
 from otel_engine.errors import ErrorCode, RequestError
 from otel_engine.sampling_params import StructuredOutput
 

@@ -18,7 +18,7 @@ from opentelemetry import context, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from otel_engine.entrypoints.errors import is_server_error
+from otel_engine.entrypoints.network.errors import is_server_error
 from otel_engine.observability.tracing import extract_context, get_tracer, is_tracing
 
 UNTRACED_PATHS = frozenset({"/health", "/health/live", "/metrics"})

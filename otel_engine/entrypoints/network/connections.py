@@ -42,8 +42,8 @@ import h11
 import msgspec
 from uvicorn.protocols.http.h11_impl import DEFAULT_MAX_INCOMPLETE_EVENT_SIZE, H11Protocol
 
-from otel_engine.entrypoints.errors import INVALID_REQUEST, UNAVAILABLE, APIError
-from otel_engine.entrypoints.limits import ServerLimits
+from otel_engine.entrypoints.network.errors import INVALID_REQUEST, UNAVAILABLE, APIError
+from otel_engine.entrypoints.network.limits import ServerLimits
 from otel_engine.errors import ErrorCode
 from otel_engine.observability.metrics import EngineMetrics
 from otel_engine.timing import READER_POLL_MAX_S, READER_POLL_MIN_S, REFUSE_LINGER_S

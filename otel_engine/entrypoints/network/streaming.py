@@ -19,8 +19,8 @@ import msgspec
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from otel_engine.entrypoints.connections import CLIENT_READER_KEY, ClientReader
-from otel_engine.entrypoints.errors import APIError, draining
+from otel_engine.entrypoints.network.connections import CLIENT_READER_KEY, ClientReader
+from otel_engine.entrypoints.network.errors import APIError, draining
 
 T = TypeVar("T")
 
