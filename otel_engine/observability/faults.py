@@ -1,7 +1,9 @@
 """Fault injection for tests and chaos drills: `OTEL_ENGINE_FAULT`.
 
-`OTEL_ENGINE_FAULT="<where>:<kind>[:rank=R][:step=S][:when=KEY>=N][:phase=P][:restart=K]"`
-with where in {worker, engine_core}, kind a `FaultKind`, phase in {run, load}, and KEY in
+`OTEL_ENGINE_FAULT="<where>:<kind>[:rank=R][:step=S][:when=KEY>=N][:phase=P][:restart=K]"`,
+or several such faults separated by `;` (a chaos drill: a different fault in each engine a
+recovering server starts, a poison request in all of them); at each place and step the
+first fault of the list that matches fires. In one fault, where in {worker, engine_core}, kind a `FaultKind`, phase in {run, load}, and KEY in
 {num_requests, num_tokens} (scheduled in the step) or prompt_len (the longest prompt of a
 request in the step): `when` fires at every step whose batch is at least that large (with
 `step=` too: only at that step, if it is), so `when=prompt_len>=N` fires each time a request
@@ -9,7 +11,8 @@ with such a prompt is scheduled, a request that kills the engine. `restart=K` fi
 the engine started after K restarts (`--on-engine-failure restart`; 0: the first start),
 without it in every one. Read from the environment by every process when it sets itself up
 (`configure()`: the spawn trampoline for children, the engine's set-up in the caller's
-process), never at import, so a bad value is a clear startup error; nothing else can set it.
+process), never at import, so a bad value (any item of a list) is a clear startup error;
+nothing else can set it.
 
 `segfault` is a real invalid memory access in native code (ctypes reads address 0), as a
 broken kernel would make: the process dies of SIGSEGV, its faulthandler writes the stack.
@@ -142,29 +145,38 @@ class Fault:
             parts[0], FaultKind(parts[1]), int(options.get("rank", 0)), step, phase, when, restart
         )
 
+    @classmethod
+    def parse_list(cls, text: str) -> tuple[Fault, ...]:
+        """Faults separated by `;` (one fault: a list of one); an empty item is refused."""
+        items = [item.strip() for item in text.split(";")]
+        if not all(items):
+            raise ValueError(f"{ENV_VAR}={text!r}: an empty fault in a `;`-separated list")
+        return tuple(cls.parse(item) for item in items)
 
-def configured_fault() -> Fault | None:
+
+def configured_faults() -> tuple[Fault, ...]:
     text = os.environ.get(ENV_VAR, "").strip()
-    return Fault.parse(text) if text else None
+    return Fault.parse_list(text) if text else ()
 
 
-def configure() -> Fault | None:
-    """Read `OTEL_ENGINE_FAULT` for this process (ValueError naming it when malformed); a
-    fault for another of the engine's restarts (`restart=K`) is none here."""
-    global _FAULT
-    fault = configured_fault()
+def configure() -> tuple[Fault, ...]:
+    """Read `OTEL_ENGINE_FAULT` for this process (ValueError naming it when malformed),
+    keeping the faults of this engine: those for another of its restarts (`restart=K`) are
+    left out."""
+    global _FAULTS
     restarts = os.environ.get(RESTARTS_ENV_VAR, "0")
-    if fault is not None and fault.restart is not None and str(fault.restart) != restarts:
-        fault = None
-    _FAULT = fault
-    return _FAULT
+    _FAULTS = tuple(
+        fault
+        for fault in configured_faults()
+        if fault.restart is None or str(fault.restart) == restarts
+    )
+    return _FAULTS
 
 
 def wants_prompt_len() -> bool:
-    """Whether this process's fault fires by prompt length (`when=prompt_len>=N`): only
+    """Whether a fault of this process fires by prompt length (`when=prompt_len>=N`): only
     then does a step find its longest prompt for it."""
-    fault = _FAULT
-    return fault is not None and fault.when is not None and fault.when[0] == "prompt_len"
+    return any(fault.when is not None and fault.when[0] == "prompt_len" for fault in _FAULTS)
 
 
 def maybe_inject(
@@ -177,12 +189,18 @@ def maybe_inject(
     num_tokens: int = 0,
     prompt_len: int = 0,
 ) -> None:
-    """Fire the configured fault if it matches this place (and, in a step, its number and
-    shape); cheap when none is set."""
-    fault = _FAULT
-    if fault is None or fault.where != where or fault.phase != phase or fault.rank != rank:
-        return
-    if phase == "run" and not fault.matches(step, num_requests, num_tokens, prompt_len):
+    """Fire the first configured fault that matches this place (and, in a step, its number
+    and shape); cheap when none is set."""
+    fault = next(
+        (
+            fault
+            for fault in _FAULTS
+            if (fault.where, fault.phase, fault.rank) == (where, phase, rank)
+            and (phase != "run" or fault.matches(step, num_requests, num_tokens, prompt_len))
+        ),
+        None,
+    )
+    if fault is None:
         return
     logger.warning(
         "fault.injected", extra={"where": where, "kind": fault.kind, "rank": rank, "step": step}
@@ -228,5 +246,5 @@ def _unbacked_page() -> int:
     return ctypes.addressof(view) + mmap.PAGESIZE
 
 
-_FAULT: Fault | None = None  # set by configure()
+_FAULTS: tuple[Fault, ...] = ()  # set by configure()
 _KEPT: list[Any] = []  # what a drill's target address points into

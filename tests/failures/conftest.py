@@ -103,7 +103,7 @@ def fault(monkeypatch: pytest.MonkeyPatch) -> Callable[[str], None]:
 
     def inject(spec: str) -> None:
         monkeypatch.setenv(faults.ENV_VAR, spec)
-        monkeypatch.setattr(faults, "_FAULT", faults.Fault.parse(spec))
+        monkeypatch.setattr(faults, "_FAULTS", faults.Fault.parse_list(spec))
 
     return inject
 

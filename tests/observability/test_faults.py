@@ -51,17 +51,64 @@ def test_restart_option_keeps_a_fault_to_one_engine_of_a_recovering_server(
 
     monkeypatch.setenv(faults.ENV_VAR, "engine_core:raise:step=3:restart=1")
     monkeypatch.delenv(faults.RESTARTS_ENV_VAR, raising=False)
-    assert faults.configure() is None  # the first engine
+    assert () == faults.configure()  # the first engine
     monkeypatch.setenv(faults.RESTARTS_ENV_VAR, "1")
-    fault = faults.configure()
-    assert fault is not None
+    (fault,) = faults.configure()
     assert (fault.step, fault.restart) == (3, 1)
     monkeypatch.setenv(faults.RESTARTS_ENV_VAR, "2")
-    assert faults.configure() is None
+    assert () == faults.configure()
     monkeypatch.setenv(faults.ENV_VAR, "engine_core:raise:step=3")
-    assert faults.configure() is not None  # every engine
+    assert 1 == len(faults.configure())  # every engine
     monkeypatch.delenv(faults.ENV_VAR)
-    assert faults.configure() is None
+    assert () == faults.configure()
+
+
+def test_a_list_of_faults_keeps_those_of_this_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`;` separates faults: each engine of a recovering server keeps those for its restart
+    count and those without one (a poison request, in every engine)."""
+    from otel_engine.observability import faults
+
+    monkeypatch.setenv(
+        faults.ENV_VAR,
+        "engine_core:raise:step=5:restart=0; worker:exit:step=9:restart=1;"
+        "worker:raise:when=prompt_len>=100",
+    )
+    monkeypatch.delenv(faults.RESTARTS_ENV_VAR, raising=False)
+    first = faults.configure()
+    monkeypatch.setenv(faults.RESTARTS_ENV_VAR, "1")
+    second = faults.configure()
+    monkeypatch.setenv(faults.RESTARTS_ENV_VAR, "2")
+    third = faults.configure()
+    monkeypatch.delenv(faults.ENV_VAR)
+    faults.configure()
+
+    assert [("engine_core", "raise", 0), ("worker", "raise", None)] == [
+        (f.where, f.kind, f.restart) for f in first
+    ]
+    assert [("worker", "exit", 1), ("worker", "raise", None)] == [
+        (f.where, f.kind, f.restart) for f in second
+    ]
+    assert [("worker", "raise", None)] == [(f.where, f.kind, f.restart) for f in third]
+
+
+def test_the_first_fault_of_a_list_that_matches_the_step_fires(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from otel_engine.observability import faults
+
+    monkeypatch.setattr(
+        faults,
+        "_FAULTS",
+        Fault.parse_list("worker:oom:step=4;worker:raise:when=prompt_len>=100;worker:exit:step=4"),
+    )
+
+    faults.maybe_inject("worker", phase="run", step=3, prompt_len=99)  # none matches
+    faults.maybe_inject("engine_core", phase="run", step=4)  # another place
+    with pytest.raises(faults.InjectedOutOfMemoryError):
+        faults.maybe_inject("worker", phase="run", step=4, prompt_len=100)
+    with pytest.raises(faults.InjectedFault):
+        faults.maybe_inject("worker", phase="run", step=5, prompt_len=100)
+    assert faults.wants_prompt_len()
 
 
 def test_a_step_finds_its_longest_prompt_only_for_a_fault_that_fires_by_it(
@@ -97,6 +144,20 @@ def test_a_step_finds_its_longest_prompt_only_for_a_fault_that_fires_by_it(
 def test_malformed_faults_are_refused(text: str) -> None:
     with pytest.raises(ValueError, match="OTEL_ENGINE_FAULT"):
         Fault.parse(text)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "worker:raise:step=3;worker:explode",
+        "worker:raise:step=3;;worker:exit:step=4",
+        "worker:raise:step=3;",
+        ";",
+    ],
+)
+def test_a_list_with_a_malformed_or_empty_fault_is_refused_whole(text: str) -> None:
+    with pytest.raises(ValueError, match="OTEL_ENGINE_FAULT"):
+        Fault.parse_list(text)
 
 
 @pytest.mark.parametrize("where", ["worker", "engine_core"])

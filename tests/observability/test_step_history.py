@@ -81,7 +81,7 @@ def test_a_crash_dump_shows_the_steps_before_the_crash(
     --crash-history-steps 0), as numbers, with no request id in it."""
     spec = "engine_core:raise:step=9"
     monkeypatch.setenv(faults.ENV_VAR, spec)
-    monkeypatch.setattr(faults, "_FAULT", faults.Fault.parse(spec))
+    monkeypatch.setattr(faults, "_FAULTS", faults.Fault.parse_list(spec))
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     with (
         caplog.at_level(logging.CRITICAL),
@@ -116,7 +116,7 @@ def test_the_history_says_what_grammar_masks_cost_each_step(
 
     spec = "engine_core:raise:step=6"
     monkeypatch.setenv(faults.ENV_VAR, spec)
-    monkeypatch.setattr(faults, "_FAULT", faults.Fault.parse(spec))
+    monkeypatch.setattr(faults, "_FAULTS", faults.Fault.parse_list(spec))
     schema = {"type": "object", "properties": {"secret_field_name": {"type": "integer"}}}
     structured = from_response_format({"type": "json_schema", "json_schema": {"schema": schema}})
     params = SamplingParams(max_tokens=30, temperature=0.0, structured_output=structured)
@@ -148,7 +148,7 @@ def test_crash_dump_dir_gets_the_dump_as_a_private_file(
     holding the dump's parts, the failure and the engine config; its path in the log line."""
     spec = "engine_core:raise:step=4"
     monkeypatch.setenv(faults.ENV_VAR, spec)
-    monkeypatch.setattr(faults, "_FAULT", faults.Fault.parse(spec))
+    monkeypatch.setattr(faults, "_FAULTS", faults.Fault.parse_list(spec))
     directory = tmp_path / "dumps"
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     with (
