@@ -1,90 +1,25 @@
 """Fixtures of the failure matrix: a process watcher, fault injection, and faulty servers.
 
-`ProcessWatch` samples the descendants of a root process every few milliseconds in a thread,
-so that even a child that lives for a moment (a worker that fails while loading) is recorded
-by pid; at the end the test asserts that every recorded process is gone, and the fixture
-kills by pid whatever this test started that is still alive.
+`ProcessWatch` (tests/helpers/procs.py) records every process a test starts; at the end the
+test asserts that every recorded process is gone, and the fixture kills by pid whatever this
+test started that is still alive.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import threading
-import time
 from collections.abc import Callable, Iterator
 from datetime import datetime
 
 import psutil
 import pytest
 
-from tests.helpers.procs import ServerProcess, assert_no_children, children_of, is_alive
+from tests.helpers.procs import GONE_LIMIT_S, ProcessWatch, ServerProcess, children_of, title
+
+# imported from here by the failure tests
+__all__ = ["GONE_LIMIT_S", "ProcessWatch", "title"]
 
 EXIT_LIMIT_S = 20.0  # from the fault to the server's exit, on a loaded 2-core machine
-GONE_LIMIT_S = 5.0  # from the exit (or the raise) to the last child gone
-
-
-def title(proc: psutil.Process) -> str:
-    """The process title the engine set (`otel-worker-1`), or its name."""
-    try:
-        cmdline = proc.cmdline()
-        name = proc.name()
-    except psutil.Error:
-        return "?"
-    if cmdline and cmdline[0].startswith("otel-"):
-        return cmdline[0].split()[0]
-    return name
-
-
-class ProcessWatch:
-    """Records every descendant of `root_pid` that appears while it runs (except `ignore`)."""
-
-    def __init__(self, root_pid: int, ignore: set[int] | None = None) -> None:
-        self.root_pid = root_pid
-        self.ignore = ignore or set()
-        self.seen: dict[int, psutil.Process] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="process-watch", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.02):
-            self.sample()
-
-    def sample(self) -> list[psutil.Process]:
-        found = [p for p in children_of(self.root_pid) if p.pid not in self.ignore]
-        for proc in found:
-            if "resource_tracker" not in title(proc):
-                self.seen.setdefault(proc.pid, proc)
-        return found
-
-    def find(self, name: str, timeout: float = 10.0) -> psutil.Process:
-        """The living descendant whose title is `name`."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for proc in self.sample():
-                if title(proc) == name and is_alive(proc):
-                    return proc
-            time.sleep(0.05)
-        raise AssertionError(f"no {name} among {sorted(map(title, self.seen.values()))}")
-
-    def titles(self) -> set[str]:
-        return {title(p) for p in self.seen.values()}
-
-    def assert_all_gone(self, timeout: float = GONE_LIMIT_S) -> None:
-        self.stop()
-        assert_no_children(list(self.seen.values()), timeout=timeout)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(1.0)
-
-    def kill_leftovers(self) -> None:
-        self.stop()
-        for proc in self.seen.values():
-            if is_alive(proc):
-                with contextlib.suppress(psutil.Error):
-                    proc.kill()
 
 
 @pytest.fixture

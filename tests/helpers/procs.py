@@ -3,7 +3,9 @@
 `ServerProcess` starts `python -m otel_engine.cli serve` in its own session with its output in
 a log file, remembers every descendant it has seen (by psutil identity, which survives
 re-parenting and is safe against pid reuse), and on exit kills only those processes, then
-asserts that none is left.
+asserts that none is left. `ProcessWatch` samples the descendants of a root process every
+few milliseconds in a thread, so that even a child that lives for a moment (a worker that
+fails while loading) is recorded by pid.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -24,6 +27,8 @@ from typing import Any
 
 import httpx
 import psutil
+
+GONE_LIMIT_S = 5.0  # from the exit (or the raise) to the last child gone
 
 
 def free_port() -> int:
@@ -85,6 +90,69 @@ def assert_no_children(procs: Iterable[int | psutil.Process], timeout: float = 5
         time.sleep(0.05)
     described = [f"{p.pid} ({_name(p)})" for p in alive]
     assert not alive, f"processes still alive after {timeout}s: {', '.join(described)}"
+
+
+def title(proc: psutil.Process) -> str:
+    """The process title the engine set (`otel-worker-1`), or its name."""
+    try:
+        cmdline = proc.cmdline()
+        name = proc.name()
+    except psutil.Error:
+        return "?"
+    if cmdline and cmdline[0].startswith("otel-"):
+        return cmdline[0].split()[0]
+    return name
+
+
+class ProcessWatch:
+    """Records every descendant of `root_pid` that appears while it runs (except `ignore`)."""
+
+    def __init__(self, root_pid: int, ignore: set[int] | None = None) -> None:
+        self.root_pid = root_pid
+        self.ignore = ignore or set()
+        self.seen: dict[int, psutil.Process] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="process-watch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.02):
+            self.sample()
+
+    def sample(self) -> list[psutil.Process]:
+        found = [p for p in children_of(self.root_pid) if p.pid not in self.ignore]
+        for proc in found:
+            if "resource_tracker" not in title(proc):
+                self.seen.setdefault(proc.pid, proc)
+        return found
+
+    def find(self, name: str, timeout: float = 10.0) -> psutil.Process:
+        """The living descendant whose title is `name`."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for proc in self.sample():
+                if title(proc) == name and is_alive(proc):
+                    return proc
+            time.sleep(0.05)
+        raise AssertionError(f"no {name} among {sorted(map(title, self.seen.values()))}")
+
+    def titles(self) -> set[str]:
+        return {title(p) for p in self.seen.values()}
+
+    def assert_all_gone(self, timeout: float = GONE_LIMIT_S) -> None:
+        self.stop()
+        assert_no_children(list(self.seen.values()), timeout=timeout)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(1.0)
+
+    def kill_leftovers(self) -> None:
+        self.stop()
+        for proc in self.seen.values():
+            if is_alive(proc):
+                with contextlib.suppress(psutil.Error):
+                    proc.kill()
 
 
 def _name(proc: psutil.Process) -> str:
