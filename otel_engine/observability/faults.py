@@ -2,17 +2,17 @@
 
 `OTEL_ENGINE_FAULT="<where>:<kind>[:rank=R][:step=S][:when=KEY>=N][:phase=P][:restart=K]"`,
 or several such faults separated by `;` (a chaos drill: a different fault in each engine a
-recovering server starts, a poison request in all of them); at each place and step the
-first fault of the list that matches fires. In one fault, where in {worker, engine_core}, kind a `FaultKind`, phase in {run, load}, and KEY in
-{num_requests, num_tokens} (scheduled in the step) or prompt_len (the longest prompt of a
-request in the step): `when` fires at every step whose batch is at least that large (with
-`step=` too: only at that step, if it is), so `when=prompt_len>=N` fires each time a request
-with such a prompt is scheduled, a request that kills the engine. `restart=K` fires only in
-the engine started after K restarts (`--on-engine-failure restart`; 0: the first start),
-without it in every one. Read from the environment by every process when it sets itself up
-(`configure()`: the spawn trampoline for children, the engine's set-up in the caller's
-process), never at import, so a bad value (any item of a list) is a clear startup error;
-nothing else can set it.
+recovering server starts, a poison request in all of them); at each place and step the first
+fault of the list that matches fires. In one fault, where in {worker, engine_core}, kind a
+`FaultKind`, phase in {run, load}, and KEY in {num_requests, num_tokens} (scheduled in the
+step) or prompt_len (the longest prompt of a request in the step): `when` fires at every
+step whose batch is at least that large (with `step=` too: only at that step, if it is), so
+`when=prompt_len>=N` fires each time a request with such a prompt is scheduled, a request
+that kills the engine. `restart=K` fires only in the engine started after K restarts
+(`--on-engine-failure restart`; 0: the first start), without it in every one. Read from the
+environment by every process when it sets itself up (`configure()`: the spawn trampoline for
+children, the engine's set-up in the caller's process), never at import, so a bad value (any
+item of a list) is a clear startup error; nothing else can set it.
 
 `segfault` is a real invalid memory access in native code (ctypes reads address 0), as a
 broken kernel would make: the process dies of SIGSEGV, its faulthandler writes the stack.
