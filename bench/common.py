@@ -60,11 +60,12 @@ def start_benchmark(model: str | None) -> int:
     return load_model_arch(prepare_model_dir(model)).vocab_size
 
 
-def tiny_model() -> str:
-    """The tiny test model (random weights), written to a new temporary directory."""
+def tiny_model(context: int = 512) -> str:
+    """The tiny test model (random weights, a context of `context` tokens), written to a new
+    temporary directory."""
     from tests.helpers.tiny_model import write_tiny_llama
 
-    return write_tiny_llama(Path(tempfile.mkdtemp(prefix="otel-bench-tiny-")))
+    return write_tiny_llama(Path(tempfile.mkdtemp(prefix="otel-bench-tiny-")), context=context)
 
 
 def write_json(path: str | None, results: Any) -> None:
