@@ -10,7 +10,10 @@ OOM killer, a hang) has none. After the restart, suspects go on trial one at a t
 alone among requests that have all produced a token (new requests wait meanwhile). A
 failure of the same type, in the same process, whose batch holds the request on trial as
 its only request without a token, is that request's second: it fails alone
-(`engine_fault_request`), and the restart budget does not count that failure. Such failures
+(`engine_fault_request`), and the restart budget does not count that failure. A trial that
+fails another way (the request came to be a suspect in the batch of an unrelated failure)
+makes that failure the one a verdict needs: such a poison request is failed after two
+failures of its own, never tried forever. Such failures
 are bounded on their own, by as many again as the budget in the same window.
 """
 
@@ -61,9 +64,9 @@ class Isolation:
         `unproven` are the requests that had not produced a token since they were admitted
         to the failed engine: a request that kills the engine does so at its first step. The
         request on trial is the poison when it is the only unproven one in the batch and
-        the failure is the one that made it a suspect. The batch's other unproven requests
-        become suspects; a request on trial that is not the poison waits for its trial
-        again, first."""
+        the failure is the one that made it a suspect (or, after a trial that failed
+        another way, that failure). The batch's other unproven requests become suspects; a
+        request on trial that is not the poison waits for its trial again, first."""
         new = [request_id for request_id in batch if request_id in unproven]
         on_trial = self.on_trial
         is_same = on_trial is not None and self._failures.get(on_trial) == failure
@@ -72,6 +75,8 @@ class Isolation:
         if on_trial is not None and poison is None:
             self._suspects.appendleft(on_trial)
             self._suspected.add(on_trial)
+            if on_trial in new:  # its trial failed another way: the next verdict needs this one
+                self._failures[on_trial] = failure
         if poison is not None:
             del self._failures[poison]
         for request_id in new:

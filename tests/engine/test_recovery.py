@@ -71,6 +71,19 @@ def test_another_failure_during_a_trial_names_no_poison() -> None:
     assert ["a"] == _trial_order(isolation)
 
 
+def test_a_trial_that_fails_another_way_makes_that_failure_the_one_a_verdict_needs() -> None:
+    """A poison that became a suspect in the batch of an unrelated failure (a SIGKILL) is
+    failed at its second trial, not tried again forever (each try a restart)."""
+    isolation = Isolation()
+    isolation.blame(["a", "poison"], {"poison"}, SEGV)
+    assert "poison" == isolation.next_trial(always)
+    assert isolation.blame(["a", "poison"], {"poison"}, RAISE) is None  # its own failure
+    assert "poison" == isolation.next_trial(always)
+
+    assert "poison" == isolation.blame(["a", "poison"], {"poison"}, RAISE)
+    assert 0 == isolation.num_suspects
+
+
 def test_a_failure_with_another_request_at_its_first_step_names_no_poison() -> None:
     isolation = Isolation()
     isolation.blame(["a"], {"a"}, SEGV)
