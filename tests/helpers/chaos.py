@@ -251,7 +251,7 @@ class Chaos:
     # The tasks of a run.
 
     async def client(self, number: int) -> None:
-        rng = random.Random(self.config.seed * 1000 + number)
+        rng = random.Random(f"{self.config.seed}-client-{number}")
         compared = [i for i, (kind, _) in enumerate(self.pool) if kind in CLIENT_KINDS]
         while time.monotonic() < self.deadline:
             await self.serving.wait()
@@ -263,7 +263,7 @@ class Chaos:
             await self._send(life, index, rng)
 
     async def poisoner(self) -> None:
-        rng = random.Random(self.config.seed * 1000 - 1)
+        rng = random.Random(f"{self.config.seed}-poison")
         index = next(i for i, (kind, _) in enumerate(self.pool) if kind is RequestKind.POISON)
         while time.monotonic() + self.config.poison_every_s < self.deadline:
             await asyncio.sleep(self.config.poison_every_s * rng.uniform(0.5, 1.5))
@@ -273,7 +273,7 @@ class Chaos:
 
     async def _send(self, life: Life, index: int, rng: random.Random) -> None:
         kind, body = self.pool[index]
-        sent = Sent(new_trace_id(rng), kind, index, life.index, is_stream="stream" in body)
+        sent = Sent(new_trace_id(), kind, index, life.index, is_stream="stream" in body)
         hang_up = rng.randint(1, 4) if kind is RequestKind.ABORT else None
         life.num_in_flight += 1
         try:
@@ -314,7 +314,7 @@ class Chaos:
         return True
 
     async def killer(self, life: Life) -> None:
-        rng = random.Random(self.config.seed * 1000 - 2)
+        rng = random.Random(f"{self.config.seed}-kill")
         while True:
             await asyncio.sleep(rng.uniform(*self.config.kill_every_s))
             if time.monotonic() > self.deadline - 5:
@@ -384,13 +384,12 @@ async def _reference(config: ChaosConfig, pool: list[tuple[RequestKind, Any]]) -
     server.start()
     try:
         await asyncio.to_thread(server.wait_healthy, STARTUP_TIMEOUT_S)
-        rng = random.Random(config.seed)
         async with httpx.AsyncClient(
             base_url=server.base_url, timeout=httpx.Timeout(None, connect=10.0), trust_env=False
         ) as http:
             indices = [i for i, (kind, _) in enumerate(pool) if kind.is_compared]
             sent = [
-                Sent(new_trace_id(rng), pool[i][0], i, -1, is_stream="stream" in pool[i][1])
+                Sent(new_trace_id(), pool[i][0], i, -1, is_stream="stream" in pool[i][1])
                 for i in indices
             ]
             await asyncio.gather(*(send(http, pool[s.body_index][1], s) for s in sent))

@@ -12,6 +12,7 @@ import asyncio
 import enum
 import json
 import random
+import secrets
 from typing import Any
 
 import httpx
@@ -204,5 +205,6 @@ async def send(
         sent.lost = f"{type(error).__name__}: {error}"
 
 
-def new_trace_id(rng: random.Random) -> str:
-    return f"{rng.getrandbits(128):032x}"
+def new_trace_id() -> str:
+    """A trace id no other request of any run has (the ledger's key of a request)."""
+    return secrets.token_hex(16)
