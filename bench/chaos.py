@@ -64,6 +64,7 @@ def report(result: ChaosResult) -> dict[str, Any]:
         "api_server_start": first,
         "api_server_end": last,
         "api_server_max": peak,
+        "api_server_samples": result.resources,
     }
     print(
         f"== chaos: mode {config.mode}, TP {config.tensor_parallel_size}, "
@@ -90,6 +91,9 @@ def report(result: ChaosResult) -> dict[str, Any]:
         f"{first['rss_mib']}, end {last['fds']}/{last['threads']}/{last['rss_mib']}, "
         f"max {peak['fds']}/{peak['threads']}/{peak['rss_mib']}"
     )
+    if config.mode == "restart":  # one api_server: its samples, every 30 s
+        series = " ".join(f"{r['fds']}/{r['threads']}/{r['rss_mib']}" for r in result.resources)
+        print(f"api_server fds/threads/RSS MiB every 30 s: {series}")
     for what in [
         *(m for found in ledger.mismatches.values() for m in found),
         *result.unexpected,
