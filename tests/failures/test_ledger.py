@@ -43,7 +43,7 @@ def test_under_restarts_every_request_has_one_record_per_source_and_its_fault_fr
 
     _assert_ledger(result)
     assert 3 <= sum(result.faults.values()), result.faults
-    assert result.num_restarts >= sum(result.faults.values()) - 1, result.faults
+    assert 3 <= result.num_restarts, result.faults
     poisons = [s for s in result.sent if s.kind is RequestKind.POISON]
     assert poisons
     assert all((s.error or {}).get("code") == "engine_fault_request" for s in poisons), poisons
