@@ -55,6 +55,7 @@ def report(result: ChaosResult) -> dict[str, Any]:
         "lost": result.num_lost,
         "mismatches": {source: len(found) for source, found in ledger.mismatches.items()},
         "unexpected_failures": len(result.unexpected),
+        "innocents_failed_as_poison": len(result.innocents),
         "compared_requests": comparison.num_requests,
         "compared_tokens": comparison.num_tokens,
         "outputs_different": comparison.num_different,
@@ -79,6 +80,10 @@ def report(result: ChaosResult) -> dict[str, Any]:
     print(f"engine restarts: {result.num_restarts}; poison verdicts: {result.num_poison_verdicts}")
     print(f"outcomes: {_counts(ledger.outcomes)}")
     print(f"lost requests: {result.num_lost}; unexpected failures: {len(result.unexpected)}")
+    print(
+        f"non-poison requests failed as poison (in the batches of two failures of one type): "
+        f"{len(result.innocents)}"
+    )
     print("ledger mismatches: " + ", ".join(f"{k} {len(v)}" for k, v in ledger.mismatches.items()))
     print(
         f"compared with a fault-free run: {comparison.num_requests} requests, "
@@ -97,6 +102,7 @@ def report(result: ChaosResult) -> dict[str, Any]:
     for what in [
         *(m for found in ledger.mismatches.values() for m in found),
         *result.unexpected,
+        *result.innocents,
         *comparison.examples,
         *result.leftovers,
     ][:20]:
