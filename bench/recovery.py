@@ -141,6 +141,7 @@ def run_pause(args: argparse.Namespace) -> dict[str, Any]:
     try:
         ready = server.wait_ready(args.startup_timeout)
         print(f"server ready in {ready:.1f} s; {args.streams} streams", flush=True)
+        time.sleep(args.settle)  # the spare engine core imports meanwhile
         streams, killed_at = asyncio.run(_crowd(server, args))
         log = _log(
             str(server.log_path),
@@ -252,6 +253,13 @@ def main() -> None:
         "--tokens-before", type=int, default=16, help="tokens each stream has before the failure"
     )
     parser.add_argument("--restarts", type=int, default=0, help="run the restarts series instead")
+    parser.add_argument(
+        "--settle",
+        type=float,
+        default=10.0,
+        help="seconds between the server's readiness and the streams, for its spare engine "
+        "core to import (0: a failure right after the start, without a spare ready)",
+    )
     parser.add_argument("--startup-timeout", type=float, default=300)
     parser.add_argument("--client-timeout", type=float, default=300)
     parser.add_argument("--json", help="also write the results here")

@@ -121,8 +121,11 @@ class Frontend:
         with self._spare_lock:
             standby = self._spare
             self._spare = None if self._is_shut_down else spare_core(self.config)
-        if standby is not None and not standby.is_alive():  # killed while it waited
-            logger.warning("engine.spare_lost", extra={"exitcode": standby.popen.returncode})
+        if standby is not None and not standby.is_ready():  # still importing, or killed
+            logger.warning(
+                "engine.spare_not_ready",
+                extra={"exitcode": standby.popen.poll(), "restart": restarts},
+            )
             standby.close()
             standby = None
         return MPClient(self.config, self.model_dir, restarts=restarts, standby=standby)

@@ -8,7 +8,8 @@ a failure are the requests of its batch that had not produced a token since they
 admitted; a failure in a batch where every request had one (a step of decodes: SIGKILL, the
 OOM killer, a hang) has none. After the restart, suspects go on trial one at a time, each
 alone among requests that have all produced a token (new requests wait meanwhile). A
-failure of the same type, in the same process, whose batch holds the request on trial as
+failure of the same type, in the same process (for a death: the same way of dying,
+`failure_signature`), whose batch holds the request on trial as
 its only request without a token, is that request's second: it fails alone
 (`engine_fault_request`), and the restart budget does not count that failure. A trial that
 fails another way (the request came to be a suspect in the batch of an unrelated failure)
@@ -24,9 +25,22 @@ from collections.abc import Callable, Collection, Iterable
 from typing import Protocol
 
 from otel_engine.config import EngineFailureMode, RecoveryConfig
+from otel_engine.errors import FailureCause
+from otel_engine.ipc.messages import ErrorInfo
 
 # Requests that may wait for a restart to end; past that, new ones get 503 with Retry-After.
 RECOVERY_WAIT_QUEUE = 64
+
+
+def failure_signature(info: ErrorInfo) -> str:
+    """Which failure `info` is, for a verdict: its type and process, and for a death how the
+    process died ("was killed by signal 9", "exited with code 3", "died of SIGSEGV in
+    <function> at <file>:<line>"), so that an outside SIGKILL and an exit, both deaths of
+    the engine core, are two failures. An exception's message is left out: it may name the
+    step."""
+    where = f"{info.type} in {info.process}"
+    is_death = info.type in {c.value for c in FailureCause if c.how == "died"}
+    return f"{where}: {info.message}" if is_death else where
 
 
 class RestartBudget:

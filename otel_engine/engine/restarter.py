@@ -24,7 +24,12 @@ from opentelemetry import trace
 
 from otel_engine.engine.core_client import MPClient
 from otel_engine.engine.output import RequestState
-from otel_engine.engine.recovery import RECOVERY_WAIT_QUEUE, RecoveryListener, RecoveryPolicy
+from otel_engine.engine.recovery import (
+    RECOVERY_WAIT_QUEUE,
+    RecoveryListener,
+    RecoveryPolicy,
+    failure_signature,
+)
 from otel_engine.errors import (
     EngineDeadError,
     EngineRecoveringError,
@@ -131,7 +136,7 @@ class Restarter:
         restart, poison = self.policy.on_failure(
             [r for r in batch if r in live],
             self._not_started,
-            f"{info.type} in {info.process}",
+            failure_signature(info),
             now,
         )
         if not restart:

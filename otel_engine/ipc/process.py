@@ -45,6 +45,7 @@ from otel_engine.timing import TERM_GRACE_S
 
 logger = logging.getLogger(__name__)
 _handshake: Codec[HandshakeMessage] = Codec(HandshakeMessage)
+PRELOAD_NICE = 19  # a standby's imports: CPU time nobody else wants, nearly
 
 
 class Launch(msgspec.Struct, frozen=True):
@@ -287,9 +288,10 @@ def process_title(role: str, rank: int | None = None) -> str:
 class Standby:
     """A child process started before it is needed: a fresh interpreter that imports the
     modules in `preload` (the slow part of a start: torch and the model code take seconds) on
-    a thread of the idle scheduling class, so that it never slows the processes that serve,
-    then waits on its stdin for its `launch`. A parent that keeps one ready starts its next
-    child without those seconds. A standby whose parent dies reads EOF and exits quietly;
+    a thread at the lowest priority (nice 19), so that it takes almost no CPU time from the
+    processes that serve, then waits on its stdin for its `launch`. A parent that keeps one
+    ready starts its next child without those seconds, once `is_ready` (preloaded: on a busy
+    machine that can take a while). A standby whose parent dies reads EOF and exits quietly;
     one never launched is stopped by `close`."""
 
     def __init__(self, env: Mapping[str, str] | None = None, preload: Sequence[str] = ()) -> None:
@@ -297,16 +299,31 @@ class Standby:
             raise OSError("a child process cannot be supervised here: that needs Linux")
         self._ready_r, self._ready_w = os.pipe()
         self._death_r, self._death_w = os.pipe()
+        self._preloaded_r, preloaded_w = os.pipe()  # EOF once the child has imported
         self.popen = subprocess.Popen(
-            [sys.executable, "-c", f"from {__name__} import child_main; child_main()", *preload],
+            [
+                sys.executable,
+                "-c",
+                f"from {__name__} import child_main; child_main()",
+                str(preloaded_w),
+                *preload,
+            ],
             stdin=subprocess.PIPE,
-            pass_fds=(self._ready_w, self._death_r),
+            pass_fds=(self._ready_w, self._death_r, preloaded_w),
             close_fds=True,
             env=None if env is None else dict(env),
         )
         os.close(self._ready_w)  # the child's, under the same numbers
         os.close(self._death_r)
+        os.close(preloaded_w)
         self._launched = False
+
+    def is_ready(self) -> bool:
+        """Alive, and done importing what it preloads."""
+        if self._launched or self.popen.poll() is not None:
+            return False
+        readable, _, _ = select.select([self._preloaded_r], [], [], 0)
+        return bool(readable)
 
     def launch(
         self,
@@ -335,15 +352,13 @@ class Standby:
             fault_path,
             dict(env or {}),
         )
+        os.close(self._preloaded_r)
         stdin = self.popen.stdin
         assert stdin is not None
         with contextlib.suppress(BrokenPipeError):  # it died: its ChildProcess says how
             stdin.write(msgspec.msgpack.encode(launch))
             stdin.close()
         return ChildProcess(name, self.popen, self._ready_r, self._death_w, fault_path, rank)
-
-    def is_alive(self) -> bool:
-        return self.popen.poll() is None
 
     def close(self) -> None:
         """Stop a standby that was never launched, and reap it."""
@@ -354,8 +369,8 @@ class Standby:
         self.popen.wait()
         if self.popen.stdin is not None:
             self.popen.stdin.close()
-        os.close(self._ready_r)
-        os.close(self._death_w)
+        for fd in (self._ready_r, self._death_w, self._preloaded_r):
+            os.close(fd)
 
 
 def spawn(
@@ -372,10 +387,9 @@ def spawn(
 
 
 def child_main() -> None:
-    """Entry point of every child process (see `Standby`); its arguments are the modules
-    to import before it reads its launch."""
-    if sys.argv[1:]:
-        _preload(sys.argv[1:])
+    """Entry point of every child process (see `Standby`); its arguments are the pipe to
+    close once preloaded and the modules to import before it reads its launch."""
+    _preload(int(sys.argv[1]), sys.argv[2:])
     data = sys.stdin.buffer.read()
     if not data:  # a standby whose parent died before launching it
         os._exit(0)
@@ -403,21 +417,23 @@ def child_main() -> None:
         raise
 
 
-def _preload(modules: Sequence[str]) -> None:
-    """Import `modules` on a thread of the idle scheduling class (Linux schedules threads:
-    this one runs only on a CPU nobody else wants, and the main thread keeps its class). A
-    module that fails to import is imported again by its launch, which then reports it."""
+def _preload(done_fd: int, modules: Sequence[str]) -> None:
+    """Import `modules` on a thread of the lowest priority (Linux's nice applies to one
+    thread: the main thread keeps its own), then close `done_fd`. A module that fails to
+    import is imported again by the launch, which then reports it."""
 
     def load() -> None:
         with contextlib.suppress(OSError):
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), PRELOAD_NICE)
         for module in modules:
             with contextlib.suppress(Exception):
                 importlib.import_module(module)
 
-    thread = threading.Thread(target=load, name="preload")
-    thread.start()
-    thread.join()
+    if modules:
+        thread = threading.Thread(target=load, name="preload")
+        thread.start()
+        thread.join()
+    os.close(done_fd)
 
 
 def _set_title(name: str) -> None:

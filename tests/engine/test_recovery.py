@@ -232,3 +232,23 @@ def test_past_the_wait_queue_a_new_request_gets_retry_after() -> None:
         error.code,
         error.headers,
     )
+
+
+def test_a_deaths_signature_says_how_the_process_died() -> None:
+    """Two deaths of the engine core are one failure only when it died the same way (an
+    outside SIGKILL is not the exit of an injected fault); an exception is its type in its
+    process, whatever its message says of the step."""
+    from otel_engine.engine.recovery import failure_signature
+    from otel_engine.ipc.messages import ErrorInfo
+
+    def died(message: str) -> str:
+        return failure_signature(ErrorInfo(type="EngineCoreDied", message=message, process="x"))
+
+    def raised(message: str) -> str:
+        return failure_signature(ErrorInfo(type="InjectedFault", message=message, process="x"))
+
+    assert died("the engine core was killed by signal 9") != died("the engine core exited 3")
+    assert died("the engine core died of SIGSEGV in f at k.c:1") == died(
+        "the engine core died of SIGSEGV in f at k.c:1"
+    )
+    assert raised("fault at step 3") == raised("fault at step 9")

@@ -5,5 +5,5 @@ from __future__ import annotations
 import os
 import threading
 
-SCHEDULER = os.sched_getscheduler(0)  # of the thread that imports it
-THREAD = threading.current_thread().name
+THREAD = threading.current_thread().name  # of the thread that imports it
+NICE = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())

@@ -51,15 +51,16 @@ def ready_then_abort(channel: Any) -> None:
 
 
 def report_start(channel: Any, path: str) -> None:
-    """Write how this child started (its preloaded module, scheduling, environment)."""
+    """Write how this child started (its preloaded module, priorities, environment)."""
     import json
     import sys
+    import threading
 
     preloaded = sys.modules.get("tests.ipc.preloaded")
     facts = {
         "preloaded_by": getattr(preloaded, "THREAD", None),
-        "preload_scheduler": getattr(preloaded, "SCHEDULER", None),
-        "scheduler": os.sched_getscheduler(0),
+        "preload_nice": getattr(preloaded, "NICE", None),
+        "nice": os.getpriority(os.PRIO_PROCESS, threading.get_native_id()),
         "launch_env": os.environ.get("OTEL_ENGINE_TEST_LAUNCH"),
     }
     with open(path, "w") as file:

@@ -11,6 +11,7 @@ import pytest
 
 from otel_engine.errors import EngineStartupError
 from otel_engine.ipc.process import (
+    PRELOAD_NICE,
     ChildProcess,
     Standby,
     process_title,
@@ -141,13 +142,14 @@ def test_without_pidfd_nothing_is_spawned(monkeypatch: pytest.MonkeyPatch) -> No
     assert [] == started
 
 
-def test_a_standby_imports_ahead_on_an_idle_thread_then_runs_its_launch(
+def test_a_standby_imports_ahead_at_the_lowest_priority_then_runs_its_launch(
     started: list[ChildProcess], tmp_path: Path
 ) -> None:
-    """The modules a standby preloads are imported on a thread of the idle scheduling class
-    before its launch; the launched target runs on the main thread, of the normal class, with
-    the launch's environment."""
+    """The modules a standby preloads are imported on a thread at nice 19 before its launch;
+    the launched target runs on the main thread at the normal priority, with the launch's
+    environment."""
     standby = Standby(preload=["tests.ipc.preloaded"])
+    _wait_ready(standby)
     report = tmp_path / "start.json"
     child = standby.launch(
         f"{TARGETS}:report_start",
@@ -162,19 +164,21 @@ def test_a_standby_imports_ahead_on_an_idle_thread_then_runs_its_launch(
     facts = json.loads(report.read_text())
     assert {
         "preloaded_by": "preload",
-        "preload_scheduler": os.SCHED_IDLE,
-        "scheduler": os.SCHED_OTHER,
+        "preload_nice": PRELOAD_NICE,
+        "nice": os.getpriority(os.PRIO_PROCESS, 0),
         "launch_env": "yes",
     } == facts
 
 
-def test_a_standby_never_launched_is_stopped_by_close() -> None:
-    standby = Standby(preload=["tests.ipc.preloaded"])
-    assert standby.is_alive()
-
-    standby.close()
-
-    assert standby.popen.returncode is not None
+def test_a_standby_is_ready_only_once_it_has_imported() -> None:
+    standby = Standby(preload=["tests.ipc.slow_import"])  # 2 s to import
+    try:
+        assert not standby.is_ready()
+        _wait_ready(standby)
+    finally:
+        standby.close()
+    assert standby.popen.returncode is not None  # close stops one never launched
+    assert not standby.is_ready()
 
 
 def test_a_standby_whose_parent_is_gone_exits_quietly() -> None:
@@ -184,4 +188,12 @@ def test_a_standby_whose_parent_is_gone_exits_quietly() -> None:
     standby.popen.stdin.close()  # what the parent's death does
 
     assert 0 == standby.popen.wait(30)
+    assert not standby.is_ready()
     standby.close()
+
+
+def _wait_ready(standby: Standby, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not standby.is_ready():
+        assert time.monotonic() < deadline, "the standby did not finish its imports"
+        time.sleep(0.05)
