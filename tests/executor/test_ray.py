@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.failures.crowd import run_crowd
+from tests.failures.crowd import PROMPT, run_crowd
 from tests.helpers.isa import missing
 from tests.helpers.otlp_receiver import OtlpReceiver
 from tests.helpers.procs import ServerProcess
@@ -49,6 +49,7 @@ FAULT_STEP = 30
 DETECTION_S = 10.0  # the fault (or kill) to the last client's error
 # a crowd's 8 x 500 tokens, where the default 1 GiB takes seconds to allocate on each rank
 KV_BLOCKS = ("--num-kv-blocks", "512")
+RESTART_TOKENS = 160  # a crowd's answers, long enough to be flowing when rank 1 is killed
 
 
 @pytest.fixture(scope="module")
@@ -442,3 +443,50 @@ def test_which_ray_addresses_name_the_joined_cluster() -> None:
     assert not same_cluster("127.0.0.1:6380", "127.0.0.1:6379")
     assert same_cluster("auto", "10.0.0.7:6379")
     assert same_cluster("ray://head:10001", "10.0.0.7:6379")
+
+
+def test_a_remote_ranks_process_killed_under_restart_is_a_pause(
+    tiny_model_dir: str, cluster: Any, tmp_path: Path
+) -> None:
+    """`--on-engine-failure restart` on Ray: rank 1's process SIGKILLed while a crowd of
+    greedy requests runs; the engine core places new ranks, every client gets the whole
+    answer (each the same text as the same request sent after the restart), the failure
+    leaves its one dump, and nothing of either engine stays in the cluster at exit."""
+    restart = ("--on-engine-failure", "restart")
+    server = serve(tiny_model_dir, cluster, tmp_path / "serve.log", *restart)
+    try:
+        server.wait_healthy(180)
+
+        def kill() -> None:
+            os.kill(placed(server)[1]["pid"], signal.SIGKILL)
+
+        results = asyncio.run(
+            run_crowd(server.base_url, 6, max_tokens=RESTART_TOKENS, on_flowing=kill)
+        )
+        with httpx.Client(base_url=server.base_url, timeout=60, trust_env=False) as client:
+            body = {"prompt": PROMPT, "max_tokens": RESTART_TOKENS, "temperature": 0}
+            response = client.post("/v1/completions", json={**body, "ignore_eos": True})
+        expected = response.json()["choices"][0]["text"]
+        for result in results:
+            assert result.error is None, result.error
+            assert result.completed, (result.status, result.events[-1:])
+            assert expected == _text(result)
+        events = [r.get("event") for r in server.json_lines()]
+        assert 2 == events.count("ray.ranks_placed")
+        assert 1 == events.count("engine_crash_dump")
+        assert 1 == events.count("engine.recovered")
+        server.terminate()
+        assert 0 == server.wait(60), server.tail()
+    finally:
+        server.cleanup()
+    wait_nothing_left(timeout=60)
+
+
+def _text(result: Any) -> str:
+    if not result.is_stream:
+        return str(result.body["choices"][0]["text"])
+    return "".join(
+        str(event["choices"][0].get("text") or "")
+        for event in result.events
+        if isinstance(event, dict) and event.get("choices")
+    )
