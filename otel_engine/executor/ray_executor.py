@@ -507,8 +507,8 @@ class RayExecutor:
         engine stays in it, and a session the program opened itself stays open."""
         self._stopping = True
         channel = self._channel
-        stoppable = graceful and self._runs and channel is not None and not channel.failed
-        if stoppable and channel is not None and channel.send_stop():
+        is_running = channel is not None and not channel.failed and bool(self._runs)
+        if graceful and is_running and channel is not None and channel.send_stop():
             timeout = min(self.config.timeouts.shutdown_timeout, GRACEFUL_WORKER_STOP_MAX_S)
             with contextlib.suppress(Exception):
                 self._ray.wait(self._runs, num_returns=len(self._runs), timeout=timeout)
