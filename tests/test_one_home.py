@@ -70,9 +70,19 @@ CONCEPT_NAMES: dict[str, tuple[str, ...]] = {
     "FaultKind": ("kind",),
     "EngineFailureMode": ("on_engine_failure",),
     "Activations": ("quant_activations",),
+    "FinishReason": ("reason", "finish_reasons"),
+    "HealthState": ("state",),
+    "ConnectionCloseReason": ("reason",),
+    "InvalidJsonReason": ("reason",),
+    "ToolCallOutcome": ("outcome",),
 }
 # Calls whose first argument is a member of a set (the metric and health sinks).
 SINKS = {
+    "set_health": "HealthState",
+    "closed": "ConnectionCloseReason",
+    "on_connection_closed": "ConnectionCloseReason",
+    "on_tool_calls": "ToolCallOutcome",
+    "on_structured_output_invalid": "InvalidJsonReason",
     "on_engine_restart": "FailureCause",
 }
 # What the scan finds today (`path: Set 'value'`), each row to be converted by the lane that
@@ -84,13 +94,26 @@ BARE_MEMBERS = [
     "otel_engine/config.py: Activations 'float32'",
     "otel_engine/config.py: Activations 'int8'",
     "otel_engine/config.py: Activations 'int8'",
+    "otel_engine/entrypoints/openai/protocol.py: FinishReason 'length'",
+    "otel_engine/entrypoints/openai/protocol.py: FinishReason 'stop'",
+    "otel_engine/entrypoints/openai/protocol.py: FinishReason 'tool_calls'",
+    "otel_engine/entrypoints/openai/rendering.py: FinishReason 'abort'",
+    "otel_engine/entrypoints/openai/rendering.py: FinishReason 'abort'",
+    "otel_engine/entrypoints/openai/rendering.py: FinishReason 'stop'",
+    "otel_engine/entrypoints/openai/rendering.py: FinishReason 'stop'",
+    "otel_engine/entrypoints/openai/rendering.py: ToolCallOutcome 'invalid'",
+    "otel_engine/entrypoints/openai/rendering.py: ToolCallOutcome 'parsed'",
+    "otel_engine/entrypoints/openai/responses.py: FinishReason 'abort'",
+    "otel_engine/entrypoints/openai/responses.py: FinishReason 'abort'",
+    "otel_engine/entrypoints/openai/responses.py: FinishReason 'length'",
+    "otel_engine/entrypoints/openai/responses.py: FinishReason 'stop'",
+    "otel_engine/entrypoints/openai/responses.py: FinishReason 'stop'",
+    "otel_engine/entrypoints/openai/responses.py: InvalidJsonReason 'length'",
     "otel_engine/executor/model_runner.py: Activations 'bfloat16'",
     "otel_engine/executor/model_runner.py: Activations 'float32'",
     "otel_engine/model/limits.py: Activations 'bfloat16'",
     "otel_engine/model/limits.py: Activations 'float32'",
     "otel_engine/model/llama.py: Activations 'int8'",
-    "otel_engine/observability/metrics.py: ErrorCode 'invalid_framing'",
-    "otel_engine/observability/metrics.py: ErrorCode 'request_timeout'",
 ]
 
 
@@ -135,7 +158,17 @@ def _terminal_name(node: ast.AST) -> str | None:
 
 
 def _strings(nodes: list[ast.expr]) -> list[ast.Constant]:
-    return [n for n in nodes if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+    """The string constants among `nodes`, and the values `x or "stop"` and
+    `"a" if c else "b"` may take."""
+    found = []
+    for node in nodes:
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            found.append(node)
+        elif isinstance(node, ast.BoolOp):
+            found += _strings(node.values)
+        elif isinstance(node, ast.IfExp):
+            found += _strings([node.body, node.orelse])
+    return found
 
 
 class _BareMembers(ast.NodeVisitor):

@@ -59,6 +59,7 @@ from otel_engine.observability.tracing import (
     link_from,
     shutdown_telemetry,
 )
+from otel_engine.outputs import FinishReason
 from otel_engine.sched.kv_cache import BlockAllocator
 from otel_engine.sched.request import Request
 from otel_engine.sched.scheduler import Scheduler, SchedulerOutput
@@ -169,7 +170,7 @@ class EngineCore:
                 "request.rejected", extra={"request_id": message.request_id, "code": error.code}
             )
             rejected = RequestRejected(error.code, error.message, error.param)
-            return RequestUpdate(message.request_id, [], finish_reason="abort", rejected=rejected)
+            return RequestUpdate(message.request_id, [], FinishReason.ABORT, rejected=rejected)
         request = Request(
             request_id=message.request_id,
             prompt_token_ids=message.prompt_token_ids,
@@ -215,7 +216,7 @@ class EngineCore:
                 request.grammar = _replayed(future.result(), request.output_token_ids)
             except RequestError as error:
                 rejected = RequestRejected(error.code, error.message, error.param)
-                refused.append(RequestUpdate(request_id, [], "abort", rejected=rejected))
+                refused.append(RequestUpdate(request_id, [], FinishReason.ABORT, rejected=rejected))
                 continue
             except Exception as exc:  # llguidance failed: this request only
                 logger.warning(
@@ -227,7 +228,7 @@ class EngineCore:
                     f"structured output could not be set up: {type(exc).__name__}",
                     is_server_error=True,
                 )
-                refused.append(RequestUpdate(request_id, [], "abort", rejected=rejected))
+                refused.append(RequestUpdate(request_id, [], FinishReason.ABORT, rejected=rejected))
                 continue
             self.scheduler.add(request)
         return refused
@@ -584,11 +585,11 @@ def _grammar_failed(request: Request) -> RequestUpdate:
     )
     if grammar.limit is not None and grammar.error is not None:
         rejected = RequestRejected(LIMIT_EXCEEDED, grammar.error, "response_format")
-        return RequestUpdate(request.request_id, [], "abort", rejected=rejected)
+        return RequestUpdate(request.request_id, [], FinishReason.ABORT, rejected=rejected)
     rejected = RequestRejected(
         ErrorCode.STRUCTURED_OUTPUT_FAILED,
         "the output could not follow the response_format grammar",
         "response_format",
         is_server_error=True,
     )
-    return RequestUpdate(request.request_id, [], "abort", rejected=rejected)
+    return RequestUpdate(request.request_id, [], FinishReason.ABORT, rejected=rejected)
