@@ -6,6 +6,8 @@ torch (at TP > 1 it runs no model)."""
 
 from __future__ import annotations
 
+import enum
+
 import msgspec
 
 from otel_engine.config import EngineConfig
@@ -15,6 +17,16 @@ from otel_engine.model.cpu import half_precision_blocker
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
+class LimitedBy(enum.StrEnum):
+    """What set the context length (`EngineLimits.limited_by`); `validation.describe_context`
+    says it in words."""
+
+    MODEL = "model"  # the model's max_position_embeddings
+    MAX_MODEL_LEN = "max_model_len"  # --max-model-len
+    SLIDING_WINDOW = "sliding_window"  # attention here does not slide: the window is the end
+    KV_CACHE = "kv_cache"  # the KV budget holds fewer tokens
+
+
 class EngineLimits(msgspec.Struct, frozen=True, array_like=True):
     """Sizes resolved once from the config and the model (`resolve_limits`), the same in
     every process: what the runners size their KV caches by and the front end checks
@@ -22,9 +34,7 @@ class EngineLimits(msgspec.Struct, frozen=True, array_like=True):
 
     num_kv_blocks: int
     max_model_len: int
-    # What set max_model_len: "model" (max_position_embeddings), "max_model_len" (the
-    # flag), "sliding_window", or "kv_cache" (the KV budget holds fewer tokens).
-    limited_by: str = "model"
+    limited_by: LimitedBy = LimitedBy.MODEL  # what set max_model_len
 
     def encode(self) -> bytes:
         return msgspec.msgpack.encode(self)
@@ -121,7 +131,7 @@ def resolve_limits(config: EngineConfig, arch: ModelArch) -> EngineLimits:
         )
         num_blocks = max(1, int(config.cache.kv_cache_memory_gib * 2**30) // per_block)
     max_len = config.model.max_model_len or arch.max_position_embeddings
-    limited_by = "max_model_len" if config.model.max_model_len else "model"
+    limited_by = LimitedBy.MAX_MODEL_LEN if config.model.max_model_len else LimitedBy.MODEL
     if max_len > arch.max_position_embeddings:
         raise ValueError(
             f"--max-model-len {max_len} exceeds the model's "
@@ -130,7 +140,7 @@ def resolve_limits(config: EngineConfig, arch: ModelArch) -> EngineLimits:
     if arch.sliding_window and max_len > arch.sliding_window and not arch.sliding_layers:
         # Attention here sees the whole context; within the window that is what the model
         # computes, beyond it it is not: the context stops at the window.
-        max_len, limited_by = arch.sliding_window, "sliding_window"
+        max_len, limited_by = arch.sliding_window, LimitedBy.SLIDING_WINDOW
     if num_blocks * block_size < max_len:
-        max_len, limited_by = num_blocks * block_size, "kv_cache"
+        max_len, limited_by = num_blocks * block_size, LimitedBy.KV_CACHE
     return EngineLimits(num_kv_blocks=num_blocks, max_model_len=max_len, limited_by=limited_by)
