@@ -69,7 +69,17 @@ CONCEPT_NAMES: dict[str, tuple[str, ...]] = {
     "FailureCause": ("cause", "cause_type"),
     "FaultKind": ("kind",),
     "EngineFailureMode": ("on_engine_failure",),
-    "Activations": ("quant_activations",),
+    "QuantActivations": ("quant_activations", "activations"),
+    "Dtype": ("dtype", "kv_cache_dtype"),
+    "Device": ("device",),
+    "ExecutorBackend": ("distributed_executor_backend", "backend"),
+    "RayPlacementStrategy": ("ray_placement_strategy", "strategy"),
+    "KernelsMode": ("kernels",),
+    "Int4Mode": ("int4",),
+    "GenerationConfigMode": ("generation_config",),
+    "OtlpProtocol": ("otlp_protocol", "protocol"),
+    "LogFormat": ("log_format",),
+    "LogLevel": ("log_level", "level"),
     "FinishReason": ("reason", "finish_reasons"),
     "HealthState": ("state",),
     "ConnectionCloseReason": ("reason",),
@@ -89,10 +99,6 @@ SINKS = {
 # What the scan finds today (`path: Set 'value'`), each row to be converted by the lane that
 # owns its file; the list only shrinks.
 BARE_MEMBERS = [
-    "otel_engine/config.py: Activations 'bfloat16'",
-    "otel_engine/config.py: Activations 'float32'",
-    "otel_engine/config.py: Activations 'int8'",
-    "otel_engine/config.py: Activations 'int8'",
     "otel_engine/entrypoints/openai/protocol.py: FinishReason 'length'",
     "otel_engine/entrypoints/openai/protocol.py: FinishReason 'stop'",
     "otel_engine/entrypoints/openai/protocol.py: FinishReason 'tool_calls'",
@@ -108,7 +114,6 @@ BARE_MEMBERS = [
     "otel_engine/entrypoints/openai/responses.py: FinishReason 'stop'",
     "otel_engine/entrypoints/openai/responses.py: FinishReason 'stop'",
     "otel_engine/entrypoints/openai/responses.py: InvalidJsonReason 'length'",
-    "otel_engine/model/llama.py: Activations 'int8'",
 ]
 
 
@@ -150,6 +155,10 @@ def _terminal_name(node: ast.AST) -> str | None:
     if isinstance(node, ast.Call):
         return _terminal_name(node.func)
     return None
+
+
+def _constants(nodes: list[ast.expr]) -> list[ast.Constant]:
+    return [n for n in nodes if isinstance(n, ast.Constant) and isinstance(n.value, str)]
 
 
 def _strings(nodes: list[ast.expr]) -> list[ast.Constant]:
@@ -205,14 +214,14 @@ class _BareMembers(ast.NodeVisitor):
                 self._hit(set_name, constants)
 
     def visit_Tuple(self, node: ast.Tuple) -> None:
-        self._collection(_strings(node.elts))
+        self._collection(_constants(node.elts))
         self.generic_visit(node)
 
     visit_List = visit_Tuple  # type: ignore[assignment]
     visit_Set = visit_Tuple  # type: ignore[assignment]
 
     def visit_Dict(self, node: ast.Dict) -> None:
-        self._collection(_strings([k for k in node.keys if k is not None]))
+        self._collection(_constants([k for k in node.keys if k is not None]))
         self.generic_visit(node)
 
     def visit_Call(self, node: ast.Call) -> None:

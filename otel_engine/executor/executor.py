@@ -19,7 +19,7 @@ import threading
 import time
 from typing import Any, Protocol
 
-from otel_engine.config import EngineConfig
+from otel_engine.config import EngineConfig, ExecutorBackend
 from otel_engine.errors import FailureCause
 from otel_engine.executor.channel import StepChannel
 from otel_engine.executor.hang import ask_ranks
@@ -236,7 +236,7 @@ def make_executor(
 ) -> Executor:
     """The executor `config` asks for, its ranks started with `limits` (resolved once, by
     the caller) and ready."""
-    if config.parallel.distributed_executor_backend == "ray":
+    if config.parallel.distributed_executor_backend == ExecutorBackend.RAY:
         from otel_engine.executor.ray_executor import RayExecutor  # ray: only when asked for
 
         return RayExecutor(config, model_dir, limits)

@@ -29,7 +29,7 @@ from typing import Any
 
 import msgspec
 
-from otel_engine.config import EngineConfig
+from otel_engine.config import Device, EngineConfig, RayPlacementStrategy
 from otel_engine.errors import EngineStartupError, FailureCause
 from otel_engine.executor.channel import StepChannel
 from otel_engine.executor.hang import ask_ranks
@@ -149,9 +149,9 @@ def bundles_held(per_node: list[dict[str, float]], bundle: dict[str, float], str
     """How many of `bundle` the nodes' total resources hold under `strategy`: every node's
     share (PACK, SPREAD), at most one per node (STRICT_SPREAD), one node's (STRICT_PACK)."""
     shares = [int(min(res.get(k, 0.0) / v for k, v in bundle.items())) for res in per_node]
-    if strategy == "STRICT_SPREAD":
+    if strategy == RayPlacementStrategy.STRICT_SPREAD:
         return sum(1 for share in shares if share >= 1)
-    if strategy == "STRICT_PACK":
+    if strategy == RayPlacementStrategy.STRICT_PACK:
         return max(shares, default=0)
     return sum(shares)
 
@@ -279,7 +279,7 @@ class RayExecutor:
 
     def _bundle(self) -> dict[str, float]:
         bundle = {"CPU": float(self.config.parallel.ray_cpus_per_rank)}
-        if self.config.model.device == "cuda":
+        if self.config.model.device == Device.CUDA:
             bundle["GPU"] = 1.0
         return bundle
 

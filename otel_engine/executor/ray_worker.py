@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import ray
 import zmq
 
-from otel_engine.config import EngineConfig
+from otel_engine.config import Device, EngineConfig
 from otel_engine.executor.responder import Responder
 from otel_engine.ipc.paths import listening_socket
 from otel_engine.model.limits import EngineLimits
@@ -111,7 +111,7 @@ class RayWorker:
         config = EngineConfig.decode(config_bytes)
         tp_size = config.parallel.tensor_parallel_size
         torch.set_num_threads(max(1, int(config.parallel.ray_cpus_per_rank)))
-        backend = "nccl" if config.model.device == "cuda" else "gloo"
+        backend = "nccl" if config.model.device == Device.CUDA else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(0)  # Ray makes the bundle's GPU the only one visible
         timeout = timedelta(seconds=config.timeouts.engine_ready_timeout)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import zmq
 from opentelemetry.trace import Status, StatusCode
 
-from otel_engine.config import EngineConfig
+from otel_engine.config import Device, EngineConfig
 from otel_engine.executor.model_runner import ModelRunner
 from otel_engine.executor.responder import Responder
 from otel_engine.ipc.codec import Codec, error_info
@@ -60,7 +60,7 @@ def run_worker(
     config = EngineConfig.decode(config_bytes)
     tp_size = config.parallel.tensor_parallel_size
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp_size))
-    backend = "nccl" if config.model.device == "cuda" else "gloo"
+    backend = "nccl" if config.model.device == Device.CUDA else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(rank)
     timeout = timedelta(seconds=config.timeouts.engine_ready_timeout)

@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from otel_engine.config import QuantActivations
 from otel_engine.model import kernels
 from otel_engine.model.checkpoint import Blocks, Checkpoint
 from otel_engine.model.kernels import STACK_HEAD_DIM, KernelLibrary
@@ -78,16 +79,7 @@ class Path(enum.Enum):
     DECODER_STACK = "decoder_stack"
 
 
-class Activations(enum.Enum):
-    """What x is in when it meets GGUF blocks in small steps: 8 bits, or as it is in the model
-    dtype (each of those values is for a model of its dtype alone)."""
-
-    INT8 = "int8"  # quantized per block, integer dot products (as llama.cpp)
-    BFLOAT16 = "bfloat16"  # a bfloat16 model's x as it is, by the exact weights
-    FLOAT32 = "float32"  # a float32 model's x as it is, by dense float32 copies of them
-
-
-_EXACT_DTYPES = {Activations.BFLOAT16: torch.bfloat16, Activations.FLOAT32: torch.float32}
+_EXACT_DTYPES = {QuantActivations.BFLOAT16: torch.bfloat16, QuantActivations.FLOAT32: torch.float32}
 
 
 class Larger(enum.Enum):
@@ -111,9 +103,9 @@ class Form(enum.Enum):
 INT4_FORMS = (Form.INT4_PANELS, Form.INT4_TILES)
 
 _QUANT_X = {
-    Activations.INT8: "x in 8 bits per block (integer dot products, as llama.cpp's)",
-    Activations.BFLOAT16: "x in bfloat16 by the exact weights",
-    Activations.FLOAT32: "x in float32 by the exact weights",
+    QuantActivations.INT8: "x in 8 bits per block (integer dot products, as llama.cpp's)",
+    QuantActivations.BFLOAT16: "x in bfloat16 by the exact weights",
+    QuantActivations.FLOAT32: "x in float32 by the exact weights",
 }
 
 
@@ -148,7 +140,7 @@ class FastPaths:
     kernel_isa: str | None = None
     library: KernelLibrary | None = None
     choices: dict[Path, Choice] = field(default_factory=dict)
-    activations: Activations = Activations.INT8
+    activations: QuantActivations = QuantActivations.INT8
     int4_larger: Larger = Larger.PANELS
     blocks_larger: Larger = Larger.TILES
     # the longest prefill chunk the compiled prefill attention takes (None: any)
@@ -199,12 +191,12 @@ def choose(
     dtype: torch.dtype,
     shape: ModelShape,
     block_size: int,
-    quant_activations: str = "int8",
+    quant_activations: QuantActivations = QuantActivations.INT8,
     checkpoint: Checkpoint | None = None,
 ) -> FastPaths:
     """Every decision for a model of `shape` with `checkpoint`'s weights on this rank."""
     checkpoint = checkpoint or Checkpoint()
-    activations = Activations(quant_activations)
+    activations = QuantActivations(quant_activations)
     exact = _EXACT_DTYPES.get(activations)
     if exact is not None and dtype in _KERNEL_DTYPES and exact != dtype:
         raise ValueError(
@@ -213,7 +205,7 @@ def choose(
         )
     plan = FastPaths(cpu_isa=_cpu_isa(device), dtype=dtype, activations=activations)
     # a float32 model's GGUF matrices in 8 bits need the library even where nothing else does
-    q8_f32 = dtype == torch.float32 and activations is Activations.INT8
+    q8_f32 = dtype == torch.float32 and activations is QuantActivations.INT8
     matmul = q8_f32 and int4_flag != "off" and bool(checkpoint.blocks)
     _decide_kernels(plan, kernels_flag, device, dtype, shape, block_size, matmul)
     blocker = shape.kernels_blocker or _packing_blocker(kernels_flag, device, dtype)
@@ -351,7 +343,7 @@ def _decide_matrices(
 def _float32_blocks_blocker(plan: FastPaths) -> str | None:
     """Why a float32 model's GGUF matrices are not multiplied from their blocks (None: they
     are, with x in 8 bits)."""
-    if plan.activations is not Activations.INT8:
+    if plan.activations is not QuantActivations.INT8:
         return "--quant-activations float32: dense float32 copies of the file's exact weights"
     if plan.library is None or not plan.library.has(Q8_F32):
         off = plan.choices[Path.COMPILED_KERNELS].reason
@@ -362,7 +354,7 @@ def _float32_blocks_blocker(plan: FastPaths) -> str | None:
 def _int4_too_large(plan: FastPaths, checkpoint: Checkpoint) -> str | None:
     """Why Q4_0/Q4_1 layers may not run in the 4-bit kernels' layout (None: they may): with x
     in 8 bits, they are more than INT4_KERNELS_MAX_BYTES (then from their blocks)."""
-    if plan.activations is not Activations.INT8:
+    if plan.activations is not QuantActivations.INT8:
         return None
     size = sum(
         b.rows * b.cols // INT4_GROUP * (18 if b.kind == "Q4_0" else 20)

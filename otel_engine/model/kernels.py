@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from otel_engine.cache import cache_root
+from otel_engine.config import Dtype
 
 logger = logging.getLogger(__name__)
 
@@ -139,8 +140,8 @@ SUFFIXES = ("f32", "bf16")
 # (the half-precision KV cache of a float32 model): by the cache's dtype, each activation
 # suffix's function.
 CACHE_SUFFIXES: dict[str, dict[str, str]] = {
-    "f32": {"float32": "f32", "float16": "f32_f16"},
-    "bf16": {"bfloat16": "bf16"},
+    "f32": {Dtype.FLOAT32: "f32", Dtype.FLOAT16: "f32_f16"},
+    "bf16": {Dtype.BFLOAT16: "bf16"},
 }
 CACHE_KERNELS = ("rope_and_cache", "decode_attention")
 

@@ -10,11 +10,11 @@ import enum
 
 import msgspec
 
-from otel_engine.config import EngineConfig
+from otel_engine.config import Device, Dtype, EngineConfig
 from otel_engine.model.arch import ModelArch
 from otel_engine.model.cpu import half_precision_blocker
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPE_BYTES = {Dtype.FLOAT32: 4, Dtype.BFLOAT16: 2, Dtype.FLOAT16: 2}
 
 
 class LimitedBy(enum.StrEnum):
@@ -55,18 +55,18 @@ def choose_dtype(config: EngineConfig, arch: ModelArch) -> DtypeChoice:
     """The flag; for `auto` the checkpoint's dtype (else float32), except that a
     half-precision checkpoint runs in float32 on a CPU that only emulates its arithmetic."""
     name = config.model.dtype
-    if name != "auto":
+    if name != Dtype.AUTO:
         return DtypeChoice(name, "--dtype")
-    stored = arch.torch_dtype if arch.torch_dtype in DTYPE_BYTES else "float32"
-    if stored == "float32" or config.model.device != "cpu":
+    stored = arch.torch_dtype if arch.torch_dtype in DTYPE_BYTES else Dtype.FLOAT32
+    if stored == Dtype.FLOAT32 or config.model.device != Device.CPU:
         return DtypeChoice(stored, f"auto: the checkpoint's {stored}")
     blocker = half_precision_blocker(stored)
     if blocker is not None:
-        return DtypeChoice("float32", f"auto: the checkpoint's {stored}, but {blocker}")
+        return DtypeChoice(Dtype.FLOAT32, f"auto: the checkpoint's {stored}, but {blocker}")
     return DtypeChoice(stored, f"auto: the checkpoint's {stored}, which this CPU computes in")
 
 
-HALF_PRECISION = ("bfloat16", "float16")
+HALF_PRECISION = (Dtype.BFLOAT16, Dtype.FLOAT16)
 
 
 def choose_kv_cache_dtype(config: EngineConfig, arch: ModelArch) -> DtypeChoice:
@@ -78,17 +78,17 @@ def choose_kv_cache_dtype(config: EngineConfig, arch: ModelArch) -> DtypeChoice:
     convert on write and read); any other cache must be the model's own dtype."""
     model = choose_dtype(config, arch).name
     name = config.cache.kv_cache_dtype
-    if name == "auto":
+    if name == Dtype.AUTO:
         stored = arch.torch_dtype
-        if model == "float32" and stored in HALF_PRECISION:
+        if model == Dtype.FLOAT32 and stored in HALF_PRECISION:
             return DtypeChoice(
-                "float16", f"auto: a {stored} checkpoint run in float32 keeps its KV in 16 bits"
+                Dtype.FLOAT16, f"auto: a {stored} checkpoint run in float32 keeps its KV in 16 bits"
             )
         return DtypeChoice(model, "auto: the model's dtype")
-    if name != model and not (name == "float16" and model == "float32"):
+    if name != model and not (name == Dtype.FLOAT16 and model == Dtype.FLOAT32):
         raise ValueError(
             f"--kv-cache-dtype {name} does not go with the model's {model}: choose {model}"
-            + (" or float16" if model == "float32" else "")
+            + (" or float16" if model == Dtype.FLOAT32 else "")
         )
     return DtypeChoice(name, "--kv-cache-dtype")
 
