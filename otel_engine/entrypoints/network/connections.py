@@ -42,6 +42,7 @@ import h11
 import msgspec
 from uvicorn.protocols.http.h11_impl import DEFAULT_MAX_INCOMPLETE_EVENT_SIZE, H11Protocol
 
+from otel_engine.entrypoints.network import uvicorn_internals
 from otel_engine.entrypoints.network.errors import INVALID_REQUEST, UNAVAILABLE, APIError
 from otel_engine.entrypoints.network.limits import ServerLimits
 from otel_engine.errors import ErrorCode
@@ -212,7 +213,9 @@ class ConnectionTable:
 
 
 def protocol_class(table: ConnectionTable) -> type[GuardedH11Protocol]:
-    """uvicorn's `http=` protocol class for one server, bound to its connection table."""
+    """uvicorn's `http=` protocol class for one server, bound to its connection table;
+    raises `InternalsChanged` when uvicorn or h11 lack what the class relies on."""
+    uvicorn_internals.check()
     return type("ServerH11Protocol", (GuardedH11Protocol,), {"table": table})
 
 
