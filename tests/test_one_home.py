@@ -86,9 +86,13 @@ CONCEPT_NAMES: dict[str, tuple[str, ...]] = {
     "InvalidJsonReason": ("reason",),
     "ToolCallOutcome": ("outcome",),
     "LimitedBy": ("context_limited_by",),
+    "ProcessRole": ("role", "where"),
+    "FaultPhase": ("phase",),
 }
 # Calls whose first argument is a member of a set (the metric and health sinks).
 SINKS = {
+    "maybe_inject": "ProcessRole",
+    "process_title": "ProcessRole",
     "set_health": "HealthState",
     "closed": "ConnectionCloseReason",
     "on_connection_closed": "ConnectionCloseReason",

@@ -50,7 +50,7 @@ from otel_engine.model.arch import ModelArch
 from otel_engine.model.limits import EngineLimits
 from otel_engine.observability import crash_delivery, crash_dump
 from otel_engine.observability.decode_bandwidth import DecodeBandwidth
-from otel_engine.observability.faults import maybe_inject, wants_prompt_len
+from otel_engine.observability.faults import FaultPhase, maybe_inject, wants_prompt_len
 from otel_engine.observability.step_history import StepHistory
 from otel_engine.observability.tracing import (
     get_tracer,
@@ -282,7 +282,7 @@ class EngineCore:
         with self._stepping(output) as trace_context:
             maybe_inject(
                 ENGINE_CORE,
-                phase="run",
+                phase=FaultPhase.RUN,
                 step=output.step_id,
                 num_requests=len(output.chunks),
                 num_tokens=output.num_batched_tokens,

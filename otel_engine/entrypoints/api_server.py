@@ -68,6 +68,7 @@ from otel_engine.entrypoints.openai.protocol import (
     TokenizeResponse,
 )
 from otel_engine.entrypoints.openai.serving import OpenAIServing
+from otel_engine.ipc.roles import ProcessRole
 from otel_engine.memory import freeze_startup_objects
 from otel_engine.observability.label_sets import HealthState
 from otel_engine.observability.metrics import EngineMetrics
@@ -424,7 +425,7 @@ def run_server(
     start_otlp_metrics(
         server.state.metrics.otlp_registry,
         config=engine.config.observability,
-        role="api_server",
+        role=ProcessRole.API_SERVER,
         instance_id=engine.config.instance_id,
     )
     if threading.current_thread() is threading.main_thread():

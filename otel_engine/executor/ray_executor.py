@@ -44,6 +44,7 @@ from otel_engine.ipc.messages import (
     WorkerFailure,
 )
 from otel_engine.ipc.process import ENGINE_CORE, process_title
+from otel_engine.ipc.roles import ProcessRole
 from otel_engine.model.bandwidth import MemoryBandwidth
 from otel_engine.model.limits import EngineLimits
 from otel_engine.observability.faults import ENV_VAR as FAULT_ENV
@@ -340,7 +341,7 @@ class RayExecutor:
     def _get(self, ref: Any, deadline: float, *, rank: int) -> Any:
         """One startup call's result; its failure as a one-line startup error naming the
         rank (and its node, once known)."""
-        name = process_title("worker", rank)
+        name = process_title(ProcessRole.WORKER, rank)
         try:
             return self._ray.get(ref, timeout=self._left(deadline))
         except self._ray.exceptions.GetTimeoutError as error:
@@ -373,11 +374,13 @@ class RayExecutor:
         while pending:
             done, _ = self._ray.wait(list(pending), num_returns=1, timeout=self._left(deadline))
             if not done:
-                names = ", ".join(process_title("worker", r) for r in sorted(pending.values()))
+                names = ", ".join(
+                    process_title(ProcessRole.WORKER, r) for r in sorted(pending.values())
+                )
                 raise EngineStartupError(
                     f"{names} did not start within --engine-ready-timeout "
                     f"({self.config.timeouts.engine_ready_timeout:g} s)",
-                    failed_process=process_title("worker", min(pending.values())),
+                    failed_process=process_title(ProcessRole.WORKER, min(pending.values())),
                 )
             for ref in done:
                 rank = pending.pop(ref)
@@ -401,7 +404,7 @@ class RayExecutor:
         if self._stopping:
             return
         rank = self._runs.index(ready[0])
-        name = process_title("worker", rank)
+        name = process_title(ProcessRole.WORKER, rank)
         said = ""
         try:
             self._ray.get(ready[0])
@@ -453,7 +456,7 @@ class RayExecutor:
 
     def _rank_died(self, rank: int, how: str) -> ErrorInfo:
         """`WorkerDied` of `rank`, naming its node and `how` (also client-safe: `location`)."""
-        name, node = process_title("worker", rank), describe_node(self._nodes[rank])
+        name, node = process_title(ProcessRole.WORKER, rank), describe_node(self._nodes[rank])
         return ErrorInfo(
             type=FailureCause.WORKER_DIED,
             message=f"{name} on {node} died: {how}",
