@@ -88,6 +88,7 @@ CONCEPT_NAMES: dict[str, tuple[str, ...]] = {
     "LimitedBy": ("context_limited_by",),
     "ProcessRole": ("role", "where"),
     "FaultPhase": ("phase",),
+    "IsaLevel": ("isa", "cpu_isa", "kernel_isa", "detected", "target"),
 }
 # Calls whose first argument is a member of a set (the metric and health sinks).
 SINKS = {

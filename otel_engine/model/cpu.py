@@ -19,7 +19,7 @@ import platform
 from pathlib import Path
 
 from otel_engine.config import Dtype
-from otel_engine.model.kernels import ISA_ENV, ISA_LEVELS
+from otel_engine.model.kernels import ISA_ENV, ISA_LEVELS, IsaLevel
 
 # What each dtype needs, by the flag names of /proc/cpuinfo (x86 "flags", Arm "Features").
 _X86_FLAGS = {
@@ -29,7 +29,7 @@ _X86_FLAGS = {
 _ARM_FLAGS = {Dtype.BFLOAT16: ("bf16",), Dtype.FLOAT16: ("asimdhp",)}
 # Caps below the level that has the instructions (the values that keep them are not listed).
 _TORCH_CAPS = ("default", "avx2")  # ATEN_CPU_CAPABILITY
-_KERNEL_CAPS = ISA_LEVELS[: ISA_LEVELS.index("avx512bf16")]  # OTEL_ENGINE_KERNEL_ISA
+_KERNEL_CAPS = ISA_LEVELS[: ISA_LEVELS.index(IsaLevel.AVX512BF16)]  # OTEL_ENGINE_KERNEL_ISA
 _ONEDNN_NATIVE = ("BF16", "FP16", "AMX", "ALL")  # in an ONEDNN_MAX_CPU_ISA that keeps them
 
 

@@ -47,12 +47,12 @@ import torch
 from otel_engine.config import QuantActivations
 from otel_engine.model import kernels
 from otel_engine.model.checkpoint import Blocks, Checkpoint
-from otel_engine.model.kernels import STACK_HEAD_DIM, KernelLibrary
+from otel_engine.model.kernels import STACK_HEAD_DIM, IsaLevel, KernelLibrary
 from otel_engine.model.projections import Projection, Split
 from otel_engine.model.quant import AMX_MAX_ROWS
 from otel_engine.model.weights import INT4_GROUP, INT4_TYPES
 
-BF16_ISA = "avx512bf16"  # the 4-bit matmuls, GGUF blocks, prefill attention, the stack
+BF16_ISA = IsaLevel.AVX512BF16  # the 4-bit matmuls, GGUF blocks, prefill attention, the stack
 PREFILL_KERNEL_HEAD_DIMS = (64, 128)  # prefill attention in cpu_kernels.c
 # Where torch's fused attention packs its bfloat16 matmuls for AMX, it is faster than the
 # compiled prefill attention on chunks longer than this (bench/attention.py: 2.3-4x at 1,024
@@ -456,8 +456,8 @@ def _torch_has_amx() -> bool:
     return bool(torch.cpu._is_amx_tile_supported())
 
 
-def _cpu_isa(device: torch.device) -> str:
-    return kernels.cpu_isa() if device.type == "cpu" else "generic"
+def _cpu_isa(device: torch.device) -> IsaLevel:
+    return kernels.cpu_isa() if device.type == "cpu" else IsaLevel.GENERIC
 
 
 def _packing_blocker(kernels_flag: str, device: torch.device, dtype: torch.dtype) -> str | None:
@@ -491,9 +491,9 @@ def kernels_pay_off(isa: str, dtype: torch.dtype) -> bool:
     these kernels: 52.5 / 105.8 -> 141.4 / 262.2 tok/s); built for the x86-64 baseline (one
     element at a time) they win in bfloat16 only (1.09x / 1.08x), while in float32 torch's
     vectorized ops are faster (0.75x / 0.68x); off x86 (never measured) torch ops."""
-    if isa in ("avx512", "avx512bf16", "avx2"):
+    if isa in (IsaLevel.AVX512, IsaLevel.AVX512BF16, IsaLevel.AVX2):
         return True
-    return isa == "baseline" and dtype == torch.bfloat16
+    return isa == IsaLevel.BASELINE and dtype == torch.bfloat16
 
 
 def _name(dtype: torch.dtype) -> str:
