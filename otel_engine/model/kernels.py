@@ -463,7 +463,7 @@ def _built(compiler: str, isa: str) -> Path:
     tag = build_tag(path)
     if tag != (ABI_VERSION, isa):
         raise RuntimeError(
-            f"the build for {isa} says it is {tag} (abi, isa), not ({ABI_VERSION}, {isa!r}): the"
+            f"the build for {isa} says it is {tag} (abi, isa), not ({ABI_VERSION}, '{isa}'): the"
             " compiler ignored the flags, or ABI_VERSION is not the C file's OTEL_KERNELS_ABI"
         )
     return path
