@@ -141,7 +141,8 @@ class SchedulerConfig:
 
 @dataclass(frozen=True, slots=True)
 class ParallelConfig:
-    """Tensor parallelism. `multiprocess` runs the engine core in its own process.
+    """Tensor parallelism. `multiprocess` runs the engine core in its own process (what
+    `AsyncLLM` needs; `LLM` passes False unless told otherwise: in process).
     `distributed_executor_backend`: `mp` spawns the ranks on this machine; `ray` runs them as
     actors of a running Ray cluster (`ray_address`; None: `RAY_ADDRESS`, else the cluster
     started on this machine), placed by a placement group of one bundle per rank

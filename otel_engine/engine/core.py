@@ -51,7 +51,7 @@ from otel_engine.model.limits import EngineLimits
 from otel_engine.observability import crash_delivery, crash_dump
 from otel_engine.observability.decode_bandwidth import DecodeBandwidth
 from otel_engine.observability.faults import FaultPhase, maybe_inject, wants_prompt_len
-from otel_engine.observability.step_history import StepHistory
+from otel_engine.observability.step_history import StepHistory, StepRecord
 from otel_engine.observability.tracing import (
     get_tracer,
     inject_context,
@@ -327,20 +327,20 @@ class EngineCore:
         chunks = output.chunks
         duration = self.last_step_at - self.last_step_started_at
         history.record(
-            (
-                output.step_id,
-                time.time() - duration,
-                duration,
-                len(chunks),
-                sum(1 for chunk in chunks if chunk.num_tokens > 1),
-                output.num_batched_tokens,
-                len(output.preempted_request_ids),
-                allocator.usage,
-                allocator.num_cached_blocks,
-                len(scheduler.running),
-                len(scheduler.waiting),
-                len(scheduler.paused),
-                self.step_mask_s,
+            StepRecord(
+                step_id=output.step_id,
+                started_at=time.time() - duration,
+                duration_s=duration,
+                num_requests=len(chunks),
+                num_prefill_chunks=sum(1 for chunk in chunks if chunk.num_tokens > 1),
+                num_scheduled_tokens=output.num_batched_tokens,
+                num_preemptions=len(output.preempted_request_ids),
+                kv_cache_usage=allocator.usage,
+                num_cached_blocks=allocator.num_cached_blocks,
+                num_running=len(scheduler.running),
+                num_waiting=len(scheduler.waiting),
+                num_paused=len(scheduler.paused),
+                grammar_mask_s=self.step_mask_s,
             )
         )
 
