@@ -19,6 +19,7 @@ from typing import Any
 from otel_engine.config import ConfigError, EngineConfig, LogFormat, choice_fields
 from otel_engine.entrypoints.network.limits import CHARS_PER_TOKEN_BOUND, ServerLimits
 from otel_engine.entrypoints.tools.parser import PARSER_CHOICES
+from otel_engine.model.default_model import DEFAULT_MODEL
 from otel_engine.observability.logging import adopt_library_loggers
 from otel_engine.observability.setup import setup_main_process
 from otel_engine.observability.tracing import shutdown_telemetry
@@ -66,6 +67,10 @@ ENGINE_FLAGS = (
 RECOVERY_FLAGS = ("on_engine_failure", "max_engine_restarts", "engine_restart_window")
 
 
+def _card_values() -> str:
+    return ", ".join(f"{name} {value}" for name, value in DEFAULT_MODEL.card_defaults.items())
+
+
 def _choices(name: str) -> list[str]:
     """The values of an engine flag's closed set (config.choice_fields)."""
     return [member.value for member in choice_fields()[name]]
@@ -75,7 +80,8 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     """Flags shared by `serve` and `generate`; None means the `EngineConfig` default."""
     model = parser.add_argument_group("model")
     model.add_argument(
-        "--model", help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)"
+        "--model",
+        help=f"HF model directory or .gguf file (default: {DEFAULT_MODEL.served_name})",
     )
     model.add_argument(
         "--served-model-name", help="model name in the API (default: the model directory's name)"
@@ -136,7 +142,7 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
         choices=_choices("generation_config"),
         help="auto: requests that omit temperature, top_p, top_k, min_p or repetition_penalty "
         "get the model's generation_config.json values (the default model's card values: "
-        "temperature 0.2, top_p 0.9); none: the API's own defaults",
+        f"{_card_values()}); none: the API's own defaults",
     )
     model.add_argument(
         "--override-generation-config",

@@ -19,6 +19,7 @@ from otel_engine.errors import EngineDeadError
 from otel_engine.ipc.messages import AddRequest, EngineDead
 from otel_engine.ipc.process import Standby
 from otel_engine.model.arch import load_model_arch
+from otel_engine.model.default_model import DEFAULT_MODEL
 from otel_engine.model.gguf import ROUNDED_KEY
 from otel_engine.model.limits import LimitedBy, choose_dtype
 from otel_engine.model.loader import is_gguf, load_tokenizer, prepare_model_dir
@@ -168,6 +169,6 @@ class Frontend:
 
 def _default_name(model: str | None, model_dir: str) -> str:
     if model is None:
-        return "SmolLM2-135M-Instruct"
+        return DEFAULT_MODEL.served_name
     base = os.path.basename(os.path.normpath(model))
     return base.removesuffix(".gguf") or os.path.basename(model_dir)
