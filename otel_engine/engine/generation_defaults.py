@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from otel_engine.config import GenerationConfigMode
 from otel_engine.model.arch import read_generation_config
 from otel_engine.model.default_model import DEFAULT_MODEL
 from otel_engine.sampling_params import (
@@ -40,13 +41,17 @@ class GenerationDefaults:
 
 
 def resolve(
-    mode: str, model_dir: str, *, is_default_model: bool, override: dict[str, Any] | None
+    mode: GenerationConfigMode,
+    model_dir: str,
+    *,
+    is_default_model: bool,
+    override: dict[str, Any] | None,
 ) -> GenerationDefaults:
     """`mode` auto: the model's generation config (the model card's values for the default
     model, whose GGUF has none); none: no model defaults. `override` wins field by field."""
     values: dict[str, float] = {}
     sources: dict[str, str] = {}
-    if mode == "auto":
+    if mode == GenerationConfigMode.AUTO:
         found = read_generation_config(model_dir)
         for hf_name, name in FIELDS.items():
             if hf_name in found and found[hf_name] is not None:

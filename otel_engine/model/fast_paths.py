@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from otel_engine.config import QuantActivations
+from otel_engine.config import Int4Mode, KernelsMode, QuantActivations
 from otel_engine.model import kernels
 from otel_engine.model.checkpoint import Blocks, Checkpoint
 from otel_engine.model.kernels import STACK_HEAD_DIM, IsaLevel, KernelLibrary
@@ -185,8 +185,8 @@ class FastPaths:
 
 def choose(
     *,
-    kernels_flag: str,
-    int4_flag: str,
+    kernels_flag: KernelsMode,
+    int4_flag: Int4Mode,
     device: torch.device,
     dtype: torch.dtype,
     shape: ModelShape,
@@ -206,7 +206,7 @@ def choose(
     plan = FastPaths(cpu_isa=_cpu_isa(device), dtype=dtype, activations=activations)
     # a float32 model's GGUF matrices in 8 bits need the library even where nothing else does
     q8_f32 = dtype == torch.float32 and activations is QuantActivations.INT8
-    matmul = q8_f32 and int4_flag != "off" and bool(checkpoint.blocks)
+    matmul = q8_f32 and int4_flag != Int4Mode.OFF and bool(checkpoint.blocks)
     _decide_kernels(plan, kernels_flag, device, dtype, shape, block_size, matmul)
     blocker = shape.kernels_blocker or _packing_blocker(kernels_flag, device, dtype)
     plan.decide(Path.ONEDNN_PACKING, blocker is None, blocker or "oneDNN prepacked weights")
@@ -224,7 +224,7 @@ def choose(
 
 def _decide_kernels(
     plan: FastPaths,
-    kernels_flag: str,
+    kernels_flag: KernelsMode,
     device: torch.device,
     dtype: torch.dtype,
     shape: ModelShape,
@@ -294,7 +294,7 @@ def _larger_way(plan: FastPaths, amx_blocker: str | None) -> str:
 
 def _decide_matrices(
     plan: FastPaths,
-    int4_flag: str,
+    int4_flag: Int4Mode,
     has_bf16: bool,
     needs: str,
     shape: ModelShape,
@@ -303,9 +303,9 @@ def _decide_matrices(
 ) -> None:
     """Each matrix's form, and from them the int4_kernels and quant_kernels paths."""
     dense = Form.PACKED if plan.is_on(Path.ONEDNN_PACKING) else Form.DENSE
-    int4_blocker = "--int4 off" if int4_flag == "off" else None if has_bf16 else needs
+    int4_blocker = "--int4 off" if int4_flag == Int4Mode.OFF else None if has_bf16 else needs
     blocker = int4_blocker
-    if int4_flag != "off" and plan.dtype == torch.float32:
+    if int4_flag != Int4Mode.OFF and plan.dtype == torch.float32:
         blocker = _float32_blocks_blocker(plan)
     too_large = _int4_too_large(plan, checkpoint)
     int4 = int4_blocker is None and too_large is None
@@ -460,7 +460,9 @@ def _cpu_isa(device: torch.device) -> IsaLevel:
     return kernels.cpu_isa() if device.type == "cpu" else IsaLevel.GENERIC
 
 
-def _packing_blocker(kernels_flag: str, device: torch.device, dtype: torch.dtype) -> str | None:
+def _packing_blocker(
+    kernels_flag: KernelsMode, device: torch.device, dtype: torch.dtype
+) -> str | None:
     reason = _cpu_blocker(kernels_flag, device, dtype)
     if reason is not None:
         return reason
@@ -471,9 +473,9 @@ def _packing_blocker(kernels_flag: str, device: torch.device, dtype: torch.dtype
     return None
 
 
-def _cpu_blocker(kernels_flag: str, device: torch.device, dtype: torch.dtype) -> str | None:
+def _cpu_blocker(kernels_flag: KernelsMode, device: torch.device, dtype: torch.dtype) -> str | None:
     """What rules out every CPU fast path: --kernels torch, another device, another dtype."""
-    if kernels_flag == "torch":
+    if kernels_flag == KernelsMode.TORCH:
         return "--kernels torch"
     if device.type != "cpu":
         return f"device {device.type} (the fast paths are for CPUs)"
