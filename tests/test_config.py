@@ -45,7 +45,8 @@ BAD_VALUES: dict[str, tuple[list[str], str]] = {
     "block_size": (["--block-size", "3"], "--block-size must be a power of two, got 3"),
     "enable_prefix_caching": (
         ["--enable-prefix-caching=1"],
-        "argument --enable-prefix-caching: ignored explicit argument '1'",
+        "argument --enable-prefix-caching/--no-enable-prefix-caching: ignored explicit "
+        "argument '1'",
     ),
     "num_kv_blocks": (["--num-kv-blocks", "0"], "--num-kv-blocks must be positive, got 0"),
     "kv_cache_memory_gib": (

@@ -55,7 +55,9 @@ def missing() -> list[str]:
 
 
 def _has_method(cls: type, name: str) -> bool:
-    return callable(getattr(cls, name, None))
+    """Whether uvicorn itself defines `name` (asyncio's no-op base hooks do not count)."""
+    owners = [k for k in cls.__mro__ if k.__module__.startswith("uvicorn.")]
+    return any(callable(vars(k).get(name)) for k in owners)
 
 
 def _assigns(cls: type, name: str) -> bool:
