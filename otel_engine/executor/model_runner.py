@@ -34,7 +34,7 @@ from otel_engine.outputs import TokenLogprobs
 logger = logging.getLogger(__name__)
 
 PROMPT_LOGPROBS_ROWS = 256  # positions whose logits are computed at once for prompt logprobs
-_DTYPES = {
+_DTYPES: dict[str, torch.dtype] = {
     Dtype.FLOAT32: torch.float32,
     Dtype.BFLOAT16: torch.bfloat16,
     Dtype.FLOAT16: torch.float16,

@@ -77,7 +77,7 @@ class IsaLevel(enum.StrEnum):
 
 
 ISA_LEVELS = (IsaLevel.BASELINE, IsaLevel.AVX2, IsaLevel.AVX512, IsaLevel.AVX512BF16)
-TARGET_FLAGS: dict[IsaLevel, tuple[str, ...]] = {
+TARGET_FLAGS: dict[str, tuple[str, ...]] = {
     IsaLevel.BASELINE: ("-march=x86-64",),
     IsaLevel.AVX2: ("-march=x86-64-v3", "-mtune=haswell"),
     IsaLevel.AVX512: ("-march=x86-64-v4", "-mtune=skylake-avx512"),

@@ -14,7 +14,7 @@ from otel_engine.config import Device, Dtype, EngineConfig
 from otel_engine.model.arch import ModelArch
 from otel_engine.model.cpu import half_precision_blocker
 
-DTYPE_BYTES = {Dtype.FLOAT32: 4, Dtype.BFLOAT16: 2, Dtype.FLOAT16: 2}
+DTYPE_BYTES: dict[str, int] = {Dtype.FLOAT32: 4, Dtype.BFLOAT16: 2, Dtype.FLOAT16: 2}
 
 
 class LimitedBy(enum.StrEnum):
