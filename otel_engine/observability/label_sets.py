@@ -1,8 +1,7 @@
 """The closed sets the server's metrics count by, one enum each; the value is the label.
 
 `metrics.EngineMetrics` binds a child per member at start, so that every label exists at 0
-before its first event; the code that decides (the guard, the connection layer, structured
-output, the tool-call parser) passes members, never strings. Finish reasons are
+before its first event, and has no child for a value outside the set. Finish reasons are
 `outputs.FinishReason` and error types `errors.ErrorCode`: they are more than labels.
 """
 
