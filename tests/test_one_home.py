@@ -1,6 +1,7 @@
 """One home for each concept, held by tests: request error codes are one closed set
 (`ErrorCode`), no code is a bare string in the package, and the docs list every one of them
-(and none that does not exist); importing one module does not load the whole engine."""
+(and none that does not exist); the values of every closed set (an enum of the package) are
+written in its module alone; importing one module does not load the whole engine."""
 
 from __future__ import annotations
 
