@@ -98,7 +98,7 @@ from llama_cpp_tools import (
 from models_summary import caps_text, print_summary
 from shapes import FORMATS, PACKAGED, SHAPES, SYNTHESIZED, ModelShape
 
-from otel_engine.config import DTYPES
+from otel_engine.config import Dtype
 from otel_engine.model.kernels import ISA_LEVELS, cpu_isa
 
 SEED = 1234
@@ -374,7 +374,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--dtype",
-        choices=DTYPES,
+        choices=[d.value for d in Dtype],
         default="auto",
         help="otel-engine's --dtype (auto: bfloat16 where the CPU level computes in it)",
     )

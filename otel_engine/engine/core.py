@@ -50,8 +50,8 @@ from otel_engine.model.arch import ModelArch
 from otel_engine.model.limits import EngineLimits
 from otel_engine.observability import crash_delivery, crash_dump
 from otel_engine.observability.decode_bandwidth import DecodeBandwidth
-from otel_engine.observability.faults import maybe_inject, wants_prompt_len
-from otel_engine.observability.step_history import StepHistory
+from otel_engine.observability.faults import FaultPhase, maybe_inject, wants_prompt_len
+from otel_engine.observability.step_history import StepHistory, StepRecord
 from otel_engine.observability.tracing import (
     get_tracer,
     inject_context,
@@ -59,6 +59,7 @@ from otel_engine.observability.tracing import (
     link_from,
     shutdown_telemetry,
 )
+from otel_engine.outputs import FinishReason
 from otel_engine.sched.kv_cache import BlockAllocator
 from otel_engine.sched.request import Request
 from otel_engine.sched.scheduler import Scheduler, SchedulerOutput
@@ -169,7 +170,7 @@ class EngineCore:
                 "request.rejected", extra={"request_id": message.request_id, "code": error.code}
             )
             rejected = RequestRejected(error.code, error.message, error.param)
-            return RequestUpdate(message.request_id, [], finish_reason="abort", rejected=rejected)
+            return RequestUpdate(message.request_id, [], FinishReason.ABORT, rejected=rejected)
         request = Request(
             request_id=message.request_id,
             prompt_token_ids=message.prompt_token_ids,
@@ -215,7 +216,7 @@ class EngineCore:
                 request.grammar = _replayed(future.result(), request.output_token_ids)
             except RequestError as error:
                 rejected = RequestRejected(error.code, error.message, error.param)
-                refused.append(RequestUpdate(request_id, [], "abort", rejected=rejected))
+                refused.append(RequestUpdate(request_id, [], FinishReason.ABORT, rejected=rejected))
                 continue
             except Exception as exc:  # llguidance failed: this request only
                 logger.warning(
@@ -227,7 +228,7 @@ class EngineCore:
                     f"structured output could not be set up: {type(exc).__name__}",
                     is_server_error=True,
                 )
-                refused.append(RequestUpdate(request_id, [], "abort", rejected=rejected))
+                refused.append(RequestUpdate(request_id, [], FinishReason.ABORT, rejected=rejected))
                 continue
             self.scheduler.add(request)
         return refused
@@ -281,7 +282,7 @@ class EngineCore:
         with self._stepping(output) as trace_context:
             maybe_inject(
                 ENGINE_CORE,
-                phase="run",
+                phase=FaultPhase.RUN,
                 step=output.step_id,
                 num_requests=len(output.chunks),
                 num_tokens=output.num_batched_tokens,
@@ -326,20 +327,20 @@ class EngineCore:
         chunks = output.chunks
         duration = self.last_step_at - self.last_step_started_at
         history.record(
-            (
-                output.step_id,
-                time.time() - duration,
-                duration,
-                len(chunks),
-                sum(1 for chunk in chunks if chunk.num_tokens > 1),
-                output.num_batched_tokens,
-                len(output.preempted_request_ids),
-                allocator.usage,
-                allocator.num_cached_blocks,
-                len(scheduler.running),
-                len(scheduler.waiting),
-                len(scheduler.paused),
-                self.step_mask_s,
+            StepRecord(
+                step_id=output.step_id,
+                started_at=time.time() - duration,
+                duration_s=duration,
+                num_requests=len(chunks),
+                num_prefill_chunks=sum(1 for chunk in chunks if chunk.num_tokens > 1),
+                num_scheduled_tokens=output.num_batched_tokens,
+                num_preemptions=len(output.preempted_request_ids),
+                kv_cache_usage=allocator.usage,
+                num_cached_blocks=allocator.num_cached_blocks,
+                num_running=len(scheduler.running),
+                num_waiting=len(scheduler.waiting),
+                num_paused=len(scheduler.paused),
+                grammar_mask_s=self.step_mask_s,
             )
         )
 
@@ -584,11 +585,11 @@ def _grammar_failed(request: Request) -> RequestUpdate:
     )
     if grammar.limit is not None and grammar.error is not None:
         rejected = RequestRejected(LIMIT_EXCEEDED, grammar.error, "response_format")
-        return RequestUpdate(request.request_id, [], "abort", rejected=rejected)
+        return RequestUpdate(request.request_id, [], FinishReason.ABORT, rejected=rejected)
     rejected = RequestRejected(
         ErrorCode.STRUCTURED_OUTPUT_FAILED,
         "the output could not follow the response_format grammar",
         "response_format",
         is_server_error=True,
     )
-    return RequestUpdate(request.request_id, [], "abort", rejected=rejected)
+    return RequestUpdate(request.request_id, [], FinishReason.ABORT, rejected=rejected)

@@ -39,7 +39,7 @@ from otel_engine.ipc.process import ENGINE_CORE, ReadyChannel, on_parent_death
 from otel_engine.memory import freeze_startup_objects
 from otel_engine.model.arch import load_model_arch
 from otel_engine.model.limits import resolve_limits
-from otel_engine.observability.faults import maybe_inject
+from otel_engine.observability.faults import FaultPhase, maybe_inject
 from otel_engine.observability.tracing import shutdown_telemetry
 from otel_engine.timing import (
     CORE_IDLE_POLL_S,
@@ -71,7 +71,7 @@ def build_engine_core(config: EngineConfig, model_dir: str, ipc_dir: IpcDir) -> 
     grammars = GrammarCompiler(model_dir, arch.vocab_size, arch.eos_token_ids)
     grammars.start()
     try:
-        maybe_inject(ENGINE_CORE, phase="load")
+        maybe_inject(ENGINE_CORE, phase=FaultPhase.LOAD)
         executor = make_executor(config, model_dir, limits, ipc_dir)
     except BaseException:
         grammars.shutdown()

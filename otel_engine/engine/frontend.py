@@ -19,8 +19,9 @@ from otel_engine.errors import EngineDeadError
 from otel_engine.ipc.messages import AddRequest, EngineDead
 from otel_engine.ipc.process import Standby
 from otel_engine.model.arch import load_model_arch
+from otel_engine.model.default_model import DEFAULT_MODEL
 from otel_engine.model.gguf import ROUNDED_KEY
-from otel_engine.model.limits import choose_dtype
+from otel_engine.model.limits import LimitedBy, choose_dtype
 from otel_engine.model.loader import is_gguf, load_tokenizer, prepare_model_dir
 from otel_engine.observability import faults
 from otel_engine.observability.tracing import inject_context
@@ -87,13 +88,13 @@ class Frontend:
         self.max_model_len: int = self.client.max_model_len
         self.context_limited_by = self.client.limits.limited_by
         self.num_kv_blocks: int = self.client.limits.num_kv_blocks
-        if self.context_limited_by == "kv_cache":
+        if self.context_limited_by == LimitedBy.KV_CACHE:
             logger.warning(
                 "model.context_capped",
                 extra={
                     "max_model_len": self.max_model_len,
                     "model_max_len": config.model.max_model_len or arch.max_position_embeddings,
-                    "reason": describe_context(self.max_model_len, "kv_cache"),
+                    "reason": describe_context(self.max_model_len, LimitedBy.KV_CACHE),
                 },
             )
         self.fast_paths: dict[str, Any] | None = self.client.fast_paths
@@ -171,6 +172,6 @@ class Frontend:
 
 def _default_name(model: str | None, model_dir: str) -> str:
     if model is None:
-        return "SmolLM2-135M-Instruct"
+        return DEFAULT_MODEL.served_name
     base = os.path.basename(os.path.normpath(model))
     return base.removesuffix(".gguf") or os.path.basename(model_dir)

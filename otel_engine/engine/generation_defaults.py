@@ -3,8 +3,7 @@ model's `generation_config.json` (`--generation-config auto`), overridden field 
 `--override-generation-config`.
 
 The default model's GGUF carries no generation config, so its defaults are the ones its
-model card recommends (SmolLM2-135M-Instruct: temperature 0.2, top_p 0.9); at temperature
-1.0 and no top_p its answers are word salad. Every default in force is logged at startup
+model card recommends (`DefaultModel.card_defaults`). Every default in force is logged at startup
 with where it came from, and listed in `GET /v1/models`.
 """
 
@@ -14,7 +13,9 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from otel_engine.config import GenerationConfigMode
 from otel_engine.model.arch import read_generation_config
+from otel_engine.model.default_model import DEFAULT_MODEL
 from otel_engine.sampling_params import (
     DEFAULTABLE_FIELDS,
     check_default_values,
@@ -26,7 +27,6 @@ __all__ = ["GenerationDefaults", "parse_override", "resolve", "with_defaults"]
 
 # Request fields a generation config may set, with their names there (HF's) and here.
 FIELDS = {name: name for name in DEFAULTABLE_FIELDS}
-DEFAULT_MODEL_CARD = {"temperature": 0.2, "top_p": 0.9}  # SmolLM2-135M-Instruct's card
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,13 +41,17 @@ class GenerationDefaults:
 
 
 def resolve(
-    mode: str, model_dir: str, *, is_default_model: bool, override: dict[str, Any] | None
+    mode: GenerationConfigMode,
+    model_dir: str,
+    *,
+    is_default_model: bool,
+    override: dict[str, Any] | None,
 ) -> GenerationDefaults:
     """`mode` auto: the model's generation config (the model card's values for the default
     model, whose GGUF has none); none: no model defaults. `override` wins field by field."""
     values: dict[str, float] = {}
     sources: dict[str, str] = {}
-    if mode == "auto":
+    if mode == GenerationConfigMode.AUTO:
         found = read_generation_config(model_dir)
         for hf_name, name in FIELDS.items():
             if hf_name in found and found[hf_name] is not None:
@@ -55,8 +59,8 @@ def resolve(
                 sources[name] = "generation_config.json"
         check_default_values(values, os.path.join(model_dir, "generation_config.json"))
         if is_default_model and not values:
-            values.update(DEFAULT_MODEL_CARD)
-            sources.update(dict.fromkeys(DEFAULT_MODEL_CARD, "default model card"))
+            values.update(DEFAULT_MODEL.card_defaults)
+            sources.update(dict.fromkeys(DEFAULT_MODEL.card_defaults, "default model card"))
     for name, value in (override or {}).items():
         values[name] = value
         sources[name] = "--override-generation-config"

@@ -7,6 +7,7 @@ from typing import Any
 from otel_engine.engine import structured_output
 from otel_engine.engine.validation import check_request
 from otel_engine.errors import ErrorCode, RequestError
+from otel_engine.model.limits import LimitedBy
 from otel_engine.sampling_params import SamplingParams
 
 
@@ -14,7 +15,11 @@ class InputProcessor:
     """Checks a request against the model's limits; raises `RequestError` with a code."""
 
     def __init__(
-        self, tokenizer: Any, max_model_len: int, vocab_size: int, limited_by: str = "model"
+        self,
+        tokenizer: Any,
+        max_model_len: int,
+        vocab_size: int,
+        limited_by: LimitedBy = LimitedBy.MODEL,
     ) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len

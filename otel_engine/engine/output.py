@@ -24,6 +24,7 @@ from otel_engine.errors import OtelEngineError, RequestError, RequestFailedError
 from otel_engine.ipc.messages import RequestUpdate, StepOutputs
 from otel_engine.outputs import (
     CompletionOutput,
+    FinishReason,
     GrowingPrefix,
     RequestOutput,
     TokenIds,
@@ -209,7 +210,7 @@ class OutputProcessor:
             if found is not None:
                 state.text = state.text[: found[0]]
                 matched = found[1]
-                finish_reason, stop_reason = "stop", matched
+                finish_reason, stop_reason = FinishReason.STOP, matched
         finished = finish_reason is not None
         end = len(state.text)
         if not finished and state.stops is not None:

@@ -16,7 +16,7 @@ Where each part runs:
 - each step the core computes the sampled rows' masks (`fill_bitmasks`) into
   `ModelInput.grammar_bitmask`; the sampling rank bans every token outside them
   (`model/sampler.apply_grammar`); each sampled token advances the matcher
-  (`Request.append_token`), and a grammar that is complete finishes its request ("stop");
+  (`Request.append_token`), and a grammar that is complete finishes its request (stop);
   each mask is timed and charged to its request's budgets (`RequestGrammar.fill`).
 """
 
@@ -40,6 +40,8 @@ import numpy as np
 
 from otel_engine.errors import ErrorCode, RequestError
 from otel_engine.memory import return_freed_memory
+from otel_engine.observability.label_sets import InvalidJsonReason
+from otel_engine.outputs import FinishReason
 from otel_engine.sampling_params import StructuredOutput
 
 if TYPE_CHECKING:
@@ -239,18 +241,20 @@ def _atom_end(pattern: str, index: int) -> int:
     return index + 1
 
 
-def invalid_json_reason(text: str, finish_reason: str | None, stop_reason: object) -> str | None:
-    """Why a structured-output choice's text is not valid JSON (`length`: max_tokens cut
-    it; `stop_string`: a stop string did; `invalid`: it ended otherwise, which is a bug),
-    or None when it is valid."""
+def invalid_json_reason(
+    text: str, finish_reason: FinishReason | None, stop_reason: object
+) -> InvalidJsonReason | None:
+    """Why a structured-output choice's text is not valid JSON, or None when it is valid."""
     try:
         json.loads(text)
         return None
     except ValueError:
         pass
-    if finish_reason == "length":
-        return "length"
-    return "stop_string" if isinstance(stop_reason, str) else "invalid"
+    if finish_reason == FinishReason.LENGTH:
+        return InvalidJsonReason.LENGTH
+    if isinstance(stop_reason, str):
+        return InvalidJsonReason.STOP_STRING
+    return InvalidJsonReason.INVALID
 
 
 class RequestGrammar:

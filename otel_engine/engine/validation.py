@@ -10,30 +10,32 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from otel_engine.errors import ErrorCode, RequestError
+from otel_engine.model.limits import LimitedBy
 from otel_engine.sampling_params import SamplingParams, shown
 
 # Why the context is as long as it is, as a 400 and the start-up warning say it.
 _LIMITED_BY = {
-    "model": "this model's maximum context length is {n} tokens",
-    "max_model_len": "this server's maximum context length is {n} tokens (--max-model-len)",
-    "sliding_window": "this model's maximum context length is {n} tokens (its sliding window)",
-    "kv_cache": (
+    LimitedBy.MODEL: "this model's maximum context length is {n} tokens",
+    LimitedBy.MAX_MODEL_LEN: "this server's maximum context length is {n} tokens (--max-model-len)",
+    LimitedBy.SLIDING_WINDOW: "this model's maximum context length is {n} tokens "
+    "(its sliding window)",
+    LimitedBy.KV_CACHE: (
         "this server's maximum context length is {n} tokens, all that its KV cache holds "
         "(--kv-cache-memory-gib or --num-kv-blocks raise it)"
     ),
 }
 
 
-def describe_context(max_model_len: int, limited_by: str = "model") -> str:
+def describe_context(max_model_len: int, limited_by: LimitedBy = LimitedBy.MODEL) -> str:
     """The context length and what sets it, in words."""
-    return _LIMITED_BY.get(limited_by, _LIMITED_BY["model"]).format(n=max_model_len)
+    return _LIMITED_BY[limited_by].format(n=max_model_len)
 
 
 def check_context(
     num_prompt: int,
     max_tokens: int,
     max_model_len: int,
-    limited_by: str = "model",
+    limited_by: LimitedBy = LimitedBy.MODEL,
     *,
     prompt_param: str = "prompt",
 ) -> None:
@@ -54,7 +56,7 @@ def check_request(
     *,
     vocab_size: int,
     max_model_len: int,
-    limited_by: str = "model",
+    limited_by: LimitedBy = LimitedBy.MODEL,
     output_token_ids: Sequence[int] = (),
 ) -> None:
     """Raise `RequestError` (with `code` and `param`) unless the request can run.

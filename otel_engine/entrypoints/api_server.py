@@ -68,7 +68,9 @@ from otel_engine.entrypoints.openai.protocol import (
     TokenizeResponse,
 )
 from otel_engine.entrypoints.openai.serving import OpenAIServing
+from otel_engine.ipc.roles import ProcessRole
 from otel_engine.memory import freeze_startup_objects
+from otel_engine.observability.label_sets import HealthState
 from otel_engine.observability.metrics import EngineMetrics
 from otel_engine.observability.otlp_export import on_export_failure
 from otel_engine.observability.otlp_metrics import start_otlp_metrics
@@ -279,7 +281,7 @@ class ApiServer(uvicorn.Server):
                     "failed_process": error.failed_process if error else None,
                 },
             )
-            self.state.metrics.set_health("dead")
+            self.state.metrics.set_health(HealthState.DEAD)
             self.exit_code = 1
             self._exit_deadline = time.monotonic() + self.final_scrape_wait
             if self.final_scrape_wait > 0 and self.exit_on_engine_death:
@@ -423,7 +425,7 @@ def run_server(
     start_otlp_metrics(
         server.state.metrics.otlp_registry,
         config=engine.config.observability,
-        role="api_server",
+        role=ProcessRole.API_SERVER,
         instance_id=engine.config.instance_id,
     )
     if threading.current_thread() is threading.main_thread():

@@ -32,6 +32,7 @@ from otel_engine.ipc.messages import (
     WorkerResponse,
 )
 from otel_engine.ipc.process import process_title
+from otel_engine.ipc.roles import ProcessRole
 from otel_engine.timing import (
     FAILED_REPORT_WAIT_S,
     FAILURE_GRACE_S,
@@ -64,7 +65,7 @@ def choose_root_cause(
     """Which failure caused the others. A worker that died without a report (killed, OOM)
     is the cause: its peers' collectives broke because of it. Else the earliest report (a
     worker that raised reports before it exits). Else the failure seen first."""
-    reporters = {process_title("worker", f.rank) for f in failures}
+    reporters = {process_title(ProcessRole.WORKER, f.rank) for f in failures}
     if died is not None and died.process not in reporters:
         return died
     if failures:
@@ -77,7 +78,7 @@ def expects_report(
 ) -> bool:
     """Whether to wait longer for a report: a worker that raised reports, then exits with
     code 1, and its report can arrive after its death is seen (for `FAILED_REPORT_WAIT_S`)."""
-    reporters = {process_title("worker", f.rank) for f in failures}
+    reporters = {process_title(ProcessRole.WORKER, f.rank) for f in failures}
     silent = died is not None and died.process not in reporters
     return silent and exit_code == 1 and waited < FAILED_REPORT_WAIT_S
 
@@ -161,7 +162,7 @@ class StepChannel:
             self._raise([message])
         if message.step_id != step_id:
             waiting = "no step" if step_id is None else f"step {step_id}"
-            sender = process_title("worker", 0)  # rank 0 sends the results
+            sender = process_title(ProcessRole.WORKER, 0)  # rank 0 sends the results
             self._failure = self._root = ErrorInfo(
                 type=FailureCause.STEP_MISMATCH,
                 message=f"{sender} sent the result of step {message.step_id} while the "

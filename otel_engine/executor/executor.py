@@ -19,7 +19,7 @@ import threading
 import time
 from typing import Any, Protocol
 
-from otel_engine.config import EngineConfig
+from otel_engine.config import EngineConfig, ExecutorBackend
 from otel_engine.errors import FailureCause
 from otel_engine.executor.channel import StepChannel
 from otel_engine.executor.hang import ask_ranks
@@ -28,9 +28,10 @@ from otel_engine.executor.responder import flight_recorder_env
 from otel_engine.ipc.messages import ErrorInfo, ModelInput, ModelOutput, RankReport
 from otel_engine.ipc.paths import IpcDir, loopback_env
 from otel_engine.ipc.process import ENGINE_CORE, ChildProcess, spawn, stop_all, wait_for_death
+from otel_engine.ipc.roles import ProcessRole
 from otel_engine.model.bandwidth import MemoryBandwidth
 from otel_engine.model.limits import EngineLimits
-from otel_engine.observability.faults import maybe_inject
+from otel_engine.observability.faults import FaultPhase, maybe_inject
 from otel_engine.observability.setup import spawn_env
 from otel_engine.timing import GRACEFUL_WORKER_STOP_MAX_S, MONITOR_JOIN_S
 
@@ -82,15 +83,15 @@ class UniprocExecutor:
     def __init__(self, config: EngineConfig, model_dir: str, limits: EngineLimits) -> None:
         from otel_engine.executor.model_runner import ModelRunner  # torch: only where it runs
 
-        maybe_inject("worker", phase="load", rank=0)
+        maybe_inject(ProcessRole.WORKER, phase=FaultPhase.LOAD, rank=0)
         self.runner = ModelRunner(config, model_dir, limits, rank=0)
         self.fast_paths: dict[str, Any] | None = collect([self.runner.model.fast_paths.summary()])
         self.memory_bandwidth = self.runner.memory_bandwidth  # model/bandwidth.py
 
     def execute(self, step: ModelInput) -> ModelOutput:
         maybe_inject(
-            "worker",
-            phase="run",
+            ProcessRole.WORKER,
+            phase=FaultPhase.RUN,
             rank=0,
             step=step.step_id,
             num_requests=len(step.query_lens),
@@ -155,7 +156,7 @@ class MultiprocExecutor:
                         self.channel.input_addresses[rank],
                         self.channel.results_address,
                         self._probes[rank],
-                        role="worker",
+                        role=ProcessRole.WORKER,
                         rank=rank,
                         env=worker_env,
                         fault_dir=ipc_dir.path,
@@ -236,7 +237,7 @@ def make_executor(
 ) -> Executor:
     """The executor `config` asks for, its ranks started with `limits` (resolved once, by
     the caller) and ready."""
-    if config.parallel.distributed_executor_backend == "ray":
+    if config.parallel.distributed_executor_backend == ExecutorBackend.RAY:
         from otel_engine.executor.ray_executor import RayExecutor  # ray: only when asked for
 
         return RayExecutor(config, model_dir, limits)

@@ -22,6 +22,7 @@ from otel_engine.errors import FailureCause
 from otel_engine.ipc.codec import Codec
 from otel_engine.ipc.messages import ErrorInfo, RankReport, StackFrame
 from otel_engine.ipc.process import process_title
+from otel_engine.ipc.roles import ProcessRole
 from otel_engine.timing import RANK_REPORT_WAIT_S
 
 _IN_COLLECTIVE = ("torch/distributed/",)
@@ -123,7 +124,7 @@ def hang_error(
     return ErrorInfo(
         type=FailureCause.STEP_TIMEOUT,
         message=f"{where}; {stalled}",
-        process=process_title("worker", culprit.rank),
+        process=process_title(ProcessRole.WORKER, culprit.rank),
         rank=culprit.rank,
         location=where,
     )

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from otel_engine.config import EngineConfig
+from otel_engine.config import Device, Dtype, EngineConfig
 from otel_engine.ipc.messages import ModelInput, ModelOutput, PromptLogprobsChunk
 from otel_engine.memory import huge_page_region, return_freed_memory
 from otel_engine.model.arch import load_model_arch
@@ -34,7 +34,11 @@ from otel_engine.outputs import TokenLogprobs
 logger = logging.getLogger(__name__)
 
 PROMPT_LOGPROBS_ROWS = 256  # positions whose logits are computed at once for prompt logprobs
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES: dict[str, torch.dtype] = {
+    Dtype.FLOAT32: torch.float32,
+    Dtype.BFLOAT16: torch.bfloat16,
+    Dtype.FLOAT16: torch.float16,
+}
 
 
 def _warn_if_emulated(name: str) -> None:
@@ -84,7 +88,7 @@ class ModelRunner:
         self.arch = load_model_arch(model_dir)
         self.limits = limits if limits is not None else resolve_limits(config, self.arch)
         self.device = torch.device(
-            config.model.device if config.model.device == "cpu" else f"cuda:{rank}"
+            config.model.device if config.model.device == Device.CPU else f"cuda:{rank}"
         )
         dtype = choose_dtype(config, self.arch)
         self.dtype = _DTYPES[dtype.name]

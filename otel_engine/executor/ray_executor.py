@@ -29,7 +29,7 @@ from typing import Any
 
 import msgspec
 
-from otel_engine.config import EngineConfig
+from otel_engine.config import Device, EngineConfig, RayPlacementStrategy
 from otel_engine.errors import EngineStartupError, FailureCause
 from otel_engine.executor.channel import StepChannel
 from otel_engine.executor.hang import ask_ranks
@@ -44,6 +44,7 @@ from otel_engine.ipc.messages import (
     WorkerFailure,
 )
 from otel_engine.ipc.process import ENGINE_CORE, process_title
+from otel_engine.ipc.roles import ProcessRole
 from otel_engine.model.bandwidth import MemoryBandwidth
 from otel_engine.model.limits import EngineLimits
 from otel_engine.observability.faults import ENV_VAR as FAULT_ENV
@@ -149,9 +150,9 @@ def bundles_held(per_node: list[dict[str, float]], bundle: dict[str, float], str
     """How many of `bundle` the nodes' total resources hold under `strategy`: every node's
     share (PACK, SPREAD), at most one per node (STRICT_SPREAD), one node's (STRICT_PACK)."""
     shares = [int(min(res.get(k, 0.0) / v for k, v in bundle.items())) for res in per_node]
-    if strategy == "STRICT_SPREAD":
+    if strategy == RayPlacementStrategy.STRICT_SPREAD:
         return sum(1 for share in shares if share >= 1)
-    if strategy == "STRICT_PACK":
+    if strategy == RayPlacementStrategy.STRICT_PACK:
         return max(shares, default=0)
     return sum(shares)
 
@@ -279,7 +280,7 @@ class RayExecutor:
 
     def _bundle(self) -> dict[str, float]:
         bundle = {"CPU": float(self.config.parallel.ray_cpus_per_rank)}
-        if self.config.model.device == "cuda":
+        if self.config.model.device == Device.CUDA:
             bundle["GPU"] = 1.0
         return bundle
 
@@ -340,7 +341,7 @@ class RayExecutor:
     def _get(self, ref: Any, deadline: float, *, rank: int) -> Any:
         """One startup call's result; its failure as a one-line startup error naming the
         rank (and its node, once known)."""
-        name = process_title("worker", rank)
+        name = process_title(ProcessRole.WORKER, rank)
         try:
             return self._ray.get(ref, timeout=self._left(deadline))
         except self._ray.exceptions.GetTimeoutError as error:
@@ -373,11 +374,13 @@ class RayExecutor:
         while pending:
             done, _ = self._ray.wait(list(pending), num_returns=1, timeout=self._left(deadline))
             if not done:
-                names = ", ".join(process_title("worker", r) for r in sorted(pending.values()))
+                names = ", ".join(
+                    process_title(ProcessRole.WORKER, r) for r in sorted(pending.values())
+                )
                 raise EngineStartupError(
                     f"{names} did not start within --engine-ready-timeout "
                     f"({self.config.timeouts.engine_ready_timeout:g} s)",
-                    failed_process=process_title("worker", min(pending.values())),
+                    failed_process=process_title(ProcessRole.WORKER, min(pending.values())),
                 )
             for ref in done:
                 rank = pending.pop(ref)
@@ -401,7 +404,7 @@ class RayExecutor:
         if self._stopping:
             return
         rank = self._runs.index(ready[0])
-        name = process_title("worker", rank)
+        name = process_title(ProcessRole.WORKER, rank)
         said = ""
         try:
             self._ray.get(ready[0])
@@ -453,7 +456,7 @@ class RayExecutor:
 
     def _rank_died(self, rank: int, how: str) -> ErrorInfo:
         """`WorkerDied` of `rank`, naming its node and `how` (also client-safe: `location`)."""
-        name, node = process_title("worker", rank), describe_node(self._nodes[rank])
+        name, node = process_title(ProcessRole.WORKER, rank), describe_node(self._nodes[rank])
         return ErrorInfo(
             type=FailureCause.WORKER_DIED,
             message=f"{name} on {node} died: {how}",

@@ -24,11 +24,12 @@ from typing import TYPE_CHECKING, Any
 import ray
 import zmq
 
-from otel_engine.config import EngineConfig
+from otel_engine.config import Device, EngineConfig
 from otel_engine.executor.responder import Responder
 from otel_engine.ipc.paths import listening_socket
+from otel_engine.ipc.roles import ProcessRole
 from otel_engine.model.limits import EngineLimits
-from otel_engine.observability.faults import maybe_inject
+from otel_engine.observability.faults import FaultPhase, maybe_inject
 from otel_engine.observability.setup import setup_process
 from otel_engine.observability.tracing import shutdown_telemetry
 from otel_engine.timing import TELEMETRY_FLUSH_S, WORKER_EXIT_LINGER_S
@@ -56,7 +57,7 @@ class RayWorker:
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
-        setup_process(role="worker", rank=rank)  # logging, exporters, fault injector
+        setup_process(role=ProcessRole.WORKER, rank=rank)  # logging, exporters, fault injector
         self._store: dist.TCPStore | None = None
         self._runner: ModelRunner | None = None
         self._context: zmq.Context[zmq.Socket[bytes]] | None = None
@@ -111,7 +112,7 @@ class RayWorker:
         config = EngineConfig.decode(config_bytes)
         tp_size = config.parallel.tensor_parallel_size
         torch.set_num_threads(max(1, int(config.parallel.ray_cpus_per_rank)))
-        backend = "nccl" if config.model.device == "cuda" else "gloo"
+        backend = "nccl" if config.model.device == Device.CUDA else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(0)  # Ray makes the bundle's GPU the only one visible
         timeout = timedelta(seconds=config.timeouts.engine_ready_timeout)
@@ -121,7 +122,7 @@ class RayWorker:
         dist.init_process_group(
             backend, store=store, rank=self.rank, world_size=tp_size, timeout=timeout
         )
-        maybe_inject("worker", phase="load", rank=self.rank)
+        maybe_inject(ProcessRole.WORKER, phase=FaultPhase.LOAD, rank=self.rank)
         limits = EngineLimits.decode(limits_bytes)
         self._runner = ModelRunner(config, model_dir, limits, rank=self.rank)
         self._context = zmq.Context(io_threads=1)

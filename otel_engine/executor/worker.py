@@ -19,7 +19,7 @@ import torch.distributed as dist
 import zmq
 from opentelemetry.trace import Status, StatusCode
 
-from otel_engine.config import EngineConfig
+from otel_engine.config import Device, EngineConfig
 from otel_engine.executor.model_runner import ModelRunner
 from otel_engine.executor.responder import Responder
 from otel_engine.ipc.codec import Codec, error_info
@@ -31,9 +31,10 @@ from otel_engine.ipc.messages import (
 )
 from otel_engine.ipc.paths import LOOPBACK, listening_socket, publish, wait_for
 from otel_engine.ipc.process import ReadyChannel, process_title
+from otel_engine.ipc.roles import ProcessRole
 from otel_engine.memory import freeze_startup_objects
 from otel_engine.model.limits import EngineLimits
-from otel_engine.observability.faults import maybe_inject
+from otel_engine.observability.faults import FaultPhase, maybe_inject
 from otel_engine.observability.tracing import (
     extract_context,
     get_tracer,
@@ -60,13 +61,13 @@ def run_worker(
     config = EngineConfig.decode(config_bytes)
     tp_size = config.parallel.tensor_parallel_size
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp_size))
-    backend = "nccl" if config.model.device == "cuda" else "gloo"
+    backend = "nccl" if config.model.device == Device.CUDA else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(rank)
     timeout = timedelta(seconds=config.timeouts.engine_ready_timeout)
     store = _rendezvous_store(rank, tp_size, store_path, timeout)
     dist.init_process_group(backend, store=store, rank=rank, world_size=tp_size, timeout=timeout)
-    maybe_inject("worker", phase="load", rank=rank)
+    maybe_inject(ProcessRole.WORKER, phase=FaultPhase.LOAD, rank=rank)
     runner = ModelRunner(config, model_dir, EngineLimits.decode(limits_bytes), rank=rank)
     freeze_startup_objects()
     context = zmq.Context(io_threads=1)
@@ -136,8 +137,8 @@ def busy_loop(
         responder.step_id = message.step_id
         try:
             maybe_inject(
-                "worker",
-                phase="run",
+                ProcessRole.WORKER,
+                phase=FaultPhase.RUN,
                 rank=rank,
                 step=message.step_id,
                 num_requests=len(message.query_lens),
@@ -151,7 +152,7 @@ def busy_loop(
                 span.record_exception(exc)
                 span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
                 span.end()
-            info = error_info(exc, process_title("worker", rank), rank=rank)
+            info = error_info(exc, process_title(ProcessRole.WORKER, rank), rank=rank)
             outputs.send(responses.encode(WorkerFailure(rank, info, time.time())))
             # close() alone does not flush: terminating the context waits for delivery.
             inputs.close(linger=0)

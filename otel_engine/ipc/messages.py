@@ -17,7 +17,7 @@ import msgspec
 
 from otel_engine.model.bandwidth import MemoryBandwidth
 from otel_engine.model.limits import EngineLimits
-from otel_engine.outputs import TokenLogprobs
+from otel_engine.outputs import FinishReason, TokenLogprobs
 from otel_engine.sampling_params import LogitsProcessing, SamplingParams
 
 # ---- Handshake: every child to its parent, once -------------------------------------------
@@ -127,11 +127,11 @@ class RequestRejected(msgspec.Struct, frozen=True, array_like=True):
 
 class RequestUpdate(msgspec.Struct, frozen=True, array_like=True):
     """New tokens of one request in one step; `finish_reason` set on its last update.
-    `rejected` is set (with finish reason "abort") when the core refused the request."""
+    `rejected` is set (with `FinishReason.ABORT`) when the core refused the request."""
 
     request_id: str
     new_token_ids: list[int]
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: int | None = None
     num_preemptions: int = 0  # so far, cumulative
     queue_time_s: float | None = None  # arrival to first scheduled; on the first update only

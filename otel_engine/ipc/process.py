@@ -41,6 +41,7 @@ from otel_engine.ipc.messages import (
     Ready,
 )
 from otel_engine.ipc.native_fault import FaultReport
+from otel_engine.ipc.roles import ProcessRole
 from otel_engine.timing import TERM_GRACE_S
 
 logger = logging.getLogger(__name__)
@@ -273,14 +274,14 @@ def wait_for_death(children: list[ChildProcess]) -> ChildProcess:
     return by_fd[readable[0]]
 
 
-ENGINE_CORE = "engine_core"  # the engine core's role, and its name in failure reports
+ENGINE_CORE = ProcessRole.ENGINE_CORE  # also its name in failure reports
 
 
 def process_title(role: str, rank: int | None = None) -> str:
     """A child's name and process title, from its role and rank:
     `otel-engine-core`, `otel-worker-{rank}`. Failure reports name a worker by it (the engine
     core, which reports its own failures, by its role)."""
-    if role == "worker":
+    if role == ProcessRole.WORKER:
         return f"otel-worker-{rank}"
     return f"otel-{role.replace('_', '-')}"
 

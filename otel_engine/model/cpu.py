@@ -18,14 +18,18 @@ import os
 import platform
 from pathlib import Path
 
-from otel_engine.model.kernels import ISA_ENV, ISA_LEVELS
+from otel_engine.config import Dtype
+from otel_engine.model.kernels import ISA_ENV, ISA_LEVELS, IsaLevel
 
 # What each dtype needs, by the flag names of /proc/cpuinfo (x86 "flags", Arm "Features").
-_X86_FLAGS = {"bfloat16": ("avx512_bf16", "amx_bf16"), "float16": ("avx512_fp16", "amx_fp16")}
-_ARM_FLAGS = {"bfloat16": ("bf16",), "float16": ("asimdhp",)}
+_X86_FLAGS: dict[str, tuple[str, ...]] = {
+    Dtype.BFLOAT16: ("avx512_bf16", "amx_bf16"),
+    Dtype.FLOAT16: ("avx512_fp16", "amx_fp16"),
+}
+_ARM_FLAGS: dict[str, tuple[str, ...]] = {Dtype.BFLOAT16: ("bf16",), Dtype.FLOAT16: ("asimdhp",)}
 # Caps below the level that has the instructions (the values that keep them are not listed).
 _TORCH_CAPS = ("default", "avx2")  # ATEN_CPU_CAPABILITY
-_KERNEL_CAPS = ISA_LEVELS[: ISA_LEVELS.index("avx512bf16")]  # OTEL_ENGINE_KERNEL_ISA
+_KERNEL_CAPS = ISA_LEVELS[: ISA_LEVELS.index(IsaLevel.AVX512BF16)]  # OTEL_ENGINE_KERNEL_ISA
 _ONEDNN_NATIVE = ("BF16", "FP16", "AMX", "ALL")  # in an ONEDNN_MAX_CPU_ISA that keeps them
 
 

@@ -44,14 +44,15 @@ from typing import Any
 
 import torch
 
+from otel_engine.config import Int4Mode, KernelsMode, QuantActivations
 from otel_engine.model import kernels
 from otel_engine.model.checkpoint import Blocks, Checkpoint
-from otel_engine.model.kernels import STACK_HEAD_DIM, KernelLibrary
+from otel_engine.model.kernels import STACK_HEAD_DIM, IsaLevel, KernelLibrary
 from otel_engine.model.projections import Projection, Split
 from otel_engine.model.quant import AMX_MAX_ROWS
 from otel_engine.model.weights import INT4_GROUP, INT4_TYPES
 
-BF16_ISA = "avx512bf16"  # the 4-bit matmuls, GGUF blocks, prefill attention, the stack
+BF16_ISA = IsaLevel.AVX512BF16  # the 4-bit matmuls, GGUF blocks, prefill attention, the stack
 PREFILL_KERNEL_HEAD_DIMS = (64, 128)  # prefill attention in cpu_kernels.c
 # Where torch's fused attention packs its bfloat16 matmuls for AMX, it is faster than the
 # compiled prefill attention on chunks longer than this (bench/attention.py: 2.3-4x at 1,024
@@ -78,16 +79,7 @@ class Path(enum.Enum):
     DECODER_STACK = "decoder_stack"
 
 
-class Activations(enum.Enum):
-    """What x is in when it meets GGUF blocks in small steps: 8 bits, or as it is in the model
-    dtype (each of those values is for a model of its dtype alone)."""
-
-    INT8 = "int8"  # quantized per block, integer dot products (as llama.cpp)
-    BFLOAT16 = "bfloat16"  # a bfloat16 model's x as it is, by the exact weights
-    FLOAT32 = "float32"  # a float32 model's x as it is, by dense float32 copies of them
-
-
-_EXACT_DTYPES = {Activations.BFLOAT16: torch.bfloat16, Activations.FLOAT32: torch.float32}
+_EXACT_DTYPES = {QuantActivations.BFLOAT16: torch.bfloat16, QuantActivations.FLOAT32: torch.float32}
 
 
 class Larger(enum.Enum):
@@ -111,9 +103,9 @@ class Form(enum.Enum):
 INT4_FORMS = (Form.INT4_PANELS, Form.INT4_TILES)
 
 _QUANT_X = {
-    Activations.INT8: "x in 8 bits per block (integer dot products, as llama.cpp's)",
-    Activations.BFLOAT16: "x in bfloat16 by the exact weights",
-    Activations.FLOAT32: "x in float32 by the exact weights",
+    QuantActivations.INT8: "x in 8 bits per block (integer dot products, as llama.cpp's)",
+    QuantActivations.BFLOAT16: "x in bfloat16 by the exact weights",
+    QuantActivations.FLOAT32: "x in float32 by the exact weights",
 }
 
 
@@ -148,7 +140,7 @@ class FastPaths:
     kernel_isa: str | None = None
     library: KernelLibrary | None = None
     choices: dict[Path, Choice] = field(default_factory=dict)
-    activations: Activations = Activations.INT8
+    activations: QuantActivations = QuantActivations.INT8
     int4_larger: Larger = Larger.PANELS
     blocks_larger: Larger = Larger.TILES
     # the longest prefill chunk the compiled prefill attention takes (None: any)
@@ -193,18 +185,18 @@ class FastPaths:
 
 def choose(
     *,
-    kernels_flag: str,
-    int4_flag: str,
+    kernels_flag: KernelsMode,
+    int4_flag: Int4Mode,
     device: torch.device,
     dtype: torch.dtype,
     shape: ModelShape,
     block_size: int,
-    quant_activations: str = "int8",
+    quant_activations: QuantActivations = QuantActivations.INT8,
     checkpoint: Checkpoint | None = None,
 ) -> FastPaths:
     """Every decision for a model of `shape` with `checkpoint`'s weights on this rank."""
     checkpoint = checkpoint or Checkpoint()
-    activations = Activations(quant_activations)
+    activations = QuantActivations(quant_activations)
     exact = _EXACT_DTYPES.get(activations)
     if exact is not None and dtype in _KERNEL_DTYPES and exact != dtype:
         raise ValueError(
@@ -213,8 +205,8 @@ def choose(
         )
     plan = FastPaths(cpu_isa=_cpu_isa(device), dtype=dtype, activations=activations)
     # a float32 model's GGUF matrices in 8 bits need the library even where nothing else does
-    q8_f32 = dtype == torch.float32 and activations is Activations.INT8
-    matmul = q8_f32 and int4_flag != "off" and bool(checkpoint.blocks)
+    q8_f32 = dtype == torch.float32 and activations is QuantActivations.INT8
+    matmul = q8_f32 and int4_flag != Int4Mode.OFF and bool(checkpoint.blocks)
     _decide_kernels(plan, kernels_flag, device, dtype, shape, block_size, matmul)
     blocker = shape.kernels_blocker or _packing_blocker(kernels_flag, device, dtype)
     plan.decide(Path.ONEDNN_PACKING, blocker is None, blocker or "oneDNN prepacked weights")
@@ -232,7 +224,7 @@ def choose(
 
 def _decide_kernels(
     plan: FastPaths,
-    kernels_flag: str,
+    kernels_flag: KernelsMode,
     device: torch.device,
     dtype: torch.dtype,
     shape: ModelShape,
@@ -302,7 +294,7 @@ def _larger_way(plan: FastPaths, amx_blocker: str | None) -> str:
 
 def _decide_matrices(
     plan: FastPaths,
-    int4_flag: str,
+    int4_flag: Int4Mode,
     has_bf16: bool,
     needs: str,
     shape: ModelShape,
@@ -311,9 +303,9 @@ def _decide_matrices(
 ) -> None:
     """Each matrix's form, and from them the int4_kernels and quant_kernels paths."""
     dense = Form.PACKED if plan.is_on(Path.ONEDNN_PACKING) else Form.DENSE
-    int4_blocker = "--int4 off" if int4_flag == "off" else None if has_bf16 else needs
+    int4_blocker = "--int4 off" if int4_flag == Int4Mode.OFF else None if has_bf16 else needs
     blocker = int4_blocker
-    if int4_flag != "off" and plan.dtype == torch.float32:
+    if int4_flag != Int4Mode.OFF and plan.dtype == torch.float32:
         blocker = _float32_blocks_blocker(plan)
     too_large = _int4_too_large(plan, checkpoint)
     int4 = int4_blocker is None and too_large is None
@@ -351,7 +343,7 @@ def _decide_matrices(
 def _float32_blocks_blocker(plan: FastPaths) -> str | None:
     """Why a float32 model's GGUF matrices are not multiplied from their blocks (None: they
     are, with x in 8 bits)."""
-    if plan.activations is not Activations.INT8:
+    if plan.activations is not QuantActivations.INT8:
         return "--quant-activations float32: dense float32 copies of the file's exact weights"
     if plan.library is None or not plan.library.has(Q8_F32):
         off = plan.choices[Path.COMPILED_KERNELS].reason
@@ -362,7 +354,7 @@ def _float32_blocks_blocker(plan: FastPaths) -> str | None:
 def _int4_too_large(plan: FastPaths, checkpoint: Checkpoint) -> str | None:
     """Why Q4_0/Q4_1 layers may not run in the 4-bit kernels' layout (None: they may): with x
     in 8 bits, they are more than INT4_KERNELS_MAX_BYTES (then from their blocks)."""
-    if plan.activations is not Activations.INT8:
+    if plan.activations is not QuantActivations.INT8:
         return None
     size = sum(
         b.rows * b.cols // INT4_GROUP * (18 if b.kind == "Q4_0" else 20)
@@ -464,11 +456,13 @@ def _torch_has_amx() -> bool:
     return bool(torch.cpu._is_amx_tile_supported())
 
 
-def _cpu_isa(device: torch.device) -> str:
-    return kernels.cpu_isa() if device.type == "cpu" else "generic"
+def _cpu_isa(device: torch.device) -> IsaLevel:
+    return kernels.cpu_isa() if device.type == "cpu" else IsaLevel.GENERIC
 
 
-def _packing_blocker(kernels_flag: str, device: torch.device, dtype: torch.dtype) -> str | None:
+def _packing_blocker(
+    kernels_flag: KernelsMode, device: torch.device, dtype: torch.dtype
+) -> str | None:
     reason = _cpu_blocker(kernels_flag, device, dtype)
     if reason is not None:
         return reason
@@ -479,9 +473,9 @@ def _packing_blocker(kernels_flag: str, device: torch.device, dtype: torch.dtype
     return None
 
 
-def _cpu_blocker(kernels_flag: str, device: torch.device, dtype: torch.dtype) -> str | None:
+def _cpu_blocker(kernels_flag: KernelsMode, device: torch.device, dtype: torch.dtype) -> str | None:
     """What rules out every CPU fast path: --kernels torch, another device, another dtype."""
-    if kernels_flag == "torch":
+    if kernels_flag == KernelsMode.TORCH:
         return "--kernels torch"
     if device.type != "cpu":
         return f"device {device.type} (the fast paths are for CPUs)"
@@ -499,9 +493,9 @@ def kernels_pay_off(isa: str, dtype: torch.dtype) -> bool:
     these kernels: 52.5 / 105.8 -> 141.4 / 262.2 tok/s); built for the x86-64 baseline (one
     element at a time) they win in bfloat16 only (1.09x / 1.08x), while in float32 torch's
     vectorized ops are faster (0.75x / 0.68x); off x86 (never measured) torch ops."""
-    if isa in ("avx512", "avx512bf16", "avx2"):
+    if isa in (IsaLevel.AVX512, IsaLevel.AVX512BF16, IsaLevel.AVX2):
         return True
-    return isa == "baseline" and dtype == torch.bfloat16
+    return isa == IsaLevel.BASELINE and dtype == torch.bfloat16
 
 
 def _name(dtype: torch.dtype) -> str:

@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from otel_engine.cache import cache_root
+from otel_engine.config import Dtype
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,7 @@ FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 _BUILD_TIMEOUT_S = 120  # about 9x the slowest build measured (bench/kernel_build.py)
 ABI_VERSION = 9  # cpu_kernels.c OTEL_KERNELS_ABI
 
+
 # Instruction-set levels of x86-64, lowest first, and the flags that target each: the
 # x86-64 psABI levels (v3: AVX2 and FMA; v4: AVX-512 F/BW/CD/DQ/VL), plus AVX-512 BF16
 # with AVX-512 VNNI.
@@ -64,12 +66,22 @@ ABI_VERSION = 9  # cpu_kernels.c OTEL_KERNELS_ABI
 # build depends on its target alone (with -mtune=skylake-avx512, GCC 12 emits exactly what
 # -march=native did on this project's AVX-512 BF16 machine; generic tuning differed in a
 # tenth of the instructions).
-ISA_LEVELS = ("baseline", "avx2", "avx512", "avx512bf16")
+class IsaLevel(enum.StrEnum):
+    """A CPU's instruction-set level and a kernel build's target (the build tag's `isa`)."""
+
+    BASELINE = "baseline"
+    AVX2 = "avx2"
+    AVX512 = "avx512"
+    AVX512BF16 = "avx512bf16"
+    GENERIC = "generic"  # not x86: no level to compare
+
+
+ISA_LEVELS = (IsaLevel.BASELINE, IsaLevel.AVX2, IsaLevel.AVX512, IsaLevel.AVX512BF16)
 TARGET_FLAGS: dict[str, tuple[str, ...]] = {
-    "baseline": ("-march=x86-64",),
-    "avx2": ("-march=x86-64-v3", "-mtune=haswell"),
-    "avx512": ("-march=x86-64-v4", "-mtune=skylake-avx512"),
-    "avx512bf16": (
+    IsaLevel.BASELINE: ("-march=x86-64",),
+    IsaLevel.AVX2: ("-march=x86-64-v3", "-mtune=haswell"),
+    IsaLevel.AVX512: ("-march=x86-64-v4", "-mtune=skylake-avx512"),
+    IsaLevel.AVX512BF16: (
         "-march=x86-64-v4",
         "-mavx512bf16",
         "-mavx512vnni",
@@ -77,7 +89,7 @@ TARGET_FLAGS: dict[str, tuple[str, ...]] = {
         "-mamx-bf16",
         "-mtune=skylake-avx512",
     ),
-    "generic": (),
+    IsaLevel.GENERIC: (),
 }
 BUILD_LOCK = ".build.lock"  # in the cache directory, beside the builds
 # Waiting for the lock: at worst one build of every target is ahead (a waiter that gets the
@@ -139,8 +151,8 @@ SUFFIXES = ("f32", "bf16")
 # (the half-precision KV cache of a float32 model): by the cache's dtype, each activation
 # suffix's function.
 CACHE_SUFFIXES: dict[str, dict[str, str]] = {
-    "f32": {"float32": "f32", "float16": "f32_f16"},
-    "bf16": {"bfloat16": "bf16"},
+    "f32": {Dtype.FLOAT32: "f32", Dtype.FLOAT16: "f32_f16"},
+    "bf16": {Dtype.BFLOAT16: "bf16"},
 }
 CACHE_KERNELS = ("rope_and_cache", "decode_attention")
 
@@ -187,10 +199,10 @@ OPTIONAL_SIGNATURES: dict[str, tuple[tuple[str, type], ...]] = {
 }  # fmt: skip
 # The lowest level whose build has each optional function (every level above it has it too):
 # the float32 GGUF matmuls need AVX2 (integer dot products; FMA), the rest AVX-512 BF16.
-OPTIONAL_FROM: dict[str, str] = {
-    **dict.fromkeys(OPTIONAL_SIGNATURES, "avx512bf16"),
-    "quant_linear_q8_f32": "avx2",
-    "quant_gemm_f32": "avx2",
+OPTIONAL_FROM: dict[str, IsaLevel] = {
+    **dict.fromkeys(OPTIONAL_SIGNATURES, IsaLevel.AVX512BF16),
+    "quant_linear_q8_f32": IsaLevel.AVX2,
+    "quant_gemm_f32": IsaLevel.AVX2,
 }
 # Built only for AMX targets; these return a value, not a status.
 QUERIES: dict[str, tuple[tuple[str, type], ...]] = {
@@ -202,11 +214,11 @@ _TAG = re.compile(rb"otel-kernels-build:abi=(\d+);isa=([a-z0-9]+);")
 KEYWORDS_ONLY = True
 
 
-def cpu_isa() -> str:
+def cpu_isa() -> IsaLevel:
     """The highest level of `ISA_LEVELS` this CPU runs, as torch's cpuinfo reads it
     (`ATEN_CPU_CAPABILITY` lowers it, as it lowers torch's own kernels); "generic" off x86."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
-        return "generic"
+        return IsaLevel.GENERIC
     import torch
 
     capability = torch.backends.cpu.get_cpu_capability()
@@ -214,29 +226,29 @@ def cpu_isa() -> str:
         # every CPU with AVX-512 BF16 (Cooper Lake, Sapphire Rapids and later, Zen 4 and
         # later) has AVX-512 VNNI, which the level's 8-bit dot products use: both are checked
         bf16 = torch.cpu._is_avx512_bf16_supported() and torch.cpu._is_vnni_supported()
-        return "avx512bf16" if bf16 else "avx512"
-    return "avx2" if capability == "AVX2" else "baseline"
+        return IsaLevel.AVX512BF16 if bf16 else IsaLevel.AVX512
+    return IsaLevel.AVX2 if capability == "AVX2" else IsaLevel.BASELINE
 
 
-def target_isa() -> str:
+def target_isa() -> IsaLevel:
     """What the kernels are built for: the CPU's level, or `OTEL_ENGINE_KERNEL_ISA` below it."""
     detected = cpu_isa()
     wanted = os.environ.get(ISA_ENV, "").strip()
     if not wanted:
         return detected
     check_runnable(wanted, detected, source=f"{ISA_ENV}={wanted}")
-    return wanted
+    return IsaLevel(wanted)
 
 
 def check_runnable(isa: str, detected: str, *, source: str) -> None:
     """ValueError unless a build for `isa` can run on a CPU of level `detected`."""
     if isa not in TARGET_FLAGS:
-        raise ValueError(f"{source}: expected one of {sorted(TARGET_FLAGS)}")
-    if detected == "generic" or isa == "generic":
+        raise ValueError(f"{source}: expected one of {sorted(map(str, TARGET_FLAGS))}")
+    if IsaLevel.GENERIC in (detected, isa):
         if isa != detected:
-            raise ValueError(f"{source}: this CPU's kernels target is {detected!r}")
+            raise ValueError(f"{source}: this CPU's kernels target is '{detected}'")
         return
-    if ISA_LEVELS.index(isa) > ISA_LEVELS.index(detected):
+    if ISA_LEVELS.index(IsaLevel(isa)) > ISA_LEVELS.index(IsaLevel(detected)):
         raise ValueError(f"{source} is above what this CPU runs ({detected})")
 
 
@@ -451,7 +463,7 @@ def _built(compiler: str, isa: str) -> Path:
     tag = build_tag(path)
     if tag != (ABI_VERSION, isa):
         raise RuntimeError(
-            f"the build for {isa} says it is {tag} (abi, isa), not ({ABI_VERSION}, {isa!r}): the"
+            f"the build for {isa} says it is {tag} (abi, isa), not ({ABI_VERSION}, '{isa}'): the"
             " compiler ignored the flags, or ABI_VERSION is not the C file's OTEL_KERNELS_ABI"
         )
     return path

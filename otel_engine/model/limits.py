@@ -6,13 +6,25 @@ torch (at TP > 1 it runs no model)."""
 
 from __future__ import annotations
 
+import enum
+
 import msgspec
 
-from otel_engine.config import EngineConfig
+from otel_engine.config import Device, Dtype, EngineConfig
 from otel_engine.model.arch import ModelArch
 from otel_engine.model.cpu import half_precision_blocker
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPE_BYTES: dict[str, int] = {Dtype.FLOAT32: 4, Dtype.BFLOAT16: 2, Dtype.FLOAT16: 2}
+
+
+class LimitedBy(enum.StrEnum):
+    """What set the context length (`EngineLimits.limited_by`); `validation.describe_context`
+    says it in words."""
+
+    MODEL = "model"  # the model's max_position_embeddings
+    MAX_MODEL_LEN = "max_model_len"  # --max-model-len
+    SLIDING_WINDOW = "sliding_window"  # attention here does not slide: the window is the end
+    KV_CACHE = "kv_cache"  # the KV budget holds fewer tokens
 
 
 class EngineLimits(msgspec.Struct, frozen=True, array_like=True):
@@ -22,9 +34,7 @@ class EngineLimits(msgspec.Struct, frozen=True, array_like=True):
 
     num_kv_blocks: int
     max_model_len: int
-    # What set max_model_len: "model" (max_position_embeddings), "max_model_len" (the
-    # flag), "sliding_window", or "kv_cache" (the KV budget holds fewer tokens).
-    limited_by: str = "model"
+    limited_by: LimitedBy = LimitedBy.MODEL  # what set max_model_len
 
     def encode(self) -> bytes:
         return msgspec.msgpack.encode(self)
@@ -45,18 +55,18 @@ def choose_dtype(config: EngineConfig, arch: ModelArch) -> DtypeChoice:
     """The flag; for `auto` the checkpoint's dtype (else float32), except that a
     half-precision checkpoint runs in float32 on a CPU that only emulates its arithmetic."""
     name = config.model.dtype
-    if name != "auto":
+    if name != Dtype.AUTO:
         return DtypeChoice(name, "--dtype")
-    stored = arch.torch_dtype if arch.torch_dtype in DTYPE_BYTES else "float32"
-    if stored == "float32" or config.model.device != "cpu":
+    stored = arch.torch_dtype if arch.torch_dtype in DTYPE_BYTES else Dtype.FLOAT32
+    if stored == Dtype.FLOAT32 or config.model.device != Device.CPU:
         return DtypeChoice(stored, f"auto: the checkpoint's {stored}")
     blocker = half_precision_blocker(stored)
     if blocker is not None:
-        return DtypeChoice("float32", f"auto: the checkpoint's {stored}, but {blocker}")
+        return DtypeChoice(Dtype.FLOAT32, f"auto: the checkpoint's {stored}, but {blocker}")
     return DtypeChoice(stored, f"auto: the checkpoint's {stored}, which this CPU computes in")
 
 
-HALF_PRECISION = ("bfloat16", "float16")
+HALF_PRECISION = (Dtype.BFLOAT16, Dtype.FLOAT16)
 
 
 def choose_kv_cache_dtype(config: EngineConfig, arch: ModelArch) -> DtypeChoice:
@@ -68,17 +78,17 @@ def choose_kv_cache_dtype(config: EngineConfig, arch: ModelArch) -> DtypeChoice:
     convert on write and read); any other cache must be the model's own dtype."""
     model = choose_dtype(config, arch).name
     name = config.cache.kv_cache_dtype
-    if name == "auto":
+    if name == Dtype.AUTO:
         stored = arch.torch_dtype
-        if model == "float32" and stored in HALF_PRECISION:
+        if model == Dtype.FLOAT32 and stored in HALF_PRECISION:
             return DtypeChoice(
-                "float16", f"auto: a {stored} checkpoint run in float32 keeps its KV in 16 bits"
+                Dtype.FLOAT16, f"auto: a {stored} checkpoint run in float32 keeps its KV in 16 bits"
             )
         return DtypeChoice(model, "auto: the model's dtype")
-    if name != model and not (name == "float16" and model == "float32"):
+    if name != model and not (name == Dtype.FLOAT16 and model == Dtype.FLOAT32):
         raise ValueError(
             f"--kv-cache-dtype {name} does not go with the model's {model}: choose {model}"
-            + (" or float16" if model == "float32" else "")
+            + (" or float16" if model == Dtype.FLOAT32 else "")
         )
     return DtypeChoice(name, "--kv-cache-dtype")
 
@@ -121,7 +131,7 @@ def resolve_limits(config: EngineConfig, arch: ModelArch) -> EngineLimits:
         )
         num_blocks = max(1, int(config.cache.kv_cache_memory_gib * 2**30) // per_block)
     max_len = config.model.max_model_len or arch.max_position_embeddings
-    limited_by = "max_model_len" if config.model.max_model_len else "model"
+    limited_by = LimitedBy.MAX_MODEL_LEN if config.model.max_model_len else LimitedBy.MODEL
     if max_len > arch.max_position_embeddings:
         raise ValueError(
             f"--max-model-len {max_len} exceeds the model's "
@@ -130,7 +140,7 @@ def resolve_limits(config: EngineConfig, arch: ModelArch) -> EngineLimits:
     if arch.sliding_window and max_len > arch.sliding_window and not arch.sliding_layers:
         # Attention here sees the whole context; within the window that is what the model
         # computes, beyond it it is not: the context stops at the window.
-        max_len, limited_by = arch.sliding_window, "sliding_window"
+        max_len, limited_by = arch.sliding_window, LimitedBy.SLIDING_WINDOW
     if num_blocks * block_size < max_len:
-        max_len, limited_by = num_blocks * block_size, "kv_cache"
+        max_len, limited_by = num_blocks * block_size, LimitedBy.KV_CACHE
     return EngineLimits(num_kv_blocks=num_blocks, max_model_len=max_len, limited_by=limited_by)

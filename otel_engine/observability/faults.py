@@ -33,13 +33,15 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from otel_engine.ipc.roles import ProcessRole
+
 logger = logging.getLogger(__name__)
 
 ENV_VAR = "OTEL_ENGINE_FAULT"
 # How many times the engine was restarted before this process's engine started: set by the
 # front end for the engine core it starts (`engine/recovery.py`), inherited by its workers.
 RESTARTS_ENV_VAR = "OTEL_ENGINE_RESTARTS"
-WHERE = ("worker", "engine_core")
+WHERE = (ProcessRole.WORKER, ProcessRole.ENGINE_CORE)  # the processes that run steps
 
 
 class FaultKind(enum.StrEnum):
@@ -82,7 +84,15 @@ KERNEL_FAULTS: dict[FaultKind, tuple[DrillSignal, DrillThread]] = {
     FaultKind.KERNEL_BUS_ERROR: (DrillSignal.SIGBUS, DrillThread.CALLER),
 }
 KINDS = tuple(FaultKind)
-PHASES = ("run", "load")
+
+
+class FaultPhase(enum.StrEnum):
+    """When in a process's life the fault fires."""
+
+    RUN = "run"  # in a step (its number and shape: `step`, `when`)
+    LOAD = "load"  # while the process loads the model, before it is ready
+
+
 WHEN_KEYS = ("num_requests", "num_tokens", "prompt_len")
 
 
@@ -96,11 +106,11 @@ class InjectedOutOfMemoryError(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class Fault:
-    where: str
+    where: ProcessRole
     kind: FaultKind
     rank: int = 0
     step: int | None = 1  # None: any step (with `when`)
-    phase: str = "run"
+    phase: FaultPhase = FaultPhase.RUN
     when: tuple[str, int] | None = None  # (KEY, N): the step's KEY >= N
     restart: int | None = None  # only in the engine started after this many restarts
 
@@ -127,9 +137,9 @@ class Fault:
             if key not in ("rank", "step", "phase", "when", "restart") or not value:
                 raise ValueError(f"{ENV_VAR}={text!r}: unknown option {part!r}")
             options[key] = value
-        phase = options.get("phase", "run")
-        if phase not in PHASES:
-            raise ValueError(f"{ENV_VAR}={text!r}: phase must be one of {PHASES}")
+        phase = options.get("phase", FaultPhase.RUN)
+        if phase not in {p.value for p in FaultPhase}:
+            raise ValueError(f"{ENV_VAR}={text!r}: phase must be one of {', '.join(FaultPhase)}")
         when = None
         if "when" in options:
             key, _, minimum = options["when"].partition(">=")
@@ -142,7 +152,13 @@ class Fault:
         step = int(options["step"]) if "step" in options else (None if when else 1)
         restart = int(options["restart"]) if "restart" in options else None
         return cls(
-            parts[0], FaultKind(parts[1]), int(options.get("rank", 0)), step, phase, when, restart
+            ProcessRole(parts[0]),
+            FaultKind(parts[1]),
+            int(options.get("rank", 0)),
+            step,
+            FaultPhase(phase),
+            when,
+            restart,
         )
 
     @classmethod
@@ -180,9 +196,9 @@ def wants_prompt_len() -> bool:
 
 
 def maybe_inject(
-    where: str,
+    where: ProcessRole,
     *,
-    phase: str,
+    phase: FaultPhase,
     rank: int = 0,
     step: int = 0,
     num_requests: int = 0,
@@ -196,7 +212,10 @@ def maybe_inject(
             fault
             for fault in _FAULTS
             if (fault.where, fault.phase, fault.rank) == (where, phase, rank)
-            and (phase != "run" or fault.matches(step, num_requests, num_tokens, prompt_len))
+            and (
+                phase is not FaultPhase.RUN
+                or fault.matches(step, num_requests, num_tokens, prompt_len)
+            )
         ),
         None,
     )

@@ -25,6 +25,7 @@ from typing import Any, TextIO
 import structlog
 from opentelemetry import trace
 
+from otel_engine.config import LogFormat, LogLevel
 from otel_engine.observability.log_render import (
     EventDict,
     PipelineFormatter,
@@ -34,7 +35,6 @@ from otel_engine.observability.log_render import (
     structure_exception,
 )
 
-FORMATS = ("json", "console")
 REDACTED_KEYS = frozenset(
     {
         "prompt",
@@ -134,8 +134,8 @@ def shared_processors(role: str, rank: int | None, *, log_prompts: bool) -> list
     return chain
 
 
-def _renderer(fmt: str, stream: Any) -> list[Processor]:
-    if fmt == "console":
+def _renderer(fmt: LogFormat, stream: Any) -> list[Processor]:
+    if fmt == LogFormat.CONSOLE:
         colors = bool(getattr(stream, "isatty", lambda: False)())
         return [
             remove_meta,
@@ -150,8 +150,8 @@ def configure_logging(
     *,
     role: str,
     rank: int | None = None,
-    fmt: str = "json",
-    level: str = "INFO",
+    fmt: LogFormat = LogFormat.JSON,
+    level: LogLevel = LogLevel.INFO,
     log_prompts: bool = False,
     stream: Any = None,
 ) -> logging.Handler:
@@ -160,8 +160,8 @@ def configure_logging(
     Replaces the root logger's handlers; returns the installed handler. Safe to call again
     (a later call replaces the earlier configuration).
     """
-    if fmt not in FORMATS:
-        raise ValueError(f"log format must be one of {FORMATS}, got {fmt!r}")
+    if fmt not in {f.value for f in LogFormat}:
+        raise ValueError(f"log format must be one of {', '.join(LogFormat)}, got {fmt!r}")
     stream = sys.stderr if stream is None else stream
     global _SHARED
     shared = _SHARED = shared_processors(role, rank, log_prompts=log_prompts)

@@ -41,6 +41,13 @@ from prometheus_client.registry import Collector
 
 from otel_engine.errors import ErrorCode, FailureCause
 from otel_engine.observability.decode_bandwidth import DecodeBandwidth
+from otel_engine.observability.label_sets import (
+    ConnectionCloseReason,
+    HealthState,
+    InvalidJsonReason,
+    ToolCallOutcome,
+)
+from otel_engine.outputs import FinishReason
 
 if TYPE_CHECKING:
     from otel_engine.model.bandwidth import MemoryBandwidth
@@ -124,14 +131,6 @@ GRAMMAR_COMPILE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
 # a step's structured-output masks, all its grammar rows together (steps without one: none)
 GRAMMAR_MASK_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
-FINISH_REASONS = ("stop", "length", "tool_calls", "abort")
-# why a structured-output choice was returned without valid JSON (engine/structured_output.py)
-INVALID_JSON_REASONS = ("length", "stop_string", "invalid")
-# what became of the tool calls a model wrote (entrypoints/tools/parser.py)
-TOOL_CALL_OUTCOMES = ("parsed", "invalid")
-# stalled: work is pending and no step finished within --step-timeout (/health answers 503);
-# recovering: a new engine is starting after a failure (--on-engine-failure restart)
-HEALTH_STATES = ("starting", "healthy", "draining", "stalled", "recovering", "dead")
 # failures with no exception of their own (FailureCause), counted from 0 from the start
 RESTART_CAUSES = (
     FailureCause.ENGINE_CORE_DIED,
@@ -141,14 +140,6 @@ RESTART_CAUSES = (
 )
 # crash to a carried-over request's first token after the restart (engine/recovery.py)
 RECOVERY_BUCKETS = (0.5, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0)
-# why the server closed an HTTP connection (entrypoints/network/connections.py)
-CONNECTION_CLOSE_REASONS = (
-    "refused",
-    "evicted",
-    "request_timeout",
-    "write_stalled",
-    "invalid_framing",
-)
 # error_type values that exist at 0 from the start, so that `increase()` sees the first one:
 # engine failures and clients dropped for not reading (the others appear when they happen)
 PRESET_ERROR_TYPES = (
@@ -447,20 +438,20 @@ class EngineMetrics:
         )
         self.bandwidth = DecodeBandwidth(None)  # what GET /v1/models shows of the same
         self._add_health_families(r)
-        self._success = {reason: self.request_success.labels(reason) for reason in FINISH_REASONS}
+        self._success = {reason: self.request_success.labels(reason) for reason in FinishReason}
         self._errors: dict[str, Any] = {
             error_type: self.request_errors.labels(error_type) for error_type in PRESET_ERROR_TYPES
         }
-        self._health = {state: self.health_state.labels(state) for state in HEALTH_STATES}
-        self._closed = {r: self.connections_closed.labels(r) for r in CONNECTION_CLOSE_REASONS}
+        self._health = {state: self.health_state.labels(state) for state in HealthState}
+        self._closed = {r: self.connections_closed.labels(r) for r in ConnectionCloseReason}
         self._export_failures = {
             s: self.telemetry_export_failures.labels(s) for s in ("traces", "metrics", "logs")
         }
         self._invalid_json = {
-            r: self.structured_output_invalid.labels(r) for r in INVALID_JSON_REASONS
+            r: self.structured_output_invalid.labels(r) for r in InvalidJsonReason
         }
-        self._tool_calls = {o: self.tool_calls.labels(o) for o in TOOL_CALL_OUTCOMES}
-        self.set_health("starting")
+        self._tool_calls = {o: self.tool_calls.labels(o) for o in ToolCallOutcome}
+        self.set_health(HealthState.STARTING)
 
     def _add_health_families(self, r: CollectorRegistry) -> None:
         """The engine's health state, and its restarts in place (--on-engine-failure
@@ -519,8 +510,8 @@ class EngineMetrics:
             self.registry.register(_Renamed(labelled, VLLM_NAMES))
         return inner
 
-    def on_tool_calls(self, outcome: str, count: int) -> None:
-        """Tool calls of one choice, by outcome (TOOL_CALL_OUTCOMES)."""
+    def on_tool_calls(self, outcome: ToolCallOutcome, count: int) -> None:
+        """Tool calls of one choice, by outcome."""
         if count:
             self._tool_calls[outcome].inc(count)
 
@@ -531,8 +522,8 @@ class EngineMetrics:
         """An OTLP export of this process failed (observability/otlp_export.py)."""
         self._export_failures[signal].inc()
 
-    def on_structured_output_invalid(self, reason: str) -> None:
-        """A structured-output choice returned without valid JSON (INVALID_JSON_REASONS)."""
+    def on_structured_output_invalid(self, reason: InvalidJsonReason) -> None:
+        """A structured-output choice returned without valid JSON."""
         self._invalid_json[reason].inc()
 
     def on_step(self, stats: StepStats) -> None:
@@ -575,7 +566,7 @@ class EngineMetrics:
     def on_request_finished(
         self,
         *,
-        finish_reason: str,
+        finish_reason: FinishReason,
         num_prompt_tokens: int,
         num_generation_tokens: int,
         e2e_s: float,
@@ -586,10 +577,7 @@ class EngineMetrics:
     ) -> None:
         """A request that ended normally; TPOT defaults to (e2e - ttft) / (n - 1). `trace_id`
         (32 hex digits) becomes the exemplar of the TTFT and end-to-end latency observations."""
-        child = self._success.get(finish_reason)
-        if child is None:
-            child = self._success[finish_reason] = self.request_success.labels(finish_reason)
-        child.inc()
+        self._success[finish_reason].inc()
         self._count_tokens(num_prompt_tokens, num_generation_tokens)
         self.request_prompt_tokens.observe(num_prompt_tokens)
         self.request_generation_tokens.observe(num_generation_tokens)
@@ -614,7 +602,7 @@ class EngineMetrics:
         child.inc()
         self._count_tokens(num_prompt_tokens, num_generation_tokens)
 
-    def on_connection_closed(self, reason: str) -> None:
+    def on_connection_closed(self, reason: ConnectionCloseReason) -> None:
         """The server closed a connection to keep within its limits (connections.py)."""
         self._closed[reason].inc()
 
@@ -650,10 +638,10 @@ class EngineMetrics:
     def on_request_poisoned(self) -> None:
         self.requests_poisoned.inc()
 
-    def set_health(self, state: str) -> None:
-        """One of HEALTH_STATES: starting, healthy, draining, stalled, recovering, dead."""
+    def set_health(self, state: HealthState) -> None:
+        """The engine's state is `state` (and no other)."""
         if state not in self._health:
-            raise ValueError(f"health state must be one of {HEALTH_STATES}, got {state!r}")
+            raise ValueError(f"health state must be one of {tuple(HealthState)}, got {state!r}")
         for name, child in self._health.items():
             child.set(1 if name == state else 0)
 

@@ -17,12 +17,10 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from otel_engine.config import ObservabilityConfig
+from otel_engine.config import ObservabilityConfig, OtlpProtocol
 
 logger = logging.getLogger(__name__)
 
-PROTOCOLS = ("grpc", "http/protobuf")
-DEFAULT_PROTOCOL = "grpc"
 SIGNALS = ("traces", "metrics", "logs")
 # The SDK's exporter loggers: a warning per retry while the collector is unreachable.
 EXPORTER_LOGGERS = (
@@ -105,17 +103,19 @@ def quiet_exporter_loggers() -> None:
             exporter_logger.addFilter(_REPEATS)
 
 
-def resolve_protocol(config: ObservabilityConfig, signal: str) -> str:
+def resolve_protocol(config: ObservabilityConfig, signal: str) -> OtlpProtocol:
     """The flag, else `OTEL_EXPORTER_OTLP_{SIGNAL}_PROTOCOL`, else `..._PROTOCOL`, else grpc."""
     protocol = (
         config.otlp_protocol
         or os.environ.get(f"OTEL_EXPORTER_OTLP_{signal.upper()}_PROTOCOL")
         or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
-        or DEFAULT_PROTOCOL
+        or OtlpProtocol.GRPC
     ).strip()
-    if protocol not in PROTOCOLS:
-        raise ValueError(f"OTLP protocol must be one of {PROTOCOLS}, got {protocol!r}")
-    return protocol
+    if protocol not in {p.value for p in OtlpProtocol}:
+        raise ValueError(
+            f"OTLP protocol must be one of {', '.join(OtlpProtocol)}, got {protocol!r}"
+        )
+    return OtlpProtocol(protocol)
 
 
 def is_enabled(config: ObservabilityConfig, signal: str) -> bool:
@@ -131,13 +131,13 @@ def is_enabled(config: ObservabilityConfig, signal: str) -> bool:
     )
 
 
-def _flag_endpoint(config: ObservabilityConfig, signal: str, protocol: str) -> str | None:
+def _flag_endpoint(config: ObservabilityConfig, signal: str, protocol: OtlpProtocol) -> str | None:
     endpoint = config.otlp_endpoint
     if not endpoint:
         return None
     if "://" not in endpoint:
         endpoint = f"http://{endpoint}"
-    if protocol == "grpc":
+    if protocol is OtlpProtocol.GRPC:
         return endpoint
     return f"{endpoint.rstrip('/')}/v1/{signal}"
 
@@ -152,7 +152,7 @@ def make_exporter(config: ObservabilityConfig, signal: str) -> Any:
 def _make_exporter(config: ObservabilityConfig, signal: str) -> Any:
     protocol = resolve_protocol(config, signal)
     endpoint = _flag_endpoint(config, signal, protocol)
-    if protocol == "grpc":
+    if protocol is OtlpProtocol.GRPC:
         if signal == "traces":
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 

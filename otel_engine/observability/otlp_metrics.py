@@ -35,6 +35,7 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from prometheus_client import CollectorRegistry
 
 from otel_engine.config import ObservabilityConfig
+from otel_engine.ipc.roles import ProcessRole
 from otel_engine.observability.otlp_export import is_enabled, make_exporter
 from otel_engine.observability.tracing import build_resource, register_closer
 
@@ -160,7 +161,7 @@ def start_otlp_metrics(
     registry: CollectorRegistry,
     *,
     config: ObservabilityConfig,
-    role: str = "api_server",
+    role: str = ProcessRole.API_SERVER,
     instance_id: str | None = None,
 ) -> OtlpMetricsBridge | None:
     """Start exporting `registry` over OTLP if a metrics endpoint is configured, else None."""

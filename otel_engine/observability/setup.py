@@ -15,6 +15,7 @@ import os
 from collections.abc import Mapping
 
 from otel_engine.config import EngineConfig, ObservabilityConfig
+from otel_engine.ipc.roles import ProcessRole
 from otel_engine.observability import faults
 from otel_engine.observability.logging import configure_logging
 from otel_engine.observability.tracing import configure_tracing
@@ -109,7 +110,7 @@ def setup_process(*, role: str, rank: int | None = None, level: str | None = Non
     )
 
 
-def setup_main_process(config: EngineConfig, *, role: str = "api_server") -> bool:
+def setup_main_process(config: EngineConfig, *, role: str = ProcessRole.API_SERVER) -> bool:
     """Configure this process's logging and tracing from `config`."""
     return configure(
         role=role, rank=None, config=config.observability, instance_id=config.instance_id

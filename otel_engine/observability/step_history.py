@@ -1,6 +1,6 @@
 """The engine core's flight recorder: the last N steps as plain numbers, for crash dumps.
 
-A fixed ring of tuples (no request ids, no token ids, nothing a client sent), one written per
+A fixed ring of `StepRecord`s (no request ids, no token ids, nothing a client sent), one written per
 step; the crash dump's `history` part lists them oldest first. What the steps before a crash
 show: durations growing before a hang (and how much of each went to grammar masks), KV usage
 and preemptions climbing before an OOM, the batch shape that preceded the failing one.
@@ -8,23 +8,28 @@ and preemptions climbing before an OOM, the batch shape that preceded the failin
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
-FIELDS = (
-    "step_id",
-    "started_at",  # wall clock, seconds since the epoch
-    "duration_s",
-    "num_requests",
-    "num_prefill_chunks",
-    "num_scheduled_tokens",
-    "num_preemptions",
-    "kv_cache_usage",
-    "num_cached_blocks",
-    "num_running",
-    "num_waiting",
-    "num_paused",
-    "grammar_mask_s",  # the step's structured-output masks: why a step with grammars is slow
-)
+
+class StepRecord(NamedTuple):
+    """One step as the crash dump's `history` lists it (a row of numbers, named by FIELDS)."""
+
+    step_id: int
+    started_at: float  # wall clock, seconds since the epoch
+    duration_s: float
+    num_requests: int
+    num_prefill_chunks: int
+    num_scheduled_tokens: int
+    num_preemptions: int
+    kv_cache_usage: float
+    num_cached_blocks: int
+    num_running: int
+    num_waiting: int
+    num_paused: int
+    grammar_mask_s: float  # the step's structured-output masks: why a step with grammars is slow
+
+
+FIELDS = StepRecord._fields
 
 
 class StepHistory:
@@ -34,11 +39,11 @@ class StepHistory:
 
     def __init__(self, size: int) -> None:
         self.size = max(0, size)
-        self._ring: list[tuple[float, ...] | None] = [None] * self.size
+        self._ring: list[StepRecord | None] = [None] * self.size
         self._next = 0
 
-    def record(self, row: tuple[float, ...]) -> None:
-        """One step, its values in FIELDS order."""
+    def record(self, row: StepRecord) -> None:
+        """One step."""
         if self.size:
             self._ring[self._next % self.size] = row
             self._next += 1

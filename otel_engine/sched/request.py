@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from otel_engine.outputs import FinishReason
 from otel_engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -28,9 +29,9 @@ class RequestStatus(enum.IntEnum):
 
 
 FINISH_REASONS = {
-    RequestStatus.FINISHED_STOPPED: "stop",
-    RequestStatus.FINISHED_LENGTH: "length",
-    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
 }
 
 
@@ -130,5 +131,5 @@ class Request:
             self.status = RequestStatus.FINISHED_LENGTH
 
     @property
-    def finish_reason(self) -> str | None:
+    def finish_reason(self) -> FinishReason | None:
         return FINISH_REASONS.get(self.status)

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from otel_engine.config import EngineConfig
-from otel_engine.engine.generation_defaults import DEFAULT_MODEL_CARD, parse_override, resolve
+from otel_engine.engine.generation_defaults import parse_override, resolve
 from otel_engine.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from otel_engine.model.default_model import DEFAULT_MODEL
 
 
 @pytest.fixture
@@ -35,7 +36,9 @@ def test_the_default_model_gets_its_card_values(tmp_path: Path) -> None:
     """Its GGUF carries no generation config: the model card's temperature and top_p."""
     defaults = resolve("auto", str(tmp_path), is_default_model=True, override=None)
 
-    assert DEFAULT_MODEL_CARD == defaults.values == {"temperature": 0.2, "top_p": 0.9}
+    assert (
+        dict(DEFAULT_MODEL.card_defaults) == defaults.values == {"temperature": 0.2, "top_p": 0.9}
+    )
     assert {"default model card"} == set(defaults.sources.values())
 
 

@@ -149,12 +149,12 @@ def test_log_format_default_follows_command_and_terminal(
 
 
 def test_invalid_engine_option_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
-    """A value EngineConfig rejects exits with status 2 and names the option."""
+    """A value EngineConfig rejects exits with status 2 and names the flag as typed."""
     with pytest.raises(SystemExit) as excinfo:
         main(["generate", "--block-size", "3", "hello"])
 
     assert 2 == excinfo.value.code
-    assert "block_size" in capsys.readouterr().err
+    assert "--block-size must be a power of two, got 3" in capsys.readouterr().err
 
 
 def test_generate_prints_each_completion(

@@ -10,13 +10,12 @@ import ast
 import pytest
 import torch
 
-from otel_engine.config import EngineConfig
+from otel_engine.config import EngineConfig, QuantActivations
 from otel_engine.executor.model_runner import ModelRunner
 from otel_engine.model import fast_paths, kernels
 from otel_engine.model.checkpoint import Blocks, Checkpoint
 from otel_engine.model.fast_paths import (
     BF16_ISA,
-    Activations,
     Form,
     Larger,
     ModelShape,
@@ -148,7 +147,7 @@ def test_quant_activations_choose_the_gguf_blocks_kernel(
     """--quant-activations picks which fused kernel multiplies GGUF blocks, and says so."""
     require_isa(BF16_ISA)
     plan = _choose("Q8_0", quant_activations=activations)
-    assert Activations(activations) is plan.activations
+    assert QuantActivations(activations) is plan.activations
     assert says in plan.choices[Path.QUANT_KERNELS].reason
     assert plan.library is not None
     assert MatrixKernels(plan).blocks._linear is getattr(plan.library, function)

@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import enum
+
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from otel_engine.config import ObservabilityConfig
 from otel_engine.executor.rank_plans import rank_plans
 from otel_engine.ipc.messages import StepOutputs
+from otel_engine.observability.label_sets import (
+    ConnectionCloseReason,
+    InvalidJsonReason,
+    ToolCallOutcome,
+)
 from otel_engine.observability.metrics import TTFT_BUCKETS, VLLM_NAMES, EngineMetrics
 from otel_engine.observability.otlp_metrics import registry_to_metrics, start_otlp_metrics
 from otel_engine.observability.tracing import shutdown_telemetry
+from otel_engine.outputs import FinishReason
 from tests.helpers.otlp_receiver import OtlpReceiver
 
 FAMILIES = {
@@ -349,6 +357,31 @@ def test_engine_errors_exist_at_zero_before_the_first_one() -> None:
     """`increase()` needs a 0 before the first engine failure to count it at all."""
     values = samples(EngineMetrics())
     assert 0 == values[("otel_engine_request_errors_total", (("error_type", "engine_dead"),))]
+
+
+@pytest.mark.parametrize(
+    ("family", "label", "members"),
+    [
+        ("otel_engine_request_success_total", "finish_reason", FinishReason),
+        ("otel_engine_http_connections_closed_total", "reason", ConnectionCloseReason),
+        ("otel_engine_structured_output_invalid_total", "reason", InvalidJsonReason),
+        ("otel_engine_tool_calls_total", "outcome", ToolCallOutcome),
+    ],
+)
+def test_every_member_of_a_closed_set_is_a_label_at_zero(
+    family: str, label: str, members: type[enum.StrEnum]
+) -> None:
+    values = samples(EngineMetrics())
+
+    labelled = {dict(labels)[label] for name, labels in values if name == family}
+    assert {m.value for m in members} == labelled
+
+
+def test_a_finish_reason_outside_the_set_is_refused() -> None:
+    with pytest.raises(KeyError):
+        EngineMetrics().on_request_finished(
+            finish_reason="done", num_prompt_tokens=1, num_generation_tokens=1, e2e_s=0.1
+        )
 
 
 def test_model_name_is_a_label_of_every_sample() -> None:

@@ -42,9 +42,11 @@ import h11
 import msgspec
 from uvicorn.protocols.http.h11_impl import DEFAULT_MAX_INCOMPLETE_EVENT_SIZE, H11Protocol
 
+from otel_engine.entrypoints.network import uvicorn_internals
 from otel_engine.entrypoints.network.errors import INVALID_REQUEST, UNAVAILABLE, APIError
 from otel_engine.entrypoints.network.limits import ServerLimits
 from otel_engine.errors import ErrorCode
+from otel_engine.observability.label_sets import ConnectionCloseReason
 from otel_engine.observability.metrics import EngineMetrics
 from otel_engine.timing import READER_POLL_MAX_S, READER_POLL_MIN_S, REFUSE_LINGER_S
 
@@ -191,7 +193,7 @@ class ConnectionTable:
         self.open: dict[GuardedH11Protocol, None] = {}
         self.num_refusing = 0  # refused connections still reading their request
 
-    def closed(self, reason: str, protocol: GuardedH11Protocol) -> None:
+    def closed(self, reason: ConnectionCloseReason, protocol: GuardedH11Protocol) -> None:
         self.metrics.on_connection_closed(reason)
         self.log.log(logging.WARNING, f"http.connection_{reason}", client=_peer(protocol))
 
@@ -211,7 +213,9 @@ class ConnectionTable:
 
 
 def protocol_class(table: ConnectionTable) -> type[GuardedH11Protocol]:
-    """uvicorn's `http=` protocol class for one server, bound to its connection table."""
+    """uvicorn's `http=` protocol class for one server, bound to its connection table;
+    raises `InternalsChanged` when uvicorn or h11 lack what the class relies on."""
+    uvicorn_internals.check()
     return type("ServerH11Protocol", (GuardedH11Protocol,), {"table": table})
 
 
@@ -275,7 +279,7 @@ class GuardedH11Protocol(H11Protocol):
                 cycle.scope[CLIENT_READER_KEY] = ClientReader(self)  # type: ignore[literal-required]
         except FramingError as error:
             self._write_raw(400, ErrorCode.INVALID_FRAMING, str(error))
-            self.table.closed("invalid_framing", self)
+            self.table.closed(ConnectionCloseReason.INVALID_FRAMING, self)
             self.transport.close()
 
     def on_response_complete(self) -> None:
@@ -300,7 +304,7 @@ class GuardedH11Protocol(H11Protocol):
     def close_idle(self) -> None:
         """Close a connection with no request in progress to make room for a new one."""
         self.table.remove(self)
-        self.table.closed("evicted", self)
+        self.table.closed(ConnectionCloseReason.EVICTED, self)
         self.transport.close()
 
     def _arm_read_deadline(self) -> None:
@@ -317,7 +321,7 @@ class GuardedH11Protocol(H11Protocol):
             return
         if self._has_data and (cycle is None or not cycle.response_started):
             self._write_raw(408, ErrorCode.REQUEST_TIMEOUT, "the request was not received in time")
-        self.table.closed("request_timeout", self)
+        self.table.closed(ConnectionCloseReason.REQUEST_TIMEOUT, self)
         self.transport.close()
 
     def write_stalled(self) -> None:
@@ -327,7 +331,7 @@ class GuardedH11Protocol(H11Protocol):
             return
         if self.cycle is not None:
             self.cycle.scope[CLIENT_STALLED_KEY] = True  # type: ignore[literal-required]
-        self.table.closed("write_stalled", self)
+        self.table.closed(ConnectionCloseReason.WRITE_STALLED, self)
         self.transport.abort()  # close() would wait for the client to read the buffer
 
     def _refuse(self) -> None:
@@ -345,7 +349,7 @@ class GuardedH11Protocol(H11Protocol):
             "the server has too many open connections",
             retry=True,
         )
-        table.closed("refused", self)
+        table.closed(ConnectionCloseReason.REFUSED, self)
         if table.num_refusing > table.limits.max_connections:
             self.transport.abort()
             return

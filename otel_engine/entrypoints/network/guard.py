@@ -30,6 +30,7 @@ from otel_engine.entrypoints.network.errors import (
 )
 from otel_engine.entrypoints.network.limits import ServerLimits
 from otel_engine.errors import ErrorCode
+from otel_engine.observability.label_sets import HealthState
 from otel_engine.observability.metrics import EngineMetrics
 from otel_engine.timing import DRAIN_CANCEL_GRACE_S
 
@@ -68,24 +69,24 @@ class ServerState:
     def unavailable(self) -> APIError | None:
         """The 503 every new request gets, or None while the server serves."""
         if self.engine.is_dead:
-            self.metrics.set_health("dead")
+            self.metrics.set_health(HealthState.DEAD)
             return engine_unavailable(self.engine.dead_error)
         if self.is_draining:
             return draining()
         return None
 
-    def update_health(self) -> str:
+    def update_health(self) -> HealthState:
         """Set the health gauge from the engine and drain state; returns the state."""
         if self.engine.is_dead:
-            state = "dead"
+            state = HealthState.DEAD
         elif self.is_draining:
-            state = "draining"
+            state = HealthState.DRAINING
         elif self.engine.is_recovering:
-            state = "recovering"
+            state = HealthState.RECOVERING
         elif self.engine.is_stalled:
-            state = "stalled"
+            state = HealthState.STALLED
         else:
-            state = "healthy"
+            state = HealthState.HEALTHY
         self.metrics.set_health(state)
         return state
 
