@@ -213,8 +213,7 @@ def maybe_inject(
             for fault in _FAULTS
             if (fault.where, fault.phase, fault.rank) == (where, phase, rank)
             and (
-                phase != FaultPhase.RUN
-                or fault.matches(step, num_requests, num_tokens, prompt_len)
+                phase != FaultPhase.RUN or fault.matches(step, num_requests, num_tokens, prompt_len)
             )
         ),
         None,
