@@ -14,7 +14,7 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from otel_engine.config import (
     DEVICES,
@@ -35,6 +35,9 @@ from otel_engine.observability.logging import adopt_library_loggers
 from otel_engine.observability.setup import setup_main_process
 from otel_engine.observability.tracing import shutdown_telemetry
 from otel_engine.timing import TELEMETRY_FLUSH_S
+
+if TYPE_CHECKING:
+    from otel_engine.model.tokenizer import TokenizerLike
 
 logger = logging.getLogger("otel_engine.api_server")
 
@@ -581,7 +584,7 @@ def generate(args: argparse.Namespace, options: dict[str, Any]) -> int:
     return 0
 
 
-def _chat_prompt(tokenizer: Any, prompt: str) -> list[int]:
+def _chat_prompt(tokenizer: TokenizerLike, prompt: str) -> list[int]:
     text = tokenizer.apply_chat_template(
         [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
     )

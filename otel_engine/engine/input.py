@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from otel_engine.engine import structured_output
 from otel_engine.engine.validation import check_request
 from otel_engine.errors import ErrorCode, RequestError
+from otel_engine.model.tokenizer import TokenizerLike
 from otel_engine.sampling_params import SamplingParams
 
 
@@ -14,7 +13,11 @@ class InputProcessor:
     """Checks a request against the model's limits; raises `RequestError` with a code."""
 
     def __init__(
-        self, tokenizer: Any, max_model_len: int, vocab_size: int, limited_by: str = "model"
+        self,
+        tokenizer: TokenizerLike,
+        max_model_len: int,
+        vocab_size: int,
+        limited_by: str = "model",
     ) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len

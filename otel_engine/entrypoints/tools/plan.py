@@ -29,6 +29,7 @@ from typing import Any
 from otel_engine.engine import structured_output
 from otel_engine.entrypoints.tools.parser import PARSER_CHOICES, ToolCallParser
 from otel_engine.errors import ErrorCode, RequestError
+from otel_engine.model.tokenizer import TokenizerLike
 from otel_engine.sampling_params import StructuredOutput
 
 MAX_TOOLS = 128  # as OpenAI bounds them
@@ -113,7 +114,7 @@ class ToolPlan:
 class ToolSupport:
     """One server's tool format (chosen once from its tokenizer's chat template)."""
 
-    def __init__(self, tokenizer: Any, parser: str = "auto") -> None:
+    def __init__(self, tokenizer: TokenizerLike, parser: str = "auto") -> None:
         if parser not in PARSER_CHOICES:
             raise ValueError(f"--tool-call-parser must be one of {PARSER_CHOICES}")
         self.tokenizer = tokenizer
@@ -315,11 +316,12 @@ def detect_format(template: str) -> str:
     return "generic"
 
 
-def _template_text(tokenizer: Any) -> str:
+def _template_text(tokenizer: TokenizerLike) -> str:
+    template: str | dict[str, str] | None
     try:
         template = tokenizer.get_chat_template(tools=[{}])
     except (ValueError, AttributeError, TypeError):
-        template = getattr(tokenizer, "chat_template", None)
+        template = tokenizer.chat_template
     if isinstance(template, dict):
         template = "\n".join(str(value) for value in template.values())
     return template if isinstance(template, str) else ""
