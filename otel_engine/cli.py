@@ -30,7 +30,7 @@ from otel_engine.config import (
     EngineConfig,
 )
 from otel_engine.entrypoints.network.limits import CHARS_PER_TOKEN_BOUND, ServerLimits
-from otel_engine.entrypoints.tools.parser import PARSER_CHOICES
+from otel_engine.entrypoints.tools.base import ToolFormatName
 from otel_engine.observability.logging import adopt_library_loggers
 from otel_engine.observability.setup import setup_main_process
 from otel_engine.observability.tracing import shutdown_telemetry
@@ -385,7 +385,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     server.add_argument(
         "--tool-call-parser",
-        choices=PARSER_CHOICES,
+        choices=["auto", *ToolFormatName],
         default="auto",
         help="the format the model writes tool calls in: auto (from the chat template: hermes "
         "for <tool_call> markup as Qwen2.5's, llama3_json, mistral, phi4_mini; generic for a "
