@@ -14,16 +14,19 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from otel_engine.config import ConfigError, EngineConfig, LogFormat, choice_fields
 from otel_engine.entrypoints.network.limits import CHARS_PER_TOKEN_BOUND, ServerLimits
-from otel_engine.entrypoints.tools.parser import PARSER_CHOICES
+from otel_engine.entrypoints.tools.base import ToolFormatName
 from otel_engine.model.default_model import DEFAULT_MODEL
 from otel_engine.observability.logging import adopt_library_loggers
 from otel_engine.observability.setup import setup_main_process
 from otel_engine.observability.tracing import shutdown_telemetry
 from otel_engine.timing import TELEMETRY_FLUSH_S
+
+if TYPE_CHECKING:
+    from otel_engine.model.tokenizer import TokenizerLike
 
 logger = logging.getLogger("otel_engine.api_server")
 
@@ -383,7 +386,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     server.add_argument(
         "--tool-call-parser",
-        choices=PARSER_CHOICES,
+        choices=["auto", *ToolFormatName],
         default="auto",
         help="the format the model writes tool calls in: auto (from the chat template: hermes "
         "for <tool_call> markup as Qwen2.5's, llama3_json, mistral, phi4_mini; generic for a "
@@ -582,7 +585,7 @@ def generate(args: argparse.Namespace, options: dict[str, Any]) -> int:
     return 0
 
 
-def _chat_prompt(tokenizer: Any, prompt: str) -> list[int]:
+def _chat_prompt(tokenizer: TokenizerLike, prompt: str) -> list[int]:
     text = tokenizer.apply_chat_template(
         [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
     )

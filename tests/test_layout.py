@@ -25,8 +25,6 @@ KNOWN_OVER = {
     "entrypoints/openai/rendering.py",
     "entrypoints/openai/responses.py",
     "entrypoints/openai/serving.py",
-    "entrypoints/tools/parser.py",
-    "entrypoints/tools/plan.py",
 }
 KNOWN_NETWORK_TO_OPENAI = {"entrypoints/network/bodies.py", "entrypoints/network/guard.py"}
 KNOWN_CYCLES = {

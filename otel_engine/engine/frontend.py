@@ -23,6 +23,7 @@ from otel_engine.model.default_model import DEFAULT_MODEL
 from otel_engine.model.gguf import ROUNDED_KEY
 from otel_engine.model.limits import LimitedBy, choose_dtype
 from otel_engine.model.loader import is_gguf, load_tokenizer, prepare_model_dir
+from otel_engine.model.tokenizer import TokenizerLike
 from otel_engine.observability import faults
 from otel_engine.observability.tracing import inject_context
 from otel_engine.sampling_params import SamplingParams
@@ -60,7 +61,7 @@ class Frontend:
         self.model_name = config.model.served_model_name or _default_name(
             config.model.model, self.model_dir
         )
-        self.tokenizer: Any = load_tokenizer(self.model_dir)
+        self.tokenizer: TokenizerLike = load_tokenizer(self.model_dir)
         self.generation_defaults = generation_defaults.resolve(
             config.model.generation_config,
             self.model_dir,

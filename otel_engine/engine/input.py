@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from otel_engine.engine import structured_output
 from otel_engine.engine.validation import check_request
 from otel_engine.errors import ErrorCode, RequestError
 from otel_engine.model.limits import LimitedBy
+from otel_engine.model.tokenizer import TokenizerLike
 from otel_engine.sampling_params import SamplingParams
 
 
@@ -16,7 +15,7 @@ class InputProcessor:
 
     def __init__(
         self,
-        tokenizer: Any,
+        tokenizer: TokenizerLike,
         max_model_len: int,
         vocab_size: int,
         limited_by: LimitedBy = LimitedBy.MODEL,

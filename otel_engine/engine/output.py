@@ -16,12 +16,13 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from tokenizers.decoders import DecodeStream
 
 from otel_engine.errors import OtelEngineError, RequestError, RequestFailedError
 from otel_engine.ipc.messages import RequestUpdate, StepOutputs
+from otel_engine.model.tokenizer import TokenizerLike
 from otel_engine.outputs import (
     CompletionOutput,
     FinishReason,
@@ -128,7 +129,7 @@ class Processed(NamedTuple):
 class OutputProcessor:
     """Turns engine `StepOutputs` into `RequestOutput`s for the callers."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: TokenizerLike) -> None:
         self._backend = tokenizer.backend_tokenizer
         self.states: dict[str, RequestState] = {}
 

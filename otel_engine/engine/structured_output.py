@@ -511,11 +511,11 @@ class GrammarCompiler:
             return llguidance.LLTokenizer(path, n_vocab=max(self.vocab_size, size), eos_token=eos)
         from llguidance.hf import from_tokenizer
 
-        from otel_engine.model.loader import load_tokenizer
+        from otel_engine.model.loader import load_transformers_tokenizer
 
-        hf_tokenizer = load_tokenizer(self.model_dir)
+        hf_tokenizer = load_transformers_tokenizer(self.model_dir)
         return from_tokenizer(
-            hf_tokenizer,  # type: ignore[arg-type]  # a fast tokenizer (load_tokenizer)
+            hf_tokenizer,  # type: ignore[arg-type]  # a fast tokenizer
             n_vocab=max(self.vocab_size, len(hf_tokenizer)),
             eos_token=eos,
         )

@@ -14,7 +14,12 @@ from typing import TYPE_CHECKING
 
 from otel_engine.model.default_model import DEFAULT_MODEL
 from otel_engine.model.gguf import cached_conversion
-from otel_engine.model.tokenizer import Tokenizer, has_tokenizer_file
+from otel_engine.model.tokenizer import (
+    Tokenizer,
+    TokenizerLike,
+    TransformersTokenizer,
+    has_tokenizer_file,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -62,13 +67,18 @@ def prepare_model_dir(model: str | None) -> str:
     return cached_conversion(path)
 
 
-def load_tokenizer(model_dir: str) -> Tokenizer | PreTrainedTokenizerBase:
+def load_tokenizer(model_dir: str) -> TokenizerLike:
     """The checkpoint's tokenizer, chat template included, from local files only: from its
     tokenizer.json without transformers (model/tokenizer.py), else transformers' fast
     tokenizer converted from the slow tokenizer's files (which imports torch)."""
     if has_tokenizer_file(model_dir):
         return Tokenizer(model_dir)
+    logger.info("tokenizer.through_transformers", extra={"reason": "no tokenizer.json"})
+    return TransformersTokenizer(load_transformers_tokenizer(model_dir))
+
+
+def load_transformers_tokenizer(model_dir: str) -> PreTrainedTokenizerBase:
+    """transformers' fast tokenizer of a checkpoint, from local files only."""
     from transformers import AutoTokenizer
 
-    logger.info("tokenizer.through_transformers", extra={"reason": "no tokenizer.json"})
     return AutoTokenizer.from_pretrained(model_dir, use_fast=True, local_files_only=True)

@@ -24,15 +24,23 @@ What it leaves out: tokenizers without a tokenizer.json (sentencepiece files onl
 through transformers (`load_tokenizer`), and transformers' model-specific classes, which
 may rebuild the pipeline from the vocabulary with their own pre-tokenizer, are not
 imitated: tokenizer.json is the tokenizer, as for llama.cpp's converter and TGI.
+
+`TokenizerLike` is what the engine reads of a tokenizer; both `Tokenizer` and
+`TransformersTokenizer` (transformers' tokenizer behind a lock) are one, and may be called
+from several threads at once. Splitting special tokens is a choice per call, never shared
+state: `Tokenizer` holds a second backend that splits them, built once.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
+import threading
+from collections.abc import Mapping
 from datetime import datetime
 from functools import lru_cache
-from typing import Any
+from typing import Any, Protocol
 
 import jinja2
 import jinja2.ext
@@ -59,6 +67,44 @@ def has_tokenizer_file(model_dir: str) -> bool:
     return os.path.isfile(os.path.join(model_dir, TOKENIZER_FILE))
 
 
+class TokenizerLike(Protocol):
+    """What the engine reads of a tokenizer (every method safe from several threads)."""
+
+    @property
+    def chat_template(self) -> str | dict[str, str] | None: ...
+
+    @property
+    def added_tokens_decoder(self) -> Mapping[int, AddedToken]: ...
+
+    @property
+    def backend_tokenizer(self) -> BackendTokenizer:
+        """The Rust tokenizer, for decoding only (output streams, logprobs)."""
+        ...
+
+    def __len__(self) -> int: ...
+
+    def encode(
+        self,
+        text: str,
+        add_special_tokens: bool = True,
+        split_special_tokens: bool | None = None,
+    ) -> list[int]: ...
+
+    def decode(self, token_ids: int | list[int], skip_special_tokens: bool = False) -> str: ...
+
+    def get_chat_template(self, tools: list[dict[str, Any]] | None = None) -> str: ...
+
+    def apply_chat_template(
+        self,
+        conversation: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        *,
+        add_generation_prompt: bool = False,
+        tokenize: bool = True,
+        **template_kwargs: Any,
+    ) -> Any: ...
+
+
 class Tokenizer:
     """One checkpoint directory's tokenizer (see the module docstring)."""
 
@@ -82,6 +128,10 @@ class Tokenizer:
             self.clean_up_tokenization_spaces = False
         self.split_special_tokens = bool(config.get("split_special_tokens", False))
         self.chat_template: str | dict[str, str] | None = _chat_templates(model_dir, config)
+        # one backend per way of reading special tokens' text, neither ever changed again
+        self.backend_tokenizer.encode_special_tokens = False
+        self._splitting_backend = copy.copy(self.backend_tokenizer)
+        self._splitting_backend.encode_special_tokens = True
 
     @property
     def added_tokens_decoder(self) -> dict[int, AddedToken]:
@@ -120,9 +170,7 @@ class Tokenizer:
         """Token ids of `text`; with `split_special_tokens` a special token's text is
         tokenized as plain text."""
         split = self.split_special_tokens if split_special_tokens is None else split_special_tokens
-        backend = self.backend_tokenizer
-        if backend.encode_special_tokens != split:
-            backend.encode_special_tokens = split
+        backend = self._splitting_backend if split else self.backend_tokenizer
         # encode_batch releases the GIL while it works (encode does not): a long prompt is
         # tokenized in the server's tokenizer thread without stopping its event loop.
         return list(backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
@@ -202,6 +250,73 @@ class Tokenizer:
         self.backend_tokenizer.post_processor = processors.TemplateProcessing(
             single=single, pair=pair, special_tokens=special
         )
+
+
+class TransformersTokenizer:
+    """transformers' fast tokenizer (a checkpoint without tokenizer.json) as a
+    `TokenizerLike`. Its `encode` switches its backend's shared `encode_special_tokens`
+    when asked to split special tokens, so its calls are taken one at a time, and readers
+    of `backend_tokenizer` get a copy that is never switched."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.transformers = tokenizer
+        self._lock = threading.Lock()
+        self._backend: BackendTokenizer = copy.copy(tokenizer.backend_tokenizer)
+        self._backend.encode_special_tokens = False
+
+    @property
+    def chat_template(self) -> str | dict[str, str] | None:
+        template = self.transformers.chat_template
+        return template if isinstance(template, str | dict) else None
+
+    @property
+    def added_tokens_decoder(self) -> Mapping[int, AddedToken]:
+        return dict(self.transformers.added_tokens_decoder)
+
+    @property
+    def backend_tokenizer(self) -> BackendTokenizer:
+        return self._backend
+
+    def __len__(self) -> int:
+        return len(self.transformers)
+
+    def encode(
+        self,
+        text: str,
+        add_special_tokens: bool = True,
+        split_special_tokens: bool | None = None,
+    ) -> list[int]:
+        options: dict[str, bool] = {"add_special_tokens": add_special_tokens}
+        if split_special_tokens is not None:
+            options["split_special_tokens"] = split_special_tokens
+        with self._lock:
+            ids = self.transformers.encode(text, **options)
+        return list(ids)
+
+    def decode(self, token_ids: int | list[int], skip_special_tokens: bool = False) -> str:
+        with self._lock:
+            return str(self.transformers.decode(token_ids, skip_special_tokens=skip_special_tokens))
+
+    def get_chat_template(self, tools: list[dict[str, Any]] | None = None) -> str:
+        return str(self.transformers.get_chat_template(tools=tools))
+
+    def apply_chat_template(
+        self,
+        conversation: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        *,
+        add_generation_prompt: bool = False,
+        tokenize: bool = True,
+        **template_kwargs: Any,
+    ) -> Any:
+        with self._lock:
+            return self.transformers.apply_chat_template(
+                conversation,
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=tokenize,
+                **template_kwargs,
+            )
 
 
 def _read_json(path: str) -> dict[str, Any]:

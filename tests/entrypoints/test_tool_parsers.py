@@ -10,12 +10,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from otel_engine.entrypoints.tools.parser import (
-    FORMATS,
-    ToolCallParser,
-    mistral_call_id,
-    parse_tool_calls,
-)
+from otel_engine.entrypoints.tools.base import ToolFormatName
+from otel_engine.entrypoints.tools.calls import Parsed
+from otel_engine.entrypoints.tools.format import TOOL_FORMATS
+from otel_engine.entrypoints.tools.formats import SHIPPED
+from otel_engine.entrypoints.tools.formats.mistral import MistralFormat
+from otel_engine.entrypoints.tools.parser import ToolCallParser
 
 TOOLS = {"get_weather", "get_time"}
 WEATHER = '{"city": "Paris", "unit": "celsius"}'
@@ -175,9 +175,21 @@ CASES = [(f, *case) for f, cases in WELL_FORMED.items() for case in cases]
 BAD_CASES = [(f, *case) for f, cases in MALFORMED.items() for case in cases]
 
 
+def _parser(format: str) -> ToolCallParser:
+    return ToolCallParser(TOOL_FORMATS[format](), TOOLS)
+
+
+def parse_tool_calls(format: str, text: str, tool_names: set[str]) -> Parsed:
+    return ToolCallParser(TOOL_FORMATS[format](), tool_names).parse(text)
+
+
+def test_every_shipped_format_has_cases_of_both_kinds() -> None:
+    assert set(ToolFormatName) == set(WELL_FORMED) == set(MALFORMED)
+
+
 def _streamed(format: str, pieces: list[str]) -> tuple[str, list[tuple[str, str, str]]]:
     """Content and calls (id, name, arguments) as a client reassembles a stream."""
-    parser = ToolCallParser(format, TOOLS)
+    parser = _parser(format)
     content, calls = "", {}
     for delta in [*(parser.feed(piece) for piece in pieces), parser.finish()]:
         content += delta.content
@@ -246,7 +258,7 @@ def test_any_chunking_gives_the_same_calls(data: st.DataObject) -> None:
 
 
 def test_a_call_streams_its_name_first_then_arguments_in_pieces() -> None:
-    parser = ToolCallParser("hermes", TOOLS)
+    parser = _parser(ToolFormatName.HERMES)
     text = f'Checking.<tool_call>\n{{"name": "get_weather", "arguments": {WEATHER}}}\n</tool_call>'
     deltas = [parser.feed(text[i : i + 6]) for i in range(0, len(text), 6)]
 
@@ -260,7 +272,7 @@ def test_a_call_streams_its_name_first_then_arguments_in_pieces() -> None:
 
 
 def test_text_that_may_start_a_marker_is_held_back() -> None:
-    parser = ToolCallParser("hermes", TOOLS)
+    parser = _parser(ToolFormatName.HERMES)
 
     assert "Hi " == parser.feed("Hi <tool_").content
     assert "" == parser.feed("c").content
@@ -270,8 +282,8 @@ def test_text_that_may_start_a_marker_is_held_back() -> None:
 @given(st.text(max_size=200))
 @settings(max_examples=200, deadline=None)
 def test_no_text_makes_a_parser_raise(text: str) -> None:
-    for format in FORMATS:
-        parsed = parse_tool_calls(format, text, TOOLS)
+    for format in SHIPPED:
+        parsed = ToolCallParser(format(), TOOLS).parse(text)
         if not parsed.calls:
             assert text == parsed.content
 
@@ -283,4 +295,4 @@ def test_mistral_ids_are_nine_letters_and_digits() -> None:
 
     assert len(parsed.calls[0].id) == 9
     assert parsed.calls[0].id.isalnum()
-    assert len(mistral_call_id()) == 9
+    assert len(MistralFormat.new_call_id()) == 9

@@ -13,13 +13,10 @@ import llguidance
 import pytest
 
 from otel_engine.engine.structured_output import _byte_tokenizer, grammar_of
-from otel_engine.entrypoints.tools.parser import FORMATS, parse_tool_calls
-from otel_engine.entrypoints.tools.plan import (
-    Function,
-    ToolSupport,
-    detect_format,
-    generic_instructions,
-)
+from otel_engine.entrypoints.tools.base import ToolFormatName
+from otel_engine.entrypoints.tools.format import TOOL_FORMATS, detect_format, instructions
+from otel_engine.entrypoints.tools.parser import ToolCallParser
+from otel_engine.entrypoints.tools.plan import Function, ToolSupport
 from otel_engine.errors import RequestError
 from tests.helpers.tiny_model import HERMES_TOOL_TEMPLATE
 
@@ -73,7 +70,7 @@ class FakeTokenizer:
     ],
 )
 def test_the_format_comes_from_the_chat_template(template: str, expected: str) -> None:
-    assert expected == detect_format(template)
+    assert expected == detect_format(template).name
 
 
 def _generate(grammar: str, text: str) -> bool:
@@ -96,7 +93,7 @@ WRITTEN = {  # one valid forced answer per format
 }
 
 
-@pytest.mark.parametrize("format", FORMATS)
+@pytest.mark.parametrize("format", list(ToolFormatName))
 def test_required_is_a_grammar_of_valid_calls_in_each_format(format: str) -> None:
     """The forced grammar accepts a valid call as the format writes it, refuses one whose
     arguments break the schema, and what it accepts parses to arguments that validate."""
@@ -111,7 +108,7 @@ def test_required_is_a_grammar_of_valid_calls_in_each_format(format: str) -> Non
     assert _generate(grammar, good)
     assert not _generate(grammar, bad)
     assert not _generate(grammar, "I would rather not.")
-    parsed = parse_tool_calls(format, good, plan.names)
+    parsed = ToolCallParser(TOOL_FORMATS[format](), plan.names).parse(good)
     assert ["get_weather"] == [call.name for call in parsed.calls]
     jsonschema.validate(json.loads(parsed.calls[0].arguments), PARAMETERS)
     assert plan.structured.num_tools == 2
@@ -200,7 +197,8 @@ def test_generic_history_renders_calls_as_written_and_results_as_user_turns() ->
     messages = support.messages(history, plan)
 
     assert messages[0]["content"].startswith("Be brief.\n\n")
-    assert generic_instructions(plan) in messages[0]["content"]  # type: ignore[arg-type]
+    assert plan is not None
+    assert instructions(plan.functions, plan.choice, plan.json_answer) in messages[0]["content"]
     assert '"get_weather"' in messages[0]["content"]
     written = json.loads(messages[2]["content"])
     assert {"tool_calls": [{"name": "get_weather", "arguments": {"city": "Oslo"}}]} == written

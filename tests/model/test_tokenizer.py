@@ -194,16 +194,9 @@ def test_loading_the_tokenizer_imports_neither_torch_nor_transformers(tiny_model
 def test_a_checkpoint_without_tokenizer_json_goes_through_transformers(tmp_path: Path) -> None:
     """Only a BPE's vocab.json and merges.txt: transformers builds the tokenizer, and it
     tokenizes as the tokenizer.json it came from."""
-    from tokenizers import Tokenizer as Backend
-
     write_tiny_llama(tmp_path, num_layers=1, hidden=32, heads=2, kv_heads=1, intermediate=32)
     ours = Tokenizer(str(tmp_path))
-    Backend.from_file(str(tmp_path / "tokenizer.json")).model.save(str(tmp_path))
-    (tmp_path / "tokenizer.json").unlink()
-    config_path = tmp_path / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config["tokenizer_class"] = "GPT2Tokenizer"
-    config_path.write_text(json.dumps(config))
+    _without_tokenizer_json(tmp_path)
 
     loaded = load_tokenizer(str(tmp_path))
 
@@ -211,3 +204,80 @@ def test_a_checkpoint_without_tokenizer_json_goes_through_transformers(tmp_path:
     assert ours.encode(CORPUS[0], add_special_tokens=False) == loaded.encode(
         CORPUS[0], add_special_tokens=False
     )
+
+
+def _without_tokenizer_json(path: Path) -> None:
+    """The tiny checkpoint at `path` with its BPE as vocab.json and merges.txt only
+    (transformers builds the tokenizer)."""
+    from tokenizers import Tokenizer as Backend
+
+    Backend.from_file(str(path / "tokenizer.json")).model.save(str(path))
+    (path / "tokenizer.json").unlink()
+    config_path = path / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["tokenizer_class"] = "GPT2Tokenizer"
+    config_path.write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("source", ["tokenizer.json", "transformers"])
+def test_two_threads_split_special_tokens_or_not_each_as_asked(tmp_path: Path, source: str) -> None:
+    """Splitting is a choice per call: one thread splitting and one not, on the same text,
+    each always gets its own ids (no shared switch between them)."""
+    import threading
+
+    write_tiny_llama(tmp_path, num_layers=1, hidden=32, heads=2, kv_heads=1, intermediate=32)
+    if source == "transformers":
+        _without_tokenizer_json(tmp_path)
+    tokenizer = load_tokenizer(str(tmp_path))
+    text = "Hi <|im_end|> there " * 20
+    expected = {
+        split: tokenizer.encode(text, add_special_tokens=False, split_special_tokens=split)
+        for split in (False, True)
+    }
+    got: dict[bool, list[list[int]]] = {False: [], True: []}
+    start = threading.Barrier(2)
+
+    def encode(split: bool) -> None:
+        start.wait()
+        for _ in range(1000):
+            got[split].append(
+                tokenizer.encode(text, add_special_tokens=False, split_special_tokens=split)
+            )
+
+    threads = [threading.Thread(target=encode, args=(split,)) for split in (False, True)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+    assert expected[False] != expected[True]
+    assert [expected[False]] * 1000 == got[False]
+    assert [expected[True]] * 1000 == got[True]
+
+
+def test_the_transformers_fallback_is_a_tokenizer_like_ours(tmp_path: Path) -> None:
+    """The same ids split or not, the same text back, the same special tokens and template."""
+    from otel_engine.model.tokenizer import TransformersTokenizer
+
+    write_tiny_llama(tmp_path, num_layers=1, hidden=32, heads=2, kv_heads=1, intermediate=32)
+    ours = Tokenizer(str(tmp_path))
+    _without_tokenizer_json(tmp_path)
+
+    loaded = load_tokenizer(str(tmp_path))
+
+    assert isinstance(loaded, TransformersTokenizer)
+    for text in TEXTS:
+        for split in (False, True):
+            assert ours.encode(text, split_special_tokens=split) == loaded.encode(
+                text, split_special_tokens=split
+            )
+        ids = ours.encode(text)
+        assert ours.decode(ids) == loaded.decode(ids)
+    assert len(ours) == len(loaded)
+    assert {i: t.content for i, t in ours.added_tokens_decoder.items()} == {
+        i: t.content for i, t in loaded.added_tokens_decoder.items()
+    }
+    assert ours.apply_chat_template(CHATS[1], tokenize=False) == loaded.apply_chat_template(
+        CHATS[1], tokenize=False
+    )
+    assert ours.backend_tokenizer.decode([5, 6]) == loaded.backend_tokenizer.decode([5, 6])

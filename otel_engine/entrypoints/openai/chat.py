@@ -22,6 +22,7 @@ import jinja2
 
 from otel_engine.entrypoints.network.errors import bad_request
 from otel_engine.errors import ErrorCode
+from otel_engine.model.tokenizer import TokenizerLike
 
 # What a client writes into a message: its text, and any string inside an assistant's
 # earlier tool calls; a request's tools (names, descriptions, schemas) are the client's too.
@@ -32,7 +33,7 @@ _MARK_OPEN, _MARK_CLOSE = "\ue000", "\ue001"
 class ChatRenderer:
     """Renders chat messages with one tokenizer's chat template into (text, token ids)."""
 
-    def __init__(self, tokenizer: Any, *, allow_special_tokens: bool = False) -> None:
+    def __init__(self, tokenizer: TokenizerLike, *, allow_special_tokens: bool = False) -> None:
         self.tokenizer = tokenizer
         self.allow_special_tokens = allow_special_tokens
         specials = sorted(

@@ -20,6 +20,7 @@ from typing import Any
 
 from tokenizers import decoders
 
+from otel_engine.model.tokenizer import TokenizerLike
 from otel_engine.outputs import TokenLogprobs
 
 NEG_INF_LOGPROB = -9999.0
@@ -32,7 +33,7 @@ def _finite(value: float) -> float:
 class LogprobsFormatter:
     """Builds the `logprobs` object of a choice from the engine's per-token entries."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: TokenizerLike) -> None:
         self._backend = tokenizer.backend_tokenizer
         self._special = {int(i) for i in getattr(tokenizer, "all_special_ids", ())}
         decoder = self._backend.decoder

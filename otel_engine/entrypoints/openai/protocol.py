@@ -19,7 +19,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 from otel_engine.engine.structured_output import from_response_format
 from otel_engine.entrypoints.network.errors import APIError, bad_request, from_request_error
 from otel_engine.entrypoints.network.limits import MAX_CONTENT_PARTS, MAX_MESSAGES
-from otel_engine.entrypoints.tools.plan import MAX_TOOLS, Function, template_call
+from otel_engine.entrypoints.tools.request import MAX_TOOLS, Function, template_call
 from otel_engine.errors import ErrorCode, RequestError
 from otel_engine.sampling_params import (
     MAX_LOGPROBS,

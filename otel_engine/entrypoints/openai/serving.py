@@ -317,8 +317,8 @@ class OpenAIServing:
             )
 
     async def _off_loop(self, function: Callable[..., T], *args: Any) -> T:
-        """Run tokenizer work in this server's tokenizer thread (one: HF tokenizers are not
-        safe to call from two threads at once)."""
+        """Run tokenizer work in this server's tokenizer thread (one: a tokenizer is safe
+        from several threads, but one keeps this work to one core)."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._tokenizer_thread, function, *args)
 

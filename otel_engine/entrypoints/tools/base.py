@@ -1,0 +1,27 @@
+"""The closed sets of tools, as the wire and the command line spell them (stdlib only: the
+command line imports this module)."""
+
+from __future__ import annotations
+
+import enum
+
+
+class ToolFormatName(enum.StrEnum):
+    """The formats the engine ships (`--tool-call-parser` takes these or `auto`); each is
+    one class in formats/."""
+
+    HERMES = "hermes"
+    LLAMA3_JSON = "llama3_json"
+    MISTRAL = "mistral"
+    PHI4_MINI = "phi4_mini"
+    GENERIC = "generic"
+
+
+class ToolChoice(enum.StrEnum):
+    """A request's `tool_choice`: the first three are its wire strings; `NAMED` is one
+    function named by an object."""
+
+    NONE = "none"
+    AUTO = "auto"
+    REQUIRED = "required"
+    NAMED = "named"
