@@ -7,14 +7,30 @@ surrogate (`"\ud800"`), which nothing downstream could encode. Fields of the Ope
 the engine does not implement are rejected when set to a non-default value instead of being
 silently ignored; unknown fields are ignored, so that newer clients keep working, with a
 warning and a counter (`ignored_fields`), never silently.
+
+A numeric field is marked with its `Bound` (`Bounded`): the sampling fields with the one in
+`sampling_params.BOUNDS` that `SamplingParams.validate` holds, `n` and `best_of` with the
+edge's own. `check_bounds` refuses a value outside it in the engine's words, before any
+tokenization, and the OpenAPI document states it (`minimum`, `maximum`, ...).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import cache
 from typing import Annotated, Any, Literal, cast
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    GetJsonSchemaHandler,
+)
+from pydantic.json_schema import JsonSchemaValue
+from pydantic_core import CoreSchema
 
 from otel_engine.engine.structured_output import from_response_format
 from otel_engine.entrypoints.network.errors import APIError, bad_request, from_request_error
@@ -22,9 +38,8 @@ from otel_engine.entrypoints.network.limits import MAX_CONTENT_PARTS, MAX_MESSAG
 from otel_engine.entrypoints.tools.plan import MAX_TOOLS, Function, template_call
 from otel_engine.errors import ErrorCode, RequestError
 from otel_engine.sampling_params import (
-    MAX_LOGPROBS,
-    MAX_TEMPERATURE,
-    SEED_RANGE,
+    BOUNDS,
+    Bound,
     SamplingParams,
     StructuredOutput,
 )
@@ -56,6 +71,27 @@ Text = Annotated[str, AfterValidator(_no_surrogates)]
 TokenIds = list[int]
 
 
+@dataclass(frozen=True, slots=True)
+class Bounded:
+    """Field metadata: the field's value must lie in `bound` (`check_bounds` holds it, the
+    OpenAPI document states it)."""
+
+    bound: Bound
+
+    def __get_pydantic_json_schema__(
+        self, schema: CoreSchema, handler: GetJsonSchemaHandler
+    ) -> JsonSchemaValue:
+        return {**handler(schema), **self.bound.json_schema()}
+
+
+def bounded(name: str) -> Bounded:
+    """The bound `SamplingParams.validate` holds the field `name` to."""
+    return Bounded(BOUNDS[name])
+
+
+CHOICES = Bounded(Bound(1, MAX_CHOICES))  # n and best_of
+
+
 def unsupported(param: str, message: str) -> APIError:
     return bad_request(message, param=param, code=ErrorCode.UNSUPPORTED_PARAMETER)
 
@@ -78,6 +114,28 @@ _ABSENT = object()
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
+    def check_bounds(self) -> None:
+        """A 400 naming the first field outside its bound, in `SamplingParams.validate`'s
+        words ("temperature must be in [0, 2], got 5")."""
+        for name, bound in _bounds(type(self)):
+            value = getattr(self, name)
+            if value is not None:
+                try:
+                    bound.check(name, value)
+                except RequestError as error:
+                    raise from_request_error(error) from None
+
+
+@cache
+def _bounds(model: type[BaseModel]) -> list[tuple[str, Bound]]:
+    """The bounded fields of `model`, in declaration order."""
+    return [
+        (name, mark.bound)
+        for name, info in model.model_fields.items()
+        for mark in info.metadata
+        if isinstance(mark, Bounded)
+    ]
+
 
 class StreamOptions(_Strict):
     """`stream_options`: `include_usage` adds a last chunk with usage and no choices."""
@@ -93,25 +151,23 @@ class _SamplingFields(_Strict):
     model_config = ConfigDict(strict=True, extra="allow")
 
     model: Text | None = None
-    max_tokens: Int | None = Field(default=None, ge=1)
-    # The bounds below are SamplingParams' (read from there), stated in the OpenAPI document;
-    # SamplingParams.validate is the rule that holds for every caller.
-    temperature: float = Field(default=1.0, ge=0.0, le=MAX_TEMPERATURE)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: Int = Field(default=0, ge=-1)
-    seed: Int | None = Field(default=None, ge=SEED_RANGE[0], lt=SEED_RANGE[1])
+    max_tokens: Annotated[Int | None, bounded("max_tokens")] = None
+    temperature: Annotated[float, bounded("temperature")] = 1.0
+    top_p: Annotated[float, bounded("top_p")] = 1.0
+    top_k: Annotated[Int, bounded("top_k")] = 0
+    seed: Annotated[Int | None, bounded("seed")] = None
     stop: Text | list[Text] | None = None
     stop_token_ids: TokenIds | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
-    n: Int = Field(default=1, ge=1, le=MAX_CHOICES)
+    n: Annotated[Int, CHOICES] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_p: float = 0.0
-    min_tokens: Int = 0
+    frequency_penalty: Annotated[float, bounded("frequency_penalty")] = 0.0
+    presence_penalty: Annotated[float, bounded("presence_penalty")] = 0.0
+    repetition_penalty: Annotated[float, bounded("repetition_penalty")] = 1.0
+    min_p: Annotated[float, bounded("min_p")] = 0.0
+    min_tokens: Annotated[Int, bounded("min_tokens")] = 0
     logit_bias: dict[Text, float] | None = None
     response_format: dict[str, object] | None = None
     user: Text | None = None
@@ -212,8 +268,8 @@ class CompletionRequest(_SamplingFields):
 
     prompt: Text | TokenIds | list[Text] | list[TokenIds]
     echo: bool = False
-    logprobs: Int | None = None
-    best_of: Int | None = Field(default=None, ge=1, le=MAX_CHOICES)
+    logprobs: Annotated[Int | None, bounded("logprobs")] = None
+    best_of: Annotated[Int | None, CHOICES] = None
     suffix: Text | None = None
 
     def check_supported(self) -> None:
@@ -339,9 +395,9 @@ class ChatCompletionRequest(_SamplingFields):
     """`POST /v1/chat/completions`. `max_completion_tokens` wins over `max_tokens`."""
 
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
-    max_completion_tokens: Int | None = Field(default=None, ge=1)
+    max_completion_tokens: Annotated[Int | None, bounded("max_tokens")] = None
     logprobs: bool = False
-    top_logprobs: Int | None = None
+    top_logprobs: Annotated[Int | None, bounded("logprobs")] = None
     tools: Annotated[list[ToolDefinition], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -353,12 +409,6 @@ class ChatCompletionRequest(_SamplingFields):
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request(
                 "top_logprobs requires logprobs: true",
-                param="top_logprobs",
-                code=ErrorCode.INVALID_VALUE,
-            )
-        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
-            raise bad_request(
-                f"top_logprobs must be in [0, {MAX_LOGPROBS}]",
                 param="top_logprobs",
                 code=ErrorCode.INVALID_VALUE,
             )
@@ -420,9 +470,9 @@ class ResponsesRequest(_Strict):
     tools: Annotated[list[ResponsesFunctionTool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, object] | None = None
     parallel_tool_calls: bool = True
-    max_output_tokens: Int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=MAX_TEMPERATURE)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    max_output_tokens: Annotated[Int | None, bounded("max_tokens")] = None
+    temperature: Annotated[float, bounded("temperature")] = 1.0
+    top_p: Annotated[float, bounded("top_p")] = 1.0
     text: ResponsesText | None = None
     stream: bool = False
     previous_response_id: Text | None = None
@@ -431,7 +481,7 @@ class ResponsesRequest(_Strict):
     conversation: object | None = None
     metadata: dict[str, Text] | None = None
     user: Text | None = None
-    seed: Int | None = Field(default=None, ge=SEED_RANGE[0], lt=SEED_RANGE[1])
+    seed: Annotated[Int | None, bounded("seed")] = None
     # accepted and without effect here: no reasoning, no truncation of the input
     reasoning: dict[str, object] | None = None
     truncation: Literal["auto", "disabled"] | None = None

@@ -146,6 +146,7 @@ class OpenAIServing:
     async def responses(self, body: ResponsesRequest, request: Request) -> Response:
         """`POST /v1/responses`: the request as a chat (its messages, tools, limits), the
         answer as output items (responses.py)."""
+        body.check_bounds()
         self._check_model(body.model)
         body.check_supported()
         self._warn_ignored(body.ignored_fields())
@@ -277,6 +278,9 @@ class OpenAIServing:
             )
 
     def _check_common(self, body: CompletionRequest | ChatCompletionRequest) -> None:
+        """What a request must pass before any tokenization: its bounds, its model, the
+        features it asks for."""
+        body.check_bounds()
         self._check_model(body.model)
         body.check_supported()
         self._warn_ignored(body.ignored_fields())
