@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -337,14 +338,21 @@ def check_default_values(values: dict[str, Any], source: str) -> None:
         if name == "top_k" and value != int(value):
             raise ValueError(f"{source}: top_k must be an integer, got {value}")
         try:
-            with_defaults({name: value}).validate()
+            apply_generation_defaults({}, {name: value}).validate()
         except RequestError as error:
             raise ValueError(f"{source}: {error.message}") from None
 
 
-def with_defaults(values: dict[str, Any]) -> SamplingParams:
-    """`SamplingParams()` with `values` (defaults' fields; `top_k` as an integer)."""
+def apply_generation_defaults(
+    given: Mapping[str, Any], defaults: Mapping[str, float]
+) -> SamplingParams:
+    """The `SamplingParams` of the fields a caller gave, each field of `defaults` it did not
+    give taking its value there (`top_k` as an integer). The one rule the server (a
+    request's fields), `LLM`, `otel-engine generate` (the flags given) and `replay` apply;
+    `defaults` are the model's (`engine/generation_defaults.py`)."""
     fields: dict[str, Any] = {
-        name: int(value) if name == "top_k" else float(value) for name, value in values.items()
+        name: int(value) if name == "top_k" else float(value)
+        for name, value in defaults.items()
+        if name not in given
     }
-    return SamplingParams(**fields)
+    return SamplingParams(**fields, **given)

@@ -51,7 +51,7 @@ class LLM:
         """`SamplingParams()` with the model's generation defaults (its
         `generation_config.json`, or the default model's card, then
         --override-generation-config), the values the server gives requests that omit them."""
-        return generation_defaults.with_defaults(self.generation_defaults.values)
+        return generation_defaults.apply_generation_defaults({}, self.generation_defaults.values)
 
     def generate(
         self,

@@ -42,6 +42,7 @@ from otel_engine.sampling_params import (
     Bound,
     SamplingParams,
     StructuredOutput,
+    apply_generation_defaults,
 )
 
 MAX_CHOICES = 16  # n and best_of
@@ -226,34 +227,32 @@ class _SamplingFields(_Strict):
         self, max_tokens: int, defaults: Mapping[str, float] | None = None
     ) -> SamplingParams:
         """The engine's `SamplingParams` for this request (validated by the engine's rules
-        when it is admitted); a field the request omits takes its value in `defaults` (the
-        model's generation config), if any."""
+        when it is admitted); a field of `defaults` (the model's generation config) the
+        request omits takes its value there."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
-        chosen = {
-            name: value
-            for name, value in (defaults or {}).items()
-            if name not in self.model_fields_set
+        given = {
+            "max_tokens": max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "seed": self.seed,
+            "stop": tuple(stop),
+            "stop_token_ids": tuple(self.stop_token_ids or ()),
+            "ignore_eos": self.ignore_eos,
+            "skip_special_tokens": self.skip_special_tokens,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
+            "min_p": self.min_p,
+            "min_tokens": self.min_tokens,
+            "logit_bias": self.token_logit_bias(),
+            "logprobs": self.requested_logprobs(),
+            "prompt_logprobs": self.requested_prompt_logprobs(),
+            "structured_output": self.structured_output(),
         }
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=chosen.get("temperature", self.temperature),
-            top_p=chosen.get("top_p", self.top_p),
-            top_k=int(chosen.get("top_k", self.top_k)),
-            seed=self.seed,
-            stop=tuple(stop),
-            stop_token_ids=tuple(self.stop_token_ids or ()),
-            ignore_eos=self.ignore_eos,
-            skip_special_tokens=self.skip_special_tokens,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            repetition_penalty=chosen.get("repetition_penalty", self.repetition_penalty),
-            min_p=chosen.get("min_p", self.min_p),
-            min_tokens=self.min_tokens,
-            logit_bias=self.token_logit_bias(),
-            logprobs=self.requested_logprobs(),
-            prompt_logprobs=self.requested_prompt_logprobs(),
-            structured_output=self.structured_output(),
-        )
+        for name in (defaults or {}).keys() - self.model_fields_set:
+            del given[name]
+        return apply_generation_defaults(given, defaults or {})
 
     def structured_output(self) -> StructuredOutput | None:
         """`response_format` as the engine's spec (None: text); 400 for a malformed one."""
