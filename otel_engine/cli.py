@@ -428,7 +428,9 @@ def build_parser() -> argparse.ArgumentParser:
         "with none, 1.0)",
     )
     generate.add_argument(
-        "--chat", action="store_true", help="wrap each prompt in the model's chat template"
+        "--chat",
+        action="store_true",
+        help="each prompt as a user message, rendered as the server renders chat messages",
     )
     _add_engine_flags(generate)
 
@@ -579,10 +581,10 @@ def generate(args: argparse.Namespace, options: dict[str, Any]) -> int:
         generate_params(args, {}).validate()  # a bad flag fails before the engine starts
         with LLM(**options) as llm:
             params = generate_params(args, llm.generation_defaults.values)
-            inputs: list[str] | list[list[int]] = prompts
             if args.chat:
-                inputs = [_chat_prompt(llm.tokenizer, prompt) for prompt in prompts]
-            outputs = llm.generate(inputs, params)
+                outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+            else:
+                outputs = llm.generate(prompts, params)
     except OtelEngineError as error:
         return _fail(f"{type(error).__name__}: {error}")
     for output in outputs:
@@ -597,13 +599,6 @@ def generate_params(args: argparse.Namespace, defaults: Mapping[str, float]) -> 
     if args.temperature is not None:
         given["temperature"] = args.temperature
     return apply_generation_defaults(given, defaults)
-
-
-def _chat_prompt(tokenizer: Any, prompt: str) -> list[int]:
-    text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
-    )
-    return list(tokenizer.encode(text, add_special_tokens=False))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

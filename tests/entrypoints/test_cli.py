@@ -191,13 +191,10 @@ def test_generate_reads_prompts_file(
 def test_generate_chat_applies_template(
     tiny_model_dir: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """--chat completes the chat-templated prompt (no second BOS)."""
+    """--chat completes each prompt as a user message, as `LLM.chat` does."""
     with LLM(model=tiny_model_dir, num_kv_blocks=64) as llm:
-        text = llm.tokenizer.apply_chat_template(
-            [{"role": "user", "content": PROMPTS[0]}], add_generation_prompt=True, tokenize=False
-        )
-        ids = llm.tokenizer.encode(text, add_special_tokens=False)
-        expected = llm.generate([ids], SamplingParams(max_tokens=5, temperature=0))
+        messages = [{"role": "user", "content": PROMPTS[0]}]
+        expected = llm.chat(messages, SamplingParams(max_tokens=5, temperature=0))
 
     base = ["generate", "--model", tiny_model_dir, *SMALL_KV, *GREEDY, "--max-tokens", "5"]
     main([*base, "--chat", PROMPTS[0]])

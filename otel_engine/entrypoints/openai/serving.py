@@ -24,6 +24,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from otel_engine.engine import structured_output
+from otel_engine.engine.chat import ChatRenderer, NoChatTemplateError
 from otel_engine.engine.choices import generate_choices, sample_ids
 from otel_engine.engine.validation import check_context
 from otel_engine.entrypoints.network.bodies import BodyParser
@@ -43,7 +44,6 @@ from otel_engine.entrypoints.network.streaming import (
     RequestWatch,
 )
 from otel_engine.entrypoints.openai import responses
-from otel_engine.entrypoints.openai.chat import ChatRenderer
 from otel_engine.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -209,7 +209,7 @@ class OpenAIServing:
         plan, messages, tools = await self._off_loop(
             self._tool_prompt, template_messages, functions, tool_choice, parallel, answer_format
         )
-        text, prompt_ids = await self._off_loop(self._chat.render, messages, True, tools)
+        text, prompt_ids = await self._off_loop(self._render, messages, True, tools)
         job = self._admit(
             body, prompt_ids, prefix=prefix, default_cap=None, prompt_param=prompt_param
         )
@@ -256,7 +256,7 @@ class OpenAIServing:
             messages = [m.to_template_dict() for m in body.messages or ()]
             self._check_chars(chat_chars(messages), "messages")
             messages = self._tools.messages(messages, None)
-            _, ids = await self._off_loop(self._chat.render, messages, body.add_generation_prompt)
+            _, ids = await self._off_loop(self._render, messages, body.add_generation_prompt)
         return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids}
 
     async def detokenize(self, body: DetokenizeRequest) -> dict[str, str]:
@@ -438,6 +438,22 @@ class OpenAIServing:
                 watch.close()
                 if not telemetry.is_ended:  # cancelled: the connection or the server went away
                     record_gone(telemetry, job, request)
+
+    def _render(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> tuple[str, list[int]]:
+        """A chat's prompt text and token ids (`ChatRenderer`); what it refuses, as a 400."""
+        try:
+            return self._chat.render(messages, add_generation_prompt, tools)
+        except NoChatTemplateError as error:
+            raise bad_request(
+                f"{error.message}; use /v1/completions", param=error.param, code=error.code
+            ) from None
+        except RequestError as error:
+            raise from_request_error(error) from None
 
     @cached_property
     def _chat(self) -> ChatRenderer:
