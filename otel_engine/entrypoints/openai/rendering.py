@@ -31,6 +31,7 @@ from otel_engine.entrypoints.network.streaming import (
     DONE_EVENT,
     sse_event,
 )
+from otel_engine.entrypoints.openai.api_kind import ApiKind
 from otel_engine.entrypoints.openai.logprobs import LogprobsFormatter
 from otel_engine.entrypoints.openai.request_telemetry import RequestTelemetry
 from otel_engine.entrypoints.tools.parser import Parsed, ToolCall
@@ -58,7 +59,7 @@ class Job:
     """One admitted request: what to run, how to shape its chunks, what to count."""
 
     request_id: str
-    is_chat: bool
+    kind: ApiKind
     model: str
     request_model: str
     prompt_ids: list[int]
@@ -91,13 +92,9 @@ class Job:
             self.generated[completion.index] = len(completion.token_ids)
 
     def envelope(self, is_chunk: bool, **fields: Any) -> dict[str, Any]:
-        if self.is_chat:
-            kind = "chat.completion.chunk" if is_chunk else "chat.completion"
-        else:
-            kind = "text_completion"
         return {
             "id": self.request_id,
-            "object": kind,
+            "object": self.kind.object_name(is_chunk),
             "created": self.created,
             "model": self.model,
             **fields,
@@ -149,7 +146,7 @@ class ResponseRenderer:
                 if echoed is not None and echoed[1] is not None:
                     logprobs = {k: echoed[1][k] + v for k, v in logprobs.items()}
             text = completion.text if echoed is None else echoed[0] + completion.text
-            if job.is_chat and job.tools is not None:
+            if job.kind is ApiKind.CHAT and job.tools is not None:
                 parsed = job.tools.parser_for_whole().parse(job.tools.clean(text))
                 message = self._tool_message(parsed)
                 reason = self._tool_outcome(job, parsed.calls, parsed.num_invalid, reason)
@@ -157,7 +154,7 @@ class ResponseRenderer:
                 called.append([(call.id, call.name) for call in parsed.calls])
                 self._log_tool_calls(parsed.calls)
                 choice = {"index": index, "message": message, "logprobs": logprobs}
-            elif job.is_chat:
+            elif job.kind is ApiKind.CHAT:
                 message = {"role": "assistant", "content": text}
                 choice = {"index": index, "message": message, "logprobs": logprobs}
             else:
@@ -227,7 +224,7 @@ class ResponseRenderer:
             ids, entries = job.pending.setdefault(index, ([], []))
             ids += completion.delta_token_ids
             entries += completion.delta_logprobs
-        if job.is_chat and job.tools is not None:
+        if job.kind is ApiKind.CHAT and job.tools is not None:
             return self._tool_chunk(job, completion, reasons)
         if reason is not None:
             job.finished.add(index)
@@ -236,7 +233,7 @@ class ResponseRenderer:
         elif not completion.delta_text:
             return None
         text = completion.delta_text
-        delta = ({"content": text} if text else {}) if job.is_chat else text
+        delta = ({"content": text} if text else {}) if job.kind is ApiKind.CHAT else text
         return self._chunk(job, delta, reason, index, self._pending_logprobs(job, index))
 
     def _tool_chunk(
@@ -318,7 +315,7 @@ class ResponseRenderer:
         self, job: Job, index: int, token_ids: list[int], entries: list[TokenLogprobs]
     ) -> dict[str, Any]:
         """Choice `index`'s `logprobs` for these tokens, in the endpoint's shape."""
-        if job.is_chat:
+        if job.kind is ApiKind.CHAT:
             return self._formatter.chat(token_ids, entries)
         offset = job.text_offsets.get(index, 0)
         body, job.text_offsets[index] = self._formatter.completion(token_ids, entries, offset)
@@ -327,7 +324,7 @@ class ResponseRenderer:
     def _head_chunk(self, job: Job, index: int, first: RequestOutput) -> bytes | None:
         """What a streamed choice starts with: the assistant role (chat), or the echoed
         prompt with its logprobs (completions with `echo`)."""
-        if job.is_chat:
+        if job.kind is ApiKind.CHAT:
             return self._chunk(job, {"role": "assistant", "content": ""}, None, index)
         if job.echo is not None:
             text, logprobs = self._echo(job, index, first)
@@ -362,7 +359,7 @@ class ResponseRenderer:
         index: int = 0,
         logprobs: dict[str, Any] | None = None,
     ) -> bytes:
-        if job.is_chat:
+        if job.kind is ApiKind.CHAT:
             choice = {"index": index, "delta": delta, "logprobs": logprobs}
         else:
             choice = {"index": index, "text": delta, "logprobs": logprobs}

@@ -4,8 +4,8 @@ bodies are rendering.py's.
 Prompts are tokenized here, so that the context limit is checked (and the default
 `max_tokens` chosen) before the engine sees the request. Tokenization and chat templates run
 in a worker thread, never on the event loop, after a character limit that bounds their cost.
-The engine request id is the response id (`cmpl-<hex>`, `chatcmpl-<hex>`), so logs, spans
-and the client agree.
+The engine request id is the response id (`cmpl-<hex>`, `chatcmpl-<hex>`, `resp-<hex>`: the
+request's `ApiKind`), so logs, spans and the client agree.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from otel_engine.entrypoints.network.streaming import (
     RequestWatch,
 )
 from otel_engine.entrypoints.openai import responses
+from otel_engine.entrypoints.openai.api_kind import ApiKind
 from otel_engine.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -119,7 +120,7 @@ class OpenAIServing:
         job = self._admit(
             body,
             prompt_ids,
-            prefix="cmpl",
+            kind=ApiKind.COMPLETION,
             default_cap=DEFAULT_COMPLETION_MAX_TOKENS,
             prompt_param="prompt",
         )
@@ -138,7 +139,7 @@ class OpenAIServing:
             body.tool_functions(),
             body.tool_choice_value(),
             body.parallel_tool_calls,
-            prefix="chatcmpl",
+            kind=ApiKind.CHAT,
             prompt_param="messages",
         )
         return await self._run(job, body.stream, request, text)
@@ -168,7 +169,7 @@ class OpenAIServing:
                 body.tool_functions(),
                 body.tool_choice_value(),
                 body.parallel_tool_calls,
-                prefix="resp",
+                kind=ApiKind.RESPONSES,
                 prompt_param="input",
             )
         except APIError as error:  # the chat's names for this API's fields
@@ -199,7 +200,7 @@ class OpenAIServing:
         tool_choice: str | dict[str, Any] | None,
         parallel: bool,
         *,
-        prefix: str,
+        kind: ApiKind,
         prompt_param: str,
     ) -> tuple[Job, str]:
         """A chat's job: its prompt (tools and earlier calls in the model's terms), its
@@ -210,9 +211,7 @@ class OpenAIServing:
             self._tool_prompt, template_messages, functions, tool_choice, parallel, answer_format
         )
         text, prompt_ids = await self._off_loop(self._render, messages, True, tools)
-        job = self._admit(
-            body, prompt_ids, prefix=prefix, default_cap=None, prompt_param=prompt_param
-        )
+        job = self._admit(body, prompt_ids, kind=kind, default_cap=None, prompt_param=prompt_param)
         if plan is not None:
             job.tools = plan
             job.params = msgspec.structs.replace(
@@ -335,7 +334,7 @@ class OpenAIServing:
         body: CompletionRequest | ChatCompletionRequest,
         prompt_ids: list[int],
         *,
-        prefix: str,
+        kind: ApiKind,
         default_cap: int | None,
         prompt_param: str,
     ) -> Job:
@@ -358,8 +357,8 @@ class OpenAIServing:
         else:
             max_tokens = requested
         return Job(
-            request_id=f"{prefix}-{uuid.uuid4().hex}",
-            is_chat=prefix in ("chatcmpl", "resp"),
+            request_id=f"{kind.id_prefix}-{uuid.uuid4().hex}",
+            kind=kind,
             model=self.engine.model_name,
             request_model=body.model or self.engine.model_name,
             prompt_ids=prompt_ids,
@@ -376,7 +375,7 @@ class OpenAIServing:
         telemetry = RequestTelemetry(
             self.metrics,
             request_id=job.request_id,
-            operation="chat" if job.is_chat else "text_completion",
+            operation=job.kind.operation,
             request_model=job.request_model,
             response_model=job.model,
             params=job.params,
@@ -408,7 +407,7 @@ class OpenAIServing:
                 is_streaming = True
                 ids = sample_ids(job.request_id, job.num_samples)
                 hold = lambda held: self.engine.hold(ids, held)  # noqa: E731
-                if job.responses is not None:
+                if job.kind is ApiKind.RESPONSES:
                     events = responses.events(
                         self.renderer, job, telemetry, outputs, first, request
                     )
@@ -418,7 +417,7 @@ class OpenAIServing:
                 events = self.renderer.events(job, telemetry, outputs, first, request)
                 return EventStreamResponse(events, watch, hold)
             final = await watch.run(_last(outputs, first, telemetry, job))
-            if job.responses is not None:
+            if job.kind is ApiKind.RESPONSES:
                 return responses.full_response(self.renderer, job, telemetry, final)
             return self.renderer.full_response(job, telemetry, final)
         except ClientDisconnected:
