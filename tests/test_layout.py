@@ -22,8 +22,6 @@ MAX_EDGE_MODULE_LINES = 400
 KNOWN_OVER = {
     "entrypoints/api_server.py",
     "entrypoints/openai/protocol.py",
-    "entrypoints/openai/rendering.py",
-    "entrypoints/openai/responses.py",
     "entrypoints/openai/serving.py",
     "entrypoints/tools/parser.py",
     "entrypoints/tools/plan.py",
@@ -31,7 +29,6 @@ KNOWN_OVER = {
 KNOWN_NETWORK_TO_OPENAI = {"entrypoints/network/bodies.py", "entrypoints/network/guard.py"}
 KNOWN_CYCLES = {
     ("engine.async_llm", "engine.restarter"),
-    ("entrypoints.openai.rendering", "entrypoints.openai.responses"),
     ("model.decoder_stack", "model.llama"),
 }
 

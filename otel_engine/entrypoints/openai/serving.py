@@ -45,6 +45,8 @@ from otel_engine.entrypoints.network.streaming import (
 )
 from otel_engine.entrypoints.openai import responses
 from otel_engine.entrypoints.openai.api_kind import ApiKind
+from otel_engine.entrypoints.openai.job import Job, ResponsesEcho
+from otel_engine.entrypoints.openai.outcome import Outcomes, record_failure, record_gone
 from otel_engine.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -52,14 +54,9 @@ from otel_engine.entrypoints.openai.protocol import (
     ResponsesRequest,
     TokenizeRequest,
 )
-from otel_engine.entrypoints.openai.rendering import (
-    Job,
-    ResponseRenderer,
-    record_failure,
-    record_gone,
-)
+from otel_engine.entrypoints.openai.rendering import ResponseRenderer
 from otel_engine.entrypoints.openai.request_telemetry import RequestTelemetry
-from otel_engine.entrypoints.openai.responses import ResponsesEcho
+from otel_engine.entrypoints.openai.response_stream import ResponseStream
 from otel_engine.entrypoints.tools.plan import Function, ToolPlan, ToolSupport
 from otel_engine.errors import ErrorCode, RequestError
 from otel_engine.sampling_params import SamplingParams, StructuredOutput
@@ -106,7 +103,8 @@ class OpenAIServing:
         self.allow_special_tokens_in_content = allow_special_tokens_in_content
         self.tool_call_parser = tool_call_parser
         self.bodies = BodyParser()
-        self.renderer = ResponseRenderer(engine, metrics, drain_expired)
+        self.outcomes = Outcomes(metrics, drain_expired, log_prompts=self.log_prompts)
+        self.renderer = ResponseRenderer(engine, self.outcomes)
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
@@ -408,17 +406,18 @@ class OpenAIServing:
                 ids = sample_ids(job.request_id, job.num_samples)
                 hold = lambda held: self.engine.hold(ids, held)  # noqa: E731
                 if job.kind is ApiKind.RESPONSES:
+                    written = ResponseStream(job)
                     events = responses.events(
-                        self.renderer, job, telemetry, outputs, first, request
+                        self.outcomes, written, telemetry, outputs, first, request
                     )
                     return EventStreamResponse(
-                        events, watch, hold, lambda error: responses.failed_frames(job, error)
+                        events, watch, hold, lambda error: responses.failed_frames(written, error)
                     )
                 events = self.renderer.events(job, telemetry, outputs, first, request)
                 return EventStreamResponse(events, watch, hold)
             final = await watch.run(_last(outputs, first, telemetry, job))
             if job.kind is ApiKind.RESPONSES:
-                return responses.full_response(self.renderer, job, telemetry, final)
+                return responses.full_response(self.outcomes, job, telemetry, final)
             return self.renderer.full_response(job, telemetry, final)
         except ClientDisconnected:
             record_gone(telemetry, job, request)
