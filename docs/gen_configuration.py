@@ -26,8 +26,8 @@ sys.path.insert(0, str(ROOT))
 from otel_engine import config as engine_config  # noqa: E402
 from otel_engine.cli import ENGINE_FLAGS, build_parser  # noqa: E402
 from otel_engine.config import TimeoutConfig  # noqa: E402
+from otel_engine.entrypoints.openai.fields import Bounded  # noqa: E402
 from otel_engine.entrypoints.openai.protocol import (  # noqa: E402
-    Bounded,
     ChatCompletionRequest,
     CompletionRequest,
 )

@@ -9,12 +9,9 @@ import pytest
 
 from otel_engine import SamplingParams
 from otel_engine.entrypoints.network.errors import APIError
-from otel_engine.entrypoints.openai.protocol import (
-    MAX_CHOICES,
-    ChatCompletionRequest,
-    CompletionRequest,
-    ResponsesRequest,
-)
+from otel_engine.entrypoints.openai.fields import MAX_CHOICES
+from otel_engine.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from otel_engine.entrypoints.openai.responses_request import ResponsesRequest
 from otel_engine.errors import ErrorCode, RequestError
 from otel_engine.sampling_params import BOUNDS, Bound
 from tests.entrypoints.conftest import Served

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from otel_engine.entrypoints.openai.protocol import MAX_CHOICES
+from otel_engine.entrypoints.openai.fields import MAX_CHOICES
 from otel_engine.sampling_params import BOUNDS
 from tests.entrypoints.conftest import Served
 from tests.helpers.fuzz import run_schemathesis

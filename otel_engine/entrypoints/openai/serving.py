@@ -51,12 +51,12 @@ from otel_engine.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    ResponsesRequest,
     TokenizeRequest,
 )
 from otel_engine.entrypoints.openai.rendering import ResponseRenderer
 from otel_engine.entrypoints.openai.request_telemetry import RequestTelemetry
 from otel_engine.entrypoints.openai.response_stream import ResponseStream
+from otel_engine.entrypoints.openai.responses_request import ResponsesRequest
 from otel_engine.entrypoints.tools.plan import Function, ToolPlan, ToolSupport
 from otel_engine.errors import ErrorCode, RequestError
 from otel_engine.sampling_params import SamplingParams, StructuredOutput
