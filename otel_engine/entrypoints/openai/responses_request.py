@@ -18,8 +18,23 @@ from otel_engine.entrypoints.openai.fields import (
     no_surrogates,
     unsupported,
 )
+from otel_engine.entrypoints.openai.job import ResponsesEcho
+from otel_engine.entrypoints.openai.protocol import ChatCompletionRequest
 from otel_engine.entrypoints.tools.plan import MAX_TOOLS, Function, template_call
 from otel_engine.errors import ErrorCode
+from otel_engine.sampling_params import SamplingParams
+
+# what a chat's field is called in a Responses request, in its errors
+_RESPONSES_PARAMS = {
+    "max_tokens": "max_output_tokens",
+    "response_format": "text",
+    "messages": "input",
+}
+
+
+def responses_param(chat_param: str | None) -> str | None:
+    """The name of a chat request's field (an error's `param`) in a Responses request."""
+    return _RESPONSES_PARAMS.get(chat_param or "", chat_param)
 
 
 class ResponsesFunctionTool(Strict):
@@ -89,6 +104,38 @@ class ResponsesRequest(Strict):
 
     def ignored_fields(self) -> list[str]:
         return list(self.model_extra or {})
+
+    def as_chat(self) -> ChatCompletionRequest:
+        """The chat request this one is to the engine: its limits, format and sampling fields
+        (those it sent counted as sent); its messages are `template_messages()`."""
+        sampled = {n: getattr(self, n) for n in ("temperature", "top_p", "seed")}
+        return ChatCompletionRequest.model_construct(
+            _fields_set={n for n in sampled if n in self.model_fields_set},
+            model=self.model,
+            messages=[],
+            max_completion_tokens=self.max_output_tokens,
+            response_format=self.response_format(),
+            stream=self.stream,
+            **sampled,
+        )
+
+    def echo(self, params: SamplingParams) -> ResponsesEcho:
+        """What the response object repeats of this request (`params`: the sampling it got)."""
+        return ResponsesEcho(
+            instructions=self.instructions,
+            max_output_tokens=self.max_output_tokens,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            tools=[tool.model_dump(by_alias=True, exclude_none=True) for tool in self.tools or ()],
+            tool_choice=self.tool_choice if self.tool_choice is not None else "auto",
+            parallel_tool_calls=self.parallel_tool_calls,
+            text=(
+                self.text.model_dump(by_alias=True, exclude_none=True)
+                if self.text is not None
+                else {"format": {"type": "text"}}
+            ),
+            metadata=dict(self.metadata or {}),
+        )
 
     def response_format(self) -> dict[str, object] | None:
         fmt = self.text.format if self.text is not None else None
