@@ -18,12 +18,15 @@ import re
 import sys
 from pathlib import Path
 
+from pydantic.fields import FieldInfo
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from otel_engine import config as engine_config  # noqa: E402
 from otel_engine.cli import ENGINE_FLAGS, build_parser  # noqa: E402
 from otel_engine.config import TimeoutConfig  # noqa: E402
+from otel_engine.entrypoints.openai.fields import Bounded  # noqa: E402
 from otel_engine.entrypoints.openai.protocol import (  # noqa: E402
     ChatCompletionRequest,
     CompletionRequest,
@@ -158,7 +161,9 @@ REQUEST_HEADER = """\
 ## Request fields
 
 What `POST /v1/completions` and `POST /v1/chat/completions` accept (the OpenAI API, plus
-vLLM's sampling extras). A field outside its range is a 400 naming it (`param`); OpenAI fields
+vLLM's sampling extras). A field outside its range (the `range` column: the bounds
+`SamplingParams.validate` holds) is a 400 naming it (`param`) in the words the Python API
+raises; OpenAI fields
 that are not supported are a 400 `unsupported_parameter`; a field the API does not know is
 ignored with a `request.ignored_fields` warning and counted
 (`otel_engine_ignored_request_fields_total`), never silently. Sampling fields a request omits
@@ -173,30 +178,31 @@ REQUEST_FIELDS = {
     "max_tokens": "tokens to generate at most (default: completions 16, chat the rest of the "
     "context); prompt + max_tokens must fit the context",
     "max_completion_tokens": "the same as `max_tokens`, and wins over it",
-    "temperature": "0 (greedy) to 2",
-    "top_p": "nucleus sampling, (0, 1]",
+    "temperature": "0 is greedy",
+    "top_p": "nucleus sampling",
     "top_k": "sample among the k most likely tokens; -1 or 0: off",
-    "min_p": "drop tokens less likely than min_p times the most likely one, [0, 1]",
+    "min_p": "drop tokens less likely than min_p times the most likely one",
     "seed": "64-bit seed: the same request and seed give the same text in any batch",
     "stop": "up to 16 stop strings (not included in the output)",
     "stop_token_ids": "token ids that end the output (up to 1,024)",
     "ignore_eos": "keep generating past the end-of-sequence token",
     "skip_special_tokens": "leave special tokens out of the text",
-    "n": "choices to return, 1 to 16 (independent samples of one prompt)",
-    "best_of": "samples to draw (>= n, <= 16); the n of highest cumulative logprob are "
+    "n": "choices to return (independent samples of one prompt)",
+    "best_of": "samples to draw (at least n); the n of highest cumulative logprob are "
     "returned; not with `stream`",
     "stream": "server-sent events, one chunk per new text",
     "stream_options": "`include_usage`: a last chunk with usage",
-    "presence_penalty": "[-2, 2], OpenAI's: minus this once a token appeared in the output",
-    "frequency_penalty": "[-2, 2], OpenAI's: minus this times the token's count in the output",
-    "repetition_penalty": "[0.01, 100], HF/vLLM's: logits of tokens seen in prompt or output "
+    "presence_penalty": "OpenAI's: minus this once a token appeared in the output",
+    "frequency_penalty": "OpenAI's: minus this times the token's count in the output",
+    "repetition_penalty": "HF/vLLM's: logits of tokens seen in prompt or output "
     "divided (positive) or multiplied (negative) by it",
-    "min_tokens": "EOS and stop token ids cannot end the output before this many tokens",
+    "min_tokens": "EOS and stop token ids cannot end the output before this many tokens (at "
+    "most max_tokens)",
     "logit_bias": "token id (as a string) to a bias in [-100, 100] added to its logit; -100 "
     "bans it (up to 1,024 entries)",
-    "logprobs": "completions: 0 to 20, each token's logprob and this many alternatives; chat: "
+    "logprobs": "completions: each token's logprob and this many alternatives; chat: "
     "true for each token's logprob (the raw model's, before penalties and temperature)",
-    "top_logprobs": "chat, with `logprobs`: 0 to 20 alternatives per token",
+    "top_logprobs": "chat, with `logprobs`: alternatives per token",
     "echo": "completions: the prompt before the completion; with `logprobs` also the "
     "prompt's logprobs (the first token's is null)",
     "response_format": "`{type: text}`, `{type: json_object}` (any JSON object) or `{type: "
@@ -284,10 +290,20 @@ def _command(name: str, parser: argparse.ArgumentParser) -> list[str]:
     return lines
 
 
+def _range(field: FieldInfo) -> str:
+    """The field's bound (`Bounded`, from `SamplingParams`' table), as a table cell."""
+    marks = [mark for mark in field.metadata if isinstance(mark, Bounded)]
+    return marks[0].bound.describe().removeprefix("in ") if marks else ""
+
+
 def _request_fields() -> list[str]:
     completion = CompletionRequest.model_fields
     chat = ChatCompletionRequest.model_fields
-    lines = [REQUEST_HEADER, "| field | endpoints | default | meaning |", "|---|---|---|---|"]
+    lines = [
+        REQUEST_HEADER,
+        "| field | endpoints | default | range | meaning |",
+        "|---|---|---|---|---|",
+    ]
     for name in dict.fromkeys([*completion, *chat]):
         if name not in REQUEST_FIELDS:
             raise KeyError(f"request field {name!r} has no meaning in REQUEST_FIELDS")
@@ -300,7 +316,9 @@ def _request_fields() -> list[str]:
         default = "required" if field.is_required() else f"`{field.default}`"
         if field.default is None:
             default = ""
-        lines.append(f"| `{name}` | {endpoints} | {default} | {REQUEST_FIELDS[name]} |")
+        lines.append(
+            f"| `{name}` | {endpoints} | {default} | {_range(field)} | {REQUEST_FIELDS[name]} |"
+        )
     return [*lines, ""]
 
 

@@ -13,7 +13,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from otel_engine.config import ConfigError, EngineConfig, LogFormat, choice_fields
@@ -23,10 +23,11 @@ from otel_engine.model.default_model import DEFAULT_MODEL
 from otel_engine.observability.logging import adopt_library_loggers
 from otel_engine.observability.setup import setup_main_process
 from otel_engine.observability.tracing import shutdown_telemetry
+from otel_engine.sampling_params import SamplingParams, apply_generation_defaults
 from otel_engine.timing import TELEMETRY_FLUSH_S
 
 if TYPE_CHECKING:
-    from otel_engine.model.tokenizer import TokenizerLike
+    pass
 
 logger = logging.getLogger("otel_engine.api_server")
 
@@ -423,9 +424,17 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("prompts", nargs="*", metavar="PROMPT")
     generate.add_argument("--prompts-file", metavar="PATH", help="one prompt per line")
     generate.add_argument("--max-tokens", type=int, default=64, help="tokens per completion")
-    generate.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     generate.add_argument(
-        "--chat", action="store_true", help="wrap each prompt in the model's chat template"
+        "--temperature",
+        type=float,
+        help="0 is greedy (default: the model's generation default, "
+        "--override-generation-config included, as serve gives a request that omits it; "
+        "with none, 1.0)",
+    )
+    generate.add_argument(
+        "--chat",
+        action="store_true",
+        help="each prompt as a user message, rendered as the server renders chat messages",
     )
     _add_engine_flags(generate)
 
@@ -435,7 +444,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run the failing batch of a --crash-dump-dir file again, with synthetic "
         "token ids, and say whether it fails the same way (exit 0: reproduced, 1: no "
         "failure, 2: a different failure, 3: the dump cannot be replayed here). The engine "
-        "config is the dump's; the flags given here win.",
+        "config is the dump's; the flags given here win. Each request samples with the "
+        "values the dump shows, except the fields --override-generation-config given here "
+        "sets; the model's generation defaults fill only fields the dump lacks.",
         allow_abbrev=False,
     )
     replay.add_argument("file", metavar="FILE", help="a crash-<utc time>-<pid>.json file")
@@ -561,7 +572,7 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
 
 
 def generate(args: argparse.Namespace, options: dict[str, Any]) -> int:
-    from otel_engine import LLM, SamplingParams
+    from otel_engine import LLM
     from otel_engine.errors import OtelEngineError
 
     prompts = list(args.prompts)
@@ -570,14 +581,14 @@ def generate(args: argparse.Namespace, options: dict[str, Any]) -> int:
             prompts += [line.rstrip("\n") for line in file if line.strip()]
     if not prompts:
         return _fail("no prompts: give PROMPT arguments or --prompts-file")
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     try:
-        params.validate()
+        generate_params(args, {}).validate()  # a bad flag fails before the engine starts
         with LLM(**options) as llm:
-            inputs: list[str] | list[list[int]] = prompts
+            params = generate_params(args, llm.generation_defaults.values)
             if args.chat:
-                inputs = [_chat_prompt(llm.tokenizer, prompt) for prompt in prompts]
-            outputs = llm.generate(inputs, params)
+                outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+            else:
+                outputs = llm.generate(prompts, params)
     except OtelEngineError as error:
         return _fail(f"{type(error).__name__}: {error}")
     for output in outputs:
@@ -585,11 +596,13 @@ def generate(args: argparse.Namespace, options: dict[str, Any]) -> int:
     return 0
 
 
-def _chat_prompt(tokenizer: TokenizerLike, prompt: str) -> list[int]:
-    text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
-    )
-    return list(tokenizer.encode(text, add_special_tokens=False))
+def generate_params(args: argparse.Namespace, defaults: Mapping[str, float]) -> SamplingParams:
+    """`generate`'s sampling parameters: the flags given, the model's generation `defaults`
+    for the rest (`apply_generation_defaults`, as the server does for a request)."""
+    given: dict[str, Any] = {"max_tokens": args.max_tokens}
+    if args.temperature is not None:
+        given["temperature"] = args.temperature
+    return apply_generation_defaults(given, defaults)
 
 
 def flag_error(error: ConfigError, argv: Sequence[str]) -> str:

@@ -5,7 +5,9 @@ numbers: each request's prompt and output lengths, the tokens computed and sched
 sampling limits, the order, the step number. Replay builds the same engine (the dump's config,
 command-line flags winning; `--model` when the dump's model path does not exist here), puts
 requests of exactly those shapes into its scheduler with synthetic token ids and KV blocks,
-and runs that one step, under the same `OTEL_ENGINE_FAULT` if one was set. It prints one line:
+and runs that one step, under the same `OTEL_ENGINE_FAULT` if one was set. A request samples
+with the values the dump shows, except the fields `--override-generation-config` sets on the
+replay's command line (`request_params`). It prints one line:
 
     replay: reproduced                                  exit 0 (same type in the same process)
     replay: no failure                                  exit 1
@@ -21,11 +23,12 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from otel_engine.config import EngineConfig
 from otel_engine.observability.crash_dump import CHUNK_START, CHUNK_TOKENS
-from otel_engine.sampling_params import SamplingParams
+from otel_engine.sampling_params import SamplingParams, apply_generation_defaults, parse_override
 from otel_engine.sched.request import Request
 from otel_engine.sched.scheduler import CacheTooSmall, SchedulerOutput
 
@@ -92,9 +95,14 @@ def check_batch(batch: dict[str, Any]) -> None:
             raise ReplayError(f"request {index} of the dump has no {', '.join(missing)}")
 
 
-def rebuild_batch(core: Any, batch: dict[str, Any]) -> SchedulerOutput:
+def rebuild_batch(
+    core: Any,
+    batch: dict[str, Any],
+    defaults: Mapping[str, float] | None = None,
+    overridden: Collection[str] = (),
+) -> SchedulerOutput:
     """The dump's failing step as a scheduled batch of synthetic requests in `core`'s
-    scheduler, each holding the KV blocks its chunk needs."""
+    scheduler, each holding the KV blocks its chunk needs (sampling: `request_params`)."""
     vocab = core.arch.vocab_size
     restored = []
     for index, entry in enumerate(batch.get("requests") or []):
@@ -107,7 +115,9 @@ def rebuild_batch(core: Any, batch: dict[str, Any]) -> SchedulerOutput:
         request = Request(
             request_id=f"replay-{index}",
             prompt_token_ids=ids[:num_prompt],
-            sampling_params=_params(entry.get("sampling_params") or {}),
+            sampling_params=request_params(
+                entry.get("sampling_params") or {}, defaults or {}, overridden
+            ),
             eos_token_ids=core.eos_token_ids,
         )
         request.output_token_ids = ids[num_prompt:]
@@ -121,9 +131,24 @@ def rebuild_batch(core: Any, batch: dict[str, Any]) -> SchedulerOutput:
         ) from None
 
 
-def _params(dumped: dict[str, Any]) -> SamplingParams:
-    values = {name: dumped[name] for name in _VALUES if dumped.get(name) is not None}
-    return SamplingParams(**values, seed=0 if dumped.get("seed") else None)
+def overridden_fields(overrides: dict[str, Any]) -> set[str]:
+    """The sampling fields the replay's own --override-generation-config sets."""
+    return set(parse_override(overrides.get("override_generation_config")) or {})
+
+
+def request_params(
+    dumped: dict[str, Any], defaults: Mapping[str, float], overridden: Collection[str] = ()
+) -> SamplingParams:
+    """A replayed request's sampling parameters: the values its dump shows, but for the
+    `overridden` fields (those --override-generation-config sets on the replay's command
+    line); the generation `defaults` (the override's values among them) fill the rest."""
+    given: dict[str, Any] = {
+        name: dumped[name]
+        for name in _VALUES
+        if dumped.get(name) is not None and name not in overridden
+    }
+    given["seed"] = 0 if dumped.get("seed") else None
+    return apply_generation_defaults(given, defaults)
 
 
 def replay(path: str, model: str | None, overrides: dict[str, Any]) -> tuple[int, str]:
@@ -146,7 +171,9 @@ def replay(path: str, model: str | None, overrides: dict[str, Any]) -> tuple[int
         client = llm._frontend.client
         if not isinstance(client, InprocClient):
             raise ReplayError("replay runs the engine core in this process")
-        result = client.run_batch(rebuild_batch(client.core, batch))
+        defaults = llm.generation_defaults.values
+        batch_run = rebuild_batch(client.core, batch, defaults, overridden_fields(overrides))
+        result = client.run_batch(batch_run)
     finally:
         llm.shutdown()
     if not isinstance(result, EngineDead):

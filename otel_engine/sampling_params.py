@@ -2,29 +2,30 @@
 
 `validate()` is the one place that decides whether a set of parameters can be sampled: the
 HTTP edge, `LLM.generate` and the engine core (which never trusts its input) all call it, so
-that no value can reach the sampler that it cannot represent.
+that no value can reach the sampler that it cannot represent. The range of each numeric
+field is one `Bound` in `BOUNDS`, with one message ("temperature must be in [0, 2], got 5");
+the HTTP edge checks its fields against the same table before any tokenization and states
+it in the OpenAPI document.
 """
 
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import msgspec
 
 from otel_engine.errors import ErrorCode, RequestError
 
-MAX_TEMPERATURE = 2.0  # the OpenAI API's upper bound
 # Below this a temperature is greedy: dividing float32 logits by less overflows them.
 GREEDY_TEMPERATURE = 1e-5
 MAX_STOP_STRINGS = 16
 # Stop strings are matched on every step's new text; their length bounds that work.
 MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
-SEED_RANGE = (-(2**63), 2**63)
-PENALTY_RANGE = (-2.0, 2.0)  # presence and frequency penalties, as OpenAI bounds them
-# The repetition penalty divides (or multiplies) logits: bounded away from 0 and infinity.
-REPETITION_PENALTY_RANGE = (0.01, 100.0)
 LOGIT_BIAS_RANGE = (-100.0, 100.0)
 MAX_LOGIT_BIAS = 1024
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI bounds them
@@ -33,6 +34,69 @@ MAX_SCHEMA_BYTES = 64 * 1024  # a JSON schema's text; its grammar's size is boun
 MAX_TOOL_GRAMMAR_BYTES = 256 * 1024  # the grammar of a request's tools (their schemas inside)
 # An error message quotes a client's integer only up to this many digits (1e300 is 301).
 MAX_SHOWN_DIGITS = 20
+
+
+@dataclass(frozen=True, slots=True)
+class Bound:
+    """The interval a number must lie in: `low` and `high` included unless open (`high`
+    None: no upper limit). NaN lies in none."""
+
+    low: float
+    high: float | None = None
+    is_low_open: bool = False
+    is_high_open: bool = False
+
+    def __contains__(self, value: float) -> bool:
+        if isinstance(value, float) and math.isnan(value):
+            return False
+        if value <= self.low if self.is_low_open else value < self.low:
+            return False
+        if self.high is None:
+            return True
+        return value < self.high if self.is_high_open else value <= self.high
+
+    def describe(self) -> str:
+        """The interval in words: `in [0, 2]`, `in (0, 1]`, `at least 1`."""
+        if self.high is None and not self.is_low_open:
+            return f"at least {_number(self.low)}"
+        if self.high is None:
+            return f"greater than {_number(self.low)}"
+        opening = "(" if self.is_low_open else "["
+        closing = ")" if self.is_high_open else "]"
+        return f"in {opening}{_number(self.low)}, {_number(self.high)}{closing}"
+
+    def check(self, name: str, value: float) -> None:
+        """Raise `RequestError` naming `name` unless `value` lies in this interval."""
+        if value not in self:
+            _invalid(name, f"{name} must be {self.describe()}, got {_number(value)}")
+
+    def json_schema(self) -> dict[str, float]:
+        """The interval as JSON Schema keywords (`minimum`, `exclusiveMaximum`, ...)."""
+        schema = {"exclusiveMinimum" if self.is_low_open else "minimum": self.low}
+        if self.high is not None:
+            schema["exclusiveMaximum" if self.is_high_open else "maximum"] = self.high
+        return schema
+
+
+PENALTY = Bound(-2, 2)  # presence and frequency penalties, as OpenAI bounds them
+LOGPROBS = Bound(0, MAX_LOGPROBS)
+# The range of every numeric field of SamplingParams, by field; `validate` holds each
+# (besides, `top_k` at most the vocabulary and `min_tokens` at most `max_tokens`).
+BOUNDS: dict[str, Bound] = {
+    "max_tokens": Bound(1),
+    "temperature": Bound(0, 2),  # as the OpenAI API bounds it
+    "top_p": Bound(0, 1, is_low_open=True),
+    "top_k": Bound(-1),  # -1 and 0 turn the filter off
+    "seed": Bound(-(2**63), 2**63, is_high_open=True),  # 64 bits
+    "presence_penalty": PENALTY,
+    "frequency_penalty": PENALTY,
+    # The repetition penalty divides (or multiplies) logits: bounded away from 0 and infinity.
+    "repetition_penalty": Bound(0.01, 100),
+    "min_p": Bound(0, 1),
+    "min_tokens": Bound(0),
+    "logprobs": LOGPROBS,
+    "prompt_logprobs": LOGPROBS,
+}
 
 
 class StructuredOutput(msgspec.Struct, frozen=True, array_like=True):
@@ -137,41 +201,24 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise `RequestError` (naming the field) when a value is out of range; with
         `vocab_size`, also when `top_k` or a stop token id exceeds the vocabulary."""
-        if self.max_tokens < 1:
-            _invalid("max_tokens", f"max_tokens must be at least 1, got {shown(self.max_tokens)}")
-        if not 0.0 <= self.temperature <= MAX_TEMPERATURE:  # NaN fails too
-            _invalid("temperature", f"temperature must be in [0, 2], got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            _invalid("top_p", f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            _invalid(
-                "top_k", f"top_k must be -1, 0 (disabled) or positive, got {shown(self.top_k)}"
-            )
+        for name, bound in BOUNDS.items():
+            value = getattr(self, name)
+            if value is not None:
+                bound.check(name, value)
         if vocab_size is not None and self.top_k > vocab_size:
             _invalid("top_k", f"top_k must be at most the vocabulary size {vocab_size}")
-        if self.seed is not None and not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]:
-            _invalid("seed", "seed must fit in 64 bits")
+        if self.min_tokens > self.max_tokens:
+            _invalid(
+                "min_tokens",
+                f"min_tokens must be at most max_tokens ({self.max_tokens}), "
+                f"got {shown(self.min_tokens)}",
+            )
         self._validate_stops(vocab_size)
-        self._validate_processing(vocab_size)
+        self._validate_logit_bias(vocab_size)
         if self.structured_output is not None:
             self.structured_output.validate()
 
-    def _validate_processing(self, vocab_size: int | None) -> None:
-        low, high = PENALTY_RANGE
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not low <= getattr(self, name) <= high:
-                _invalid(name, f"{name} must be in [{low:g}, {high:g}]")
-        low, high = REPETITION_PENALTY_RANGE
-        if not low <= self.repetition_penalty <= high:
-            _invalid("repetition_penalty", f"repetition_penalty must be in [{low:g}, {high:g}]")
-        if not 0.0 <= self.min_p <= 1.0:
-            _invalid("min_p", f"min_p must be in [0, 1], got {self.min_p}")
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            if value is not None and not 0 <= value <= MAX_LOGPROBS:
-                _invalid(name, f"{name} must be in [0, {MAX_LOGPROBS}]")
-        if not 0 <= self.min_tokens <= self.max_tokens:
-            _invalid("min_tokens", "min_tokens must be in [0, max_tokens]")
+    def _validate_logit_bias(self, vocab_size: int | None) -> None:
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             _invalid("logit_bias", f"at most {MAX_LOGIT_BIAS} logit_bias entries are allowed")
         upper = vocab_size if vocab_size is not None else 2**63
@@ -240,6 +287,15 @@ def shown(value: int) -> str:
     return f"a number of more than {MAX_SHOWN_DIGITS} digits"
 
 
+def _number(value: float) -> str:
+    """A bound or a client's number as a message quotes it: 5.0 as 5, 0.01 as 0.01."""
+    if isinstance(value, float) and value.is_integer() and abs(value) < 10**MAX_SHOWN_DIGITS:
+        return str(int(value))
+    if isinstance(value, int):
+        return shown(value)
+    return repr(value)
+
+
 def _invalid(param: str, message: str) -> None:
     raise RequestError(message, code=ErrorCode.INVALID_VALUE, param=param)
 
@@ -282,14 +338,21 @@ def check_default_values(values: dict[str, Any], source: str) -> None:
         if name == "top_k" and value != int(value):
             raise ValueError(f"{source}: top_k must be an integer, got {value}")
         try:
-            with_defaults({name: value}).validate()
+            apply_generation_defaults({}, {name: value}).validate()
         except RequestError as error:
             raise ValueError(f"{source}: {error.message}") from None
 
 
-def with_defaults(values: dict[str, Any]) -> SamplingParams:
-    """`SamplingParams()` with `values` (defaults' fields; `top_k` as an integer)."""
+def apply_generation_defaults(
+    given: Mapping[str, Any], defaults: Mapping[str, float]
+) -> SamplingParams:
+    """The `SamplingParams` of the fields a caller gave, each field of `defaults` it did not
+    give taking its value there (`top_k` as an integer). The one rule the server (a
+    request's fields), `LLM`, `otel-engine generate` (the flags given) and `replay` apply;
+    `defaults` are the model's (`engine/generation_defaults.py`)."""
     fields: dict[str, Any] = {
-        name: int(value) if name == "top_k" else float(value) for name, value in values.items()
+        name: int(value) if name == "top_k" else float(value)
+        for name, value in defaults.items()
+        if name not in given
     }
-    return SamplingParams(**fields)
+    return SamplingParams(**fields, **given)

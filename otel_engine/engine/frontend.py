@@ -62,12 +62,7 @@ class Frontend:
             config.model.model, self.model_dir
         )
         self.tokenizer: TokenizerLike = load_tokenizer(self.model_dir)
-        self.generation_defaults = generation_defaults.resolve(
-            config.model.generation_config,
-            self.model_dir,
-            is_default_model=config.model.model is None,
-            override=generation_defaults.parse_override(config.model.override_generation_config),
-        )
+        self.generation_defaults = generation_defaults.for_config(config, self.model_dir)
         logger.info("model.generation_defaults", extra=self.generation_defaults.as_dict())
         arch = load_model_arch(self.model_dir)
         rounded = _gguf_rounded(self.model_dir) if is_gguf(config.model.model) else 0

@@ -4,26 +4,36 @@ model's `generation_config.json` (`--generation-config auto`), overridden field 
 
 The default model's GGUF carries no generation config, so its defaults are the ones its
 model card recommends (`DefaultModel.card_defaults`). Every default in force is logged at startup
-with where it came from, and listed in `GET /v1/models`.
+with where it came from, and listed in `GET /v1/models`. `apply_generation_defaults` (defined
+beside the rules in sampling_params.py) is how every caller applies them.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from otel_engine.config import GenerationConfigMode
 from otel_engine.model.arch import read_generation_config
 from otel_engine.model.default_model import DEFAULT_MODEL
 from otel_engine.sampling_params import (
     DEFAULTABLE_FIELDS,
+    apply_generation_defaults,
     check_default_values,
     parse_override,
-    with_defaults,
 )
 
-__all__ = ["GenerationDefaults", "parse_override", "resolve", "with_defaults"]
+if TYPE_CHECKING:
+    from otel_engine.config import EngineConfig
+
+__all__ = [
+    "GenerationDefaults",
+    "apply_generation_defaults",
+    "for_config",
+    "parse_override",
+    "resolve",
+]
 
 # Request fields a generation config may set, with their names there (HF's) and here.
 FIELDS = {name: name for name in DEFAULTABLE_FIELDS}
@@ -65,3 +75,14 @@ def resolve(
         values[name] = value
         sources[name] = "--override-generation-config"
     return GenerationDefaults(values, sources)
+
+
+def for_config(config: EngineConfig, model_dir: str) -> GenerationDefaults:
+    """The defaults of an engine of `config` over the model files in `model_dir`
+    (`--generation-config`, `--override-generation-config`)."""
+    return resolve(
+        config.model.generation_config,
+        model_dir,
+        is_default_model=config.model.model is None,
+        override=parse_override(config.model.override_generation_config),
+    )

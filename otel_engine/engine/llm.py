@@ -10,10 +10,12 @@ from __future__ import annotations
 import itertools
 import weakref
 from collections.abc import Sequence
-from typing import Any
+from functools import cached_property
+from typing import Any, cast
 
 from otel_engine.config import EngineConfig, EngineFailureMode
 from otel_engine.engine import generation_defaults
+from otel_engine.engine.chat import ChatRenderer
 from otel_engine.engine.frontend import Frontend, dead_error
 from otel_engine.errors import EngineDeadError, FailureCause
 from otel_engine.ipc.messages import EngineDead, StepOutputs
@@ -28,6 +30,7 @@ class LLM:
 
     >>> with LLM(model="path/to/model") as llm:
     ...     outputs = llm.generate(["Hello"], SamplingParams(max_tokens=8, temperature=0))
+    ...     answers = llm.chat([{"role": "user", "content": "Hello"}])
     """
 
     def __init__(
@@ -51,7 +54,7 @@ class LLM:
         """`SamplingParams()` with the model's generation defaults (its
         `generation_config.json`, or the default model's card, then
         --override-generation-config), the values the server gives requests that omit them."""
-        return generation_defaults.with_defaults(self.generation_defaults.values)
+        return generation_defaults.apply_generation_defaults({}, self.generation_defaults.values)
 
     def generate(
         self,
@@ -101,6 +104,26 @@ class LLM:
                     raise processed.failures[0][1]
                 finished.update((r.request_id, r) for r in processed.outputs if r.finished)
         return [finished[request_id] for request_id in ids]
+
+    def chat(
+        self,
+        messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Answer one conversation (`{"role", "content"}` messages) or a list of them, in
+        order. Each is rendered as the server renders a chat request (`ChatRenderer`: the
+        model's chat template, a special token's text in content stays text), then run as
+        `generate` runs prompts (without `sampling_params`: the model's defaults). Raises
+        RequestError for a chat the template cannot render (nothing is run then)."""
+        conversations = cast("Sequence[Sequence[dict[str, Any]]]", messages)
+        if messages and isinstance(messages[0], dict):
+            conversations = [cast("Sequence[dict[str, Any]]", messages)]
+        prompts = [self._chat_renderer.render(list(chat))[1] for chat in conversations]
+        return self.generate(prompts, sampling_params)
+
+    @cached_property
+    def _chat_renderer(self) -> ChatRenderer:
+        return ChatRenderer(self.tokenizer)
 
     def shutdown(self) -> None:
         """Stop the engine and every process it started; idempotent."""

@@ -54,19 +54,21 @@ from otel_engine.entrypoints.openai.openapi import (
 )
 from otel_engine.entrypoints.openai.protocol import (
     ChatCompletionRequest,
-    ChatCompletionResponse,
     CompletionRequest,
-    CompletionResponse,
     DetokenizeRequest,
+    TokenizeRequest,
+)
+from otel_engine.entrypoints.openai.response_models import (
+    ChatCompletionResponse,
+    CompletionResponse,
     DetokenizeResponse,
     HealthResponse,
     LoadResponse,
     ModelList,
     ResponseObject,
-    ResponsesRequest,
-    TokenizeRequest,
     TokenizeResponse,
 )
+from otel_engine.entrypoints.openai.responses_request import ResponsesRequest
 from otel_engine.entrypoints.openai.serving import OpenAIServing
 from otel_engine.ipc.roles import ProcessRole
 from otel_engine.memory import freeze_startup_objects

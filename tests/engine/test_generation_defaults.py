@@ -1,5 +1,6 @@
 """Sampling defaults for omitted request fields: the model's generation config, the default
-model's card values, `--generation-config none`, and `--override-generation-config`."""
+model's card values, `--generation-config none`, and `--override-generation-config`, applied
+the same way by serve, `LLM`, `otel-engine generate` and `otel-engine replay`."""
 
 from __future__ import annotations
 
@@ -8,8 +9,15 @@ from pathlib import Path
 
 import pytest
 
+from otel_engine import replay
+from otel_engine.cli import build_parser, engine_options, generate_params
 from otel_engine.config import EngineConfig
-from otel_engine.engine.generation_defaults import parse_override, resolve
+from otel_engine.engine.generation_defaults import (
+    apply_generation_defaults,
+    for_config,
+    parse_override,
+    resolve,
+)
 from otel_engine.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from otel_engine.model.default_model import DEFAULT_MODEL
 
@@ -128,3 +136,72 @@ def test_a_generation_config_out_of_range_fails_at_start_naming_the_file(tmp_pat
 def test_engine_sizes_that_cannot_work_fail_at_start(option: str, value: float) -> None:
     with pytest.raises(ValueError, match=f"{option} must be positive"):
         EngineConfig.from_kwargs(**{option: value})
+
+
+def test_apply_generation_defaults_fills_only_the_fields_not_given() -> None:
+    """A given field keeps its value (even the API default); a default fills the rest."""
+    params = apply_generation_defaults(
+        {"max_tokens": 5, "temperature": 1.0}, {"temperature": 0.2, "top_k": 40.0}
+    )
+
+    assert (5, 1.0, 40) == (params.max_tokens, params.temperature, params.top_k)
+    assert isinstance(params.top_k, int)
+
+
+OVERRIDE = ("--override-generation-config", '{"temperature": 0.3, "top_k": 7}')
+
+
+def _defaults(argv: list[str], model_dir: str) -> dict[str, float]:
+    """The generation defaults an engine started by `argv` over `model_dir` resolves."""
+    args = build_parser().parse_args(argv)
+    config = EngineConfig.from_kwargs(**engine_options(args))
+    return for_config(config, model_dir).values
+
+
+def test_serve_override_reaches_a_request_that_omits_the_fields(model_dir: str) -> None:
+    defaults = _defaults(["serve", "--model", model_dir, *OVERRIDE], model_dir)
+
+    params = CompletionRequest.model_validate({"prompt": "x"}).to_sampling_params(8, defaults)
+
+    assert (0.3, 7) == (params.temperature, params.top_k)
+
+
+def test_generate_override_reaches_the_params(model_dir: str) -> None:
+    """`generate` without --temperature samples as the override says (it used to ignore the
+    flag and sample greedily)."""
+    argv = ["generate", "--model", model_dir, *OVERRIDE, "hi"]
+
+    params = generate_params(build_parser().parse_args(argv), _defaults(argv, model_dir))
+
+    assert (0.3, 7, 64) == (params.temperature, params.top_k, params.max_tokens)
+
+
+def test_generate_temperature_flag_wins_over_the_defaults(model_dir: str) -> None:
+    argv = ["generate", "--model", model_dir, *OVERRIDE, "--temperature", "0", "hi"]
+
+    params = generate_params(build_parser().parse_args(argv), _defaults(argv, model_dir))
+
+    assert (0.0, 7) == (params.temperature, params.top_k)
+
+
+def test_generate_without_flags_takes_the_model_generation_config(model_dir: str) -> None:
+    argv = ["generate", "--model", model_dir, "hi"]
+
+    params = generate_params(build_parser().parse_args(argv), _defaults(argv, model_dir))
+
+    assert (0.6, 20) == (params.temperature, params.top_k)
+
+
+def test_replay_override_wins_over_the_dumped_values(model_dir: str) -> None:
+    """A replayed request keeps the values its dump shows (what ran), but for the fields
+    the replay's --override-generation-config sets."""
+    argv = ["replay", "dump.json", *OVERRIDE]
+    overrides = engine_options(build_parser().parse_args(argv))
+    dump_engine = {"model": {"model": model_dir, "override_generation_config": None}}
+    options = replay.engine_options({"engine": dump_engine}, None, overrides)
+    defaults = for_config(EngineConfig.from_kwargs(**options), model_dir).values
+    dumped = {"max_tokens": 8, "temperature": 1.0, "top_p": 0.5, "top_k": 0, "min_p": 0.0}
+
+    params = replay.request_params(dumped, defaults, replay.overridden_fields(overrides))
+
+    assert (0.3, 7, 0.5, 8) == (params.temperature, params.top_k, params.top_p, params.max_tokens)

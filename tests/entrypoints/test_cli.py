@@ -80,6 +80,7 @@ POST_MORTEM_FLAGS = {"--crash-dump-dir", "--crash-history-steps"}
 PROMPTS = ["The engine schedules", "Once upon a time"]
 # the model's whole context: the default 1 GiB of KV cache takes seconds to set up
 SMALL_KV = ("--num-kv-blocks", "64")
+GREEDY = ("--temperature", "0")  # without it, generate samples with the model's defaults
 
 
 @pytest.fixture(autouse=True)
@@ -160,11 +161,13 @@ def test_invalid_engine_option_is_a_usage_error(capsys: pytest.CaptureFixture[st
 def test_generate_prints_each_completion(
     tiny_model_dir: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """`generate` prints the greedy completion of every prompt, in order."""
+    """`generate` prints the completion of every prompt, in order."""
     with LLM(model=tiny_model_dir, num_kv_blocks=64) as llm:
         expected = llm.generate(PROMPTS, SamplingParams(max_tokens=6, temperature=0))
 
-    code = main(["generate", "--model", tiny_model_dir, *SMALL_KV, "--max-tokens", "6", *PROMPTS])
+    code = main(
+        ["generate", "--model", tiny_model_dir, *SMALL_KV, *GREEDY, "--max-tokens", "6", *PROMPTS]
+    )
 
     assert 0 == code
     assert "".join(o.outputs[0].text + "\n" for o in expected) == capsys.readouterr().out
@@ -176,7 +179,7 @@ def test_generate_reads_prompts_file(
     """--prompts-file gives the same output as the same prompts on the command line."""
     path = tmp_path / "prompts.txt"
     path.write_text("\n".join(PROMPTS) + "\n")
-    base = ["generate", "--model", tiny_model_dir, *SMALL_KV, "--max-tokens", "4"]
+    base = ["generate", "--model", tiny_model_dir, *SMALL_KV, *GREEDY, "--max-tokens", "4"]
     main([*base, *PROMPTS])
     expected = capsys.readouterr().out
 
@@ -188,15 +191,12 @@ def test_generate_reads_prompts_file(
 def test_generate_chat_applies_template(
     tiny_model_dir: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """--chat completes the chat-templated prompt (no second BOS)."""
+    """--chat completes each prompt as a user message, as `LLM.chat` does."""
     with LLM(model=tiny_model_dir, num_kv_blocks=64) as llm:
-        text = llm.tokenizer.apply_chat_template(
-            [{"role": "user", "content": PROMPTS[0]}], add_generation_prompt=True, tokenize=False
-        )
-        ids = llm.tokenizer.encode(text, add_special_tokens=False)
-        expected = llm.generate([ids], SamplingParams(max_tokens=5, temperature=0))
+        messages = [{"role": "user", "content": PROMPTS[0]}]
+        expected = llm.chat(messages, SamplingParams(max_tokens=5, temperature=0))
 
-    base = ["generate", "--model", tiny_model_dir, *SMALL_KV, "--max-tokens", "5"]
+    base = ["generate", "--model", tiny_model_dir, *SMALL_KV, *GREEDY, "--max-tokens", "5"]
     main([*base, "--chat", PROMPTS[0]])
 
     assert expected[0].outputs[0].text + "\n" == capsys.readouterr().out

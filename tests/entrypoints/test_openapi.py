@@ -7,6 +7,8 @@ from typing import Any
 
 import pytest
 
+from otel_engine.entrypoints.openai.fields import MAX_CHOICES
+from otel_engine.sampling_params import BOUNDS
 from tests.entrypoints.conftest import Served
 from tests.helpers.fuzz import run_schemathesis
 
@@ -64,6 +66,38 @@ def test_integers_accept_integral_floats_in_the_schema_sense(document: dict[str,
     properties = document["components"]["schemas"]["CompletionRequest"]["properties"]
 
     assert "integer" == properties["n"]["type"]
+
+
+BOUND_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+# Request fields held to a sampling field's bound under another name
+RENAMED = {
+    "max_completion_tokens": "max_tokens",
+    "max_output_tokens": "max_tokens",
+    "top_logprobs": "logprobs",
+}
+
+
+@pytest.mark.parametrize(
+    "schema", ["CompletionRequest", "ChatCompletionRequest", "ResponsesRequest"]
+)
+def test_the_document_states_the_sampling_bounds(document: dict[str, Any], schema: str) -> None:
+    """Every numeric field's minimum and maximum are its `BOUNDS` entry (`n` and `best_of`:
+    1 to MAX_CHOICES); no other field states one."""
+    properties = document["components"]["schemas"][schema]["properties"]
+    stated = {
+        name: {key: value for key, value in prop.items() if key in BOUND_KEYWORDS}
+        for name, prop in properties.items()
+    }
+    expected: dict[str, dict[str, float]] = {name: {} for name in properties}
+    for name in properties:
+        rule = RENAMED.get(name, name)
+        if rule in BOUNDS and not (schema == "ChatCompletionRequest" and name == "logprobs"):
+            expected[name] = BOUNDS[rule].json_schema()
+        if name in ("n", "best_of"):
+            expected[name] = {"minimum": 1, "maximum": MAX_CHOICES}
+
+    assert expected == stated
+    assert any(stated.values())
 
 
 def test_fuzzer_finds_no_server_error_and_no_undocumented_answer(served: Served) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from otel_engine.entrypoints.openai.protocol import ErrorResponse
+from otel_engine.entrypoints.openai.response_models import ErrorResponse
 
 _WHY = {
     400: "Invalid request (the body, a parameter, or a prompt longer than the context).",

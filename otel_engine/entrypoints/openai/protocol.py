@@ -1,9 +1,12 @@
-"""OpenAI-compatible request bodies: the only place otel-engine uses pydantic.
+"""OpenAI-compatible request bodies of the completions, chat, tokenize and detokenize
+endpoints (the Responses API's is responses_request.py; the field types they share are
+fields.py's): the only place otel-engine uses pydantic, besides those two.
 
 Each request model is validated strictly (a string is not an integer) and converted at once
 into plain values: a prompt, a `SamplingParams`. An integer field takes what JSON Schema calls
 an integer (`1` and `1.0`, not `1.5` or `"1"`), and no text field takes a lone UTF-16
-surrogate (`"\ud800"`), which nothing downstream could encode. Fields of the OpenAI API that
+surrogate (`"\ud800"`), which nothing downstream could encode. Numbers are held to their
+bounds by `check_bounds` (fields.py) before any tokenization. Fields of the OpenAI API that
 the engine does not implement are rejected when set to a non-default value instead of being
 silently ignored; unknown fields are ignored, so that newer clients keep working, with a
 warning and a counter (`ignored_fields`), never silently.
@@ -14,50 +17,28 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal, cast
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
 from otel_engine.engine.structured_output import from_response_format
-from otel_engine.entrypoints.network.errors import APIError, bad_request, from_request_error
+from otel_engine.entrypoints.network.errors import bad_request, from_request_error
 from otel_engine.entrypoints.network.limits import MAX_CONTENT_PARTS, MAX_MESSAGES
+from otel_engine.entrypoints.openai.fields import (
+    CHOICES,
+    FunctionName,
+    Int,
+    Strict,
+    Text,
+    TokenIds,
+    bounded,
+    unsupported,
+)
+from otel_engine.entrypoints.tools.base import WireToolChoice
 from otel_engine.entrypoints.tools.request import MAX_TOOLS, Function, template_call
 from otel_engine.errors import ErrorCode, RequestError
-from otel_engine.sampling_params import (
-    MAX_LOGPROBS,
-    MAX_TEMPERATURE,
-    SEED_RANGE,
-    SamplingParams,
-    StructuredOutput,
-)
+from otel_engine.sampling_params import SamplingParams, StructuredOutput, apply_generation_defaults
 
-MAX_CHOICES = 16  # n and best_of
 # A token id of any vocabulary has fewer digits; a longer key is refused before int().
 MAX_TOKEN_ID_DIGITS = 19
-
-
-def _integral(value: object) -> object:
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return value
-
-
-def _no_surrogates(value: str) -> str:
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ValueError("text must be valid Unicode (no lone surrogates)") from None
-    return value
-
-
-# An integer as JSON Schema has it: 2.0 is the integer 2 (strict mode alone refuses it).
-Int = Annotated[int, BeforeValidator(_integral)]
-# Text that can be encoded as UTF-8.
-Text = Annotated[str, AfterValidator(_no_surrogates)]
-# Token ids stay plain: a per-item validator would cost a Python call per id.
-TokenIds = list[int]
-
-
-def unsupported(param: str, message: str) -> APIError:
-    return bad_request(message, param=param, code=ErrorCode.UNSUPPORTED_PARAMETER)
 
 
 # vLLM's router (vllm-router) re-serializes every chat or completion request it forwards with
@@ -75,17 +56,13 @@ ROUTER_NO_OPS: dict[str, bool] = {
 _ABSENT = object()
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-
-class StreamOptions(_Strict):
+class StreamOptions(Strict):
     """`stream_options`: `include_usage` adds a last chunk with usage and no choices."""
 
     include_usage: bool = False
 
 
-class _SamplingFields(_Strict):
+class _SamplingFields(Strict):
     """Sampling fields shared by completions and chat completions (vLLM extras included).
     Unknown fields are kept aside (`ignored_fields`) so that the server can say it ignored
     them instead of dropping them silently."""
@@ -93,25 +70,23 @@ class _SamplingFields(_Strict):
     model_config = ConfigDict(strict=True, extra="allow")
 
     model: Text | None = None
-    max_tokens: Int | None = Field(default=None, ge=1)
-    # The bounds below are SamplingParams' (read from there), stated in the OpenAPI document;
-    # SamplingParams.validate is the rule that holds for every caller.
-    temperature: float = Field(default=1.0, ge=0.0, le=MAX_TEMPERATURE)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: Int = Field(default=0, ge=-1)
-    seed: Int | None = Field(default=None, ge=SEED_RANGE[0], lt=SEED_RANGE[1])
+    max_tokens: Annotated[Int | None, bounded("max_tokens")] = None
+    temperature: Annotated[float, bounded("temperature")] = 1.0
+    top_p: Annotated[float, bounded("top_p")] = 1.0
+    top_k: Annotated[Int, bounded("top_k")] = 0
+    seed: Annotated[Int | None, bounded("seed")] = None
     stop: Text | list[Text] | None = None
     stop_token_ids: TokenIds | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
-    n: Int = Field(default=1, ge=1, le=MAX_CHOICES)
+    n: Annotated[Int, CHOICES] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_p: float = 0.0
-    min_tokens: Int = 0
+    frequency_penalty: Annotated[float, bounded("frequency_penalty")] = 0.0
+    presence_penalty: Annotated[float, bounded("presence_penalty")] = 0.0
+    repetition_penalty: Annotated[float, bounded("repetition_penalty")] = 1.0
+    min_p: Annotated[float, bounded("min_p")] = 0.0
+    min_tokens: Annotated[Int, bounded("min_tokens")] = 0
     logit_bias: dict[Text, float] | None = None
     response_format: dict[str, object] | None = None
     user: Text | None = None
@@ -170,34 +145,32 @@ class _SamplingFields(_Strict):
         self, max_tokens: int, defaults: Mapping[str, float] | None = None
     ) -> SamplingParams:
         """The engine's `SamplingParams` for this request (validated by the engine's rules
-        when it is admitted); a field the request omits takes its value in `defaults` (the
-        model's generation config), if any."""
+        when it is admitted); a field of `defaults` (the model's generation config) the
+        request omits takes its value there."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
-        chosen = {
-            name: value
-            for name, value in (defaults or {}).items()
-            if name not in self.model_fields_set
+        given = {
+            "max_tokens": max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "seed": self.seed,
+            "stop": tuple(stop),
+            "stop_token_ids": tuple(self.stop_token_ids or ()),
+            "ignore_eos": self.ignore_eos,
+            "skip_special_tokens": self.skip_special_tokens,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
+            "min_p": self.min_p,
+            "min_tokens": self.min_tokens,
+            "logit_bias": self.token_logit_bias(),
+            "logprobs": self.requested_logprobs(),
+            "prompt_logprobs": self.requested_prompt_logprobs(),
+            "structured_output": self.structured_output(),
         }
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=chosen.get("temperature", self.temperature),
-            top_p=chosen.get("top_p", self.top_p),
-            top_k=int(chosen.get("top_k", self.top_k)),
-            seed=self.seed,
-            stop=tuple(stop),
-            stop_token_ids=tuple(self.stop_token_ids or ()),
-            ignore_eos=self.ignore_eos,
-            skip_special_tokens=self.skip_special_tokens,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            repetition_penalty=chosen.get("repetition_penalty", self.repetition_penalty),
-            min_p=chosen.get("min_p", self.min_p),
-            min_tokens=self.min_tokens,
-            logit_bias=self.token_logit_bias(),
-            logprobs=self.requested_logprobs(),
-            prompt_logprobs=self.requested_prompt_logprobs(),
-            structured_output=self.structured_output(),
-        )
+        for name in (defaults or {}).keys() - self.model_fields_set:
+            del given[name]
+        return apply_generation_defaults(given, defaults or {})
 
     def structured_output(self) -> StructuredOutput | None:
         """`response_format` as the engine's spec (None: text); 400 for a malformed one."""
@@ -212,8 +185,8 @@ class CompletionRequest(_SamplingFields):
 
     prompt: Text | TokenIds | list[Text] | list[TokenIds]
     echo: bool = False
-    logprobs: Int | None = None
-    best_of: Int | None = Field(default=None, ge=1, le=MAX_CHOICES)
+    logprobs: Annotated[Int | None, bounded("logprobs")] = None
+    best_of: Annotated[Int | None, CHOICES] = None
     suffix: Text | None = None
 
     def check_supported(self) -> None:
@@ -254,24 +227,21 @@ class CompletionRequest(_SamplingFields):
         return cast("str | TokenIds", prompt)
 
 
-class ContentPart(_Strict):
+class ContentPart(Strict):
     """One part of a message's content; only `text` parts are supported."""
 
     type: Text
     text: Text | None = None
 
 
-FunctionName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_.\-]{1,64}$")]
-
-
-class FunctionDefinition(_Strict):
+class FunctionDefinition(Strict):
     name: FunctionName
     description: Text | None = None
     parameters: dict[str, object] | None = None
     strict: bool | None = None
 
 
-class ToolDefinition(_Strict):
+class ToolDefinition(Strict):
     """A function the model may call (the only kind of tool there is on this endpoint)."""
 
     type: Literal["function"]
@@ -281,21 +251,21 @@ class ToolDefinition(_Strict):
         return Function(self.function.name, self.function.description, self.function.parameters)
 
 
-class NamedFunction(_Strict):
+class NamedFunction(Strict):
     name: Text
 
 
-class NamedToolChoice(_Strict):
+class NamedToolChoice(Strict):
     type: Literal["function"]
     function: NamedFunction
 
 
-class FunctionCall(_Strict):
+class FunctionCall(Strict):
     name: Text
     arguments: Text
 
 
-class MessageToolCall(_Strict):
+class MessageToolCall(Strict):
     """A call an assistant message made earlier in the conversation."""
 
     id: Text
@@ -303,7 +273,7 @@ class MessageToolCall(_Strict):
     function: FunctionCall
 
 
-class ChatMessage(_Strict):
+class ChatMessage(Strict):
     """One chat message, passed to the model's chat template as `{role, content}` (and an
     assistant's `tool_calls`, a tool result's `tool_call_id`)."""
 
@@ -339,11 +309,11 @@ class ChatCompletionRequest(_SamplingFields):
     """`POST /v1/chat/completions`. `max_completion_tokens` wins over `max_tokens`."""
 
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
-    max_completion_tokens: Int | None = Field(default=None, ge=1)
+    max_completion_tokens: Annotated[Int | None, bounded("max_tokens")] = None
     logprobs: bool = False
-    top_logprobs: Int | None = None
+    top_logprobs: Annotated[Int | None, bounded("logprobs")] = None
     tools: Annotated[list[ToolDefinition], Field(max_length=MAX_TOOLS)] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    tool_choice: WireToolChoice | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     functions: list[dict[str, object]] | None = None  # the API's deprecated form of tools
     function_call: str | dict[str, object] | None = None
@@ -353,12 +323,6 @@ class ChatCompletionRequest(_SamplingFields):
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request(
                 "top_logprobs requires logprobs: true",
-                param="top_logprobs",
-                code=ErrorCode.INVALID_VALUE,
-            )
-        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
-            raise bad_request(
-                f"top_logprobs must be in [0, {MAX_LOGPROBS}]",
                 param="top_logprobs",
                 code=ErrorCode.INVALID_VALUE,
             )
@@ -386,172 +350,7 @@ class ChatCompletionRequest(_SamplingFields):
         return [message.to_template_dict() for message in self.messages]
 
 
-class ResponsesFunctionTool(_Strict):
-    """A function tool of the Responses API (its fields flat, not under `function`)."""
-
-    type: Text
-    name: FunctionName | None = None
-    description: Text | None = None
-    parameters: dict[str, object] | None = None
-    strict: bool | None = None
-
-
-class ResponsesTextFormat(_Strict):
-    type: Literal["text", "json_object", "json_schema"] = "text"
-    name: Text | None = None
-    schema_: dict[str, object] | None = Field(default=None, alias="schema")
-    strict: bool | None = None
-
-
-class ResponsesText(_Strict):
-    format: ResponsesTextFormat | None = None
-
-
-class ResponsesRequest(_Strict):
-    """`POST /v1/responses`: `input` (text, or message and function-call items) and
-    `instructions` become a chat for the model's template; the answer is output items.
-    Responses are not stored, so `previous_response_id` is refused."""
-
-    model_config = ConfigDict(strict=True, extra="allow", populate_by_name=True)
-
-    model: Text | None = None
-    input: Text | Annotated[list[dict[str, object]], Field(max_length=MAX_MESSAGES)]
-    instructions: Text | None = None
-    tools: Annotated[list[ResponsesFunctionTool], Field(max_length=MAX_TOOLS)] | None = None
-    tool_choice: Literal["none", "auto", "required"] | dict[str, object] | None = None
-    parallel_tool_calls: bool = True
-    max_output_tokens: Int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=MAX_TEMPERATURE)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    text: ResponsesText | None = None
-    stream: bool = False
-    previous_response_id: Text | None = None
-    store: bool | None = None
-    background: bool | None = None
-    conversation: object | None = None
-    metadata: dict[str, Text] | None = None
-    user: Text | None = None
-    seed: Int | None = Field(default=None, ge=SEED_RANGE[0], lt=SEED_RANGE[1])
-    # accepted and without effect here: no reasoning, no truncation of the input
-    reasoning: dict[str, object] | None = None
-    truncation: Literal["auto", "disabled"] | None = None
-    include: list[Text] | None = None
-
-    def check_supported(self) -> None:
-        if self.previous_response_id is not None:
-            raise unsupported(
-                "previous_response_id",
-                "responses are not stored: send the whole conversation as input items",
-            )
-        if self.background:
-            raise unsupported("background", "background responses are not supported")
-        if self.conversation is not None:
-            raise unsupported("conversation", "conversations are not stored")
-        for tool in self.tools or ():
-            if tool.type != "function" or tool.name is None:
-                raise unsupported("tools", f"only function tools are supported, not {tool.type!r}")
-
-    def ignored_fields(self) -> list[str]:
-        return list(self.model_extra or {})
-
-    def response_format(self) -> dict[str, object] | None:
-        fmt = self.text.format if self.text is not None else None
-        if fmt is None or fmt.type == "text":
-            return None
-        if fmt.type == "json_object":
-            return {"type": "json_object"}
-        return {
-            "type": "json_schema",
-            "json_schema": {"name": fmt.name or "response", "schema": fmt.schema_ or {}},
-        }
-
-    def tool_functions(self) -> list[Function] | None:
-        if not self.tools:
-            return None
-        return [Function(t.name or "", t.description, t.parameters) for t in self.tools]
-
-    def tool_choice_value(self) -> str | dict[str, Any] | None:
-        choice = self.tool_choice
-        if isinstance(choice, dict):  # {"type": "function", "name": ...}
-            return {"type": "function", "function": {"name": choice.get("name")}}
-        return choice
-
-    def template_messages(self) -> list[dict[str, Any]]:
-        """`instructions` and `input` as chat messages (400 `input` for an item that is not
-        a message, a function call or its output)."""
-        messages: list[dict[str, Any]] = []
-        if self.instructions:
-            messages.append({"role": "system", "content": self.instructions})
-        if isinstance(self.input, str):
-            messages.append({"role": "user", "content": self.input})
-            return messages
-        for index, item in enumerate(self.input):
-            _input_item(item, index, messages)
-        if not messages:
-            raise bad_request("input is empty", param="input", code=ErrorCode.INVALID_VALUE)
-        return messages
-
-
-_ROLES = ("system", "developer", "user", "assistant")
-_TEXT_PARTS = ("input_text", "output_text", "text")
-
-
-def _item_text(value: object, param: str) -> str:
-    if isinstance(value, str):
-        return _no_surrogates(value)
-    if isinstance(value, list):
-        texts = []
-        for part in value:
-            if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS:
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise unsupported(param, f"only text content parts are supported, not {kind!r}")
-            texts.append(_item_text(part.get("text", ""), param))
-        return "".join(texts)
-    raise bad_request(
-        f"{param} must be text or text parts", param=param, code=ErrorCode.INVALID_VALUE
-    )
-
-
-def _input_item(item: dict[str, object], index: int, messages: list[dict[str, Any]]) -> None:
-    """Append one Responses input item to `messages` as the chat template reads it."""
-    param = f"input[{index}]"
-    kind = item.get("type", "message")
-    if kind == "message":
-        role = item.get("role")
-        if role not in _ROLES:
-            raise bad_request(
-                f"{param}.role must be one of {_ROLES}", param="input", code=ErrorCode.INVALID_VALUE
-            )
-        messages.append({"role": role, "content": _item_text(item.get("content", ""), "input")})
-    elif kind == "function_call":
-        name, arguments, call_id = item.get("name"), item.get("arguments"), item.get("call_id")
-        if not all(isinstance(v, str) for v in (name, arguments, call_id)):
-            raise bad_request(
-                f"{param} needs name, arguments and call_id as strings",
-                param="input",
-                code=ErrorCode.INVALID_VALUE,
-            )
-        call = template_call(
-            {"id": call_id, "function": {"name": name, "arguments": _no_surrogates(str(arguments))}}
-        )
-        last = messages[-1] if messages else None
-        if last is not None and last["role"] == "assistant":
-            last.setdefault("tool_calls", []).append(call)
-        else:
-            messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
-    elif kind == "function_call_output":
-        call_id = item.get("call_id")
-        if not isinstance(call_id, str):
-            raise bad_request(
-                f"{param} needs a call_id", param="input", code=ErrorCode.INVALID_VALUE
-            )
-        output = _item_text(item.get("output", ""), "input")
-        messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
-    elif kind != "reasoning":  # a reasoning item of another server: nothing to render here
-        raise unsupported("input", f"input items of type {str(kind)[:32]!r} are not supported")
-
-
-class TokenizeRequest(_Strict):
+class TokenizeRequest(Strict):
     """`POST /tokenize` (vLLM's shape): `prompt` text, or chat `messages` rendered with the
     model's chat template, exactly one of them."""
 
@@ -562,276 +361,8 @@ class TokenizeRequest(_Strict):
     add_generation_prompt: bool = True  # for `messages`
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(Strict):
     """`POST /detokenize` (vLLM's shape): token ids in, text out."""
 
     model: Text | None = None
     tokens: TokenIds
-
-
-# ---- Responses: what the server sends, for the OpenAPI document only ----------------------
-# The handlers build their bodies with msgspec (fast); these models describe them, so that
-# clients and fuzzers can check every answer against the document.
-
-
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    param: str | None
-    code: str | None
-
-
-class ErrorResponse(BaseModel):
-    """Every error: 400, 401, 404, 408, 413, 500, 503."""
-
-    error: ErrorDetail
-
-
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int = Field(description="prompt tokens whose KV came from the prefix cache")
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails
-
-
-FinishReason = Literal["stop", "length", "tool_calls"]
-
-
-class CompletionLogprobs(BaseModel):
-    """Per generated token: its text, logprob, top alternatives and offset in the text."""
-
-    tokens: list[str]
-    token_logprobs: list[float | None]  # with echo, the prompt's first token has none
-    top_logprobs: list[dict[str, float] | None]
-    text_offset: list[int]
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int]
-
-
-class ChatTokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob]
-
-
-class ChatLogprobs(BaseModel):
-    content: list[ChatTokenLogprob]
-    refusal: None = None
-
-
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None
-    finish_reason: FinishReason
-
-
-class CompletionResponse(BaseModel):
-    """`POST /v1/completions` without `stream` (with it: server-sent events, one
-    `text_completion` chunk per event, then `data: [DONE]`)."""
-
-    id: str
-    object: Literal["text_completion"]
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage
-
-
-class ResponseFunctionCall(BaseModel):
-    name: str
-    arguments: str = Field(description="the arguments as the model wrote them: a JSON object")
-
-
-class ResponseToolCall(BaseModel):
-    id: str
-    type: Literal["function"]
-    function: ResponseFunctionCall
-
-
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"]
-    content: str | None = Field(description="null when the answer is only tool calls")
-    tool_calls: list[ResponseToolCall] | None = None
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: AssistantMessage
-    logprobs: ChatLogprobs | None
-    finish_reason: FinishReason
-
-
-class ChatCompletionResponse(BaseModel):
-    """`POST /v1/chat/completions` without `stream` (with it: server-sent events of
-    `chat.completion.chunk` objects, then `data: [DONE]`)."""
-
-    id: str
-    object: Literal["chat.completion"]
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-
-
-class RankDifference(BaseModel):
-    key: str = Field(description="dotted, e.g. `paths.int4_kernels.enabled`")
-    values: list[Any] = Field(description="each rank's value, by rank (null: the rank has none)")
-
-
-class FastPathPlans(BaseModel):
-    """Each rank's fast-path plan (`executor/rank_plans.py`), and where the ranks differ."""
-
-    ranks: list[dict[str, Any]] = Field(
-        description="each rank's plan, by rank: cpu_isa, kernel_isa, paths (each enabled or "
-        "not, and why), choices; what that rank's start log said (kernels.selected)"
-    )
-    ranks_differ: bool = Field(description="not every rank runs the same plan")
-    differences: list[RankDifference] = Field(
-        description="each key whose value is not the same on every rank"
-    )
-
-
-class MemoryBandwidthCard(BaseModel):
-    """Decode speed against the machine's limit (`observability/decode_bandwidth.py`): rank
-    0's measured memory read bandwidth and its recent steps of decodes alone."""
-
-    peak_bytes_per_second: int | None = Field(
-        description="the read bandwidth rank 0's threads measured at start (null: not measured)"
-    )
-    peak_num_threads: int | None = Field(description="the threads that measured it")
-    peak_is_cached: bool | None = Field(
-        description="read from an earlier start's probe (the cache beside the kernel builds)"
-    )
-    decode_bytes_per_second: int | None = Field(
-        description="weights and KV cache bytes the decode-only steps of about the last "
-        "second read, over their time"
-    )
-    decode_ratio: float | None = Field(description="decode_bytes_per_second over the peak")
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"]
-    created: int
-    owned_by: str
-    max_model_len: int
-    sampling_defaults: dict[str, float] = Field(
-        description="what a request that omits these fields gets (--generation-config)"
-    )
-    fast_paths: FastPathPlans | None = Field(
-        default=None, description="the fast paths the model runs, on each rank"
-    )
-    memory_bandwidth: MemoryBandwidthCard | None = Field(
-        default=None, description="decode speed against the measured memory read bandwidth"
-    )
-
-
-class ModelList(BaseModel):
-    object: Literal["list"]
-    data: list[ModelCard]
-
-
-class HealthResponse(BaseModel):
-    status: Literal["ok"]
-
-
-class LoadResponse(BaseModel):
-    """GET /get_load, the load vLLM's router polls for its power_of_two policy."""
-
-    load: int = Field(description="generation requests in flight in this server")
-
-
-class TokenizeResponse(BaseModel):
-    count: int
-    max_model_len: int
-    tokens: list[int]
-
-
-class DetokenizeResponse(BaseModel):
-    prompt: str
-
-
-class ResponsesOutputText(BaseModel):
-    type: Literal["output_text"]
-    text: str
-    annotations: list[Any]
-    logprobs: list[Any]
-
-
-class ResponsesMessageItem(BaseModel):
-    type: Literal["message"]
-    id: str
-    status: Literal["in_progress", "completed", "incomplete"]
-    role: Literal["assistant"]
-    content: list[ResponsesOutputText]
-
-
-class ResponsesFunctionCallItem(BaseModel):
-    type: Literal["function_call"]
-    id: str
-    call_id: str
-    name: str
-    arguments: str = Field(description="the arguments as the model wrote them: a JSON object")
-    status: Literal["in_progress", "completed", "incomplete"]
-
-
-class ResponsesInputTokensDetails(BaseModel):
-    cached_tokens: int
-
-
-class ResponsesOutputTokensDetails(BaseModel):
-    reasoning_tokens: int
-
-
-class ResponsesUsage(BaseModel):
-    input_tokens: int
-    input_tokens_details: ResponsesInputTokensDetails
-    output_tokens: int
-    output_tokens_details: ResponsesOutputTokensDetails
-    total_tokens: int
-
-
-class ResponsesError(BaseModel):
-    code: str
-    message: str
-
-
-class ResponsesIncomplete(BaseModel):
-    reason: Literal["max_output_tokens", "content_filter"]
-
-
-class ResponseObject(BaseModel):
-    """`POST /v1/responses` without `stream` (with it: server-sent events `response.created`,
-    `response.in_progress`, `response.output_item.added`, `response.content_part.added`,
-    `response.output_text.delta`, `response.function_call_arguments.delta`, their `.done`
-    events, then `response.completed` or `response.incomplete`, or `error` and
-    `response.failed`)."""
-
-    id: str
-    object: Literal["response"]
-    created_at: int
-    status: Literal["in_progress", "completed", "incomplete", "failed"]
-    model: str
-    output: list[ResponsesMessageItem | ResponsesFunctionCallItem]
-    usage: ResponsesUsage | None
-    error: ResponsesError | None
-    incomplete_details: ResponsesIncomplete | None
-    instructions: str | None
-    max_output_tokens: int | None
-    temperature: float
-    top_p: float
-    tools: list[dict[str, Any]]
-    tool_choice: Any
-    parallel_tool_calls: bool
-    text: dict[str, Any]
-    previous_response_id: None
-    metadata: dict[str, str]
-    store: bool
-    truncation: str

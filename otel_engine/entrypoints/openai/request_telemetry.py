@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +26,7 @@ from structlog.contextvars import bound_contextvars
 from otel_engine.entrypoints.network.errors import is_server_error
 from otel_engine.errors import ErrorCode
 from otel_engine.observability.tracing import get_tracer, link_from
+from otel_engine.outputs import FinishReason
 
 if TYPE_CHECKING:
     from otel_engine.observability.metrics import EngineMetrics
@@ -161,11 +162,11 @@ class RequestTelemetry:
 
     def finish(
         self,
-        finish_reason: str,
+        finish_reason: FinishReason,
         num_generated: int,
         timings: Mapping[str, float] | None = None,
         *,
-        finish_reasons: list[str] | None = None,
+        finish_reasons: Sequence[FinishReason] | None = None,
     ) -> None:
         """The request ended normally with `finish_reason` (stop, length); `timings` are the
         last output's `metrics`; `finish_reasons` has one per choice when there are several
@@ -282,7 +283,9 @@ class RequestTelemetry:
         """The client went away before the response was complete (HTTP 499)."""
         self.fail(ABORTED, status=499, num_generated=num_generated)
 
-    def tool_calls(self, calls: list[list[tuple[str, str]]], reasons: list[str]) -> None:
+    def tool_calls(
+        self, calls: list[list[tuple[str, str]]], reasons: Sequence[FinishReason]
+    ) -> None:
         """The answer's tool calls (per choice: id and function name) as the span's
         `gen_ai.output.messages`, tool-call parts without their arguments (which, like
         prompts, stay out of telemetry)."""

@@ -1,11 +1,11 @@
-"""The OpenAI completion endpoints: prompt preparation, limits and admission; the response
-bodies are rendering.py's.
+"""The OpenAI completion endpoints: prompt preparation, limits and admission; running the
+admitted job and answering it are runner.py's.
 
 Prompts are tokenized here, so that the context limit is checked (and the default
 `max_tokens` chosen) before the engine sees the request. Tokenization and chat templates run
 in a worker thread, never on the event loop, after a character limit that bounds their cost.
-The engine request id is the response id (`cmpl-<hex>`, `chatcmpl-<hex>`), so logs, spans
-and the client agree.
+The engine request id is the response id (`cmpl-<hex>`, `chatcmpl-<hex>`, `resp-<hex>`: the
+request's `ApiKind`), so logs, spans and the client agree.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import asyncio
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -24,47 +24,32 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from otel_engine.engine import structured_output
-from otel_engine.engine.choices import generate_choices, sample_ids
+from otel_engine.engine.chat import ChatRenderer, NoChatTemplateError
 from otel_engine.engine.validation import check_context
 from otel_engine.entrypoints.network.bodies import BodyParser
 from otel_engine.entrypoints.network.errors import (
-    ENGINE_ERRORS,
-    INTERNAL,
     APIError,
     bad_request,
     from_engine_error,
     from_request_error,
-    internal_error,
 )
 from otel_engine.entrypoints.network.limits import MESSAGE_OVERHEAD_CHARS
-from otel_engine.entrypoints.network.streaming import (
-    ClientDisconnected,
-    EventStreamResponse,
-    RequestWatch,
-)
-from otel_engine.entrypoints.openai import responses
-from otel_engine.entrypoints.openai.chat import ChatRenderer
+from otel_engine.entrypoints.openai.api_kind import ApiKind
+from otel_engine.entrypoints.openai.job import Job
 from otel_engine.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    ResponsesRequest,
     TokenizeRequest,
 )
-from otel_engine.entrypoints.openai.rendering import (
-    Job,
-    ResponseRenderer,
-    record_failure,
-    record_gone,
-)
-from otel_engine.entrypoints.openai.request_telemetry import RequestTelemetry
-from otel_engine.entrypoints.openai.responses import ResponsesEcho
+from otel_engine.entrypoints.openai.responses_request import ResponsesRequest, responses_param
+from otel_engine.entrypoints.openai.runner import JobRunner
 from otel_engine.entrypoints.tools.plan import Function, ToolPlan, ToolSupport
 from otel_engine.errors import ErrorCode, RequestError
 from otel_engine.sampling_params import SamplingParams, StructuredOutput
 
 if TYPE_CHECKING:
-    from otel_engine import AsyncLLM, RequestOutput
+    from otel_engine import AsyncLLM
     from otel_engine.observability.metrics import EngineMetrics
 
 logger = logging.getLogger("otel_engine.api_server")
@@ -72,20 +57,14 @@ logger = logging.getLogger("otel_engine.api_server")
 T = TypeVar("T")
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
-# what a chat's field is called in a Responses request, in its errors
-_RESPONSES_PARAMS = {
-    "max_tokens": "max_output_tokens",
-    "response_format": "text",
-    "messages": "input",
-}
 # An ignored field is logged by name: at most this many names, each cut to this length.
 MAX_LOGGED_FIELDS = 16
 MAX_FIELD_NAME_CHARS = 64
 
 
 class OpenAIServing:
-    """Turns validated OpenAI requests into engine requests (the bodies of their answers
-    are `rendering.ResponseRenderer`'s)."""
+    """Turns validated OpenAI requests into admitted jobs (`runner.JobRunner` runs them and
+    answers)."""
 
     def __init__(
         self,
@@ -105,7 +84,7 @@ class OpenAIServing:
         self.allow_special_tokens_in_content = allow_special_tokens_in_content
         self.tool_call_parser = tool_call_parser
         self.bodies = BodyParser()
-        self.renderer = ResponseRenderer(engine, metrics, drain_expired)
+        self.runner = JobRunner(engine, metrics, drain_expired)
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
@@ -119,7 +98,7 @@ class OpenAIServing:
         job = self._admit(
             body,
             prompt_ids,
-            prefix="cmpl",
+            kind=ApiKind.COMPLETION,
             default_cap=DEFAULT_COMPLETION_MAX_TOKENS,
             prompt_param="prompt",
         )
@@ -128,7 +107,7 @@ class OpenAIServing:
             job.echo = prompt
         elif body.echo:
             job.echo = await self._off_loop(self.engine.decode, prompt)
-        return await self._run(job, body.stream, request, prompt)
+        return await self.runner.run(job, body.stream, request, prompt)
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         self._check_common(body)
@@ -138,57 +117,33 @@ class OpenAIServing:
             body.tool_functions(),
             body.tool_choice_value(),
             body.parallel_tool_calls,
-            prefix="chatcmpl",
+            kind=ApiKind.CHAT,
             prompt_param="messages",
         )
-        return await self._run(job, body.stream, request, text)
+        return await self.runner.run(job, body.stream, request, text)
 
     async def responses(self, body: ResponsesRequest, request: Request) -> Response:
         """`POST /v1/responses`: the request as a chat (its messages, tools, limits), the
         answer as output items (responses.py)."""
+        body.check_bounds()
         self._check_model(body.model)
         body.check_supported()
         self._warn_ignored(body.ignored_fields())
-        response_format = body.response_format()
-        sampled = {n: getattr(body, n) for n in ("temperature", "top_p", "seed")}
-        as_chat = ChatCompletionRequest.model_construct(
-            _fields_set={n for n in sampled if n in body.model_fields_set},
-            model=body.model,
-            messages=[],
-            max_completion_tokens=body.max_output_tokens,
-            response_format=response_format,
-            stream=body.stream,
-            **sampled,
-        )
         try:
             job, text = await self._chat_job(
-                as_chat,
+                body.as_chat(),
                 body.template_messages(),
                 body.tool_functions(),
                 body.tool_choice_value(),
                 body.parallel_tool_calls,
-                prefix="resp",
+                kind=ApiKind.RESPONSES,
                 prompt_param="input",
             )
         except APIError as error:  # the chat's names for this API's fields
-            error.param = _RESPONSES_PARAMS.get(error.param or "", error.param)
+            error.param = responses_param(error.param)
             raise
-        job.responses = ResponsesEcho(
-            instructions=body.instructions,
-            max_output_tokens=body.max_output_tokens,
-            temperature=job.params.temperature,
-            top_p=job.params.top_p,
-            tools=[tool.model_dump(by_alias=True, exclude_none=True) for tool in body.tools or ()],
-            tool_choice=body.tool_choice if body.tool_choice is not None else "auto",
-            parallel_tool_calls=body.parallel_tool_calls,
-            text=(
-                body.text.model_dump(by_alias=True, exclude_none=True)
-                if body.text is not None
-                else {"format": {"type": "text"}}
-            ),
-            metadata=dict(body.metadata or {}),
-        )
-        return await self._run(job, body.stream, request, text)
+        job.responses = body.echo(job.params)
+        return await self.runner.run(job, body.stream, request, text)
 
     async def _chat_job(
         self,
@@ -198,7 +153,7 @@ class OpenAIServing:
         tool_choice: str | dict[str, Any] | None,
         parallel: bool,
         *,
-        prefix: str,
+        kind: ApiKind,
         prompt_param: str,
     ) -> tuple[Job, str]:
         """A chat's job: its prompt (tools and earlier calls in the model's terms), its
@@ -208,10 +163,8 @@ class OpenAIServing:
         plan, messages, tools = await self._off_loop(
             self._tool_prompt, template_messages, functions, tool_choice, parallel, answer_format
         )
-        text, prompt_ids = await self._off_loop(self._chat.render, messages, True, tools)
-        job = self._admit(
-            body, prompt_ids, prefix=prefix, default_cap=None, prompt_param=prompt_param
-        )
+        text, prompt_ids = await self._off_loop(self._render, messages, True, tools)
+        job = self._admit(body, prompt_ids, kind=kind, default_cap=None, prompt_param=prompt_param)
         if plan is not None:
             job.tools = plan
             job.params = msgspec.structs.replace(
@@ -255,7 +208,7 @@ class OpenAIServing:
             messages = [m.to_template_dict() for m in body.messages or ()]
             self._check_chars(chat_chars(messages), "messages")
             messages = self._tools.messages(messages, None)
-            _, ids = await self._off_loop(self._chat.render, messages, body.add_generation_prompt)
+            _, ids = await self._off_loop(self._render, messages, body.add_generation_prompt)
         return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids}
 
     async def detokenize(self, body: DetokenizeRequest) -> dict[str, str]:
@@ -277,6 +230,9 @@ class OpenAIServing:
             )
 
     def _check_common(self, body: CompletionRequest | ChatCompletionRequest) -> None:
+        """What a request must pass before any tokenization: its bounds, its model, the
+        features it asks for."""
+        body.check_bounds()
         self._check_model(body.model)
         body.check_supported()
         self._warn_ignored(body.ignored_fields())
@@ -331,7 +287,7 @@ class OpenAIServing:
         body: CompletionRequest | ChatCompletionRequest,
         prompt_ids: list[int],
         *,
-        prefix: str,
+        kind: ApiKind,
         default_cap: int | None,
         prompt_param: str,
     ) -> Job:
@@ -354,8 +310,8 @@ class OpenAIServing:
         else:
             max_tokens = requested
         return Job(
-            request_id=f"{prefix}-{uuid.uuid4().hex}",
-            is_chat=prefix in ("chatcmpl", "resp"),
+            request_id=f"{kind.id_prefix}-{uuid.uuid4().hex}",
+            kind=kind,
             model=self.engine.model_name,
             request_model=body.model or self.engine.model_name,
             prompt_ids=prompt_ids,
@@ -366,74 +322,21 @@ class OpenAIServing:
             client_logprobs=body.requested_logprobs() is not None,
         )
 
-    async def _run(
-        self, job: Job, stream: bool, request: Request, prompt: str | list[int]
-    ) -> Response:
-        telemetry = RequestTelemetry(
-            self.metrics,
-            request_id=job.request_id,
-            operation="chat" if job.is_chat else "text_completion",
-            request_model=job.request_model,
-            response_model=job.model,
-            params=job.params,
-            num_prompt_tokens=len(job.prompt_ids),
-            is_stream=stream,
-            num_choices=job.n,
-            tool_names=[f.name for f in job.tools.functions] if job.tools else None,
-        )
-        with telemetry.activate():
-            if self.log_prompts:
-                logger.info("request.prompt", extra={"prompt": prompt, "stop": job.params.stop})
-            return await self._serve(job, telemetry, stream, request)
-
-    async def _serve(
-        self, job: Job, telemetry: RequestTelemetry, stream: bool, request: Request
-    ) -> Response:
-        if job.num_samples == 1:  # the engine's own stream, no merging layer
-            outputs = self.engine.generate(job.prompt_ids, job.params, job.request_id)
-        else:
-            outputs = generate_choices(
-                self.engine.generate, job.prompt_ids, job.params, job.request_id, job.num_samples
-            )
-        watch = RequestWatch(request.receive, self.drain_expired)
-        is_streaming = False
+    def _render(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> tuple[str, list[int]]:
+        """A chat's prompt text and token ids (`ChatRenderer`); what it refuses, as a 400."""
         try:
-            first = await watch.run(_first(outputs))
-            telemetry.first_output(first)
-            if stream:
-                is_streaming = True
-                ids = sample_ids(job.request_id, job.num_samples)
-                hold = lambda held: self.engine.hold(ids, held)  # noqa: E731
-                if job.responses is not None:
-                    events = responses.events(
-                        self.renderer, job, telemetry, outputs, first, request
-                    )
-                    return EventStreamResponse(
-                        events, watch, hold, lambda error: responses.failed_frames(job, error)
-                    )
-                events = self.renderer.events(job, telemetry, outputs, first, request)
-                return EventStreamResponse(events, watch, hold)
-            final = await watch.run(_last(outputs, first, telemetry, job))
-            if job.responses is not None:
-                return responses.full_response(self.renderer, job, telemetry, final)
-            return self.renderer.full_response(job, telemetry, final)
-        except ClientDisconnected:
-            record_gone(telemetry, job, request)
-            return Response(status_code=499)
-        except (*ENGINE_ERRORS, APIError) as exc:
-            error = exc if isinstance(exc, APIError) else from_engine_error(exc)
-            record_failure(telemetry, job, error, exc)
-            raise error from None
-        except Exception as exc:
-            error = internal_error(exc, request_id=job.request_id)
-            record_failure(telemetry, job, error, exc)
-            raise error from None
-        finally:
-            if not is_streaming:
-                await outputs.aclose()  # type: ignore[attr-defined]
-                watch.close()
-                if not telemetry.is_ended:  # cancelled: the connection or the server went away
-                    record_gone(telemetry, job, request)
+            return self._chat.render(messages, add_generation_prompt, tools)
+        except NoChatTemplateError as error:
+            raise bad_request(
+                f"{error.message}; use /v1/completions", param=error.param, code=error.code
+            ) from None
+        except RequestError as error:
+            raise from_request_error(error) from None
 
     @cached_property
     def _chat(self) -> ChatRenderer:
@@ -461,25 +364,6 @@ def chat_chars(messages: list[dict[str, Any]], functions: list[Function] | None 
     return total
 
 
-async def _last(
-    outputs: AsyncIterator[RequestOutput],
-    first: RequestOutput,
-    telemetry: RequestTelemetry,
-    job: Job,
-) -> RequestOutput:
-    """The final output; `job.num_generated` follows along (an abort counts what was made)."""
-    final = first
-    job.count(first)
-    while not final.finished:
-        nxt = await anext(outputs, None)
-        if nxt is None:
-            break
-        final = nxt
-        job.count(final)
-        telemetry.observe(final)
-    return final
-
-
 def _sampling(
     body: CompletionRequest | ChatCompletionRequest, max_tokens: int, defaults: dict[str, float]
 ) -> SamplingParams:
@@ -489,10 +373,3 @@ def _sampling(
     if body.num_samples() > body.n and params.logprobs is None:
         params = msgspec.structs.replace(params, logprobs=0)
     return params
-
-
-async def _first(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
-    first = await anext(outputs, None)
-    if first is None:
-        raise APIError(500, "engine returned no output", type=INTERNAL)
-    return first

@@ -4,6 +4,7 @@ command line imports this module)."""
 from __future__ import annotations
 
 import enum
+from typing import Literal
 
 
 class ToolFormatName(enum.StrEnum):
@@ -25,3 +26,7 @@ class ToolChoice(enum.StrEnum):
     AUTO = "auto"
     REQUIRED = "required"
     NAMED = "named"
+
+
+# A `tool_choice` a request may spell as a string (`NAMED` is an object on the wire).
+WireToolChoice = Literal[ToolChoice.NONE, ToolChoice.AUTO, ToolChoice.REQUIRED]

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from otel_engine.entrypoints.openai.chat import ChatRenderer
+from otel_engine.engine.chat import ChatRenderer
 from tests.helpers.tiny_model import CORPUS
 
 # family: (special tokens, bos, eos, chat template, a message that forges a system turn)

@@ -10,6 +10,10 @@ between markers as before (the template's markup: special tokens parsed) and eac
 token's text as plain text. A chat whose fields contain no special token's text is
 rendered and tokenized exactly as it was before (the same ids).
 `--allow-special-tokens-in-content` turns the markers off.
+
+It is the one chat renderer: the server's chat endpoints and `/tokenize`, `LLM.chat` and
+`otel-engine generate --chat` all render through it, so the same messages give the same
+token ids everywhere. A chat it cannot render is a `RequestError` naming `messages`.
 """
 
 from __future__ import annotations
@@ -20,14 +24,24 @@ from typing import Any
 
 import jinja2
 
-from otel_engine.entrypoints.network.errors import bad_request
-from otel_engine.errors import ErrorCode
+from otel_engine.errors import ErrorCode, RequestError
 from otel_engine.model.tokenizer import TokenizerLike
 
 # What a client writes into a message: its text, and any string inside an assistant's
 # earlier tool calls; a request's tools (names, descriptions, schemas) are the client's too.
 CLIENT_FIELDS = ("content", "name", "tool_calls", "tool_call_id", "tools")
 _MARK_OPEN, _MARK_CLOSE = "\ue000", "\ue001"
+
+
+class NoChatTemplateError(RequestError):
+    """The model has no chat template: its prompts must be text or token ids."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "this model has no chat template",
+            code=ErrorCode.UNSUPPORTED_PARAMETER,
+            param="messages",
+        )
 
 
 class ChatRenderer:
@@ -105,19 +119,15 @@ class ChatRenderer:
         tools: list[dict[str, Any]] | None = None,
     ) -> str:
         if not getattr(self.tokenizer, "chat_template", None):
-            raise bad_request(
-                "this model has no chat template; use /v1/completions",
-                param="messages",
-                code=ErrorCode.UNSUPPORTED_PARAMETER,
-            )
+            raise NoChatTemplateError
         try:
             text = self.tokenizer.apply_chat_template(
                 messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
             )
         except (jinja2.TemplateError, ValueError, TypeError) as error:
-            raise bad_request(
+            raise RequestError(
                 f"chat template rejected the messages: {type(error).__name__}",
-                param="messages",
                 code=ErrorCode.INVALID_VALUE,
+                param="messages",
             ) from None
         return str(text)
