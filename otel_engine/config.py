@@ -91,13 +91,18 @@ class LogFormat(enum.StrEnum):
 
 
 class LogLevel(enum.StrEnum):
-    """The root log level, by the logging module's names."""
+    """The root log level, by the logging module's names, in any case (`debug` is DEBUG)."""
 
     DEBUG = "DEBUG"
     INFO = "INFO"
     WARNING = "WARNING"
     ERROR = "ERROR"
     CRITICAL = "CRITICAL"
+
+    @classmethod
+    def _missing_(cls, value: object) -> LogLevel | None:
+        upper = value.upper() if isinstance(value, str) else None
+        return next((member for member in cls if member.value == upper), None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -253,9 +258,12 @@ def _member(name: str, value: Any) -> Any:
     """`value` as a member of the field's closed set when it is one (else as it came, for
     `_check` to refuse)."""
     choices = choice_fields().get(name)
-    if choices is None or value is None or value not in {m.value for m in choices}:
+    if choices is None or value is None:
         return value
-    return choices(value)
+    try:
+        return choices(value)
+    except ValueError:
+        return value
 
 
 def _check(name: str, value: Any) -> None:

@@ -147,8 +147,9 @@ class RequestError(OtelEngineError):
 class RequestFailedError(OtelEngineError):
     """One request failed inside the engine for a reason that is not the client's (its
     output could not be processed, or it was in the failing batch of two engine failures:
-    `crash_context` is then the W3C context of the span with the last crash); the engine
-    keeps serving every other request."""
+    `crash_context` is then the W3C context of the span with the last crash, and
+    `cause_type` that failure's type, as an engine death's error names its cause); the
+    engine keeps serving every other request."""
 
     def __init__(
         self,
@@ -156,11 +157,13 @@ class RequestFailedError(OtelEngineError):
         *,
         code: str = ErrorCode.REQUEST_FAILED,
         crash_context: dict[str, str] | None = None,
+        cause_type: str = "",
     ) -> None:
         super().__init__(message)
         self.message = message
         self.code = code
         self.crash_context = crash_context or {}
+        self.cause_type = cause_type
 
 
 class EngineRecoveringError(OtelEngineError):

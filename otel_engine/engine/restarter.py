@@ -203,6 +203,7 @@ class Restarter:
                     f"({info.type}): it is failed alone, and the other requests go on",
                     code=ErrorCode.ENGINE_FAULT_REQUEST,
                     crash_context=dict(dead.trace_context),
+                    cause_type=info.type,
                 )
             )
 

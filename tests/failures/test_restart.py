@@ -303,6 +303,10 @@ def test_a_poison_request_fails_alone_and_the_others_finish_as_without_it(
     restarting = _events(server, "engine.restarting")
     assert 2 == sum(r["poison_request_id"] is not None for r in restarting), server.tail()
     assert len(restarting) > 2
+    # Each poison's record names the failure it caused, as an engine death's names its cause.
+    causes = {r["cause"] for r in restarting if r["poison_request_id"] is not None}
+    poisoned = [r for r in _events(server, "request.failed") if r.get("cause_type") in causes]
+    assert ["engine_fault_request"] * 2 == [r["error_type"] for r in poisoned], poisoned
     assert reference[:1] == run_crowd(server.base_url, BODIES[:1])[:1]  # still serving
     server.terminate()
     assert 0 == wait_exit(server), server.tail()

@@ -100,16 +100,17 @@ def record_failure(
         )
         return
     server_error = is_server_error(error.status)
+    span_error_type = None
+    if isinstance(exc, RequestFailedError) and exc.cause_type:
+        span_error_type = exc.cause_type  # a poison: the engine failure it caused
+    elif server_error and exc is not None and not isinstance(exc, APIError):
+        span_error_type = type(exc).__qualname__
     telemetry.fail(
         error.label,
         status=error.status,
         num_generated=job.num_generated,
         exc=exc if server_error else None,
-        span_error_type=(
-            type(exc).__qualname__
-            if server_error and exc is not None and not isinstance(exc, APIError)
-            else None
-        ),
+        span_error_type=span_error_type,
         # a request failed as the poison of two engine failures: a link to the last crash
         crash_context=exc.crash_context if isinstance(exc, RequestFailedError) else None,
     )
