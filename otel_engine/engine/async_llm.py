@@ -4,14 +4,16 @@ The engine core runs in its own process. A thread (`core-output-io`) receives it
 and hands them to the event loop that submitted the requests; an `EngineDead` frame, or the
 core's process dying, fails every in-flight request with `EngineDeadError`, or, with
 `--on-engine-failure restart` and within its budget, starts a new engine core and carries
-every in-flight request over to it (`Restarter`, engine/restarter.py): its consumer waits
-and then gets what it would have got without the failure. Nothing here
+every in-flight request over to it (`Restarter`, engine/restarter.py, which sees this
+engine through `RestartHost`): its consumer waits and then gets what it would have got
+without the failure. Nothing here
 depends on signal handlers, so it works the same outside the main thread (faulthandler,
 enabled on stderr as by `LLM`, is set up from any thread too).
 
 Backpressure: a request is paused in the engine, giving its slot and KV blocks to others,
 while its consumer holds it (`hold`: the HTTP server's stream saw its client stop reading)
-or has not taken `MAX_UNDELIVERED_OUTPUTS` outputs, and resumed once neither is the case.
+or has not taken `MAX_UNDELIVERED_OUTPUTS` outputs (engine/stream.py), and resumed once
+neither is the case.
 """
 
 from __future__ import annotations
@@ -23,17 +25,18 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any, TypeVar
 
 from opentelemetry import trace
 
 from otel_engine.config import EngineConfig
 from otel_engine.engine.core_client import MPClient
 from otel_engine.engine.frontend import Frontend, dead_error
+from otel_engine.engine.output import OutputProcessor
 from otel_engine.engine.recovery import RecoveryListener
 from otel_engine.engine.restarter import Restarter
+from otel_engine.engine.stream import MAX_UNDELIVERED_OUTPUTS, RequestStream
 from otel_engine.errors import EngineDeadError, FailureCause
 from otel_engine.ipc.messages import EngineDead, ErrorInfo, StepOutputs
 from otel_engine.ipc.native_fault import enable_on_stderr
@@ -49,27 +52,12 @@ from otel_engine.timing import (
 
 logger = logging.getLogger(__name__)
 
-MAX_UNDELIVERED_OUTPUTS = 32  # outputs waiting for their consumer before the request pauses
-RESUME_BELOW_OUTPUTS = 8  # the consumer caught up: the request runs again
+T = TypeVar("T")
+
 # The event loop hands out engine steps for at most this long before it answers sockets
 # again: on a starved machine steps pile up, and handing out the whole backlog in one go
 # kept `/health` waiting for hundreds of milliseconds.
 DELIVER_BUDGET_S = 0.01
-
-
-@dataclass(slots=True, eq=False)
-class _Stream:
-    """One request's undelivered outputs (or the error that ends it) and its pause state."""
-
-    queue: asyncio.Queue[RequestOutput | BaseException] = field(default_factory=asyncio.Queue)
-    is_paused: bool = False
-    is_held: bool = False  # paused by its consumer (`AsyncLLM.hold`)
-    span: trace.Span | None = None  # the request's span, for a restart's event and link
-    crashed_at: float | None = None  # carried over: when its engine failed, until a token
-
-    @property
-    def may_resume(self) -> bool:
-        return not self.is_held and self.queue.qsize() < RESUME_BELOW_OUTPUTS
 
 
 class AsyncLLM:
@@ -99,8 +87,8 @@ class AsyncLLM:
         self.num_kv_blocks = self._frontend.num_kv_blocks  # the KV cache's size, in blocks
         self.generation_defaults = self._frontend.generation_defaults
         self.dead_error: EngineDeadError | None = None
-        self._restarter = Restarter(self)  # --on-engine-failure restart
-        self._streams: dict[str, _Stream] = {}
+        self._restarter = Restarter(config.recovery, _RestartHost(self))
+        self._streams: dict[str, RequestStream] = {}
         self.num_paused = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped = threading.Event()
@@ -118,7 +106,9 @@ class AsyncLLM:
         )
 
     def _install_client(self, client: MPClient) -> None:
-        """The engine's client from here on (a restarted engine's), with its output thread."""
+        """The engine's client from here on (a restarted engine's), with its output thread;
+        progress counts from now."""
+        self.last_progress_at = time.monotonic()
         self._frontend.client = self._client = client
         self._start_output_thread(client)
 
@@ -218,7 +208,7 @@ class AsyncLLM:
         elif self._loop is not loop:
             raise RuntimeError("AsyncLLM is bound to the event loop of its first request")
         await self._admit(request_id, prompt, params)
-        stream = _Stream(span=trace.get_current_span())
+        stream = RequestStream(span=trace.get_current_span())
         self._restarter.admitted(request_id)
         if len(self._streams) == self.num_paused:
             self.last_progress_at = time.monotonic()
@@ -283,14 +273,14 @@ class AsyncLLM:
         if stream is not None:
             stream.queue.put_nowait(asyncio.CancelledError(f"request {request_id} aborted"))
 
-    def _forget(self, request_id: str) -> _Stream | None:
+    def _forget(self, request_id: str) -> RequestStream | None:
         stream = self._streams.pop(request_id, None)
         if stream is not None and stream.is_paused:
             self.num_paused -= 1
         self._restarter.forgotten(request_id)
         return stream
 
-    def _set_paused(self, request_id: str, stream: _Stream, is_paused: bool) -> None:
+    def _set_paused(self, request_id: str, stream: RequestStream, is_paused: bool) -> None:
         stream.is_paused = is_paused
         if is_paused:
             self.num_paused += 1
@@ -369,6 +359,7 @@ class AsyncLLM:
             self._fail_all(dead)
 
     def _fail_all(self, dead: EngineDead) -> None:
+        """The engine is dead: every request fails with `dead`'s error."""
         error = dead_error(dead)
         info = dead.error
         self.dead_error = error
@@ -386,6 +377,57 @@ class AsyncLLM:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+class _RestartHost:
+    """What `AsyncLLM` shows its `Restarter` (engine/restarter.py's `RestartHost`)."""
+
+    def __init__(self, llm: AsyncLLM) -> None:
+        self._llm = llm
+
+    @property
+    def streams(self) -> Mapping[str, RequestStream]:
+        return self._llm._streams
+
+    @property
+    def outputs(self) -> OutputProcessor:
+        return self._llm._frontend.outputs
+
+    @property
+    def client(self) -> MPClient:
+        return self._llm._client
+
+    @property
+    def threads(self) -> list[threading.Thread]:
+        return self._llm._threads
+
+    @property
+    def is_stopped(self) -> bool:
+        return self._llm._stopped.is_set()
+
+    @property
+    def is_dead(self) -> bool:
+        return self._llm.is_dead
+
+    def next_client(self, restarts: int) -> MPClient:
+        return self._llm._frontend.next_client(restarts)
+
+    def install_client(self, client: MPClient) -> None:
+        self._llm._install_client(client)
+
+    def fail_all(self, dead: EngineDead) -> None:
+        self._llm._fail_all(dead)
+
+    def call_in_loop(self, function: Callable[[T], None], argument: T) -> bool:
+        loop = self._llm._loop
+        if loop is None:
+            function(argument)
+            return True
+        try:
+            loop.call_soon_threadsafe(function, argument)
+        except RuntimeError:  # the loop closed
+            return False
+        return True
 
 
 def _pump_outputs(ref: weakref.ref[AsyncLLM], client: MPClient, stopped: threading.Event) -> None:

@@ -7,8 +7,9 @@ failed engine's process tree down and starts a new engine core from the same con
 in the event loop, each unfinished request is admitted to it again as its prompt plus the
 tokens its client already got (`AddRequest.output_token_ids`), which the core recomputes as
 after a preemption. The suspects follow one at a time, new requests waiting meanwhile.
-`Restarter` is `AsyncLLM`'s collaborator: it reads that engine's streams and output states
-and replaces its client.
+`Restarter` is `AsyncLLM`'s collaborator, and sees of that engine only what `RestartHost`
+declares: its streams and output states, its client, which a restart replaces, and its
+event loop.
 """
 
 from __future__ import annotations
@@ -17,19 +18,21 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping
+from typing import Protocol, TypeVar
 
 from opentelemetry import trace
 
+from otel_engine.config import RecoveryConfig
 from otel_engine.engine.core_client import MPClient
-from otel_engine.engine.output import RequestState
+from otel_engine.engine.output import OutputProcessor, RequestState
 from otel_engine.engine.recovery import (
     RECOVERY_WAIT_QUEUE,
     RecoveryListener,
     RecoveryPolicy,
     failure_signature,
 )
+from otel_engine.engine.stream import RequestStream
 from otel_engine.errors import (
     EngineDeadError,
     EngineRecoveringError,
@@ -42,22 +45,64 @@ from otel_engine.ipc.process import ENGINE_CORE
 from otel_engine.observability.tracing import inject_context, link_from
 from otel_engine.timing import RETRY_AFTER_FIRST_RESTART_S, THREAD_JOIN_S
 
-if TYPE_CHECKING:
-    from otel_engine.engine.async_llm import AsyncLLM, _Stream
-
 logger = logging.getLogger(__name__)
 
 # The span event of a request carried over to a restarted engine (linked to the crash).
 EVENT_ENGINE_RESTARTED = "otel_engine.request.engine_restarted"
+
+T = TypeVar("T")
+
+
+class RestartHost(Protocol):
+    """What `Restarter` needs of the engine it restarts; `AsyncLLM` gives it one."""
+
+    @property
+    def streams(self) -> Mapping[str, RequestStream]:
+        """The in-flight requests' streams, by request id."""
+
+    @property
+    def outputs(self) -> OutputProcessor:
+        """Their output states: prompt, parameters and the tokens their clients got."""
+
+    @property
+    def client(self) -> MPClient:
+        """The current engine core's client."""
+
+    @property
+    def threads(self) -> list[threading.Thread]:
+        """The threads shutdown joins: the current engine's output thread, and a restart's
+        own thread once it adds it."""
+
+    @property
+    def is_stopped(self) -> bool:
+        """The engine is shut down, or shutting down."""
+
+    @property
+    def is_dead(self) -> bool:
+        """The engine failed for good: every request was failed."""
+
+    def next_client(self, restarts: int) -> MPClient:
+        """Start a new engine core (`restarts` were started before it); from any thread."""
+
+    def install_client(self, client: MPClient) -> None:
+        """The engine's client from here on, with its output thread; progress counts from
+        now."""
+
+    def fail_all(self, dead: EngineDead) -> None:
+        """The engine is dead: fail every request with `dead`'s error."""
+
+    def call_in_loop(self, function: Callable[[T], None], argument: T) -> bool:
+        """Run `function(argument)` in the engine's event loop (here when no request bound
+        one yet); False when that loop is closed."""
 
 
 class Restarter:
     """The restarts of one `AsyncLLM`; every method runs in its event loop, but for those
     the restart thread calls before a first request bound one."""
 
-    def __init__(self, llm: AsyncLLM) -> None:
-        self._llm = llm
-        self.policy = RecoveryPolicy(llm.config.recovery)
+    def __init__(self, config: RecoveryConfig, host: RestartHost) -> None:
+        self._host = host
+        self.policy = RecoveryPolicy(config)
         self.isolation = self.policy.isolation
         self.restarts = 0  # engines started after a failure
         self.is_recovering = False
@@ -85,7 +130,7 @@ class Restarter:
         return self.isolation.num_suspects > 0 and self.isolation.has_ready(self._is_ready)
 
     def _is_ready(self, request_id: str) -> bool:
-        stream = self._llm._streams.get(request_id)
+        stream = self._host.streams.get(request_id)
         return stream is not None and not stream.is_paused
 
     # What the engine tells it.
@@ -97,7 +142,7 @@ class Restarter:
         if step.step_id:
             self._last_batch = {update.request_id for update in step.updates}
 
-    def produced(self, request_id: str, stream: _Stream, now: float) -> None:
+    def produced(self, request_id: str, stream: RequestStream, now: float) -> None:
         """A request's output arrived: it has been through a step; for a carried-over one,
         its recovery time, and the end of its trial if it was on one."""
         self._not_started.discard(request_id)
@@ -126,11 +171,11 @@ class Restarter:
     def on_engine_dead(self, dead: EngineDead) -> bool:
         """The engine failed: True when it is being restarted (within the budget, never
         during shutdown); False when the engine is dead (`AsyncLLM` fails every request)."""
-        llm = self._llm
-        if not self.policy.restarts or llm._stopped.is_set():
+        host = self._host
+        if not self.policy.restarts or host.is_stopped:
             return False
         now = time.monotonic()
-        live = llm._streams
+        live = host.streams
         batch = dead.batch if dead.batch is not None else self._last_batch | self._not_started
         info = dead.error
         restart, poison = self.policy.on_failure(
@@ -172,21 +217,21 @@ class Restarter:
             self._fail_poison(poison, dead)
         for stream in live.values():
             stream.crashed_at = now
-        old = llm._client
+        old = host.client
         old.retire()  # nothing is sent to it from here; the restart thread shuts it down
         thread = threading.Thread(
             target=_restart_engine,
-            args=(self, old, list(llm._threads)),
+            args=(self, host, old, list(host.threads)),
             name="engine-restart",
             daemon=True,
         )
-        llm._threads.append(thread)  # joined at shutdown, with the output thread
+        host.threads.append(thread)  # joined at shutdown, with the output thread
         thread.start()
         return True
 
     def _fail_poison(self, request_id: str, dead: EngineDead) -> None:
         """Fail the request on trial, which was in the batch of a second failure, alone."""
-        llm = self._llm
+        host = self._host
         info = dead.error
         logger.error(
             "request.engine_fault",
@@ -194,8 +239,8 @@ class Restarter:
         )
         for listener in self._listeners:
             listener.on_request_poisoned()
-        llm._frontend.outputs.remove(request_id)
-        stream = llm._streams.get(request_id)
+        host.outputs.remove(request_id)
+        stream = host.streams.get(request_id)
         if stream is not None:
             stream.queue.put_nowait(
                 RequestFailedError(
@@ -211,22 +256,20 @@ class Restarter:
 
     def restarted(self, client: MPClient) -> None:
         """The new engine is up: carry every in-flight request over to it."""
-        llm = self._llm
-        if llm._stopped.is_set():
+        host = self._host
+        if host.is_stopped:
             client.shutdown(graceful=False)
             self.is_recovering = False
             self.wake(
                 EngineDeadError("the engine is shut down", cause_type=FailureCause.ENGINE_SHUTDOWN)
             )
             return
-        llm._install_client(client)
-        now = time.monotonic()
-        self.restart_s = now - self._crashed_at
+        host.install_client(client)
+        self.restart_s = time.monotonic() - self._crashed_at
         self.is_recovering = False
-        llm.last_progress_at = now
         num_requests = num_tokens = 0
-        for request_id, state in list(llm._frontend.outputs.states.items()):
-            stream = llm._streams.get(request_id)
+        for request_id, state in list(host.outputs.states.items()):
+            stream = host.streams.get(request_id)
             if stream is None or self.isolation.is_suspect(request_id):
                 continue
             num_requests += 1
@@ -262,12 +305,12 @@ class Restarter:
             ),
             trace_context=crash.trace_context,
         )
-        self._llm._fail_all(failed)
+        self._host.fail_all(failed)
 
-    def _readmit(self, request_id: str, state: RequestState, stream: _Stream) -> int:
+    def _readmit(self, request_id: str, state: RequestState, stream: RequestStream) -> int:
         """Admit a carried-over request to the new engine as its prompt plus the tokens
         already sent; returns the tokens it recomputes."""
-        client = self._llm._client
+        client = self._host.client
         span = stream.span
         context = inject_context(trace.set_span_in_context(span)) if span is not None else {}
         try:
@@ -306,11 +349,11 @@ class Restarter:
         """Admit the next suspect alone (engine/recovery.py): when none is on trial and every
         other request the engine runs has produced a token, so that a failure of its first
         step names it."""
-        llm = self._llm
-        if self.is_recovering or llm.dead_error is not None:
+        host = self._host
+        if self.is_recovering or host.is_dead:
             return
-        states = llm._frontend.outputs.states
-        streams = llm._streams
+        states = host.outputs.states
+        streams = host.streams
         if self.isolation.num_suspects and any(
             r in streams and not streams[r].is_paused for r in self._not_started
         ):
@@ -350,35 +393,23 @@ class Restarter:
 
 
 def _restart_engine(
-    restarter: Restarter, old: MPClient, old_threads: list[threading.Thread]
+    restarter: Restarter,
+    host: RestartHost,
+    old: MPClient,
+    old_threads: list[threading.Thread],
 ) -> None:
     """Thread `engine-restart`: take the failed engine's process tree down (nothing left
     behind), start a new one from the same config, and hand it to the event loop."""
-    llm = restarter._llm
     for thread in old_threads:
         thread.join(timeout=THREAD_JOIN_S)
     old.shutdown(graceful=False)
     try:
-        client = llm._frontend.next_client(restarter.restarts)
+        client = host.next_client(restarter.restarts)
     except Exception as exc:  # EngineStartupError, or the spawn itself failed
-        _call_in_loop(llm, restarter.restart_failed, exc)
+        host.call_in_loop(restarter.restart_failed, exc)
         return
-    if llm._stopped.is_set() or not _call_in_loop(llm, restarter.restarted, client):
+    if host.is_stopped or not host.call_in_loop(restarter.restarted, client):
         client.shutdown(graceful=False)  # the engine was shut down meanwhile
-
-
-def _call_in_loop(llm: AsyncLLM, function: Callable[..., None], argument: object) -> bool:
-    """Run `function(argument)` in the engine's event loop (here when no request bound one
-    yet); False when that loop is closed."""
-    loop = llm._loop
-    if loop is None:
-        function(argument)
-        return True
-    try:
-        loop.call_soon_threadsafe(function, argument)
-    except RuntimeError:  # the loop closed
-        return False
-    return True
 
 
 def _set_done(waiter: asyncio.Future[None], error: BaseException | None) -> None:

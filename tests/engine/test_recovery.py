@@ -214,7 +214,7 @@ def test_past_the_wait_queue_a_new_request_gets_retry_after() -> None:
     from otel_engine.entrypoints.network.errors import from_engine_error
     from otel_engine.errors import EngineRecoveringError
 
-    restarter = Restarter(SimpleNamespace(config=EngineConfig()))  # type: ignore[arg-type]
+    restarter = Restarter(EngineConfig().recovery, SimpleNamespace())  # type: ignore[arg-type]
     restarter.is_recovering, restarter.restart_s = True, 2.4
 
     async def crowd() -> EngineRecoveringError:
