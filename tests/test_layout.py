@@ -25,7 +25,6 @@ KNOWN_OVER = {
 KNOWN_NETWORK_TO_OPENAI = {"entrypoints/network/bodies.py", "entrypoints/network/guard.py"}
 KNOWN_CYCLES = {
     ("engine.async_llm", "engine.restarter"),
-    ("model.decoder_stack", "model.llama"),
 }
 
 
