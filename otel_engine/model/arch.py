@@ -6,27 +6,9 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    pass
-
-
-# HF `architectures` name -> model family (its module: model/registry.py)
-ARCHITECTURE_FAMILIES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "llama",
-    "Qwen2ForCausalLM": "llama",
-    "Qwen3ForCausalLM": "qwen3",
-    "Phi3ForCausalLM": "phi3",
-    "MixtralForCausalLM": "mixtral",
-    "Qwen3MoeForCausalLM": "qwen3_moe",
-    "Gemma3ForCausalLM": "gemma3",
-    "Gemma2ForCausalLM": "gemma2",
-}
-
-
-SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURE_FAMILIES)
+from otel_engine.model.families import SUPPORTED_ARCHITECTURES, Family, family_of
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,19 +77,19 @@ def load_model_arch(model_dir: str) -> ModelArch:
     """The architecture described by `model_dir`/config.json (and generation_config.json)."""
     config = _read_json(os.path.join(model_dir, "config.json"))
     architecture = (config.get("architectures") or [config.get("model_type", "unknown")])[0]
-    if architecture not in SUPPORTED_ARCHITECTURES:
+    family = family_of(architecture)
+    if family is None:
         raise ValueError(
             f"unsupported model architecture {architecture!r} in {model_dir}; "
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     generation = read_generation_config(model_dir)
-    if ARCHITECTURE_FAMILIES[architecture] in ("gemma2", "gemma3"):
-        config = _gemma_config(config, ARCHITECTURE_FAMILIES[architecture])
+    if family.sliding_pattern:
+        config = _gemma_config(config, family)
     rope = config.get("rope_parameters") or {}
     scaling, partial = _rope_scaling(config, architecture)
     heads = config["num_attention_heads"]
-    has_bias = architecture == "Qwen2ForCausalLM" or config.get("attention_bias", False)
-    family = ARCHITECTURE_FAMILIES[architecture]
+    has_bias = architecture in family.biased_architectures or config.get("attention_bias", False)
     num_experts = int(config.get("num_local_experts") or config.get("num_experts") or 0)
     window = config.get("sliding_window")
     if config.get("use_sliding_window") is False:  # Qwen2/Qwen3 carry a window they do not use
@@ -134,14 +116,14 @@ def load_model_arch(model_dir: str) -> ModelArch:
             )
         ),
         torch_dtype=config.get("torch_dtype") or config.get("dtype") or "float32",
-        family=family,
-        qk_norm=family in ("qwen3", "qwen3_moe", "gemma3"),
+        family=family.name,
+        qk_norm=family.has_qk_norm,
         num_experts=num_experts,
         num_experts_per_tok=int(config.get("num_experts_per_tok") or 0),
         moe_intermediate_size=int(
             config.get("moe_intermediate_size") or config["intermediate_size"]
         ),
-        norm_topk_prob=bool(config.get("norm_topk_prob", family == "mixtral")),
+        norm_topk_prob=bool(config.get("norm_topk_prob", family.norm_topk_prob)),
         dense_layers=_dense_layers(config) if num_experts else (),
         sliding_window=int(window) if window else None,
         partial_rotary_factor=partial,
@@ -169,15 +151,15 @@ def _rope_scaling(config: dict[str, Any], architecture: str) -> tuple[dict[str, 
     return (None if rope_type == "default" else {**scaling, "rope_type": rope_type}), partial
 
 
-def _gemma_config(config: dict[str, Any], family: str) -> dict[str, Any]:
+def _gemma_config(config: dict[str, Any], family: Family) -> dict[str, Any]:
     """Gemma 2's and 3's config.json in the shape `load_model_arch` reads: the full-attention
     layers' RoPE as the model's (`rope_theta`, `rope_scaling`), the sliding layers' base and
     indices apart (Gemma 2: one base for both), the attention scale; what is not implemented
     refused."""
     activation = config.get("hidden_activation", "gelu_pytorch_tanh")
     if activation != "gelu_pytorch_tanh":
-        raise ValueError(f"{family} with hidden_activation {activation!r} is not supported")
-    if family == "gemma3" and config.get("attn_logit_softcapping") is not None:
+        raise ValueError(f"{family.name} with hidden_activation {activation!r} is not supported")
+    if family.name == "gemma3" and config.get("attn_logit_softcapping") is not None:
         # transformers' Gemma 3 (5.x) ignores the field, Gemma 2 applies it: a checkpoint
         # trained with one would run as the other (no Gemma 3 release sets it)
         raise ValueError(
@@ -187,9 +169,10 @@ def _gemma_config(config: dict[str, Any], family: str) -> dict[str, Any]:
     layers = config["num_hidden_layers"]
     types = config.get("layer_types")
     if not types:
-        default = 2 if family == "gemma2" else 6
         pattern = int(
-            config.get("sliding_window_pattern") or config.get("_sliding_window_pattern") or default
+            config.get("sliding_window_pattern")
+            or config.get("_sliding_window_pattern")
+            or family.sliding_pattern
         )
         types = [
             "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
@@ -203,7 +186,7 @@ def _gemma_config(config: dict[str, Any], family: str) -> dict[str, Any]:
     if not full:  # transformers 4 keys
         full = dict(config.get("rope_scaling") or {})
         full["rope_theta"] = config.get("rope_theta", 1_000_000.0)
-        if family == "gemma2":
+        if family.name == "gemma2":
             local = {"rope_theta": full["rope_theta"]}
     return {
         **config,

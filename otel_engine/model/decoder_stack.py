@@ -1,24 +1,54 @@
 """A 4-bit model's decoder layers as one call into `decoder_stack_bf16` (cpu_kernels.c): the
 binding of the C stack's fields (each layer's tensor addresses, by the names the contract
-string lists) and dims, apart from the model code (model/llama.py) that builds it."""
+string lists) and dims, apart from the model code (model/llama.py) that builds it. It reads
+the model through `StackModel`, what it needs of one, so it does not import the model code."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, Sequence
+from typing import Protocol
 
 import torch
 
+from otel_engine.model.arch import ModelArch
 from otel_engine.model.attention import AttentionMetadata
 from otel_engine.model.fast_paths import Form
 from otel_engine.model.int4 import INT4_MAX_ROWS
 from otel_engine.model.kernels import PREFILL_CHUNK_FIELDS
 from otel_engine.model.layer_ops import KernelOps
-from otel_engine.model.matrix import Int4Matrix
-from otel_engine.model.projections import DOWN, GATE_UP, O_PROJ, QKV
+from otel_engine.model.matrix import Int4Matrix, Matrix
+from otel_engine.model.projections import DOWN, GATE_UP, O_PROJ, QKV, Projection
 from otel_engine.model.weights import INT4_GROUP
 
-if TYPE_CHECKING:
-    from otel_engine.model.llama import LlamaLayer, LlamaModel
+
+class StackLayer(Protocol):
+    """What the stack reads of one decoder layer (`llama.LlamaLayer`)."""
+
+    @property
+    def input_norm(self) -> torch.Tensor: ...
+    @property
+    def post_norm(self) -> torch.Tensor: ...
+    @property
+    def matrices(self) -> Mapping[Projection, Matrix]: ...
+
+
+class StackModel(Protocol):
+    """What the stack reads of the model on this rank (`llama.LlamaModel`)."""
+
+    @property
+    def arch(self) -> ModelArch: ...
+    @property
+    def layers(self) -> Sequence[StackLayer]: ...
+    @property
+    def norm(self) -> torch.Tensor: ...
+    @property
+    def num_heads(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def intermediate(self) -> int: ...
 
 
 class DecoderStack:
@@ -28,7 +58,7 @@ class DecoderStack:
 
     def __init__(
         self,
-        model: LlamaModel,
+        model: StackModel,
         ops: KernelOps,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> None:
@@ -120,7 +150,7 @@ class DecoderStack:
 
 
 def _layer_addresses(
-    layer: LlamaLayer, caches: tuple[torch.Tensor, torch.Tensor]
+    layer: StackLayer, caches: tuple[torch.Tensor, torch.Tensor]
 ) -> dict[str, int]:
     """A layer's tensors by the names of `decoder_stack_bf16`'s fields (cpu_kernels.c)."""
     addresses = {

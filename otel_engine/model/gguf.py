@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from otel_engine.cache import cache_root
 from otel_engine.memory import return_freed_memory
 from otel_engine.model.arch import unique_ids
+from otel_engine.model.families import SUPPORTED_GGUF_KINDS, GgufKind, gguf_kind
 from otel_engine.model.weights import QUANT_FILE, GgmlType
 
 if TYPE_CHECKING:
@@ -39,42 +40,10 @@ CONVERTER_VERSION = 5  # 3: layer matrices kept in their GGUF blocks; 4: embeddi
 ROUNDED_KEY = "otel_engine_gguf_tensors_in_bfloat16"
 
 
-# GGUF architecture -> (HF architecture, HF model_type, whether llama.cpp permuted q/k rows)
-_GGUF_ARCHS = {
-    "llama": ("LlamaForCausalLM", "llama", True),
-    "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
-    "qwen3": ("Qwen3ForCausalLM", "qwen3", False),
-    "phi3": ("Phi3ForCausalLM", "phi3", False),
-    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe", False),
-    "gemma3": ("Gemma3ForCausalLM", "gemma3_text", False),
-}
-
-
-# A `llama` file with experts is Mixtral.
-_GGUF_MIXTRAL = ("MixtralForCausalLM", "mixtral", True)
-
-
-# Experts stored as one 3-D tensor per kind: GGUF name -> the family's per-expert names
-# ({e}: the expert), and the router.
-_GGUF_EXPERT_NAMES = {
-    "mixtral": {
-        "ffn_gate_inp": "block_sparse_moe.gate",
-        "ffn_gate_exps": "block_sparse_moe.experts.{e}.w1",
-        "ffn_up_exps": "block_sparse_moe.experts.{e}.w3",
-        "ffn_down_exps": "block_sparse_moe.experts.{e}.w2",
-    },
-    "qwen3moe": {
-        "ffn_gate_inp": "mlp.gate",
-        "ffn_gate_exps": "mlp.experts.{e}.gate_proj",
-        "ffn_up_exps": "mlp.experts.{e}.up_proj",
-        "ffn_down_exps": "mlp.experts.{e}.down_proj",
-    },
-}
-
-
 _GGUF_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
+# Layer tensors by the names most kinds use (a kind's own: `GgufKind.layer_names`)
 _GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
@@ -88,21 +57,6 @@ _GGUF_LAYER_NAMES = {
     "attn_q_norm": "self_attn.q_norm",  # qwen3
     "attn_k_norm": "self_attn.k_norm",
 }
-
-
-# Kinds that store some layer tensors fused (the HF checkpoint does too)
-_GGUF_ARCH_LAYER_NAMES = {
-    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
-    "gemma3": {
-        "post_attention_norm": "post_attention_layernorm",
-        "ffn_norm": "pre_feedforward_layernorm",
-        "post_ffw_norm": "post_feedforward_layernorm",
-    },
-}
-
-
-# Kinds whose RMSNorms scale by (1 + w): llama.cpp stores 1 + w (a plain RMSNorm weight).
-_GGUF_NORMS_PLUS_ONE = frozenset({"gemma3"})
 
 
 # What llama.cpp's Gemma 3 code assumes rather than reads (llama-model.cpp): a full-attention
@@ -161,14 +115,11 @@ def _convert_gguf(gguf_path: str, out: str) -> None:
 
     started = time.perf_counter()
     metadata, tensors = _read_gguf(gguf_path)
-    config = _hf_config(metadata, tensors)
-    permute = _GGUF_ARCHS[metadata["general.architecture"]][2]
-    kind = metadata["general.architecture"]
+    kind = _gguf_kind(metadata)
+    config = _hf_config(metadata, tensors, kind)
     num_experts = int(config.get("num_local_experts") or 0)
-    if kind == "llama" and num_experts:
-        kind = "mixtral"
     weights, quant, formats, rounded = _gguf_weights(
-        gguf_path, tensors, kind, config if permute else None, num_experts
+        gguf_path, tensors, kind, config if kind.is_qk_permuted else None, num_experts
     )
     # The tensors of formats converted to bfloat16 here (not the file's own values in
     # float32): the start warns of them when the model runs in float32.
@@ -238,10 +189,21 @@ def _read_gguf_value(buf: mmap.mmap, pos: int, value_type: int) -> tuple[Any, in
     return struct.unpack_from(fmt, buf, pos)[0], pos + struct.calcsize(fmt)
 
 
-def _hf_config(metadata: dict[str, Any], tensors: list[TensorEntry]) -> dict[str, Any]:
+def _gguf_kind(metadata: dict[str, Any]) -> GgufKind:
+    """The record the file converts by: its `general.architecture`, with experts or not."""
     arch = metadata.get("general.architecture")
-    if arch not in _GGUF_ARCHS:
-        raise ValueError(f"GGUF architecture {arch!r} is not supported ({sorted(_GGUF_ARCHS)})")
+    kind = gguf_kind(str(arch), bool(metadata.get(f"{arch}.expert_count")))
+    if kind is None:
+        raise ValueError(
+            f"GGUF architecture {arch!r} is not supported ({list(SUPPORTED_GGUF_KINDS)})"
+        )
+    return kind
+
+
+def _hf_config(
+    metadata: dict[str, Any], tensors: list[TensorEntry], kind: GgufKind
+) -> dict[str, Any]:
+    arch = kind.name
     shapes = {name: shape for name, shape, _, _ in tensors}
 
     def get(key: str, default: Any = None) -> Any:
@@ -249,9 +211,6 @@ def _hf_config(metadata: dict[str, Any], tensors: list[TensorEntry]) -> dict[str
         return float(f"{value:.7g}") if isinstance(value, float) else value  # f32 1e-5 -> 1e-05
 
     hidden, heads = get("embedding_length"), get("attention.head_count")
-    names = (
-        _GGUF_ARCHS[arch][:2] if not get("expert_count") or arch != "llama" else _GGUF_MIXTRAL[:2]
-    )
     experts: dict[str, Any] = {}
     if get("expert_count"):
         experts = {
@@ -267,8 +226,8 @@ def _hf_config(metadata: dict[str, Any], tensors: list[TensorEntry]) -> dict[str
         if original := get("rope.scaling.original_context_length"):
             rope_scaling["original_max_position_embeddings"] = original
     config = {
-        "architectures": [names[0]],
-        "model_type": names[1],
+        "architectures": [kind.architecture],
+        "model_type": kind.model_type,
         **{key: value for key, value in experts.items() if value is not None},
         "vocab_size": shapes["token_embd.weight"][0],
         "hidden_size": hidden,
@@ -338,11 +297,11 @@ def _gemma3_gguf_config(config: dict[str, Any], pattern: Any) -> dict[str, Any]:
     }
 
 
-def _expert_names(name: str, kind: str, num_experts: int) -> list[str] | None:
+def _expert_names(name: str, kind: GgufKind, num_experts: int) -> list[str] | None:
     """The per-expert HF names of a GGUF expert tensor (one for a router), or None."""
     stem, _, suffix = name.rpartition(".")
     layer = re.fullmatch(r"blk\.(\d+)\.(\w+)", stem)
-    table = _GGUF_EXPERT_NAMES.get(kind, {})
+    table = kind.expert_names
     if not layer or layer[2] not in table:
         return None
     pattern = f"model.layers.{layer[1]}.{table[layer[2]]}.{suffix}"
@@ -351,16 +310,16 @@ def _expert_names(name: str, kind: str, num_experts: int) -> list[str] | None:
     return [pattern.format(e=e) for e in range(num_experts)]
 
 
-def _hf_tensor_name(name: str, arch: str) -> str:
-    stem, _, kind = name.rpartition(".")
+def _hf_tensor_name(name: str, kind: GgufKind) -> str:
+    stem, _, suffix = name.rpartition(".")
     if stem in _GGUF_NAMES:
-        return f"{_GGUF_NAMES[stem]}.{kind}"
+        return f"{_GGUF_NAMES[stem]}.{suffix}"
     layer = re.fullmatch(r"blk\.(\d+)\.(\w+)", stem)
-    names = {**_GGUF_LAYER_NAMES, **_GGUF_ARCH_LAYER_NAMES.get(arch, {})}
+    names = {**_GGUF_LAYER_NAMES, **kind.layer_names}
     if layer and layer[2] in names:
-        return f"model.layers.{layer[1]}.{names[layer[2]]}.{kind}"
+        return f"model.layers.{layer[1]}.{names[layer[2]]}.{suffix}"
     raise ValueError(
-        f"GGUF tensor {name!r} of this {arch!r} file has no Hugging Face equivalent in this "
+        f"GGUF tensor {name!r} of this {kind.name!r} file has no Hugging Face equivalent in this "
         "converter (experts: a mixture of experts; rope_freqs, rope_factors: RoPE scaling): "
         "use the model's Hugging Face checkpoint instead"
     )
@@ -377,7 +336,7 @@ _QUANT_MATRIX = re.compile(
 def _gguf_weights(
     path: str,
     tensors: list[TensorEntry],
-    arch: str,
+    kind: GgufKind,
     permute_config: dict[str, Any] | None,
     num_experts: int = 0,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, tuple[str, int]], int]:
@@ -401,7 +360,7 @@ def _gguf_weights(
         block_size, block_bytes = GGML_QUANT_SIZES[qtype]
         rows, row_bytes = math.prod(shape[:-1]), shape[-1] // block_size * block_bytes
         raw = data[offset : offset + rows * row_bytes].reshape(rows, row_bytes)
-        expert_names = _expert_names(name, arch, shape[0]) if num_experts else None
+        expert_names = _expert_names(name, kind, shape[0]) if num_experts else None
         if expert_names is not None:  # experts: one HF tensor each, dequantized
             rounded += qtype.name != "BF16"
             stacked = torch.from_numpy(dequantize(raw, qtype).copy()).reshape(shape)
@@ -412,7 +371,7 @@ def _gguf_weights(
                 for index, expert_name in enumerate(expert_names):
                     weights[expert_name] = stacked[index].contiguous()
             continue
-        hf_name = _hf_tensor_name(name, arch)
+        hf_name = _hf_tensor_name(name, kind)
         keep = qtype.name in GgmlType.__members__ and bool(_QUANT_MATRIX.fullmatch(hf_name))
         if keep:
             tensor = torch.from_numpy(np.array(raw))  # rows of blocks: permuted like weights
@@ -428,7 +387,7 @@ def _gguf_weights(
             quant[hf_name] = tensor.contiguous()
             formats[hf_name] = (qtype.name, shape[-1])
             continue
-        if arch in _GGUF_NORMS_PLUS_ONE and hf_name.endswith("norm.weight"):
+        if kind.has_norms_plus_one and hf_name.endswith("norm.weight"):
             tensor = tensor - 1.0
         # A float tensor keeps the file's precision, so float32 runs on the file's values;
         # a format dequantized here (not one the kernels read) is stored in bfloat16.

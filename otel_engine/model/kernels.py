@@ -10,8 +10,9 @@ system's C compiler (`cc -O3 -fopenmp` and those flags) into `$OTEL_ENGINE_CACHE
 flags and the compiler, and renamed into place atomically, so concurrent engines share one
 build; one build per cache directory runs at a time (`BUILD_LOCK`), so processes that start
 together (the ranks of a TP group) wait for one compile instead of each running it. A build
-takes one core 6 s (baseline) to 14 s (avx512bf16) with GCC 12 on this project's AMD EPYC
-(`bench/kernel_build.py` measures it per level; its numbers are in bench/README.md).
+takes one core 7 s (baseline) to 22 s (avx512bf16) of compiler CPU with GCC 12 on this
+project's AMD EPYC (`bench/kernel_build.py` measures it per level; its numbers are in
+bench/README.md, "Kernel build time").
 
 The library says what it was built for and which layout it has (`cpu_kernels.c`, "the
 contract with kernels.py"): its build tag is read from the file before the file is loaded,
@@ -55,7 +56,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
-_BUILD_TIMEOUT_S = 120  # about 9x the slowest build measured (bench/kernel_build.py)
+_BUILD_TIMEOUT_S = 120  # about 5x the slowest build measured (bench/README.md, "Kernel build time")
 ABI_VERSION = 9  # cpu_kernels.c OTEL_KERNELS_ABI
 
 

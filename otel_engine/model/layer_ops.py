@@ -1,12 +1,18 @@
-"""What a decoder layer does besides its matmuls, in two implementations with one interface.
+"""What a decoder layer does besides its matmuls (RMSNorm with its residual add, rotary with
+the cache write, attention, SiLU-and-mul), the attention metadata of a step, and the greedy
+argmax of the LM head's output, in two implementations with one interface.
 
-`TorchOps` is plain torch (any device; the reference). `KernelOps` calls the compiled CPU
-kernels (`kernels.py`): one call replaces each chain of small torch ops (RMSNorm with its
-residual add, rotary with the cache write, decode attention, SiLU-and-mul), whose dispatch
-cost dominates a decode step on a small CPU, and decode attention reads each cached block
-once instead of copying it; prefill chunks run in the compiled prefill attention where the
-fast paths enabled it (bfloat16, head size 64), else in torch's fused attention. Which one a
-model gets is `fast_paths.choose`'s decision (`make_layer_ops`).
+`TorchOps` is plain torch (any device, any head size; the reference), and the only one with
+sliding-window layers. `KernelOps` calls the compiled CPU kernels (`kernels.py`, float32 or
+bfloat16): one call replaces each chain of small torch ops, whose dispatch cost dominates a
+decode step on a small CPU, and decode attention reads each cached block once instead of
+copying it (any even head size: 64 and 128 have their own code up to 8 query heads per KV
+head, the others a generic loop). Prefill chunks run in the compiled prefill attention where
+the plan enabled it (bfloat16, head size 64 or 128: `fast_paths.PREFILL_KERNEL_HEAD_DIMS`;
+where torch runs on AMX, chunks of up to 32 tokens), else in torch's fused attention.
+`KernelOps` also hands the decoder stack (model/decoder_stack.py, head size 64) its call and
+its prefill chunks. Which one a model gets is `fast_paths.choose`'s decision
+(`make_layer_ops`).
 
 Every op takes and returns [tokens, ...] tensors in the model dtype. `add_rms_norm` adds the
 residual `delta` into `hidden` in place (the residual stream is owned by the forward).

@@ -1,5 +1,5 @@
 """The decoder every family shares (Llama, Mistral, Qwen2 as they are; Qwen3, Phi-3 and the
-mixtures of experts as small subclasses, model/registry.py), tensor-parallel by heads.
+mixtures of experts as small subclasses, model/families.py), tensor-parallel by heads.
 
 Each rank holds its share of the attention heads (fused q/k/v rows) and of the MLP (fused
 gate/up rows); the output projections are split by columns and summed with an all-reduce.

@@ -16,7 +16,8 @@ import torch
 from otel_engine import LLM, SamplingParams
 from otel_engine.config import EngineConfig
 from otel_engine.engine.core_client import InprocClient
-from otel_engine.model.arch import SUPPORTED_ARCHITECTURES, load_model_arch
+from otel_engine.model.arch import load_model_arch
+from otel_engine.model.families import SUPPORTED_ARCHITECTURES
 from otel_engine.model.layers import RotaryEmbedding
 from otel_engine.model.moe import MoeWeights, moe_forward, moe_forward_dense
 from otel_engine.observability.crash_dump import engine_config_part

@@ -486,11 +486,12 @@ def test_processes_that_start_together_on_a_cold_cache_compile_once(tmp_path: Pa
 
 
 def _measured_build_seconds() -> dict[str, float]:
-    """bench/README.md's table of bench/kernel_build.py's numbers: best seconds per level."""
+    """bench/README.md's table of bench/kernel_build.py's numbers: the compiler's CPU seconds
+    per level (what a build costs one core; the wall time grows with the machine's load)."""
     readme = Path(__file__).parents[2] / "bench" / "README.md"
     section = readme.read_text().split("## Kernel build time", 1)[1].split("\n## ", 1)[0]
-    rows = re.findall(r"^\| (\w+) \| ([\d.]+) \|", section, re.MULTILINE)
-    return {level: float(best) for level, best in rows}
+    rows = re.findall(r"^\| (\w+) \| [\d.]+ \| [\d.]+ \| ([\d.]+) \|", section, re.MULTILINE)
+    return {level: float(cpu) for level, cpu in rows}
 
 
 def test_the_stated_build_time_is_the_benchmark_s() -> None:
