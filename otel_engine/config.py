@@ -146,15 +146,16 @@ class SchedulerConfig:
 
 @dataclass(frozen=True, slots=True)
 class ParallelConfig:
-    """Tensor parallelism. `multiprocess` runs the engine core in its own process (what
-    `AsyncLLM` needs; `LLM` passes False unless told otherwise: in process).
+    """Tensor parallelism. `multiprocess` runs the engine core in its own process; the
+    default runs it in the caller's (`LLM`, `otel-engine generate`), and `AsyncLLM`, the
+    server's engine, always sets it (its core must be a process of its own).
     `distributed_executor_backend`: `mp` spawns the ranks on this machine; `ray` runs them as
     actors of a running Ray cluster (`ray_address`; None: `RAY_ADDRESS`, else the cluster
     started on this machine), placed by a placement group of one bundle per rank
     (`ray_cpus_per_rank` CPUs each, one GPU on CUDA) with `ray_placement_strategy`."""
 
     tensor_parallel_size: int = 1
-    multiprocess: bool = True
+    multiprocess: bool = False
     distributed_executor_backend: ExecutorBackend = ExecutorBackend.MP
     ray_address: str | None = None
     ray_placement_strategy: RayPlacementStrategy = RayPlacementStrategy.PACK

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -64,6 +65,8 @@ class AsyncLLM:
     """Asynchronous engine: `async for output in llm.generate(prompt, params, request_id)`."""
 
     def __init__(self, model: str | None = None, **options: Any) -> None:
+        if options.get("multiprocess") is False:
+            raise ValueError("AsyncLLM runs the engine core in its own process (multiprocess=True)")
         self._setup(EngineConfig.from_kwargs(model=model, **options))
 
     @classmethod
@@ -73,8 +76,10 @@ class AsyncLLM:
         return self
 
     def _setup(self, config: EngineConfig) -> None:
-        if not config.parallel.multiprocess:
-            raise ValueError("AsyncLLM runs the engine core in its own process (multiprocess=True)")
+        # the engine core is a process of its own whatever the config's default says
+        config = dataclasses.replace(
+            config, parallel=dataclasses.replace(config.parallel, multiprocess=True)
+        )
         enable_on_stderr()  # a native fault in this process leaves its stack on stderr
         self.config = config
         self._frontend = Frontend(config)

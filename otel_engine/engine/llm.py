@@ -25,19 +25,17 @@ from otel_engine.sampling_params import SamplingParams
 
 
 class LLM:
-    """Offline batch generation. `multiprocess=False` (default) runs the engine core in
-    this process; tensor-parallel workers are processes either way.
+    """Offline batch generation. The engine core runs in this process unless
+    `multiprocess=True` is given; tensor-parallel workers are processes either way.
 
     >>> with LLM(model="path/to/model") as llm:
     ...     outputs = llm.generate(["Hello"], SamplingParams(max_tokens=8, temperature=0))
     ...     answers = llm.chat([{"role": "user", "content": "Hello"}])
     """
 
-    def __init__(
-        self, model: str | None = None, *, multiprocess: bool = False, **options: Any
-    ) -> None:
+    def __init__(self, model: str | None = None, **options: Any) -> None:
         enable_on_stderr()
-        self.config = EngineConfig.from_kwargs(model=model, multiprocess=multiprocess, **options)
+        self.config = EngineConfig.from_kwargs(model=model, **options)
         if self.config.recovery.on_engine_failure != EngineFailureMode.SHUTDOWN:
             raise ValueError(
                 "on_engine_failure='restart' is the server's (AsyncLLM): an offline batch "

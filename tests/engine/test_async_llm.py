@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 from collections.abc import AsyncGenerator, Callable, Iterator
 from typing import Any, cast
 
+import psutil
 import pytest
 
-from otel_engine import AsyncLLM, EngineDeadError, RequestError, RequestOutput, SamplingParams
+from otel_engine import LLM, AsyncLLM, EngineDeadError, RequestError, RequestOutput, SamplingParams
+from otel_engine.config import EngineConfig
 from otel_engine.ipc.messages import StepOutputs
+from otel_engine.ipc.process import ENGINE_CORE, process_title
 from tests.helpers.tiny_model import hf_greedy
 
 pytestmark = pytest.mark.slow  # starts engine core processes
@@ -193,6 +197,22 @@ def test_async_llm_needs_an_engine_core_process(tiny_model_dir: str) -> None:
     """multiprocess=False is refused: the streaming engine runs its core in a process."""
     with pytest.raises(ValueError, match="multiprocess"):
         AsyncLLM(tiny_model_dir, multiprocess=False)
+
+
+def test_multiprocess_has_one_default(tiny_model_dir: str) -> None:
+    """The config's default runs the core in the caller's process (`LLM`, `generate`);
+    `AsyncLLM`, given that default (as `serve` gives it), runs the core in a process of its
+    own and its config, which the crash dump reads, says so."""
+    config = EngineConfig.from_kwargs(model=tiny_model_dir, num_kv_blocks=64)
+    assert not config.parallel.multiprocess
+    assert "multiprocess" not in inspect.signature(LLM).parameters
+    engine = AsyncLLM.from_config(config)
+    try:
+        assert engine.config.parallel.multiprocess
+        names = {child.name() for child in psutil.Process().children(recursive=True)}
+        assert process_title(ENGINE_CORE) in names
+    finally:
+        engine.shutdown()
 
 
 def test_generate_after_shutdown_raises_engine_dead(
