@@ -1,10 +1,13 @@
 """Tool-call parsers on each format's real text: calls and content out of whole answers,
-malformed and truncated calls as content with an invalid count (never an exception), and
-the same calls whether the text arrives at once or in any pieces."""
+malformed and truncated calls as content with an invalid count (never an exception), the
+same calls whether the text arrives at once or in any pieces, and a streamed call only once
+it is a call (a short hypothesis run of the fuzz that `python -m tests.fuzz_tool_calls` runs
+at full size)."""
 
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 from hypothesis import given, settings
@@ -16,8 +19,13 @@ from otel_engine.entrypoints.tools.format import TOOL_FORMATS
 from otel_engine.entrypoints.tools.formats import SHIPPED
 from otel_engine.entrypoints.tools.formats.mistral import MistralFormat
 from otel_engine.entrypoints.tools.parser import ToolCallParser
+from otel_engine.outputs import FinishReason
+from tests import fuzz_tool_calls
+from tests.helpers import model_text
+from tests.helpers.paths import REPO_ROOT
 
 TOOLS = {"get_weather", "get_time"}
+FUZZ_IN_TESTS = 300  # model answers of the fuzz run here (docs/tools.md states it)
 WEATHER = '{"city": "Paris", "unit": "celsius"}'
 TIME = '{"zone": "Europe/Paris", "nested": {"a": [1, 2.5e3, true, null, "x\\"}"]}}'
 
@@ -194,12 +202,9 @@ def _streamed(format: str, pieces: list[str]) -> tuple[str, list[tuple[str, str,
     for delta in [*(parser.feed(piece) for piece in pieces), parser.finish()]:
         content += delta.content
         for call in delta.calls:
-            if call.id is not None:
-                assert call.index not in calls, "a call's id and name come once"
-                assert call.name
-                calls[call.index] = [call.id, call.name, ""]
-            calls[call.index][2] += call.arguments
-    return content, [tuple(calls[i]) for i in sorted(calls)]
+            assert call.index not in calls, "a call is sent once, whole"
+            calls[call.index] = (call.id, call.name, call.arguments)
+    return content, [calls[i] for i in sorted(calls)]
 
 
 @pytest.mark.parametrize(("format", "text", "content", "calls"), CASES)
@@ -257,18 +262,70 @@ def test_any_chunking_gives_the_same_calls(data: st.DataObject) -> None:
     assert calls == [(n, a) for _, n, a in streamed_calls]
 
 
-def test_a_call_streams_its_name_first_then_arguments_in_pieces() -> None:
+def test_a_call_is_sent_whole_once_its_object_closes() -> None:
     parser = _parser(ToolFormatName.HERMES)
-    text = f'Checking.<tool_call>\n{{"name": "get_weather", "arguments": {WEATHER}}}\n</tool_call>'
-    deltas = [parser.feed(text[i : i + 6]) for i in range(0, len(text), 6)]
+    head = f'Checking.<tool_call>\n{{"name": "get_weather", "arguments": {WEATHER}'
+    deltas = [parser.feed(head[i : i + 6]) for i in range(0, len(head), 6)]
 
-    calls = [call for delta in deltas for call in delta.calls]
-    assert calls[0].id
-    assert calls[0].name == "get_weather"
-    assert not calls[0].arguments
-    assert len([call for call in calls if call.arguments]) > 3  # arguments arrive in pieces
-    content = "".join(delta.content for delta in deltas)
-    assert content == "Checking."  # the marker and the call never leak into content
+    assert [] == [call for delta in deltas for call in delta.calls]
+    assert "Checking." == "".join(delta.content for delta in deltas)
+    closed = parser.feed("}\n</tool_call>")
+    assert [(0, "get_weather", WEATHER)] == [(c.index, c.name, c.arguments) for c in closed.calls]
+    assert closed.calls[0].as_openai()["id"] == parser.calls[0].id
+    assert "" == closed.content + parser.finish().content
+
+
+# A call that breaks after its name, in each format whose `auto` is not under a grammar: the
+# model stopped, or wrote what is not JSON, after `"name": "get_weather"`.
+BROKEN_AFTER_THE_NAME = [
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": '),
+    ("hermes", '<tool_call>{"name": "get_weather", "arguments": {"city": "Par</tool_call> ok'),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": Paris}}'),
+    ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}]'),
+    ("phi4_mini", 'functools[{"name": "get_weather", "arguments": 3}]'),
+]
+
+
+@pytest.mark.parametrize(("format", "text"), BROKEN_AFTER_THE_NAME)
+def test_a_call_that_breaks_after_its_name_is_never_streamed(format: str, text: str) -> None:
+    """The stream holds no call, only the text, and ends as the whole answer does (stop)."""
+    case = model_text.Answer(ToolFormatName(format), text, FinishReason.STOP)
+
+    streamed_content, streamed_calls = _streamed(format, list(text))
+
+    assert (text, []) == (streamed_content, streamed_calls)
+    assert [] == model_text.problems(case, list(text))
+
+
+def test_the_fuzz_writes_answers_in_every_format() -> None:
+    rng = random.Random(1)
+    answers = [model_text.answer(rng, format) for format in ToolFormatName for _ in range(50)]
+
+    assert set(ToolFormatName) == {answer.format for answer in answers}
+    for format in ToolFormatName:
+        parsed = [parse_tool_calls(a.format, a.text, TOOLS) for a in answers if a.format == format]
+        assert any(p.calls for p in parsed), f"{format}: no answer with a call"
+        assert any(p.num_invalid for p in parsed), f"{format}: no answer with a broken call"
+
+
+def test_the_docs_state_the_fuzz_sizes() -> None:
+    text = " ".join((REPO_ROOT / "docs" / "tools.md").read_text(encoding="utf-8").split())
+
+    assert f"streams {fuzz_tool_calls.CASES:,} seeded model answers" in text
+    assert f"the test suite runs {FUZZ_IN_TESTS} of them" in text
+
+
+@settings(max_examples=FUZZ_IN_TESTS, deadline=None)
+@given(st.randoms(use_true_random=False), st.sampled_from(list(ToolFormatName)))
+def test_a_streamed_call_always_parses_and_equals_the_whole_answer(
+    rng: random.Random, format: ToolFormatName
+) -> None:
+    """Over model answers well-formed and broken, streamed in random pieces: every streamed
+    call parses, and content, calls and finish reason equal the non-streamed answer's."""
+    case = model_text.answer(rng, format)
+    stream = model_text.pieces(rng, case.text)
+
+    assert [] == model_text.problems(case, stream), case
 
 
 def test_text_that_may_start_a_marker_is_held_back() -> None:

@@ -119,7 +119,8 @@ def test_forced_calls_parse_and_validate(tool_served: Served, tool_choice: Any) 
 
 
 def test_streamed_calls_equal_the_non_streamed(tool_served: Served) -> None:
-    """The client's stream helper reassembles the same calls as the whole answer."""
+    """The client's stream helper reassembles the same calls as the whole answer, each sent
+    whole in one delta once it is a call."""
     client = _client(tool_served)
     options: dict[str, Any] = {
         "model": tool_served.model,
@@ -143,10 +144,38 @@ def test_streamed_calls_equal_the_non_streamed(tool_served: Served) -> None:
         for choice in event.chunk.choices
         for call in choice.delta.tool_calls or ()
     ]
-    assert deltas[0].id is not None
-    assert deltas[0].function is not None
-    assert deltas[0].function.name
-    assert len(deltas) > 2  # the arguments came in pieces
+    assert _calls(whole.choices[0].message) == [
+        (delta.function.name, json.loads(delta.function.arguments or ""))
+        for delta in deltas
+        if delta.function is not None
+    ]
+    assert all(delta.id is not None and delta.function is not None for delta in deltas)
+
+
+def test_a_call_cut_after_its_name_is_text_streamed_or_not(tool_served: Served) -> None:
+    """A stop string cuts the forced call after its name: the stream sends no call, only its
+    text, and ends as the whole answer does (that text as content, finish_reason stop)."""
+    client = _client(tool_served)
+    options: dict[str, Any] = {
+        "model": tool_served.model,
+        "messages": MESSAGES,
+        "tools": TOOLS,
+        "tool_choice": "required",
+        "max_tokens": 600,
+        "temperature": 0.0,
+        "stop": ['"arguments"'],
+    }
+    whole = client.chat.completions.create(**options).choices[0]
+    chunks = list(client.chat.completions.create(**options, stream=True))
+    streamed = [choice for chunk in chunks for choice in chunk.choices]
+
+    assert ("stop", None) == (whole.finish_reason, whole.message.tool_calls)
+    assert '"name"' in (whole.message.content or "")
+    assert [] == [call for choice in streamed for call in choice.delta.tool_calls or ()]
+    assert (whole.message.content, "stop") == (
+        "".join(choice.delta.content or "" for choice in streamed),
+        streamed[-1].finish_reason,
+    )
 
 
 def test_one_call_without_parallel_tool_calls(tool_served: Served) -> None:

@@ -45,7 +45,7 @@ class Outcomes:
         stopped after calling."""
         self.metrics.on_tool_calls(ToolCallOutcome.PARSED, len(calls))
         self.metrics.on_tool_calls(ToolCallOutcome.INVALID, num_invalid)
-        return FinishReason.TOOL_CALLS if calls and reason == FinishReason.STOP else reason
+        return tool_finish_reason(bool(calls), reason)
 
     def log_tool_calls(self, calls: list[ToolCall]) -> None:
         """With --log-prompts, the calls' arguments (client data, like prompts)."""
@@ -73,6 +73,12 @@ class Outcomes:
             record_failure(telemetry, job, draining(), None)
         else:
             record_gone(telemetry, job, request)
+
+
+def tool_finish_reason(has_calls: bool, reason: FinishReason) -> FinishReason:
+    """A chat choice's finish reason with tools: tool_calls when it stopped after calling,
+    whether it was streamed or not."""
+    return FinishReason.TOOL_CALLS if has_calls and reason == FinishReason.STOP else reason
 
 
 def record_gone(telemetry: RequestTelemetry, job: Job, request: Request) -> None:

@@ -1,5 +1,5 @@
-"""Tool calls as the parser gives them: whole calls (`ToolCall`), the pieces of one streamed
-call (`CallDelta`), what one piece of text yields (`Delta`), a whole answer (`Parsed`), and
+"""Tool calls as the parser gives them: whole calls (`ToolCall`), one call as a stream sends
+it (`CallDelta`), what one piece of text yields (`Delta`), a whole answer (`Parsed`), and
 the call ids OpenAI's clients expect."""
 
 from __future__ import annotations
@@ -28,22 +28,22 @@ class ToolCall:
 
 @dataclass(slots=True)
 class CallDelta:
-    """A piece of call `index`: the first one has its id and name, later ones arguments."""
+    """Call `index` of a streamed choice, sent whole once it is known to be a call: one
+    delta with its id, name and arguments (OpenAI's clients join a call's deltas by index,
+    so one delta is a whole call to them)."""
 
     index: int
-    id: str | None = None
-    name: str | None = None
-    arguments: str = ""
+    id: str
+    name: str
+    arguments: str
 
     def as_openai(self) -> dict[str, object]:
-        delta: dict[str, object] = {"index": self.index}
-        function: dict[str, str] = {}
-        if self.id is not None:
-            delta["id"], delta["type"] = self.id, "function"
-            function["name"] = self.name or ""
-        function["arguments"] = self.arguments
-        delta["function"] = function
-        return delta
+        return {
+            "index": self.index,
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
 
 
 @dataclass(slots=True)

@@ -1,11 +1,12 @@
 """The JSON of a call region, followed one character at a time (`JsonScanner`), so that a
-call's name is known as soon as it is written and its arguments can be streamed while they
-are generated.
+streamed region is known to be calls, or not, as soon as its text shows it (a call object's
+end, a name outside the tools, a character JSON does not allow there), and the text held
+back while it may be calls is released then.
 
 The scanner keeps a stack of the objects and arrays open, and for each call object (an
 object where the format puts calls) its name and the text of its arguments. It does not
 decide what a region is or what is sent: its owner (`ToolCallParser`) does, through the
-hooks it declares at the end (a call named, a call closed, a region ended or broken)."""
+hooks it declares at the end (a call closed, a region ended or broken)."""
 
 from __future__ import annotations
 
@@ -22,16 +23,11 @@ _LITERAL_END = ",]} \t\r\n"
 class CallObject:
     """A call object being read: its name and the text of its arguments."""
 
-    __slots__ = ("arguments", "arguments_done", "emitted", "index", "name", "sent", "start")
+    __slots__ = ("arguments", "name")
 
-    def __init__(self, start: int) -> None:
-        self.start = start  # where its object starts in the text
-        self.index = -1  # its index among the choice's calls, once started
+    def __init__(self) -> None:
         self.name: str | None = None
         self.arguments: str | None = None  # the value's JSON text, once whole
-        self.arguments_done = False
-        self.emitted = False  # its first delta went out
-        self.sent = 0  # arguments characters sent
 
 
 class Frame:
@@ -58,7 +54,6 @@ class JsonScanner:
         self._escape = False
         self._string_start = 0
         self._literal_start = -1  # a number, true, false or null being read
-        self._open: list[CallObject] = []  # call objects being read
         self._value_calls = 0  # calls completed in the current top-level value
         # the format's shape, read once (the loop below runs per character)
         self._separator = format.separator
@@ -134,10 +129,7 @@ class JsonScanner:
         ):
             parent.value_start = self._pos
         if char == "{":
-            call = CallObject(self._pos) if self._is_call() else None
-            if call is not None:
-                self._open.append(call)
-            self._stack.append(Frame("obj", call))
+            self._stack.append(Frame("obj", CallObject() if self._is_call() else None))
         elif char == "[":
             self._stack.append(Frame("arr", None))
         elif char == '"':
@@ -205,11 +197,9 @@ class JsonScanner:
                 self._give_back(delta)
                 return
             call.name = value
-            self._start_call(call, delta)
         elif call.arguments is None:  # arguments written as a string holding the object
             frame.value_start = -1
             call.arguments = value
-            call.arguments_done = True
 
     def _end_literal(self, delta: Delta) -> bool:
         literal = self.text[self._literal_start : self._pos]
@@ -236,7 +226,6 @@ class JsonScanner:
                 self._give_back(delta)  # arguments must be an object
                 return False
             call.arguments = self.text[parent.value_start : self._pos + 1]
-            call.arguments_done = True
             parent.value_start = -1
         if frame.call is not None and not self._complete(frame.call, delta):
             return False
@@ -252,26 +241,13 @@ class JsonScanner:
             return False
         return True
 
-    def _partial_arguments(self, call: CallObject) -> str | None:
-        for frame in self._stack:
-            if frame.call is call and frame.value_start >= 0:
-                if self.text[frame.value_start] != "{":
-                    return None  # a string: sent whole, when it ends
-                return self.text[frame.value_start : self._pos]
-        return None
-
     def _reset_json(self) -> None:
         self._stack.clear()
-        self._open.clear()
         self._in_string = False
         self._escape = False
         self._literal_start = -1
 
     # ---- the owner's hooks -------------------------------------------------------
-
-    def _start_call(self, call: CallObject, delta: Delta) -> None:
-        """`call` has a name among the tools: its first delta."""
-        raise NotImplementedError
 
     def _complete(self, call: CallObject, delta: Delta) -> bool:
         """`call`'s object ended: it is a call (True) or the region broke (False)."""

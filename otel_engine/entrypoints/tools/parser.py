@@ -2,15 +2,16 @@
 formats/ has each one's markup).
 
 `ToolCallParser` reads a choice's text as it is generated (`feed`) and says what it holds:
-content (text outside tool calls, held back while a call may be starting) and tool-call
-deltas (a call's id and name first, then its arguments in pieces, as OpenAI streams them).
-A non-streamed choice is the same parser fed the whole text at once (`parse`), so both
-give the same calls. The arguments are the JSON text the model wrote for them.
+content (text outside tool calls, held back while a call may be starting) and calls. A call
+is sent once its text is known to be a call (its object closed, naming one of the request's
+tools, with arguments that parse as an object), whole, in one delta: its id, name and
+arguments. A non-streamed choice is the same parser fed the whole text at once (`parse`),
+so both give the same content and calls, whatever the text and however it ends. The
+arguments are the JSON text the model wrote for them.
 
 A call whose text is not a valid call (malformed JSON, a function that is not among the
-request's tools, arguments that are not an object) is not a call: its text stays content
-and it counts as `invalid`, unless a delta of the call was already streamed. A call cut
-short by max_tokens streams the part that was generated; non-streamed, its text is content.
+request's tools, arguments that are not an object) or that was cut short (max_tokens, a
+stop string) is not a call: its text is content and it counts as `invalid`, streamed or not.
 """
 
 from __future__ import annotations
@@ -28,10 +29,9 @@ class ToolCallParser(JsonScanner):
 
     The text alternates between content and regions (the JSON of calls, after a marker or,
     for a whole-answer format, as the whole answer). In a region the scanner (json_scan.py)
-    follows the JSON: a call object's `name` starts the call (its first delta), its
-    arguments' characters are sent as they are read, and the object's end completes it. A
-    region that turns out not to be calls gives its text back to the content, from the
-    end of its last complete call.
+    follows the JSON: a call object's end completes the call, which is sent then. A region
+    that turns out not to be calls gives its text back to the content, from the end of its
+    last complete call.
     """
 
     def __init__(
@@ -55,8 +55,6 @@ class ToolCallParser(JsonScanner):
         self._mode = "start" if self._whole_answer else "text"  # start text region close rest
         self._sent_to = 0  # content is sent up to here
         self._resume = 0  # where content restarts if the region breaks
-        self._ids: list[str] = []
-        self._streaming = True  # a delta sent cannot be taken back
         self._json_answer = json_answer  # a JSON value without calls is the answer
 
     # ---- public ------------------------------------------------------------------
@@ -69,8 +67,6 @@ class ToolCallParser(JsonScanner):
             progressed = getattr(self, f"_scan_{self._mode}")(delta)
             if not progressed:
                 break
-        for call in self._open:
-            self._flush(call, delta)
         return delta
 
     def finish(self) -> Delta:
@@ -87,9 +83,7 @@ class ToolCallParser(JsonScanner):
         return delta
 
     def parse(self, text: str) -> Parsed:
-        """A whole choice's text at once (the non-streamed answer): a region that breaks
-        gives all of its text back, even after a call in it had started."""
-        self._streaming = False
+        """A whole choice's text at once (the non-streamed answer)."""
         self.feed(text)
         self.finish()
         return Parsed(self.content, list(self.calls), self.num_invalid)
@@ -178,12 +172,9 @@ class ToolCallParser(JsonScanner):
 
     def _give_back(self, delta: Delta) -> None:
         """Invalid, and the region's text from the end of its last complete call is
-        content; a call already streamed is not repeated."""
+        content."""
         self.num_invalid += 1
         self._sent_to = self._resume
-        streamed = self._streaming and any(call.emitted for call in self._open)
-        if streamed:  # its deltas went out: content resumes after what was read
-            self._sent_to = self._pos
         self._reset_json()
         self._mode = "rest" if self._whole_answer else "text"
         if self._mode == "text" and self._marker:
@@ -197,12 +188,6 @@ class ToolCallParser(JsonScanner):
 
     # ---- calls -------------------------------------------------------------------
 
-    def _start_call(self, call: CallObject, delta: Delta) -> None:
-        call.index = len(self._ids)
-        self._ids.append(self.new_id())
-        call.emitted = True
-        delta.calls.append(CallDelta(call.index, self._ids[call.index], call.name))
-
     def _complete(self, call: CallObject, delta: Delta) -> bool:
         if call.name is None:
             self._give_back(delta)
@@ -215,23 +200,9 @@ class ToolCallParser(JsonScanner):
         if not valid:
             self._give_back(delta)
             return False
-        call.arguments, call.arguments_done = arguments, True
-        self._flush(call, delta)
-        self.calls.append(ToolCall(self._ids[call.index], call.name, arguments))
-        self._open.remove(call)
+        done = ToolCall(self.new_id(), call.name, arguments)
+        delta.calls.append(CallDelta(len(self.calls), done.id, done.name, done.arguments))
+        self.calls.append(done)
         self._value_calls += 1
         self._resume = self._pos + 1
         return True
-
-    def _flush(self, call: CallObject, delta: Delta) -> None:
-        """Send the call's arguments read so far (all of them once its value ended)."""
-        if not call.emitted:
-            return
-        text = call.arguments if call.arguments_done else self._partial_arguments(call)
-        if text is None or len(text) <= call.sent:
-            return
-        piece, call.sent = text[call.sent :], len(text)
-        if delta.calls and delta.calls[-1].index == call.index:
-            delta.calls[-1].arguments += piece
-        else:
-            delta.calls.append(CallDelta(call.index, arguments=piece))
