@@ -510,8 +510,9 @@ def _interrupt(signum: int, frame: object) -> None:
 
 def serve(args: argparse.Namespace, config: EngineConfig) -> int:
     from otel_engine import AsyncLLM
-    from otel_engine.entrypoints.api_server import bind_socket, run_server
+    from otel_engine.entrypoints.api_server import run_server
     from otel_engine.entrypoints.network.guard import ApiKeyError, resolve_api_key
+    from otel_engine.entrypoints.network.server import bind_socket
 
     try:
         api_key = resolve_api_key(args.api_key, args.api_key_file, os.environ)

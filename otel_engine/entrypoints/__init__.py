@@ -1,2 +1,4 @@
-"""HTTP entry points: the OpenAI-compatible API server (`api_server`) and its request models
-(`protocol`). `otel_engine.cli` starts them; nothing here is imported by the engine itself."""
+"""HTTP entry points: the OpenAI-compatible API server (`api_server`), wired from three rooms:
+`network` (the server, connections, guard, bodies), `openai` (the app, request and response
+types, serving, rendering) and `tools`. `otel_engine.cli` starts it; nothing here is imported
+by the engine itself."""

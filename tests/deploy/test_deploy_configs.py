@@ -389,8 +389,8 @@ def test_promtool_accepts_the_prometheus_config() -> None:
 
 def engine_app_routes() -> dict[str, set[str]]:
     """Path -> methods of the real FastAPI app, built around a stand-in engine."""
-    from otel_engine.entrypoints.api_server import build_app
     from otel_engine.entrypoints.network.guard import ServerState
+    from otel_engine.entrypoints.openai.app import build_app
 
     engine = SimpleNamespace(
         add_step_listener=lambda listener: None,

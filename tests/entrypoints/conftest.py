@@ -20,7 +20,8 @@ import httpx
 import pytest
 
 from otel_engine import AsyncLLM
-from otel_engine.entrypoints.api_server import ApiServer, bind_socket, make_server
+from otel_engine.entrypoints.api_server import make_server
+from otel_engine.entrypoints.network.server import ApiServer, bind_socket
 from tests.helpers.scrape import metric_value
 
 API_KEY = "test-key-123"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -51,7 +52,7 @@ def test_bodies_within_the_limits_validate() -> None:
     answer (a 400 naming the field)."""
     body = _chat([{"role": "user", "content": [{"type": "text", "text": "hi"}]}] * MAX_MESSAGES)
 
-    assert MAX_MESSAGES == len(validate(ChatCompletionRequest, body).messages)
+    assert MAX_MESSAGES == len(validate(ChatCompletionRequest, body, is_chat=True).messages)
     check_chat_counts(b'{"messages": 7}')
     check_chat_counts(b"not json")
 
@@ -61,3 +62,26 @@ def test_each_message_counts_its_template_overhead() -> None:
     messages = [{"role": "user", "content": ""}, {"role": "user", "content": "abc", "name": "n"}]
 
     assert 2 * MESSAGE_OVERHEAD_CHARS + 4 == chat_chars(messages)
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])
+def test_the_app_has_its_chat_bodies_counted(path: str) -> None:
+    """The OpenAI app tells the network room which bodies hold chat messages: a chat and a
+    /tokenize of MAX_MESSAGES + 1 messages are refused before validation."""
+    from starlette.testclient import TestClient
+
+    from otel_engine.entrypoints.network.guard import ServerState
+    from otel_engine.entrypoints.openai.app import build_app
+
+    engine = SimpleNamespace(
+        add_step_listener=lambda listener: None,
+        add_recovery_listener=lambda listener: None,
+        config=SimpleNamespace(observability=SimpleNamespace(log_prompts=False)),
+        max_model_len=512,
+        is_dead=False,
+    )
+    body = _chat([{"role": "user", "content": ""}] * (MAX_MESSAGES + 1))
+    with TestClient(build_app(ServerState(engine=engine))) as client:  # type: ignore[arg-type]
+        response = client.post(path, content=body)
+
+    assert (400, "too_many_messages") == (response.status_code, response.json()["error"]["code"])

@@ -78,7 +78,7 @@ def _calls(message: Any) -> list[tuple[str, dict[str, Any]]]:
 
 
 def _format(served: Served) -> str:
-    return served.server.state.serving._tools.format.name  # type: ignore[union-attr]
+    return served.server.config.app.state.serving._tools.format.name  # type: ignore[no-any-return]
 
 
 def test_the_format_is_read_from_the_template(tool_served: Served) -> None:

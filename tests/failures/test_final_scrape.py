@@ -89,8 +89,8 @@ def test_a_scrape_counts_only_once_every_failed_request_is_counted() -> None:
 
     from starlette.testclient import TestClient
 
-    from otel_engine.entrypoints.api_server import build_app
     from otel_engine.entrypoints.network.guard import ServerState
+    from otel_engine.entrypoints.openai.app import build_app
 
     engine = SimpleNamespace(
         add_step_listener=lambda listener: None,

@@ -4,21 +4,23 @@ FastAPI would parse and validate a body on the event loop, where 4 MB of small J
 (140,000 empty chat messages) take most of a second and stall every other request, /health
 included. `BodyRoute` validates each route's `body` with `BodyParser` instead: bodies up to
 `INLINE_BODY_BYTES` on the loop (microseconds), larger ones in the `request-body` thread.
-Before pydantic sees a chat body, its messages and content parts are counted on a compact
-decoding (`check_chat_counts`), so a body over `MAX_MESSAGES` or `MAX_CONTENT_PARTS` is a 400
-after milliseconds, whatever it holds. A request with a large body that fails hands the
-memory it took back to the system (glibc keeps freed heap pages otherwise). The OpenAPI
-document is FastAPI's own, from the same signatures.
+Before pydantic sees a body that holds chat messages (the app names those models), its
+messages and content parts are counted on a compact decoding (`check_chat_counts`), so a body
+over `MAX_MESSAGES` or `MAX_CONTENT_PARTS` is a 400 after milliseconds, whatever it holds.
+A request with a large body that fails hands the memory it took back to the system (glibc
+keeps freed heap pages otherwise). The OpenAPI document is FastAPI's own, from the same
+signatures.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import json
 import time
 import typing
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Collection, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar, TypeVar
 
@@ -31,7 +33,6 @@ from starlette.responses import Response
 
 from otel_engine.entrypoints.network.errors import bad_request
 from otel_engine.entrypoints.network.limits import MAX_CONTENT_PARTS, MAX_MESSAGES
-from otel_engine.entrypoints.openai.protocol import ChatCompletionRequest, TokenizeRequest
 from otel_engine.errors import ErrorCode
 from otel_engine.memory import malloc_trim
 
@@ -83,18 +84,23 @@ def check_chat_counts(raw: bytes) -> None:
 
 
 class BodyParser:
-    """Validates request bodies into their pydantic models; large ones in one thread."""
+    """Validates request bodies into their pydantic models; large ones in one thread.
+    `chat_models`: the models whose bodies hold chat messages, counted first."""
 
-    def __init__(self) -> None:
+    def __init__(self, chat_models: Collection[type[BaseModel]] = ()) -> None:
+        self._chat_models = frozenset(chat_models)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="request-body")
         self._trim = malloc_trim()
         self._last_trim = 0.0
 
     async def parse(self, model: type[M], raw: bytes) -> M:
+        is_chat = model in self._chat_models
         if len(raw) <= INLINE_BODY_BYTES:
-            return validate(model, raw)
+            return validate(model, raw, is_chat=is_chat)
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._thread, validate, model, raw)
+        return await loop.run_in_executor(
+            self._thread, functools.partial(validate, model, raw, is_chat=is_chat)
+        )
 
     def refused(self, num_bytes: int) -> None:
         """A request of a `num_bytes` body failed: give its memory back to the system if it
@@ -110,11 +116,11 @@ class BodyParser:
         self._thread.shutdown(wait=False, cancel_futures=True)
 
 
-def validate(model: type[M], raw: bytes) -> M:
+def validate(model: type[M], raw: bytes, *, is_chat: bool = False) -> M:
     """`model` from a JSON body, parsed and validated as FastAPI would (the standard JSON
     parser, which keeps a lone surrogate for the field's own check to name); errors as
-    FastAPI's (answered 400)."""
-    if model in _CHAT_MODELS:
+    FastAPI's (answered 400). A chat body (`is_chat`) has its messages counted first."""
+    if is_chat:
         check_chat_counts(raw)
     try:
         value = json.loads(raw)
@@ -125,9 +131,6 @@ def validate(model: type[M], raw: bytes) -> M:
         return model.model_validate(value)
     except ValidationError as error:
         raise RequestValidationError(error.errors(include_url=False)) from None
-
-
-_CHAT_MODELS: frozenset[type[BaseModel]] = frozenset({ChatCompletionRequest, TokenizeRequest})
 
 
 def body_route_class(parser: BodyParser) -> type[APIRoute]:

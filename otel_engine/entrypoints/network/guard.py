@@ -6,7 +6,7 @@ case (RFC 9110: schemes are case-insensitive); two headers are refused, not reso
 
 `ServerState` is what the guard, the routes and the runner share about one server: the
 engine, the metrics (fed by the engine's per-step stats), the number of requests in flight,
-the drain state and the health state it implies.
+the drain state and the health state it implies, and what the app closes at shutdown.
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ from otel_engine.timing import DRAIN_CANCEL_GRACE_S
 
 if TYPE_CHECKING:
     from otel_engine import AsyncLLM
-    from otel_engine.entrypoints.openai.serving import OpenAIServing
     from otel_engine.ipc.messages import StepOutputs
     from otel_engine.observability.metrics import StepStats
 
@@ -50,8 +49,6 @@ class ServerState:
     engine: AsyncLLM
     api_key: str | None = None
     limits: ServerLimits = field(default_factory=ServerLimits)
-    allow_special_tokens_in_content: bool = False  # chat.py: control tokens from clients
-    tool_call_parser: str = "auto"  # tools/plan.py: the format of tool calls
     metrics: EngineMetrics = field(default_factory=EngineMetrics)
     num_in_flight: int = 0
     is_draining: bool = False
@@ -59,7 +56,9 @@ class ServerState:
     drain_expired: asyncio.Event = field(default_factory=asyncio.Event)
     # Per-client budget of the lines a request can cause before it is authenticated.
     log_budget: ClientLogBudget = field(default_factory=ClientLogBudget)
-    serving: OpenAIServing | None = None  # set by build_app
+    # What the app closes once the server has drained (its worker threads), registered by
+    # the app as it is built.
+    on_shutdown: list[Callable[[], None]] = field(default_factory=list)
     _idle: asyncio.Event = field(default_factory=asyncio.Event)
 
     def __post_init__(self) -> None:

@@ -1,4 +1,5 @@
-"""Request lifetime on the HTTP side: client disconnects, drain deadlines, SSE responses.
+"""Request lifetime on the HTTP side: client disconnects, drain deadlines, the transport of
+server-sent events (their frames are the API's: the caller's `events` and `error_frame`).
 
 A `RequestWatch` races a request's work (waiting for the first token, collecting the
 completion, streaming chunks) against the client going away and against the server's drain
@@ -15,7 +16,6 @@ import contextvars
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, TypeVar
 
-import msgspec
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
@@ -29,15 +29,10 @@ SSE_HEADERS = [
     (b"cache-control", b"no-cache"),
     (b"x-accel-buffering", b"no"),
 ]
-DONE_EVENT = b"data: [DONE]\n\n"
 
 
 class ClientDisconnected(Exception):
     """The client closed the connection before the response was complete."""
-
-
-def sse_event(payload: object) -> bytes:
-    return b"data: " + msgspec.json.encode(payload) + b"\n\n"
 
 
 async def _wait_disconnect(receive: Receive) -> None:
@@ -79,24 +74,25 @@ class EventStreamResponse(Response):
     """Server-sent events from `events`, raced against the request's `RequestWatch`.
 
     `events` yields complete SSE frames and handles engine errors itself (as error events);
-    this class only handles the transport: disconnects, the drain deadline, and a client that
-    does not read: once the connection's `ClientReader` says the client is behind, the
-    request is held in the engine (`hold(True)`, its slot goes to others) until the client
-    has taken what was written, then released (`hold(False)`).
+    `error_frame` is the frame that ends a stream the drain deadline cut. This class only
+    handles the transport: disconnects, the drain deadline, and a client that does not read:
+    once the connection's `ClientReader` says the client is behind, the request is held in
+    the engine (`hold(True)`, its slot goes to others) until the client has taken what was
+    written, then released (`hold(False)`).
     """
 
     def __init__(
         self,
         events: AsyncIterator[bytes],
         watch: RequestWatch,
+        error_frame: Callable[[APIError], bytes],
         hold: Callable[[bool], None] | None = None,
-        error_frame: Callable[[APIError], bytes] | None = None,
     ) -> None:
         super().__init__(status_code=200)
         self._events = events
         self._watch = watch
+        self._error_frame = error_frame
         self._hold = hold
-        self._error_frame = error_frame or (lambda error: sse_event(error.body()))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})

@@ -1,6 +1,6 @@
 """One admitted OpenAI request as the edge serves it (`Job`): what to run, how to shape its
 answer, what it has counted so far; with a Responses request, what its answer repeats of it
-(`ResponsesEcho`)."""
+(`response_models.ResponsesEcho`)."""
 
 from __future__ import annotations
 
@@ -9,27 +9,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from otel_engine.entrypoints.openai.api_kind import ApiKind
+from otel_engine.entrypoints.openai.response_models import ResponsesEcho
 from otel_engine.entrypoints.tools.plan import ToolPlan
 from otel_engine.outputs import TokenLogprobs
 from otel_engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from otel_engine import RequestOutput
-
-
-@dataclass(slots=True)
-class ResponsesEcho:
-    """What a response object repeats of its request."""
-
-    instructions: str | None
-    max_output_tokens: int | None
-    temperature: float
-    top_p: float
-    tools: list[dict[str, Any]]
-    tool_choice: Any
-    parallel_tool_calls: bool
-    text: dict[str, Any]
-    metadata: dict[str, str]
 
 
 @dataclass(slots=True)

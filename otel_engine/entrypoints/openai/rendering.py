@@ -1,7 +1,8 @@
 """OpenAI response bodies from engine outputs: a whole completion or chat completion, or
 its server-sent events chunk by chunk (roles, echoed prompts, held-back text, logprobs,
-usage), with the request's telemetry ended as the response ends (how a choice ends is
-counted by `outcome.Outcomes`, which the Responses API's bodies share)."""
+usage; each event one `data:` frame, `data: [DONE]` last), with the request's telemetry
+ended as the response ends (how a choice ends is counted by `outcome.Outcomes`, which the
+Responses API's bodies share)."""
 
 from __future__ import annotations
 
@@ -15,11 +16,11 @@ from starlette.responses import Response
 
 from otel_engine.entrypoints.network.errors import (
     ENGINE_ERRORS,
+    APIError,
     aborted_by_engine,
     from_engine_error,
     internal_error,
 )
-from otel_engine.entrypoints.network.streaming import DONE_EVENT, sse_event
 from otel_engine.entrypoints.openai.api_kind import ApiKind
 from otel_engine.entrypoints.openai.job import Job
 from otel_engine.entrypoints.openai.logprobs import LogprobsFormatter
@@ -33,6 +34,16 @@ if TYPE_CHECKING:
     from otel_engine.outputs import CompletionOutput
 
 JSON = "application/json"
+DONE_EVENT = b"data: [DONE]\n\n"
+
+
+def sse_event(payload: object) -> bytes:
+    return b"data: " + msgspec.json.encode(payload) + b"\n\n"
+
+
+def error_event(error: APIError) -> bytes:
+    """The event that ends a completion's or chat's stream with `error`."""
+    return sse_event(error.body())
 
 
 class ResponseRenderer:
@@ -107,7 +118,7 @@ class ResponseRenderer:
                 if any(c.finish_reason == FinishReason.ABORT for c in output.outputs):
                     error = aborted_by_engine()
                     record_failure(telemetry, job, error, None)
-                    yield sse_event(error.body())
+                    yield error_event(error)
                     return
                 for completion in output.outputs:
                     chunk = self._choice_chunk(job, completion, reasons)
@@ -125,11 +136,11 @@ class ResponseRenderer:
         except ENGINE_ERRORS as exc:
             error = from_engine_error(exc)
             record_failure(telemetry, job, error, exc)
-            yield sse_event(error.body())
+            yield error_event(error)
         except Exception as exc:  # a bug here must still end the stream with an error event
             error = internal_error(exc, request_id=job.request_id)
             record_failure(telemetry, job, error, exc)
-            yield sse_event(error.body())
+            yield error_event(error)
         finally:
             await outputs.aclose()  # type: ignore[attr-defined]
             self.outcomes.ended_early(telemetry, job, request)

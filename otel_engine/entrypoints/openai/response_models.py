@@ -1,14 +1,16 @@
-"""What the server sends, as pydantic models for the OpenAPI document only.
+"""What the server sends, as pydantic models for the OpenAPI document.
 
 The handlers build their bodies with msgspec (fast; rendering.py, responses.py); these models
-describe them, so that clients and fuzzers can check every answer against the document.
+describe them, so that clients and fuzzers can check every answer against the document. The
+part of a response object that repeats its request (`ResponsesEcho`) is declared once, here:
+the handlers carry it on the job and write its fields as declared.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from otel_engine.outputs import FinishReason
 
@@ -247,13 +249,36 @@ class ResponsesIncomplete(BaseModel):
     reason: Literal["max_output_tokens", "content_filter"]
 
 
-class ResponseObject(BaseModel):
+class ResponsesEcho(BaseModel):
+    """What a response object repeats of its request (temperature and top_p: the sampling it
+    got), the last fields of `ResponseObject`, in its order. Responses are not stored and
+    their input is never truncated, whatever the request said."""
+
+    # every answer has the defaulted fields too: the document lists them as required
+    model_config = ConfigDict(json_schema_serialization_defaults_required=True)
+
+    instructions: str | None
+    max_output_tokens: int | None
+    temperature: float
+    top_p: float
+    tools: list[dict[str, Any]]
+    tool_choice: Any
+    parallel_tool_calls: bool
+    text: dict[str, Any]
+    previous_response_id: None = None
+    metadata: dict[str, str]
+    store: Literal[False] = False
+    truncation: Literal["disabled"] = "disabled"
+
+
+class ResponseObject(ResponsesEcho):
     """`POST /v1/responses` without `stream` (with it: server-sent events `response.created`,
     `response.in_progress`, `response.output_item.added`, `response.content_part.added`,
     `response.output_text.delta`, `response.function_call_arguments.delta`, their `.done`
     events, then `response.completed` or `response.incomplete`, or `error` and
     `response.failed`)."""
 
+    # On the wire these come first, then `ResponsesEcho`'s (responses.response_object).
     id: str
     object: Literal["response"]
     created_at: int
@@ -263,15 +288,3 @@ class ResponseObject(BaseModel):
     usage: ResponsesUsage | None
     error: ResponsesError | None
     incomplete_details: ResponsesIncomplete | None
-    instructions: str | None
-    max_output_tokens: int | None
-    temperature: float
-    top_p: float
-    tools: list[dict[str, Any]]
-    tool_choice: Any
-    parallel_tool_calls: bool
-    text: dict[str, Any]
-    previous_response_id: None
-    metadata: dict[str, str]
-    store: bool
-    truncation: str

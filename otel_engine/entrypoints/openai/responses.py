@@ -27,7 +27,7 @@ from otel_engine.entrypoints.network.errors import (
     from_engine_error,
     internal_error,
 )
-from otel_engine.entrypoints.openai.job import Job, ResponsesEcho
+from otel_engine.entrypoints.openai.job import Job
 from otel_engine.entrypoints.openai.outcome import Outcomes, record_failure
 from otel_engine.entrypoints.openai.request_telemetry import RequestTelemetry
 from otel_engine.entrypoints.openai.response_stream import (
@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from starlette.requests import Request
 
     from otel_engine import RequestOutput
+    from otel_engine.entrypoints.openai.response_models import ResponsesEcho
     from otel_engine.outputs import CompletionOutput
 
 JSON = "application/json"
@@ -68,18 +69,7 @@ def response_object(
         "usage": usage,
         "error": error,
         "incomplete_details": {"reason": incomplete} if incomplete else None,
-        "instructions": echo.instructions,
-        "max_output_tokens": echo.max_output_tokens,
-        "temperature": echo.temperature,
-        "top_p": echo.top_p,
-        "tools": echo.tools,
-        "tool_choice": echo.tool_choice,
-        "parallel_tool_calls": echo.parallel_tool_calls,
-        "text": echo.text,
-        "previous_response_id": None,
-        "metadata": echo.metadata,
-        "store": False,
-        "truncation": "disabled",
+        **dict(echo),  # the fields as `ResponsesEcho` declares them, in its order
     }
 
 

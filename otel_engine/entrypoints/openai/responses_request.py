@@ -18,8 +18,8 @@ from otel_engine.entrypoints.openai.fields import (
     no_surrogates,
     unsupported,
 )
-from otel_engine.entrypoints.openai.job import ResponsesEcho
 from otel_engine.entrypoints.openai.protocol import ChatCompletionRequest
+from otel_engine.entrypoints.openai.response_models import ResponsesEcho
 from otel_engine.entrypoints.tools.base import ToolChoice, WireToolChoice
 from otel_engine.entrypoints.tools.request import MAX_TOOLS, Function, template_call
 from otel_engine.errors import ErrorCode

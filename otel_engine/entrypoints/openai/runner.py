@@ -30,7 +30,7 @@ from otel_engine.entrypoints.openai import responses
 from otel_engine.entrypoints.openai.api_kind import ApiKind
 from otel_engine.entrypoints.openai.job import Job
 from otel_engine.entrypoints.openai.outcome import Outcomes, record_failure, record_gone
-from otel_engine.entrypoints.openai.rendering import ResponseRenderer
+from otel_engine.entrypoints.openai.rendering import ResponseRenderer, error_event
 from otel_engine.entrypoints.openai.request_telemetry import RequestTelemetry
 from otel_engine.entrypoints.openai.response_stream import ResponseStream
 
@@ -99,10 +99,10 @@ class JobRunner:
                         self.outcomes, written, telemetry, outputs, first, request
                     )
                     return EventStreamResponse(
-                        events, watch, hold, lambda error: responses.failed_frames(written, error)
+                        events, watch, lambda error: responses.failed_frames(written, error), hold
                     )
                 events = self.renderer.events(job, telemetry, outputs, first, request)
-                return EventStreamResponse(events, watch, hold)
+                return EventStreamResponse(events, watch, error_event, hold)
             final = await watch.run(_last(outputs, first, telemetry, job))
             if job.kind is ApiKind.RESPONSES:
                 return responses.full_response(self.outcomes, job, telemetry, final)

@@ -26,7 +26,6 @@ from starlette.responses import Response
 from otel_engine.engine import structured_output
 from otel_engine.engine.chat import ChatRenderer, NoChatTemplateError
 from otel_engine.engine.validation import check_context
-from otel_engine.entrypoints.network.bodies import BodyParser
 from otel_engine.entrypoints.network.errors import (
     APIError,
     bad_request,
@@ -83,7 +82,6 @@ class OpenAIServing:
         self.log_prompts = engine.config.observability.log_prompts
         self.allow_special_tokens_in_content = allow_special_tokens_in_content
         self.tool_call_parser = tool_call_parser
-        self.bodies = BodyParser()
         self.runner = JobRunner(engine, metrics, drain_expired)
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
 
@@ -280,7 +278,6 @@ class OpenAIServing:
 
     def close(self) -> None:
         self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
-        self.bodies.close()
 
     def _admit(
         self,
