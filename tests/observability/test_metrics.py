@@ -60,6 +60,7 @@ FAMILIES = {
     "otel_engine_requests_poisoned": "counter",
     "otel_engine_fast_path_info": "gauge",
     "otel_engine_step_grammar_mask_seconds": "histogram",
+    "otel_engine_grammar_deferred": "counter",
     "otel_engine_memory_read_bandwidth_bytes_per_second": "gauge",
     "otel_engine_decode_bandwidth_bytes_per_second": "gauge",
     "otel_engine_decode_bandwidth_ratio": "gauge",
