@@ -19,7 +19,7 @@ from opentelemetry import trace
 from otel_engine.config import EngineConfig
 from otel_engine.engine.batch import longest_prompt, prepare_model_input
 from otel_engine.engine.grammars import GrammarCompiler, RequestGrammar, fill_within
-from otel_engine.engine.structured_output import LIMIT_EXCEEDED
+from otel_engine.engine.structured_output import LIMIT_EXCEEDED, PARAM, param_of
 from otel_engine.engine.validation import check_request
 from otel_engine.errors import ErrorCode, RequestError
 from otel_engine.executor.channel import failure_info
@@ -591,13 +591,15 @@ def _grammar_failed(request: Request) -> RequestUpdate:
             "matcher_memory_bytes": grammar.memory_bytes,
         },
     )
+    spec = request.sampling_params.structured_output
+    param = PARAM if spec is None else param_of(spec)
     if grammar.limit is not None and grammar.error is not None:
-        rejected = RequestRejected(LIMIT_EXCEEDED, grammar.error, "response_format")
+        rejected = RequestRejected(LIMIT_EXCEEDED, grammar.error, param)
         return RequestUpdate(request.request_id, [], FinishReason.ABORT, rejected=rejected)
     rejected = RequestRejected(
         ErrorCode.STRUCTURED_OUTPUT_FAILED,
-        "the output could not follow the response_format grammar",
-        "response_format",
+        f"the output could not follow the {param} grammar",
+        param,
         is_server_error=True,
     )
     return RequestUpdate(request.request_id, [], FinishReason.ABORT, rejected=rejected)

@@ -17,12 +17,12 @@ the pattern with `.{min,}` and proves the intersection non-empty at each new lex
 (`^a*$` with minLength 500: 18 ms for a first mask; 1,000: 39 ms; 2,000: 110 ms), while a
 `maxLength` beside it costs nothing measurable.
 A schema may require at most MAX_REQUIRED_LENGTH characters, items or properties of a value
-(`minLength`, `minItems`, `minProperties`, `minContains`): more is output no context holds,
-so every such request would run to its max_tokens. The maxima (`maxLength`, `maxItems`,
-`maxProperties`) cost nothing measurable: llguidance counts them down in its automaton and
-its grammar. `x-guidance` (llguidance's compile options: `whitespace_pattern`,
-`item_separator`, `lenient`, ...) is the engine's to set: a client schema carrying it is
-refused.
+(`minLength`, `minItems`, `minProperties`, `minContains`): a cap on the output a schema can
+force (a request that cannot meet it writes until its max_tokens). The maxima
+(`maxLength`, `maxItems`, `maxProperties`) cost nothing measurable: llguidance counts them
+down in its automaton and its grammar. `x-guidance` (llguidance's compile options:
+`whitespace_pattern`, `item_separator`, `lenient`, ...) is the engine's to set: a client
+schema carrying it is refused.
 """
 
 from __future__ import annotations
@@ -91,9 +91,14 @@ _JSON_RULE = re.compile(r"^\w+: %json (?=\{)", re.MULTILINE)
 
 
 def embedded_schemas(grammar: str) -> Iterator[Any]:
+    """The schemas of `grammar`'s `json_rule` lines (a line that only looks like one, in a
+    literal a format wrote, is passed over: every rule `json_rule` wrote is found)."""
     decoder = json.JSONDecoder()
     for rule in _JSON_RULE.finditer(grammar):
-        yield decoder.raw_decode(grammar, rule.end())[0]
+        try:
+            yield decoder.raw_decode(grammar, rule.end())[0]
+        except ValueError:
+            continue
 
 
 def _bounded(size: int) -> int:
@@ -129,7 +134,7 @@ def _node_size(node: dict[str, Any]) -> int:
         if _number(node.get(keyword)) > MAX_REQUIRED_LENGTH:
             raise GrammarTooCostly(
                 GrammarLimit.REQUIRED_LENGTH,
-                f"{keyword} {node[keyword]} is more than {MAX_REQUIRED_LENGTH:,}",
+                f"a {keyword} is more than {MAX_REQUIRED_LENGTH:,}",
             )
     size = 0
     pattern = node.get("pattern")
@@ -150,10 +155,12 @@ def _number(value: object) -> int:
 # regex-syntax's counted repeat: `{` then a decimal, an optional `,` and decimal, each with
 # spaces around it, then `}`; any other `{` outside a class is an error there (never a
 # literal), so one this does not match is counted as an atom and left to llguidance.
-_REPEAT = re.compile(r"\{\s*(\d*)\s*(?:(,)\s*(\d*)\s*)?\}")
-_GROUP_FLAGS = re.compile(r"\(\?([a-zA-Z-]*)([:)])")  # `(?i)`, `(?s:`, `(?:`
-_NAMED_GROUP = re.compile(r"\(\?P?<[^>]*>")
-_ASCII_CLASS = re.compile(r"\[:\^?[a-z]+:\]")  # `[:alpha:]` inside a class: no nesting
+# Possessive quantifiers and bounded names: each match is linear, never a backtracking search.
+_REPEAT = re.compile(r"\{\s*+(\d*+)\s*+(?:(,)\s*+(\d*+)\s*+)?\}")
+_GROUP_FLAGS = re.compile(r"\(\?([a-zA-Z-]*+)([:)])")  # `(?i)`, `(?s:`, `(?:`
+_NAMED_GROUP = re.compile(r"\(\?P?<[^>]{0,64}>")
+_ASCII_CLASS = re.compile(r"\[:\^?[a-z]{1,16}:\]")  # `[:alpha:]` inside a class: no nesting
+_BRACED_NAME = 64  # the longest `\p{...}` or `\x{...}` read as one escape
 _HEX_DIGITS = {"x": 2, "u": 4, "U": 8}  # `\x7F`, `\u007F`, `\U0000007F`
 
 
@@ -240,8 +247,8 @@ def _escape_end(pattern: str, index: int) -> int:
     """Where the escape at `index` ends: `\\p{Greek}`, `\\x{10FFFF}`, `\\x7F` or one char."""
     kind = pattern[index + 1 : index + 2]
     if kind in ("p", "P", "x", "u", "U") and pattern.startswith("{", index + 2):
-        close = pattern.find("}", index + 3)
-        return len(pattern) if close < 0 else close + 1
+        close = pattern.find("}", index + 3, index + 3 + _BRACED_NAME)
+        return index + 3 if close < 0 else close + 1
     return index + 2 + _HEX_DIGITS.get(kind, 0)
 
 

@@ -164,7 +164,7 @@ class RequestGrammar:
         self.limit = limit
         if self.template is not None:
             self.template.limit = limit
-        self.error = f"the response_format grammar is too costly: {why} ({limit} budget)"
+        self.error = f"the request's grammar is too costly: {why} ({limit} budget)"
 
 
 def fill_within(grammars: Sequence[RequestGrammar], budget_s: float | None = None) -> float:
@@ -327,7 +327,7 @@ class GrammarCompiler:
         for spec, template in list(self._cache.items()):
             if template.limit is not None:
                 self._refused[spec] = (
-                    f"the response_format grammar is too costly ({template.limit} budget "
+                    f"the grammar is too costly ({template.limit} budget "
                     "exceeded by an earlier request with this schema)"
                 )
                 if len(self._refused) > REFUSED_SIZE:

@@ -5,8 +5,10 @@ documented numbers."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+import time
 from typing import Any
 
 import llguidance
@@ -82,6 +84,24 @@ def test_a_pattern_that_cannot_be_measured_is_refused(pattern: str, words: str) 
     with pytest.raises(GrammarTooCostly, match=words) as raised:
         regex_size(pattern)
     assert GrammarLimit.REGEX_SIZE == raised.value.limit
+
+
+@pytest.mark.parametrize(
+    "pattern",
+    [
+        "a{" + " " * 60_000,  # an unclosed count after spaces
+        "(?<" * 20_000,  # unclosed names
+        "[[" + "[:abc" * 12_000 + "]]",  # ASCII classes that never close
+        "\\p{" * 20_000,  # unclosed property names
+    ],
+)
+def test_measuring_a_hostile_pattern_takes_linear_time(pattern: str) -> None:
+    """A 60 KB pattern (a schema is at most 64 KiB) is read in well under a second: no
+    step of the reading searches back and forth."""
+    started = time.perf_counter()
+    with contextlib.suppress(GrammarTooCostly):
+        regex_size(pattern)
+    assert time.perf_counter() - started < 1.0
 
 
 def _schema(pattern: str, **keywords: Any) -> dict[str, Any]:

@@ -144,7 +144,7 @@ def test_output_cut_by_max_tokens_is_length_and_counted(served: Served) -> None:
     assert cut() - before == 1
 
 
-# ---- Costly schemas (the grammar-abuse batch, small: bench/grammar_abuse.py has the 32) ---
+# ---- Costly schemas (the grammar-abuse batch, small: bench/grammar_abuse.py has the rest) -
 
 
 def _core_rss() -> int:

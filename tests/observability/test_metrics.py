@@ -194,6 +194,13 @@ def test_on_step_accepts_step_outputs() -> None:
     assert 0.5 == samples(metrics)[("otel_engine_kv_cache_usage_ratio", ())]
 
 
+def test_structured_rows_a_step_deferred_are_counted() -> None:
+    metrics = EngineMetrics()
+    for _ in range(2):
+        metrics.on_step(StepOutputs(step_id=5, updates=[], num_grammar_deferred=3))
+    assert 6 == samples(metrics)[("otel_engine_grammar_deferred_total", ())]
+
+
 def test_prefix_cache_lookups_count_in_every_frame() -> None:
     """Queried and found prompt tokens add up over frames, no-step frames included; the
     cached-block gauge follows the last frame."""
