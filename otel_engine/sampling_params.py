@@ -100,7 +100,7 @@ BOUNDS: dict[str, Bound] = {
 
 
 class StructuredOutput(msgspec.Struct, frozen=True, array_like=True):
-    """Output constrained by a grammar (`engine/structured_output.py` enforces it): any JSON
+    """Output constrained by a grammar (`engine/grammars.py` enforces it): any JSON
     object (`json_object`), a value that validates against `json_schema` (its text), or
     `tool_calls`: the llguidance (Lark) `grammar` that entrypoints/tools/plan.py builds from a
     request's `num_tools` tools, text or calls of them in the model's format."""

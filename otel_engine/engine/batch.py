@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from otel_engine.engine.structured_output import RequestGrammar, fill_bitmasks
+from otel_engine.engine.grammars import RequestGrammar, fill_bitmasks
 from otel_engine.ipc.messages import ModelInput, PromptLogprobsChunk
 from otel_engine.observability import faults
 from otel_engine.sampling_params import LogitsProcessing

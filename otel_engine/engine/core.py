@@ -18,11 +18,8 @@ from opentelemetry import trace
 
 from otel_engine.config import EngineConfig
 from otel_engine.engine.batch import longest_prompt, prepare_model_input
-from otel_engine.engine.structured_output import (
-    LIMIT_EXCEEDED,
-    GrammarCompiler,
-    RequestGrammar,
-)
+from otel_engine.engine.grammars import GrammarCompiler, RequestGrammar, fill_within
+from otel_engine.engine.structured_output import LIMIT_EXCEEDED, PARAM, param_of
 from otel_engine.engine.validation import check_request
 from otel_engine.errors import ErrorCode, RequestError
 from otel_engine.executor.channel import failure_info
@@ -110,7 +107,8 @@ class EngineCore:
         self.step_started_at: float | None = None  # read by the step watchdog thread
         self.last_step_started_at = self.started_at
         self.current_step_id = 0
-        self.step_mask_s = 0.0  # the current step's grammar masks (engine/structured_output.py)
+        self.step_mask_s = 0.0  # the current step's grammar masks (engine/grammars.py)
+        self.num_grammar_deferred = 0  # structured requests that sat the step out for it
         self.step_bytes_read = 0  # what the current step's forward read (model/step_reads.py)
         self.step_decode_bandwidth = 0.0  # its bytes over its time, for decodes alone
         self._tracer = get_tracer()
@@ -303,6 +301,7 @@ class EngineCore:
             num_scheduled_tokens=output.num_batched_tokens,
             step_duration_s=self.last_step_at - self.last_step_started_at,
             grammar_mask_s=self.step_mask_s,
+            num_grammar_deferred=self.num_grammar_deferred,
             decode_bandwidth=self.step_decode_bandwidth,
         )
 
@@ -341,34 +340,43 @@ class EngineCore:
                 num_waiting=len(scheduler.waiting),
                 num_paused=len(scheduler.paused),
                 grammar_mask_s=self.step_mask_s,
+                num_grammar_deferred=self.num_grammar_deferred,
             )
         )
 
     def _execute(self, output: SchedulerOutput, trace_context: dict[str, str]) -> ModelOutput:
         self.step_mask_s = 0.0
+        self.num_grammar_deferred = 0
         self.step_bytes_read = 0
         if output.is_empty:
             return ModelOutput(output.step_id, [])
+        self._fill_masks(output)
         model_input = self.current_model_input = prepare_model_input(
             output.step_id, output.chunks, self.config.cache.block_size, trace_context
         )
-        if model_input.grammar_rows:
-            self._account_masks(output)
         result = self.executor.execute(model_input)
         self.step_bytes_read = result.num_bytes_read
         return result
 
-    def _account_masks(self, output: SchedulerOutput) -> None:
-        """What this step's grammar masks cost, on the step span (and, through
-        `step_mask_s`, in the step's metrics and history), so that a slow step says why."""
-        grammars = [c.request.grammar for c in output.chunks if c.needs_sample]
-        self.step_mask_s = sum(g.last_mask_s for g in grammars if g is not None)
+    def _fill_masks(self, output: SchedulerOutput) -> None:
+        """Compute this step's grammar masks within the step's budget (`fill_within`); a
+        request left without one sits the step out: its chunk leaves the batch and is
+        scheduled again next step. What the masks cost and how many waited go on the step
+        span (and, through `step_mask_s` and `num_grammar_deferred`, into the step's metrics
+        and history), so that a slow step says why."""
+        rows = [(c, g) for c in output.chunks if c.needs_sample and (g := c.request.grammar)]
+        if not rows:
+            return
+        self.step_mask_s = fill_within([grammar for _, grammar in rows])
+        waiting = {id(chunk) for chunk, grammar in rows if grammar.num_deferred}
+        if waiting:
+            output.chunks = [c for c in output.chunks if id(c) not in waiting]
+        self.num_grammar_deferred = len(waiting)
         span = self.current_step_span
         if span is not None:
             span.set_attribute("otel_engine.step.grammar_mask_s", self.step_mask_s)
-            span.set_attribute(
-                "otel_engine.step.num_grammar_rows", sum(g is not None for g in grammars)
-            )
+            span.set_attribute("otel_engine.step.num_grammar_rows", len(rows) - len(waiting))
+            span.set_attribute("otel_engine.step.num_grammar_deferred", len(waiting))
 
     def _collect_prompt_logprobs(self, output: SchedulerOutput, result: ModelOutput) -> None:
         """Keep each asking request's prompt logprobs in order; a chunk computed again after
@@ -583,13 +591,15 @@ def _grammar_failed(request: Request) -> RequestUpdate:
             "matcher_memory_bytes": grammar.memory_bytes,
         },
     )
+    spec = request.sampling_params.structured_output
+    param = PARAM if spec is None else param_of(spec)
     if grammar.limit is not None and grammar.error is not None:
-        rejected = RequestRejected(LIMIT_EXCEEDED, grammar.error, "response_format")
+        rejected = RequestRejected(LIMIT_EXCEEDED, grammar.error, param)
         return RequestUpdate(request.request_id, [], FinishReason.ABORT, rejected=rejected)
     rejected = RequestRejected(
         ErrorCode.STRUCTURED_OUTPUT_FAILED,
-        "the output could not follow the response_format grammar",
-        "response_format",
+        f"the output could not follow the {param} grammar",
+        param,
         is_server_error=True,
     )
     return RequestUpdate(request.request_id, [], FinishReason.ABORT, rejected=rejected)

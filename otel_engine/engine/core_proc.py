@@ -22,7 +22,7 @@ import zmq
 
 from otel_engine.config import EngineConfig
 from otel_engine.engine.core import EngineCore
-from otel_engine.engine.structured_output import GrammarCompiler
+from otel_engine.engine.grammars import GrammarCompiler
 from otel_engine.executor.channel import failure_info
 from otel_engine.executor.executor import make_executor
 from otel_engine.ipc.codec import Codec

@@ -163,6 +163,7 @@ class StepOutputs(msgspec.Struct, frozen=True, tag="outputs", array_like=True):
     step_duration_s: float = 0.0
     grammar_compile_s: list[float] = []  # structured-output grammars built since the last frame
     grammar_mask_s: float = 0.0  # this step's grammar masks: a slow step says why
+    num_grammar_deferred: int = 0  # structured requests that sat this step out (mask budget)
     # A step of decodes only: the bytes rank 0 read (model/step_reads.py) over the step's
     # time; 0 for any other step.
     decode_bandwidth: float = 0.0
@@ -234,7 +235,7 @@ class ModelInput(msgspec.Struct, frozen=True, tag="execute", array_like=True):
     prompt_logprobs: list[PromptLogprobsChunk] = []
     # Structured output: the sampled rows (indexes into `sample_indices`) that follow a
     # grammar, and their next-token masks, one row of int32 words each (bit b of word w
-    # allows token 32 w + b; `engine/structured_output.fill_bitmasks`).
+    # allows token 32 w + b; `engine/grammars.fill_bitmasks`).
     grammar_rows: list[int] = []
     grammar_bitmask: bytes = b""
     # The longest prompt of the batch's requests, only while the fault injector fires by

@@ -176,7 +176,8 @@ class StepStats(Protocol):
     """What `on_step` reads (`StepOutputs` has these). Optional extras, read when present:
     `step_id` (0: no step ran), `num_paused`, `kv_cache_cached_blocks`,
     `prefix_cache_queries`, `prefix_cache_hits`, `step_duration_s`, `num_scheduled_seqs`,
-    `num_scheduled_tokens`, `grammar_compile_s`, `grammar_mask_s`, `decode_bandwidth`."""
+    `num_scheduled_tokens`, `grammar_compile_s`, `grammar_mask_s`, `num_grammar_deferred`,
+    `decode_bandwidth`."""
 
     num_running: int
     num_waiting: int
@@ -222,6 +223,32 @@ class _Renamed(Collector):
                 for sample in family.samples
             ]
             yield copy
+
+
+def _grammar_metrics(r: CollectorRegistry) -> tuple[Histogram, Histogram, Counter]:
+    """What structured-output grammars cost the engine core: builds, each step's masks, and
+    the requests a step's mask budget made wait."""
+    return (
+        Histogram(
+            "otel_engine_grammar_compile_seconds",
+            "Time to build a structured-output grammar in the engine core (cache misses).",
+            buckets=GRAMMAR_COMPILE_BUCKETS,
+            registry=r,
+        ),
+        Histogram(
+            "otel_engine_step_grammar_mask_seconds",
+            "Time an engine step spent computing structured-output token masks (steps with "
+            "a grammar row only).",
+            buckets=GRAMMAR_MASK_BUCKETS,
+            registry=r,
+        ),
+        Counter(
+            "otel_engine_grammar_deferred",
+            "Structured requests that sat an engine step out because the step's grammar masks "
+            "had taken their budget (computed first at a later step).",
+            registry=r,
+        ),
+    )
 
 
 class EngineMetrics:
@@ -364,19 +391,7 @@ class EngineMetrics:
             "Request body fields the API does not know, ignored (logged: request.ignored_fields).",
             registry=r,
         )
-        self.grammar_compile = Histogram(
-            "otel_engine_grammar_compile_seconds",
-            "Time to build a structured-output grammar in the engine core (cache misses).",
-            buckets=GRAMMAR_COMPILE_BUCKETS,
-            registry=r,
-        )
-        self.step_grammar_mask = Histogram(
-            "otel_engine_step_grammar_mask_seconds",
-            "Time an engine step spent computing structured-output token masks (steps with "
-            "a grammar row only).",
-            buckets=GRAMMAR_MASK_BUCKETS,
-            registry=r,
-        )
+        self.grammar_compile, self.step_grammar_mask, self.grammar_deferred = _grammar_metrics(r)
         self.structured_output_invalid = Counter(
             "otel_engine_structured_output_invalid",
             "Structured-output choices returned without valid JSON, by reason: length "
@@ -556,6 +571,9 @@ class EngineMetrics:
         mask_s = getattr(stats, "grammar_mask_s", 0.0)
         if mask_s:
             self.step_grammar_mask.observe(mask_s)
+        num_deferred = getattr(stats, "num_grammar_deferred", 0)
+        if num_deferred:
+            self.grammar_deferred.inc(num_deferred)
         bandwidth = getattr(stats, "decode_bandwidth", 0.0)
         if bandwidth and duration:
             self.bandwidth.observe(bandwidth, duration)

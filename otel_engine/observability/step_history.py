@@ -27,6 +27,7 @@ class StepRecord(NamedTuple):
     num_waiting: int
     num_paused: int
     grammar_mask_s: float  # the step's structured-output masks: why a step with grammars is slow
+    num_grammar_deferred: int  # structured requests that sat the step out (its mask budget)
 
 
 FIELDS = StepRecord._fields

@@ -11,7 +11,7 @@ from otel_engine.outputs import FinishReason
 from otel_engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from otel_engine.engine.structured_output import RequestGrammar
+    from otel_engine.engine.grammars import RequestGrammar
 
 
 class RequestStatus(enum.IntEnum):
@@ -66,7 +66,7 @@ class Request:
     stop_reason: int | None = None
     first_scheduled_time: float | None = None
     trace_link: Any = None  # an OpenTelemetry Link to the request's span, when tracing
-    # With `structured_output`: its position in the grammar (engine/structured_output.py).
+    # With `structured_output`: its position in the grammar (engine/grammars.py).
     grammar: RequestGrammar | None = None
 
     # What a crash dump may show (observability/crash_dump.py): never token ids or text.

@@ -144,7 +144,7 @@ def test_output_cut_by_max_tokens_is_length_and_counted(served: Served) -> None:
     assert cut() - before == 1
 
 
-# ---- Costly schemas (the grammar-abuse batch, small: bench/grammar_abuse.py has the 32) ---
+# ---- Costly schemas (the grammar-abuse batch, small: bench/grammar_abuse.py has the rest) -
 
 
 def _core_rss() -> int:
@@ -191,9 +191,83 @@ def test_a_batch_of_costly_patterns_is_refused_and_others_are_served(served: Ser
     for error in errors:
         assert isinstance(error, dict), error
         assert error["param"] == "response_format"
-        assert "max_pattern_repeat" in error["message"]
+        assert error["code"] == "grammar_limit_exceeded"
+        assert "regex_size" in error["message"]
     assert probe_seconds < 5.0
     assert _core_rss() - before < 32 * 2**20
+
+
+COSTLY_ANSWERS = {
+    "a space in the count": {"type": "string", "pattern": "^a{ 100000}$"},
+    "repeats in sequence": {"type": "string", "pattern": "^" + "a{2000}" * 50 + "$"},
+    "the x flag": {"type": "string", "pattern": "(?x)a{1 0 0 0 0 0}"},
+    "a huge minLength": {"type": "string", "minLength": 100000},
+    "x-guidance": {"type": "object", "x-guidance": {"whitespace_pattern": "[ ]{0,100000}"}},
+}
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {"name": "weather", "parameters": {"type": "object", "properties": {}}},
+}
+
+
+def _bad_request(create: Any) -> dict[str, Any]:
+    with pytest.raises(openai.BadRequestError) as excinfo:
+        create()
+    body = excinfo.value.body
+    assert isinstance(body, dict)
+    return body
+
+
+@pytest.mark.parametrize("schema", COSTLY_ANSWERS.values(), ids=list(COSTLY_ANSWERS))
+def test_costly_answer_schemas_are_400_grammar_limit_exceeded_on_every_path(
+    served: Served, schema: dict[str, Any]
+) -> None:
+    """The probe's bypasses of the old repeat bound: a completion, a chat, and a chat with
+    tools under `tool_choice: auto` (where the answer is embedded in the tools grammar)."""
+    client = served.openai()
+    answer = schema_format(schema)
+    for create in (
+        lambda: client.completions.create(
+            model=served.model, prompt="hi", max_tokens=4, extra_body={"response_format": answer}
+        ),
+        lambda: client.chat.completions.create(
+            model=served.model,
+            messages=MESSAGES,  # type: ignore[arg-type]
+            max_tokens=4,
+            response_format=answer,  # type: ignore[arg-type]
+        ),
+        lambda: client.chat.completions.create(
+            model=served.model,
+            messages=MESSAGES,  # type: ignore[arg-type]
+            max_tokens=4,
+            tools=[WEATHER_TOOL],  # type: ignore[list-item]
+            tool_choice="auto",
+            response_format=answer,  # type: ignore[arg-type]
+        ),
+    ):
+        error = _bad_request(create)
+        assert ("grammar_limit_exceeded", "response_format") == (error["code"], error["param"])
+
+
+@pytest.mark.parametrize("schema", COSTLY_ANSWERS.values(), ids=list(COSTLY_ANSWERS))
+def test_costly_tool_parameters_are_400_grammar_limit_exceeded(
+    served: Served, schema: dict[str, Any]
+) -> None:
+    parameters = {"type": "object", "properties": {"q": schema}, "required": ["q"]}
+    if "x-guidance" in schema:
+        parameters = {**parameters, "x-guidance": schema["x-guidance"]}
+    tool = {"type": "function", "function": {"name": "search", "parameters": parameters}}
+    error = _bad_request(
+        lambda: served.openai().chat.completions.create(
+            model=served.model,
+            messages=MESSAGES,  # type: ignore[arg-type]
+            max_tokens=4,
+            tools=[tool],  # type: ignore[list-item]
+            tool_choice="required",
+        )
+    )
+
+    assert ("grammar_limit_exceeded", "tools") == (error["code"], error["param"])
 
 
 def test_step_mask_time_is_a_metric(served: Served) -> None:

@@ -60,6 +60,7 @@ FAMILIES = {
     "otel_engine_requests_poisoned": "counter",
     "otel_engine_fast_path_info": "gauge",
     "otel_engine_step_grammar_mask_seconds": "histogram",
+    "otel_engine_grammar_deferred": "counter",
     "otel_engine_memory_read_bandwidth_bytes_per_second": "gauge",
     "otel_engine_decode_bandwidth_bytes_per_second": "gauge",
     "otel_engine_decode_bandwidth_ratio": "gauge",
@@ -191,6 +192,13 @@ def test_on_step_accepts_step_outputs() -> None:
     metrics = EngineMetrics()
     metrics.on_step(StepOutputs(step_id=4, updates=[], num_running=1, kv_cache_usage=0.5))
     assert 0.5 == samples(metrics)[("otel_engine_kv_cache_usage_ratio", ())]
+
+
+def test_structured_rows_a_step_deferred_are_counted() -> None:
+    metrics = EngineMetrics()
+    for _ in range(2):
+        metrics.on_step(StepOutputs(step_id=5, updates=[], num_grammar_deferred=3))
+    assert 6 == samples(metrics)[("otel_engine_grammar_deferred_total", ())]
 
 
 def test_prefix_cache_lookups_count_in_every_frame() -> None:

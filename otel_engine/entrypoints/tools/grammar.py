@@ -1,13 +1,14 @@
 """The grammar of an answer with tools: which `tool_choice` is held to one, the JSON schema
 of a call, and the answer's JSON beside forced calls under a `response_format`. Each
-format writes its own top rules (`ToolFormat.grammar`)."""
+format writes its own top rules (`ToolFormat.grammar`); every schema goes in through
+`json_rule`, so that the grammar bounds (engine/grammar_bounds.py) find each of them."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
-from otel_engine.engine import structured_output
+from otel_engine.engine import grammar_bounds, structured_output
 from otel_engine.entrypoints.tools.base import ToolChoice
 from otel_engine.entrypoints.tools.format import ToolFormat
 from otel_engine.entrypoints.tools.request import Function
@@ -36,8 +37,7 @@ def tool_grammar(
 
 def json_rule(rule: str, schema: dict[str, Any]) -> str:
     """A Lark rule of an inline JSON schema, with the engine's whitespace bound."""
-    schema = {**schema, "x-guidance": dict(structured_output.JSON_OPTIONS)}
-    return f"{rule}: %json {json.dumps(schema, ensure_ascii=False)}\n"
+    return grammar_bounds.json_rule(rule, schema, dict(structured_output.JSON_OPTIONS))
 
 
 def call_schema(functions: list[Function], key: str) -> dict[str, Any]:
@@ -65,7 +65,9 @@ def _one_call(function: Function, key: str) -> dict[str, Any]:
 
 
 def _with_answer(calls: str, answer_format: StructuredOutput) -> str:
-    """The forced-calls grammar `calls` with a JSON answer of `answer_format` beside it."""
+    """The forced-calls grammar `calls` with a JSON answer of `answer_format` beside it;
+    RequestError (`response_format`) for an answer schema the engine would refuse alone."""
+    structured_output.check(answer_format)
     if answer_format.type == "json_schema":
         schema = json.loads(answer_format.json_schema)
     else:

@@ -112,7 +112,7 @@ class ToolSupport:
             try:
                 structured_output.check(plan.structured)
             except RequestError as error:
-                raise invalid(error.message) from None
+                raise RequestError(error.message, code=error.code, param="tools") from None
         marker = self.format.special_marker
         if marker in self._specials:  # it must reach the parser
             plan.keep_special = marker

@@ -47,7 +47,8 @@ class Function:
         try:
             structured_output.check(StructuredOutput("json_schema", text))
         except RequestError as error:
-            raise invalid(f"tool {self.name!r}: {error.message}") from None
+            message = f"tool {self.name!r}: {error.message}"
+            raise RequestError(message, code=error.code, param="tools") from None
 
 
 def resolve_choice(
