@@ -114,11 +114,31 @@ def test_serve_has_exactly_the_documented_flags() -> None:
     assert expected == _flags("serve")
 
 
-@pytest.mark.parametrize("command", [[], ["serve"], ["generate"], ["replay"]])
+def _commands(
+    parser: argparse.ArgumentParser | None = None, prefix: tuple[str, ...] = ()
+) -> list[list[str]]:
+    """The top level and every subcommand at any depth, as the parser has them (argparse has
+    no public way to list them: its subparsers action holds them)."""
+    parser = parser or build_parser()
+    found = [list(prefix)]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                found += _commands(sub, (*prefix, name))
+    return found
+
+
+def test_help_covers_the_known_subcommands() -> None:
+    """The enumeration below sees the parser's subcommands (it would pass vacuously if not)."""
+    assert {"serve", "generate", "replay"} <= {c[0] for c in _commands() if c}
+
+
+@pytest.mark.parametrize("command", _commands(), ids=lambda c: " ".join(c) or "otel-engine")
 def test_every_help_prints_and_exits_0(
     command: list[str], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """`--help` formats every flag's help (argparse reads a lone % in it as a format)."""
+    """`--help` of the top level and of every subcommand the parser has formats every flag's
+    help (argparse reads a lone % in it as a format)."""
     with pytest.raises(SystemExit) as exited:
         main([*command, "--help"])
 
