@@ -5,11 +5,12 @@ FastAPI would parse and validate a body on the event loop, where 4 MB of small J
 included. `BodyRoute` validates each route's `body` with `BodyParser` instead: bodies up to
 `INLINE_BODY_BYTES` on the loop (microseconds), larger ones in the `request-body` thread.
 Before pydantic sees a body that holds chat messages (the app names those models), its
-messages and content parts are counted on a compact decoding (`check_chat_counts`), so a body
-over `MAX_MESSAGES` or `MAX_CONTENT_PARTS` is a 400 after milliseconds, whatever it holds.
-A request with a large body that fails hands the memory it took back to the system (glibc
-keeps freed heap pages otherwise). The OpenAPI document is FastAPI's own, from the same
-signatures.
+messages, content parts and earlier tool calls are counted on a compact decoding
+(`check_chat_counts`), so a body over `MAX_MESSAGES`, `MAX_CONTENT_PARTS` or `MAX_TOOL_CALLS`
+is a 400 after milliseconds, whatever it holds; and any body nested deeper than
+`MAX_JSON_DEPTH` is a 400 before anything walks it by recursion. A request with a large body
+that fails hands the memory it took back to the system (glibc keeps freed heap pages
+otherwise). The OpenAPI document is FastAPI's own, from the same signatures.
 """
 
 from __future__ import annotations
@@ -32,7 +33,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from otel_engine.entrypoints.network.errors import bad_request
-from otel_engine.entrypoints.network.limits import MAX_CONTENT_PARTS, MAX_MESSAGES
+from otel_engine.entrypoints.network.json_values import TOO_DEEP, json_value_problem
+from otel_engine.entrypoints.network.limits import (
+    MAX_CONTENT_PARTS,
+    MAX_JSON_DEPTH,
+    MAX_MESSAGES,
+    MAX_TOOL_CALLS,
+)
 from otel_engine.errors import ErrorCode
 from otel_engine.memory import malloc_trim
 
@@ -53,14 +60,16 @@ class _Counted(msgspec.Struct):
 
 class _CountedMessage(msgspec.Struct):
     content: str | list[msgspec.Raw] | None = None
+    tool_calls: list[msgspec.Raw] | None = None
 
 
 def check_chat_counts(raw: bytes) -> None:
-    """400 for a chat body with more than `MAX_MESSAGES` messages or `MAX_CONTENT_PARTS`
-    content parts in all. A body that is not shaped like a chat is left to pydantic."""
+    """400 for a chat body with more than `MAX_MESSAGES` messages, or `MAX_CONTENT_PARTS`
+    content parts or `MAX_TOOL_CALLS` tool calls in all. A body that is not shaped like a
+    chat is left to pydantic."""
     try:
         messages = msgspec.json.decode(raw, type=_Counted).messages
-    except (msgspec.ValidationError, msgspec.DecodeError):
+    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
         return
     if len(messages) > MAX_MESSAGES:
         raise bad_request(
@@ -68,19 +77,37 @@ def check_chat_counts(raw: bytes) -> None:
             param="messages",
             code=ErrorCode.TOO_MANY_MESSAGES,
         )
-    num_parts = 0
+    num_parts = num_calls = 0
     for message in messages:
         try:
-            content = msgspec.json.decode(message, type=_CountedMessage).content
-        except (msgspec.ValidationError, msgspec.DecodeError):
+            counted = msgspec.json.decode(message, type=_CountedMessage)
+        except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
             continue
-        num_parts += len(content) if isinstance(content, list) else 0
-    if num_parts > MAX_CONTENT_PARTS:
-        raise bad_request(
-            f"a request has at most {MAX_CONTENT_PARTS} content parts, this one has {num_parts}",
-            param="messages",
-            code=ErrorCode.TOO_MANY_MESSAGES,
-        )
+        num_parts += len(counted.content) if isinstance(counted.content, list) else 0
+        num_calls += len(counted.tool_calls or ())
+    for num, limit, what in (
+        (num_parts, MAX_CONTENT_PARTS, "content parts"),
+        (num_calls, MAX_TOOL_CALLS, "tool calls"),
+    ):
+        if num > limit:
+            raise bad_request(
+                f"a request has at most {limit} {what}, this one has {num}",
+                param="messages",
+                code=ErrorCode.TOO_MANY_MESSAGES,
+            )
+
+
+def check_depth(raw: bytes, value: object) -> None:
+    """400 for a body (`value`, decoded from `raw`) nested deeper than `MAX_JSON_DEPTH`,
+    naming its top-level field; a body with fewer brackets than that is not walked."""
+    if raw.count(b"[") + raw.count(b"{") <= MAX_JSON_DEPTH:
+        return
+    fields = value.items() if isinstance(value, dict) else [("body", value)]
+    for name, field in fields:
+        problem = json_value_problem(field, check_strings=False)
+        if problem is not None:
+            param = name[:64].encode("utf-8", "replace").decode("utf-8")
+            raise bad_request(f"{param}: {problem}", param=param, code=ErrorCode.INVALID_VALUE)
 
 
 class BodyParser:
@@ -119,14 +146,18 @@ class BodyParser:
 def validate(model: type[M], raw: bytes, *, is_chat: bool = False) -> M:
     """`model` from a JSON body, parsed and validated as FastAPI would (the standard JSON
     parser, which keeps a lone surrogate for the field's own check to name); errors as
-    FastAPI's (answered 400). A chat body (`is_chat`) has its messages counted first."""
+    FastAPI's (answered 400). A chat body (`is_chat`) has its messages counted first; any
+    body nested past `MAX_JSON_DEPTH` is refused before pydantic walks it (`check_depth`)."""
     if is_chat:
         check_chat_counts(raw)
     try:
         value = json.loads(raw)
-    except (ValueError, RecursionError):  # not JSON, not UTF-8, an int past 4,300 digits
+    except ValueError:  # not JSON, not UTF-8, an int past 4,300 digits
         error = {"type": "json_invalid", "loc": ("body",), "msg": "JSON decode error"}
         raise RequestValidationError([error]) from None
+    except RecursionError:  # the decoder's own bound, far past MAX_JSON_DEPTH
+        raise bad_request(f"body: {TOO_DEEP}", code=ErrorCode.INVALID_VALUE) from None
+    check_depth(raw, value)
     try:
         return model.model_validate(value)
     except ValidationError as error:

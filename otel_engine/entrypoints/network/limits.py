@@ -1,10 +1,11 @@
 """What one client may cost the HTTP server: the limits of `otel-engine serve`, in one place.
 
 Each limit bounds a resource a single unauthenticated client could otherwise take from every
-other: memory (body size), event-loop time (prompt characters, chat messages and their
-template overhead; stop strings are bounded in `SamplingParams`), file descriptors
-(connections) and engine slots (requests whose client stopped reading). docs/operations.md
-("Hostile clients") gives the reasoning; the flags are in docs/configuration.md.
+other: memory (body size), event-loop and tokenizer time (prompt characters, chat messages
+and their template overhead, earlier tool calls; stop strings are bounded in
+`SamplingParams`), the stack (JSON nesting), file descriptors (connections) and engine slots
+(requests whose client stopped reading). docs/operations.md ("Hostile clients") gives the
+reasoning; the flags are in docs/configuration.md.
 """
 
 from __future__ import annotations
@@ -23,6 +24,12 @@ MESSAGE_OVERHEAD_CHARS = 2 * CHARS_PER_TOKEN_BOUND
 # Counted on the raw body before pydantic validates a message (bodies.py).
 MAX_MESSAGES = 2048
 MAX_CONTENT_PARTS = 2048  # in all the messages of a request
+MAX_TOOL_CALLS = 2048  # earlier tool calls, in all the messages of a request
+# Objects and arrays inside one another in a request body, and in an earlier call's decoded
+# arguments: far below the interpreter's recursion limit (about 1,000 frames), which the
+# encoders, templates and grammar compilers that walk a value by recursion would reach
+# first; far above what a JSON Schema or a call's arguments need.
+MAX_JSON_DEPTH = 64
 
 
 @dataclass(frozen=True, slots=True)
