@@ -1,4 +1,5 @@
-"""Request bodies are counted before pydantic validates them (`bodies.py`)."""
+"""Request bodies are counted, and their nesting bounded, before pydantic validates them
+(`bodies.py`)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,13 @@ from otel_engine.entrypoints.network.bodies import check_chat_counts, validate
 from otel_engine.entrypoints.network.errors import APIError
 from otel_engine.entrypoints.network.limits import (
     MAX_CONTENT_PARTS,
+    MAX_JSON_DEPTH,
     MAX_MESSAGES,
+    MAX_TOOL_CALLS,
     MESSAGE_OVERHEAD_CHARS,
 )
 from otel_engine.entrypoints.openai.protocol import ChatCompletionRequest
+from otel_engine.entrypoints.openai.responses_request import ResponsesRequest
 from otel_engine.entrypoints.openai.serving import chat_chars
 
 
@@ -85,3 +89,89 @@ def test_the_app_has_its_chat_bodies_counted(path: str) -> None:
         response = client.post(path, content=body)
 
     assert (400, "too_many_messages") == (response.status_code, response.json()["error"]["code"])
+
+
+def _assistant(num_calls: int) -> dict[str, object]:
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": ""}}
+    return {"role": "assistant", "content": "", "tool_calls": [call] * num_calls}
+
+
+def test_more_tool_calls_than_the_limit_is_400() -> None:
+    """The earlier tool calls of all messages together are bounded, each message within its
+    own limit of 128."""
+    num_messages = MAX_TOOL_CALLS // 128 + 1
+    body = _chat([_assistant(128)] * num_messages)
+
+    with pytest.raises(APIError) as caught:
+        check_chat_counts(body)
+
+    assert ("messages", "too_many_messages") == (caught.value.param, caught.value.code)
+    assert f"at most {MAX_TOOL_CALLS} tool calls" in caught.value.message
+
+
+def test_the_most_tool_calls_accepted_validate() -> None:
+    body = _chat([_assistant(128)] * (MAX_TOOL_CALLS // 128))
+
+    request = validate(ChatCompletionRequest, body)
+
+    assert MAX_TOOL_CALLS == sum(len(m.tool_calls or ()) for m in request.messages)
+
+
+def _nested(depth: int) -> object:
+    value: object = "x"
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+def test_a_body_nested_past_the_limit_is_400_naming_its_field() -> None:
+    """A field nested one level past MAX_JSON_DEPTH is refused before pydantic walks it."""
+    body = {"input": "hi", "reasoning": {"a": _nested(MAX_JSON_DEPTH)}}
+
+    with pytest.raises(APIError) as caught:
+        validate(ResponsesRequest, json.dumps(body).encode())
+
+    assert (400, "reasoning", "invalid_value") == (
+        caught.value.status,
+        caught.value.param,
+        caught.value.code,
+    )
+
+
+def test_a_body_nested_at_the_limit_validates() -> None:
+    body = {"input": "hi", "reasoning": {"a": _nested(MAX_JSON_DEPTH - 1)}}
+
+    assert "hi" == validate(ResponsesRequest, json.dumps(body).encode()).input
+
+
+@pytest.mark.parametrize("model", [ChatCompletionRequest, ResponsesRequest])
+def test_a_body_past_the_decoders_own_bound_is_400(model: type) -> None:
+    """Nesting the JSON decoder itself refuses (RecursionError) is a 400, not invalid JSON
+    and not a 500 (the counting decoder meets it first on a chat)."""
+    body = b'{"messages": [], "input": "hi", "response_format": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+
+    with pytest.raises(APIError) as caught:
+        validate(model, body, is_chat=model is ChatCompletionRequest)
+
+    assert (400, "invalid_value") == (caught.value.status, caught.value.code)
+
+
+def test_a_history_counts_its_calls_arguments_as_written() -> None:
+    """An earlier call costs its name and its arguments' text as the client wrote them."""
+    arguments = '{"city":  "Oslo"}'
+    message = _assistant(1)
+    request = ChatCompletionRequest.model_validate(
+        {
+            "messages": [
+                {
+                    **message,
+                    "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": arguments}}],
+                }
+            ]
+        }
+    )
+
+    messages = request.template_messages()
+
+    assert arguments == messages[0]["tool_calls"][0]["function"]["arguments"]
+    assert MESSAGE_OVERHEAD_CHARS + 1 + len(arguments) == chat_chars(messages)

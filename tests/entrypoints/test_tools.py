@@ -223,3 +223,88 @@ def test_a_special_token_marker_is_kept_and_other_specials_dropped() -> None:
 
     assert "[TOOL_CALLS]" == plan.keep_special
     assert "[TOOL_CALLS][]" == plan.clean("[TOOL_CALLS][]</s>")
+
+
+def test_the_draft_checks_shapes_only_and_constrain_checks_schemas() -> None:
+    """A schema llguidance refuses passes the draft (before the prompt is rendered) and is
+    refused by `constrain`, which makes the grammar."""
+    support = ToolSupport(FakeTokenizer(CHATML))
+    costly = Function("f", None, {"type": "object", "properties": {"a": {"pattern": "a{9999}"}}})
+    plan = support.draft([costly], "required", parallel=True)
+    assert plan is not None
+    assert plan.structured is None
+
+    with pytest.raises(RequestError, match="repeats"):
+        support.constrain(plan)
+
+
+def test_constrain_makes_the_grammar_of_a_named_function() -> None:
+    support = ToolSupport(FakeTokenizer(CHATML))
+    named = {"type": "function", "function": {"name": "get_time"}}
+    plan = support.draft([WEATHER, TIME], named, parallel=True)
+    assert plan is not None
+
+    support.constrain(plan)
+
+    assert plan.structured is not None
+    grammar = grammar_of(plan.structured)
+    assert _generate(grammar, '{"tool_calls": [{"name": "get_time", "arguments": {}}]}')
+    assert not _generate(grammar, WRITTEN["generic"])
+
+
+@pytest.mark.parametrize(
+    "parameters",
+    [
+        {"type": "object", "description": "\ud800"},
+        {"type": "object", "properties": {"\udc00": {}}},
+    ],
+    ids=["a value", "a key"],
+)
+def test_parameters_with_a_lone_surrogate_are_refused_by_the_draft(
+    parameters: dict[str, Any],
+) -> None:
+    with pytest.raises(RequestError, match="lone surrogate") as raised:
+        ToolSupport(FakeTokenizer(CHATML)).draft([Function("f", None, parameters)], None, True)
+
+    assert "tools" == raised.value.param
+
+
+def _history(arguments: str) -> list[dict[str, Any]]:
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    return [{"role": "assistant", "content": "", "tool_calls": [call]}]
+
+
+@pytest.mark.parametrize("template", [CHATML, HERMES_TOOL_TEMPLATE], ids=["generic", "hermes"])
+@pytest.mark.parametrize(
+    ("arguments", "words"),
+    [
+        ("[" * 1200, "deeper than 64"),
+        ("[" * 900 + "]" * 900, "deeper than 64"),
+        ('{"a": ' * 65 + "1" + "}" * 65, "deeper than 64"),
+        ('"\\ud800"', "lone surrogate"),
+        ('{"k": ["\\udfff"]}', "lone surrogate"),
+        ('{"\\ud800": 1}', "lone surrogate"),
+    ],
+    ids=["unbalanced 1200", "balanced 900", "65 objects", "string", "in a list", "a key"],
+)
+def test_history_arguments_a_template_cannot_render_are_request_errors(
+    template: str, arguments: str, words: str
+) -> None:
+    """Arguments decoded for the template: nested past MAX_JSON_DEPTH (even past the JSON
+    decoder's own bound) or holding a lone surrogate are a 400 naming `messages`."""
+    with pytest.raises(RequestError, match=words) as raised:
+        ToolSupport(FakeTokenizer(template)).messages(_history(arguments), None)
+
+    assert "messages" == raised.value.param
+
+
+def test_native_history_arguments_are_decoded_for_the_template() -> None:
+    """A template reads `tool_call.arguments` as an object; text that is not JSON stays text."""
+    support = ToolSupport(FakeTokenizer(HERMES_TOOL_TEMPLATE))
+    history = _history('{"city": "Oslo"}') + _history("not json")
+
+    messages = support.messages(history, None)
+
+    assert {"city": "Oslo"} == messages[0]["tool_calls"][0]["function"]["arguments"]
+    assert "not json" == messages[1]["tool_calls"][0]["function"]["arguments"]
+    assert '{"city": "Oslo"}' == history[0]["tool_calls"][0]["function"]["arguments"]

@@ -33,7 +33,7 @@ from otel_engine.entrypoints.openai.fields import (
     unsupported,
 )
 from otel_engine.entrypoints.tools.base import WireToolChoice
-from otel_engine.entrypoints.tools.request import MAX_TOOLS, Function, template_call
+from otel_engine.entrypoints.tools.request import MAX_TOOLS, Function, wire_call
 from otel_engine.errors import ErrorCode, RequestError
 from otel_engine.sampling_params import SamplingParams, StructuredOutput, apply_generation_defaults
 
@@ -299,7 +299,10 @@ class ChatMessage(Strict):
                     param="messages",
                     code=ErrorCode.INVALID_VALUE,
                 )
-            message["tool_calls"] = [template_call(call.model_dump()) for call in self.tool_calls]
+            message["tool_calls"] = [
+                wire_call(call.id, call.function.name, call.function.arguments)
+                for call in self.tool_calls
+            ]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
         return message

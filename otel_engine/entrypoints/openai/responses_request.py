@@ -1,5 +1,11 @@
 """The body of `POST /v1/responses` (`ResponsesRequest`), and its `input` items as the chat
-messages a model's template renders."""
+messages a model's template renders.
+
+Input items are free-form JSON to pydantic (`dict[str, object]`), so they are held here to
+what a chat message is held to: every string taken from them is valid Unicode, a content part
+is a text part whose `text` is a string, and the parts of all items together are at most
+`MAX_CONTENT_PARTS`; anything else is a 400 naming `input`.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +13,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field
 
-from otel_engine.entrypoints.network.errors import bad_request
-from otel_engine.entrypoints.network.limits import MAX_MESSAGES
+from otel_engine.entrypoints.network.errors import APIError, bad_request
+from otel_engine.entrypoints.network.json_values import LONE_SURROGATE
+from otel_engine.entrypoints.network.limits import MAX_CONTENT_PARTS, MAX_MESSAGES
 from otel_engine.entrypoints.openai.fields import (
     FunctionName,
     Int,
@@ -21,7 +28,7 @@ from otel_engine.entrypoints.openai.fields import (
 from otel_engine.entrypoints.openai.protocol import ChatCompletionRequest
 from otel_engine.entrypoints.openai.response_models import ResponsesEcho
 from otel_engine.entrypoints.tools.base import ToolChoice, WireToolChoice
-from otel_engine.entrypoints.tools.request import MAX_TOOLS, Function, template_call
+from otel_engine.entrypoints.tools.request import MAX_TOOLS, Function, wire_call
 from otel_engine.errors import ErrorCode
 from otel_engine.sampling_params import SamplingParams
 
@@ -162,15 +169,16 @@ class ResponsesRequest(Strict):
 
     def template_messages(self) -> list[dict[str, Any]]:
         """`instructions` and `input` as chat messages (400 `input` for an item that is not
-        a message, a function call or its output)."""
+        a message, a function call or its output, or that breaks the rules above)."""
         messages: list[dict[str, Any]] = []
         if self.instructions:
             messages.append({"role": "system", "content": self.instructions})
         if isinstance(self.input, str):
             messages.append({"role": "user", "content": self.input})
             return messages
+        reader = _ItemReader()
         for index, item in enumerate(self.input):
-            _input_item(item, index, messages)
+            reader.read(item, index, messages)
         if not messages:
             raise bad_request("input is empty", param="input", code=ErrorCode.INVALID_VALUE)
         return messages
@@ -180,56 +188,76 @@ _ROLES = ("system", "developer", "user", "assistant")
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
 
-def _item_text(value: object, param: str) -> str:
-    if isinstance(value, str):
+def _invalid(message: str) -> APIError:
+    return bad_request(message, param="input", code=ErrorCode.INVALID_VALUE)
+
+
+def _text(value: object, what: str) -> str:
+    """`value` when it is a string a tokenizer can encode; else a 400 naming `what`."""
+    if not isinstance(value, str):
+        raise _invalid(f"{what} must be a string")
+    try:
         return no_surrogates(value)
-    if isinstance(value, list):
+    except ValueError:
+        raise _invalid(f"{what}: {LONE_SURROGATE}") from None
+
+
+class _ItemReader:
+    """Turns input items into chat messages, counting their content parts."""
+
+    def __init__(self) -> None:
+        self.num_parts = 0
+
+    def read(self, item: dict[str, object], index: int, messages: list[dict[str, Any]]) -> None:
+        """Append one Responses input item to `messages` as the chat template reads it."""
+        param = f"input[{index}]"
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in _ROLES:
+                raise _invalid(f"{param}.role must be one of {_ROLES}")
+            content = self._content(item.get("content", ""), f"{param}.content")
+            messages.append({"role": role, "content": content})
+        elif kind == "function_call":
+            if not all(isinstance(item.get(k), str) for k in ("name", "arguments", "call_id")):
+                raise _invalid(f"{param} needs name, arguments and call_id as strings")
+            call = wire_call(
+                _text(item["call_id"], f"{param}.call_id"),
+                _text(item["name"], f"{param}.name"),
+                _text(item["arguments"], f"{param}.arguments"),
+            )
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            if not isinstance(item.get("call_id"), str):
+                raise _invalid(f"{param} needs a call_id")
+            call_id = _text(item["call_id"], f"{param}.call_id")
+            output = self._content(item.get("output", ""), f"{param}.output")
+            messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
+        elif kind != "reasoning":  # a reasoning item of another server: nothing to render here
+            raise unsupported("input", f"input items of type {str(kind)[:32]!r} are not supported")
+
+    def _content(self, value: object, what: str) -> str:
+        """Text, or a list of text parts whose `text` is a string, as one string."""
+        if isinstance(value, str):
+            return _text(value, what)
+        if not isinstance(value, list):
+            raise _invalid(f"{what} must be text or text parts")
+        self.num_parts += len(value)
+        if self.num_parts > MAX_CONTENT_PARTS:
+            raise bad_request(
+                f"a request has at most {MAX_CONTENT_PARTS} content parts in its input items",
+                param="input",
+                code=ErrorCode.TOO_MANY_MESSAGES,
+            )
         texts = []
         for part in value:
             if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS:
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise unsupported(param, f"only text content parts are supported, not {kind!r}")
-            texts.append(_item_text(part.get("text", ""), param))
+                kind = str(kind)[:32]
+                raise unsupported("input", f"only text content parts are supported, not {kind!r}")
+            texts.append(_text(part.get("text", ""), f"{what} text part's text"))
         return "".join(texts)
-    raise bad_request(
-        f"{param} must be text or text parts", param=param, code=ErrorCode.INVALID_VALUE
-    )
-
-
-def _input_item(item: dict[str, object], index: int, messages: list[dict[str, Any]]) -> None:
-    """Append one Responses input item to `messages` as the chat template reads it."""
-    param = f"input[{index}]"
-    kind = item.get("type", "message")
-    if kind == "message":
-        role = item.get("role")
-        if role not in _ROLES:
-            raise bad_request(
-                f"{param}.role must be one of {_ROLES}", param="input", code=ErrorCode.INVALID_VALUE
-            )
-        messages.append({"role": role, "content": _item_text(item.get("content", ""), "input")})
-    elif kind == "function_call":
-        name, arguments, call_id = item.get("name"), item.get("arguments"), item.get("call_id")
-        if not all(isinstance(v, str) for v in (name, arguments, call_id)):
-            raise bad_request(
-                f"{param} needs name, arguments and call_id as strings",
-                param="input",
-                code=ErrorCode.INVALID_VALUE,
-            )
-        call = template_call(
-            {"id": call_id, "function": {"name": name, "arguments": no_surrogates(str(arguments))}}
-        )
-        last = messages[-1] if messages else None
-        if last is not None and last["role"] == "assistant":
-            last.setdefault("tool_calls", []).append(call)
-        else:
-            messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
-    elif kind == "function_call_output":
-        call_id = item.get("call_id")
-        if not isinstance(call_id, str):
-            raise bad_request(
-                f"{param} needs a call_id", param="input", code=ErrorCode.INVALID_VALUE
-            )
-        output = _item_text(item.get("output", ""), "input")
-        messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
-    elif kind != "reasoning":  # a reasoning item of another server: nothing to render here
-        raise unsupported("input", f"input items of type {str(kind)[:32]!r} are not supported")

@@ -3,7 +3,10 @@ admitted job and answering it are runner.py's.
 
 Prompts are tokenized here, so that the context limit is checked (and the default
 `max_tokens` chosen) before the engine sees the request. Tokenization and chat templates run
-in a worker thread, never on the event loop, after a character limit that bounds their cost.
+in a worker thread, never on the event loop, after a character limit that bounds their cost;
+so does building a chat's messages from its body, which is proportional to its history. A
+chat's tools are checked against their schemas and its grammar is made only once its prompt
+fits the context (`ToolSupport.draft`, then `constrain`).
 The engine request id is the response id (`cmpl-<hex>`, `chatcmpl-<hex>`, `resp-<hex>`: the
 request's `ApiKind`), so logs, spans and the client agree.
 """
@@ -111,7 +114,7 @@ class OpenAIServing:
         self._check_common(body)
         job, text = await self._chat_job(
             body,
-            body.template_messages(),
+            body.template_messages,
             body.tool_functions(),
             body.tool_choice_value(),
             body.parallel_tool_calls,
@@ -130,7 +133,7 @@ class OpenAIServing:
         try:
             job, text = await self._chat_job(
                 body.as_chat(),
-                body.template_messages(),
+                body.template_messages,
                 body.tool_functions(),
                 body.tool_choice_value(),
                 body.parallel_tool_calls,
@@ -146,7 +149,7 @@ class OpenAIServing:
     async def _chat_job(
         self,
         body: ChatCompletionRequest,
-        template_messages: list[dict[str, Any]],
+        messages_of: Callable[[], list[dict[str, Any]]],
         functions: list[Function] | None,
         tool_choice: str | dict[str, Any] | None,
         parallel: bool,
@@ -154,16 +157,15 @@ class OpenAIServing:
         kind: ApiKind,
         prompt_param: str,
     ) -> tuple[Job, str]:
-        """A chat's job: its prompt (tools and earlier calls in the model's terms), its
-        limits checked, its grammar (tools, response_format) valid."""
-        self._check_chars(chat_chars(template_messages, functions), "messages")
+        """A chat's job: its prompt (tools and earlier calls in the model's terms) within the
+        context, then its grammar (tools, response_format) valid."""
         answer_format = body.structured_output()
-        plan, messages, tools = await self._off_loop(
-            self._tool_prompt, template_messages, functions, tool_choice, parallel, answer_format
+        plan, text, prompt_ids = await self._off_loop(
+            self._chat_prompt, messages_of, functions, tool_choice, parallel, answer_format
         )
-        text, prompt_ids = await self._off_loop(self._render, messages, True, tools)
         job = self._admit(body, prompt_ids, kind=kind, default_cap=None, prompt_param=prompt_param)
         if plan is not None:
+            await self._off_loop(self._constrain, plan, answer_format)
             job.tools = plan
             job.params = msgspec.structs.replace(
                 job.params,
@@ -174,21 +176,33 @@ class OpenAIServing:
         await self._check_grammar(job.params)
         return job, text
 
-    def _tool_prompt(
+    def _chat_prompt(
         self,
-        messages: list[dict[str, Any]],
+        messages_of: Callable[[], list[dict[str, Any]]],
         functions: list[Function] | None,
         tool_choice: str | dict[str, Any] | None,
         parallel: bool,
-        answer_format: StructuredOutput | None = None,
-    ) -> tuple[ToolPlan | None, list[dict[str, Any]], list[dict[str, Any]] | None]:
-        """The request's tool plan, its messages as the template renders them, and the tools
-        the template gets (in the tokenizer thread: checking the schemas takes milliseconds)."""
+        answer_format: StructuredOutput | None,
+    ) -> tuple[ToolPlan | None, str, list[int]]:
+        """In the tokenizer thread: the chat's messages (`messages_of`), their characters
+        within the budget, the request's tool plan drafted, and the prompt's text and ids."""
+        messages = messages_of()
+        self._check_chars(chat_chars(messages, functions), "messages")
         try:
-            plan = self._tools.plan(functions, tool_choice, parallel, answer_format)
+            plan = self._tools.draft(functions, tool_choice, parallel, answer_format)
+            messages = self._tools.messages(messages, plan)
         except RequestError as error:
             raise from_request_error(error) from None
-        return plan, self._tools.messages(messages, plan), self._tools.template_tools(plan)
+        text, prompt_ids = self._render(messages, True, self._tools.template_tools(plan))
+        return plan, text, prompt_ids
+
+    def _constrain(self, plan: ToolPlan, answer_format: StructuredOutput | None) -> None:
+        """In the tokenizer thread: the tools' schemas checked, the plan's grammar made
+        (milliseconds per tool)."""
+        try:
+            self._tools.constrain(plan, answer_format)
+        except RequestError as error:
+            raise from_request_error(error) from None
 
     async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
         """vLLM's `/tokenize`: the token ids of a prompt or of rendered chat messages."""
@@ -203,11 +217,18 @@ class OpenAIServing:
             self._check_chars(len(body.prompt), "prompt")
             ids = await self._off_loop(self.engine.encode, body.prompt, body.add_special_tokens)
         else:
-            messages = [m.to_template_dict() for m in body.messages or ()]
-            self._check_chars(chat_chars(messages), "messages")
-            messages = self._tools.messages(messages, None)
-            _, ids = await self._off_loop(self._render, messages, body.add_generation_prompt)
+            ids = await self._off_loop(self._tokenize_chat, body)
         return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids}
+
+    def _tokenize_chat(self, body: TokenizeRequest) -> list[int]:
+        """In the tokenizer thread: the token ids of `body.messages`, rendered as a chat's."""
+        messages = [m.to_template_dict() for m in body.messages or ()]
+        self._check_chars(chat_chars(messages), "messages")
+        try:
+            messages = self._tools.messages(messages, None)
+        except RequestError as error:
+            raise from_request_error(error) from None
+        return self._render(messages, body.add_generation_prompt)[1]
 
     async def detokenize(self, body: DetokenizeRequest) -> dict[str, str]:
         """vLLM's `/detokenize`: the text of token ids (special tokens included)."""
@@ -348,14 +369,14 @@ class OpenAIServing:
 
 def chat_chars(messages: list[dict[str, Any]], functions: list[Function] | None = None) -> int:
     """What a chat costs against the prompt-character budget: its text (earlier tool calls'
-    names and arguments included), plus the template's markup of each message
-    (`MESSAGE_OVERHEAD_CHARS`), plus the tools' definitions as JSON."""
+    names and arguments, as the client wrote them, included), plus the template's markup of
+    each message (`MESSAGE_OVERHEAD_CHARS`), plus the tools' definitions as JSON."""
     total = 0
     for m in messages:
         total += len(m["content"]) + len(m.get("name", "")) + MESSAGE_OVERHEAD_CHARS
         for call in m.get("tool_calls", ()):
             function = call["function"]
-            total += len(function["name"]) + len(json.dumps(function["arguments"]))
+            total += len(function["name"]) + len(function["arguments"])
     for function in functions or ():
         total += len(json.dumps(function.definition(), ensure_ascii=False))
     return total

@@ -11,6 +11,11 @@ enforced in every format by a grammar built from the tools' parameter schemas
 (llguidance, grammar.py), so their calls always parse and validate; `auto` in a family's own
 format is not constrained (the model may answer in text or write a malformed call, which is
 counted and returned as text).
+
+The server makes a request's plan in two steps, so that the costly one comes after the
+prompt was found to fit the context: `draft` (the choice, the tools' shapes: microseconds per
+tool) before the prompt is rendered, `constrain` (each schema checked, the grammar built:
+milliseconds per tool) after; `plan` is both at once.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ class ToolPlan:
     functions: list[Function]
     choice: ToolChoice  # AUTO, REQUIRED or NAMED
     parallel: bool
+    named: str | None = None  # the function a NAMED choice names
     structured: StructuredOutput | None = None
     keep_special: str | None = None  # a marker that is a special token: kept in the text
     drop: tuple[str, ...] = ()  # the other special tokens' text, dropped from the text
@@ -91,33 +97,57 @@ class ToolSupport:
         parallel: bool,
         answer_format: StructuredOutput | None = None,
     ) -> ToolPlan | None:
-        """The request's plan; None when it has no tools or `tool_choice` is `none`. With
-        a `response_format` (`answer_format`), `auto` answers either calls or JSON of that
-        format; a forced call is a call (the format is for the answer after it)."""
+        """The request's plan (`draft`, then `constrain`); None when it has no tools or
+        `tool_choice` is `none`."""
+        plan = self.draft(tools, tool_choice, parallel, answer_format)
+        if plan is not None:
+            self.constrain(plan, answer_format)
+        return plan
+
+    def draft(
+        self,
+        tools: list[Function] | None,
+        tool_choice: str | dict[str, Any] | None,
+        parallel: bool,
+        answer_format: StructuredOutput | None = None,
+    ) -> ToolPlan | None:
+        """The request's plan, its grammar not yet made (`constrain`); None when it has no
+        tools or `tool_choice` is `none`. With a `response_format` (`answer_format`), `auto`
+        answers either calls or JSON of that format; a forced call is a call (the format is
+        for the answer after it)."""
         choice, named = resolve_choice(tools, tool_choice)
         if not tools or choice is ToolChoice.NONE:
             return None
         if len({function.name for function in tools}) != len(tools):
             raise invalid("tool function names must be unique")
-        functions = [f for f in tools if f.name == named] if named else list(tools)
         for function in tools:
-            function.check()
-        plan = ToolPlan(self.format, self.native, list(tools), choice, parallel)
+            function.check_shape()
+        plan = ToolPlan(self.format, self.native, list(tools), choice, parallel, named=named)
         plan.json_answer = answer_format is not None
-        grammar = tool_grammar(
-            self.format, functions, choice, parallel and not named, answer_format
-        )
-        if grammar is not None:
-            plan.structured = StructuredOutput("tool_calls", grammar=grammar, num_tools=len(tools))
-            try:
-                structured_output.check(plan.structured)
-            except RequestError as error:
-                raise RequestError(error.message, code=error.code, param="tools") from None
         marker = self.format.special_marker
         if marker in self._specials:  # it must reach the parser
             plan.keep_special = marker
             plan.drop = tuple(sorted(self._specials - {marker}, key=len, reverse=True))
         return plan
+
+    def constrain(self, plan: ToolPlan, answer_format: StructuredOutput | None = None) -> None:
+        """Check each tool's schema and make the plan's grammar (milliseconds per tool:
+        called once the prompt is known to fit)."""
+        for function in plan.functions:
+            function.check()
+        named = plan.named
+        functions = [f for f in plan.functions if f.name == named] if named else plan.functions
+        grammar = tool_grammar(
+            self.format, functions, plan.choice, plan.parallel and not named, answer_format
+        )
+        if grammar is not None:
+            plan.structured = StructuredOutput(
+                "tool_calls", grammar=grammar, num_tools=len(plan.functions)
+            )
+            try:
+                structured_output.check(plan.structured)
+            except RequestError as error:
+                raise RequestError(error.message, code=error.code, param="tools") from None
 
     def template_tools(self, plan: ToolPlan | None) -> list[dict[str, Any]] | None:
         """The `tools` the chat template gets (None: it renders none)."""
@@ -128,10 +158,11 @@ class ToolSupport:
     def messages(
         self, messages: list[dict[str, Any]], plan: ToolPlan | None
     ) -> list[dict[str, Any]]:
-        """The conversation as the template renders it: earlier calls and their results in
-        the template's terms, and the tools where the template does not take them itself."""
+        """The conversation as the template renders it: earlier calls (their arguments
+        decoded, `call_arguments`) and their results in the template's terms, and the tools
+        where the template does not take them itself."""
         if self.native:
-            return messages
+            return [_decoded(message) for message in messages]
         names = {}  # call id: function name, for the results
         converted: list[dict[str, Any]] = []
         for message in messages:
@@ -157,6 +188,19 @@ class ToolSupport:
                 converted, plan.functions, plan.choice, plan.json_answer
             )
         return converted
+
+
+def _decoded(message: dict[str, Any]) -> dict[str, Any]:
+    """`message` with its calls' arguments as the objects they encode (templates read
+    `tool_call.arguments` as an object)."""
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    decoded = [
+        {**call, "function": {**call["function"], "arguments": call_arguments(call)}}
+        for call in calls
+    ]
+    return {**message, "tool_calls": decoded}
 
 
 def _template_text(tokenizer: TokenizerLike) -> str:

@@ -1,5 +1,10 @@
 """What a request says about tools, checked: its functions (`Function`) and its
-`tool_choice` (`ToolChoice`), and an earlier call of its history as templates read it."""
+`tool_choice` (`ToolChoice`), and an earlier call of its history as templates read it.
+
+A chat template renders the client's JSON values (a function's parameters, an earlier
+call's decoded arguments) by recursion, and a tokenizer cannot encode a lone surrogate: each
+such value is held to `json_values` before it is rendered (a 400 naming its field).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from otel_engine.engine import structured_output
+from otel_engine.entrypoints.network.json_values import TOO_DEEP, json_value_problem
 from otel_engine.entrypoints.tools.base import ToolChoice
 from otel_engine.errors import ErrorCode, RequestError
 from otel_engine.sampling_params import StructuredOutput
@@ -17,6 +23,14 @@ MAX_TOOLS = 128  # as OpenAI bounds them
 
 def invalid(message: str, param: str = "tools") -> RequestError:
     return RequestError(message, code=ErrorCode.INVALID_VALUE, param=param)
+
+
+def check_json_value(value: Any, what: str, param: str) -> None:
+    """A `RequestError` naming `what` and `param` when `value` nests past `MAX_JSON_DEPTH` or
+    holds a lone surrogate (`json_value_problem`)."""
+    problem = json_value_problem(value)
+    if problem is not None:
+        raise invalid(f"{what}: {problem}", param)
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,13 +50,22 @@ class Function:
     def openai(self) -> dict[str, Any]:
         return {"type": "function", "function": self.definition()}
 
-    def check(self) -> None:
-        """The parameters pass the limits and checks of a response_format schema."""
+    def check_shape(self) -> None:
+        """The parameters are an object schema that a template can render (milliseconds at
+        most: the schema checks are `check`'s)."""
         parameters = self.parameters
         if parameters is None:
             return
         if parameters.get("type", "object") != "object":
             raise invalid(f"the parameters of {self.name!r} must be an object schema")
+        check_json_value(parameters, f"the parameters of {self.name!r}", "tools")
+
+    def check(self) -> None:
+        """The parameters pass the limits and checks of a response_format schema (after
+        `check_shape`)."""
+        parameters = self.parameters
+        if parameters is None:
+            return
         text = json.dumps(parameters, separators=(",", ":"), ensure_ascii=False, sort_keys=True)
         try:
             structured_output.check(StructuredOutput("json_schema", text))
@@ -76,21 +99,23 @@ def resolve_choice(
     return ToolChoice.NAMED, name
 
 
-def call_arguments(call: dict[str, Any]) -> Any:
-    """A call's arguments as the object they encode (a template shows them as JSON)."""
+def call_arguments(call: dict[str, Any], param: str = "messages") -> Any:
+    """A call's arguments as the object they encode (a template shows them as JSON); text
+    that is not JSON stays text. 400 `param` for arguments nested too deep or with a lone
+    surrogate (`json_value_problem`)."""
     arguments = call["function"].get("arguments")
     if isinstance(arguments, str):
         try:
-            return json.loads(arguments)
+            arguments = json.loads(arguments)
         except ValueError:
-            return arguments
+            pass
+        except RecursionError:  # the decoder's own bound, far past MAX_JSON_DEPTH
+            raise invalid(f"tool call arguments: {TOO_DEEP}", param) from None
+    check_json_value(arguments, "tool call arguments", param)
     return arguments
 
 
-def template_call(call: dict[str, Any]) -> dict[str, Any]:
-    """An assistant message's tool call as chat templates read it (arguments an object)."""
-    return {
-        "id": call.get("id"),
-        "type": "function",
-        "function": {"name": call["function"]["name"], "arguments": call_arguments(call)},
-    }
+def wire_call(call_id: str | None, name: str, arguments: str) -> dict[str, Any]:
+    """An earlier call as a request's history holds it, its arguments still the client's
+    JSON text (counted as written; `ToolSupport.messages` decodes them for the template)."""
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
