@@ -42,6 +42,7 @@ from otel_engine.errors import EngineDeadError, FailureCause
 from otel_engine.ipc.messages import EngineDead, ErrorInfo, StepOutputs
 from otel_engine.ipc.native_fault import enable_on_stderr
 from otel_engine.ipc.process import ENGINE_CORE
+from otel_engine.observability.log_limits import RateLimitedLog
 from otel_engine.outputs import RequestOutput
 from otel_engine.sampling_params import SamplingParams
 from otel_engine.timing import (
@@ -52,6 +53,8 @@ from otel_engine.timing import (
 )
 
 logger = logging.getLogger(__name__)
+# A client that reads in spurts pauses its stream again and again: a line a second at most.
+_PAUSED_LOG = RateLimitedLog(logger)
 
 T = TypeVar("T")
 
@@ -290,7 +293,7 @@ class AsyncLLM:
         if is_paused:
             self.num_paused += 1
             self._client.pause_requests([request_id])
-            logger.info("request.paused", extra={"request_id": request_id})
+            _PAUSED_LOG.log(logging.INFO, "request.paused", request_id=request_id)
             self._restarter.paused(request_id, True)
             return
         if len(self._streams) == self.num_paused:

@@ -16,11 +16,9 @@ from fastapi import FastAPI
 
 from otel_engine import AsyncLLM
 from otel_engine.entrypoints.api_server import make_server
-from otel_engine.entrypoints.network.connections import (
-    RateLimitedLog,
-    rate_limited_exception_handler,
-)
+from otel_engine.entrypoints.network.connections import rate_limited_exception_handler
 from otel_engine.entrypoints.network.limits import ServerLimits
+from otel_engine.observability.log_limits import RateLimitedLog
 from tests.entrypoints.conftest import Served, ServerLoop
 
 pytestmark = pytest.mark.slow  # starts servers or engine processes
@@ -183,7 +181,8 @@ def test_accept_errors_are_logged_once_a_second(caplog: pytest.LogCaptureFixture
     failed accept, is logged at most once a second, with the count it left out."""
     caplog.set_level(logging.ERROR, logger="otel_engine.api_server")
     loop = asyncio.new_event_loop()
-    handler = rate_limited_exception_handler(RateLimitedLog(interval_s=1.0))
+    log = RateLimitedLog(logging.getLogger("otel_engine.api_server"), interval_s=1.0)
+    handler = rate_limited_exception_handler(log)
     error = OSError(24, "Too many open files")
     try:
         for _ in range(1000):
@@ -221,6 +220,46 @@ def test_unexpected_error_is_a_500_that_keeps_the_connection(
     assert "internal_server_error" == _body(first)["error"]["type"]  # type: ignore[index]
     assert 200 == _status(second)
     server_loop.stop(served.server)
+
+
+def test_repeated_500s_log_one_traceback_a_second_and_count_the_rest(
+    server_loop: ServerLoop, engine: AsyncLLM, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Round 3, item 4: 300 requests that hit the same bug in well under a second log one
+    `request.internal_error` line with its traceback, the client's budget of `request.failed`
+    lines (10 a second), and every one of them in the errors metric; the next traceback, a
+    second later, counts the ones left out."""
+    served = _serve(server_loop, engine)
+    app = served.server.config.app
+    assert isinstance(app, FastAPI)
+    fresh = RateLimitedLog(logging.getLogger("otel_engine.api_server"))
+    errors_before = served.metric(
+        "otel_engine_request_errors_total", error_type="internal_server_error"
+    )
+
+    async def broken() -> None:
+        raise RuntimeError("a bug")
+
+    app.add_api_route("/v1/broken", broken, methods=["GET"])
+    caplog.set_level(logging.INFO, logger="otel_engine.api_server")
+    with pytest.MonkeyPatch.context() as patch, served.http() as client:
+        patch.setattr("otel_engine.entrypoints.network.errors._INTERNAL_ERRORS", fresh)
+        started = time.monotonic()
+        statuses = {client.get("/v1/broken").status_code for _ in range(300)}
+        burst_s = time.monotonic() - started
+        time.sleep(1.05)
+        client.get("/v1/broken")
+    errors = served.metric("otel_engine_request_errors_total", error_type="internal_server_error")
+    server_loop.stop(served.server)
+
+    tracebacks = [r for r in caplog.records if r.getMessage() == "request.internal_error"]
+    failed = [r for r in caplog.records if r.getMessage() == "request.failed"]
+    assert {500} == statuses
+    assert len(tracebacks) <= 2 + burst_s
+    assert all(r.exc_info for r in tracebacks)
+    assert 301 == len(tracebacks) + sum(r.num_suppressed for r in tracebacks)  # type: ignore[attr-defined]
+    assert len(failed) <= 10 * (2 + burst_s)
+    assert 301 == errors - errors_before
 
 
 def _read_response(sock: socket.socket) -> bytes:

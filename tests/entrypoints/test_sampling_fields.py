@@ -5,6 +5,7 @@ ignored with a warning and a counter, never silently."""
 from __future__ import annotations
 
 import logging
+import time
 
 import openai
 import pytest
@@ -82,3 +83,22 @@ def test_unknown_fields_are_ignored_with_a_warning_and_a_counter(
     [record] = [r for r in caplog.records if r.getMessage() == "request.ignored_fields"]
     assert ["temprature", "x" * 64] == record.fields  # type: ignore[attr-defined]
     assert 2 == served.metric("otel_engine_ignored_request_fields_total") - before
+
+
+def test_unknown_fields_warn_a_line_a_second_and_count_every_request(
+    served: Served, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Round 3, item 4: requests that each carry unknown fields (here 20, with 16 long names
+    apiece) log a `request.ignored_fields` line a second at most; the counter counts all."""
+    before = served.metric("otel_engine_ignored_request_fields_total")
+    fields = {f"{'y' * 60}{k}": 1 for k in range(16)}
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="otel_engine.api_server"), served.http() as http:
+        for _ in range(20):
+            body = {"prompt": "", "max_tokens": 1, **fields}  # refused: the prompt is empty
+            assert 400 == http.post("/v1/completions", json=body).status_code
+    elapsed = time.monotonic() - started
+
+    lines = [r for r in caplog.records if r.getMessage() == "request.ignored_fields"]
+    assert len(lines) <= 1 + elapsed
+    assert 20 * 16 == served.metric("otel_engine_ignored_request_fields_total") - before

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import math
 import re
 import socket
@@ -17,6 +18,7 @@ import pytest
 from otel_engine import AsyncLLM
 from otel_engine.entrypoints.api_server import make_server
 from otel_engine.entrypoints.network.limits import ServerLimits
+from otel_engine.observability.log_limits import RateLimitedLog
 from tests.entrypoints.conftest import Served, ServerLoop
 
 pytestmark = pytest.mark.slow  # starts servers or engine processes
@@ -105,6 +107,32 @@ def test_normal_client_is_served_while_64_readers_are_stalled(
     assert elapsed < 5.0
     assert _wait_for(lambda: long_engine.num_tracked == 0, timeout=10)
     assert _wait_for(lambda: served.metric("otel_engine_requests_paused") == 0, timeout=5)
+    server_loop.stop(served.server)
+
+
+def test_pauses_log_a_line_a_second_at_most(
+    server_loop: ServerLoop, long_engine: AsyncLLM, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Round 3, item 4: 32 streams paused at about the same time write a `request.paused`
+    line a second at most (before: one each, and again at each pause of a client that reads
+    in spurts)."""
+    served = _serve(server_loop, long_engine, **SMALL_BUFFERS)
+    caplog.set_level(logging.INFO, logger="otel_engine.engine.async_llm")
+    fresh = RateLimitedLog(logging.getLogger("otel_engine.engine.async_llm"))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("otel_engine.engine.async_llm._PAUSED_LOG", fresh)
+        started = time.monotonic()
+        stalled = [_stalled_reader(served) for _ in range(32)]
+        try:
+            assert _wait_for(lambda: served.metric("otel_engine_requests_paused") == 32, 90)
+            elapsed = time.monotonic() - started
+        finally:
+            for sock in stalled:
+                sock.close()
+
+    lines = [r for r in caplog.records if r.getMessage() == "request.paused"]
+    assert 1 <= len(lines) <= 1 + elapsed
+    assert _wait_for(lambda: long_engine.num_tracked == 0, timeout=10)
     server_loop.stop(served.server)
 
 

@@ -8,7 +8,7 @@ the path the client sent: a path that matches no route (a 404) is logged as null
 a query string nor a secret a client puts in a path reaches the log. Each client address gets
 at most `LINES_PER_CLIENT` lines (access lines and the guard's refusals together) per
 `INTERVAL_S`; the first line after a suppressed stretch says how many were left out
-(`num_suppressed`), as the connection layer's `RateLimitedLog` does.
+(`num_suppressed`), as `log_limits.RateLimitedLog` does for lines limited per event.
 """
 
 from __future__ import annotations

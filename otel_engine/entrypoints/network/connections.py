@@ -23,8 +23,8 @@
   and a request head with a bare LF line ending are answered 400 `invalid_framing` and the
   connection is closed, before the app sees them.
 
-Repeated log lines of each kind are limited to one a second (`RateLimitedLog`), uvicorn's
-warnings about malformed requests included.
+Repeated log lines of each kind are limited to one a second (`log_limits.RateLimitedLog`),
+uvicorn's warnings about malformed requests included.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from otel_engine.entrypoints.network.errors import INVALID_REQUEST, UNAVAILABLE,
 from otel_engine.entrypoints.network.limits import ServerLimits
 from otel_engine.errors import ErrorCode
 from otel_engine.observability.label_sets import ConnectionCloseReason
+from otel_engine.observability.log_limits import RateLimitedLog
 from otel_engine.observability.metrics import EngineMetrics
 from otel_engine.timing import READER_POLL_MAX_S, READER_POLL_MIN_S, REFUSE_LINGER_S
 
@@ -104,26 +105,6 @@ class StrictConnection(h11.Connection):
         if head.count(b"\n") != head.count(b"\r\n"):
             self._error = "request lines must end with CRLF, not a bare LF"
         self._head = head[-self._max_incomplete_event_size :] if not self._is_head_read else b""
-
-
-class RateLimitedLog:
-    """At most one log line per `interval_s` for an event; the next line says how many
-    were left out (`num_suppressed`)."""
-
-    def __init__(self, interval_s: float = 1.0) -> None:
-        self.interval_s = interval_s
-        self._last: dict[str, float] = {}
-        self._suppressed: dict[str, int] = {}
-
-    def log(self, level: int, event: str, **fields: Any) -> bool:
-        now = time.monotonic()
-        if now - self._last.get(event, -self.interval_s) < self.interval_s:
-            self._suppressed[event] = self._suppressed.get(event, 0) + 1
-            return False
-        self._last[event] = now
-        fields["num_suppressed"] = self._suppressed.pop(event, 0)
-        logger.log(level, event, extra=fields)
-        return True
 
 
 class _QuietWarnings:
@@ -189,7 +170,7 @@ class ConnectionTable:
     def __init__(self, limits: ServerLimits, metrics: EngineMetrics) -> None:
         self.limits = limits
         self.metrics = metrics
-        self.log = RateLimitedLog()
+        self.log = RateLimitedLog(logger)
         self.open: dict[GuardedH11Protocol, None] = {}
         self.num_refusing = 0  # refused connections still reading their request
 

@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from otel_engine.entrypoints.network.access_log import ClientLogBudget, client_address
 from otel_engine.errors import (
     EngineDeadError,
     EngineRecoveringError,
@@ -27,8 +28,10 @@ from otel_engine.errors import (
     RequestError,
     RequestFailedError,
 )
+from otel_engine.observability.log_limits import RateLimitedLog
 
 logger = logging.getLogger("otel_engine.api_server")
+_INTERNAL_ERRORS = RateLimitedLog(logger)
 
 INVALID_REQUEST = "invalid_request_error"
 INTERNAL = "internal_server_error"
@@ -130,9 +133,11 @@ def engine_recovering(retry_after_s: float) -> APIError:
 
 
 def internal_error(exc: BaseException, **log_fields: Any) -> APIError:
-    """500 for an unexpected exception (a bug), logged once with its traceback."""
+    """500 for an unexpected exception (a bug), logged with its traceback at most once a
+    second (a client that found the bug can repeat it thousands of times a second; the
+    errors metric counts every one)."""
     fields = {"error_type": type(exc).__name__, **log_fields}
-    logger.error("request.internal_error", exc_info=exc, extra=fields)
+    _INTERNAL_ERRORS.log(logging.ERROR, "request.internal_error", exc_info=exc, **fields)
     return APIError(500, f"internal error: {type(exc).__name__}", type=INTERNAL)
 
 
@@ -200,14 +205,22 @@ def from_validation_error(exc: RequestValidationError) -> APIError:
 
 
 async def _answer(request: Request, exc: Exception) -> Response:
-    """Count and log errors that no request telemetry recorded (raised before admission)."""
+    """Count and log errors that no request telemetry recorded (raised before admission):
+    every one counted, logged within the client's budget of lines (`ClientLogBudget`, the
+    app's `log_budget`)."""
     assert isinstance(exc, APIError)
-    metrics = getattr(request.app.state, "metrics", None)
+    state = request.app.state
     if not exc.is_counted and request.url.path.startswith("/v1/"):
+        metrics = getattr(state, "metrics", None)
         if metrics is not None:
             metrics.on_request_error(exc.label)
         level = logging.WARNING if is_server_error(exc.status) else logging.INFO
-        logger.log(level, "request.failed", extra={"status": exc.status, "error_type": exc.label})
+        fields = {"status": exc.status, "error_type": exc.label}
+        budget: ClientLogBudget | None = getattr(state, "log_budget", None)
+        if budget is None:
+            logger.log(level, "request.failed", extra=fields)
+        else:
+            budget.log(level, "request.failed", client_address(request.scope), **fields)
     return error_response(exc)
 
 

@@ -54,7 +54,7 @@ class ServerState:
     is_draining: bool = False
     is_dead_scraped: bool = False  # /metrics was served after the engine died, errors counted
     drain_expired: asyncio.Event = field(default_factory=asyncio.Event)
-    # Per-client budget of the lines a request can cause before it is authenticated.
+    # Per-client budget of the lines a request can cause before it is admitted.
     log_budget: ClientLogBudget = field(default_factory=ClientLogBudget)
     # What the app closes once the server has drained (its worker threads), registered by
     # the app as it is built.

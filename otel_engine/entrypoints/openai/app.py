@@ -84,6 +84,7 @@ def build_app(
     (engine/chat.py); `tool_call_parser`: the format of tool calls (tools/plan.py)."""
     app = FastAPI(title="otel-engine", docs_url=None, redoc_url=None, **_NO_NATIVE_TELEMETRY)
     app.state.metrics = state.metrics
+    app.state.log_budget = state.log_budget  # errors.py: request.failed lines per client
     install_error_handlers(app)
     serving = app.state.serving = OpenAIServing(
         state.engine,

@@ -48,6 +48,7 @@ from otel_engine.entrypoints.openai.responses_request import ResponsesRequest, r
 from otel_engine.entrypoints.openai.runner import JobRunner
 from otel_engine.entrypoints.tools.plan import Function, ToolPlan, ToolSupport
 from otel_engine.errors import ErrorCode, RequestError
+from otel_engine.observability.log_limits import RateLimitedLog
 from otel_engine.sampling_params import SamplingParams, StructuredOutput
 
 if TYPE_CHECKING:
@@ -87,6 +88,7 @@ class OpenAIServing:
         self.tool_call_parser = tool_call_parser
         self.runner = JobRunner(engine, metrics, drain_expired)
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
+        self._warnings = RateLimitedLog(logger)
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         self._check_common(body)
@@ -257,14 +259,14 @@ class OpenAIServing:
         self._warn_ignored(body.ignored_fields())
 
     def _warn_ignored(self, ignored: list[str]) -> None:
+        """Count the fields no part of the API knows; name them in a line a second at most."""
         if ignored:
             self.metrics.on_ignored_fields(len(ignored))
-            logger.warning(
+            self._warnings.log(
+                logging.WARNING,
                 "request.ignored_fields",
-                extra={
-                    "fields": [name[:MAX_FIELD_NAME_CHARS] for name in ignored[:MAX_LOGGED_FIELDS]],
-                    "num_fields": len(ignored),
-                },
+                fields=[name[:MAX_FIELD_NAME_CHARS] for name in ignored[:MAX_LOGGED_FIELDS]],
+                num_fields=len(ignored),
             )
 
     async def _check_grammar(self, params: SamplingParams) -> None:
