@@ -22,6 +22,7 @@ second observation on the hot path, the same values under two names. OTLP export
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -170,6 +171,14 @@ VLLM_NAMES: dict[str, tuple[str, dict[str, str]]] = {
     "otel_engine_request_prompt_tokens": ("vllm:request_prompt_tokens", {}),
     "otel_engine_request_generation_tokens": ("vllm:request_generation_tokens", {}),
 }
+# Label values of the copies that vLLM does not emit, as vLLM counts them: its engine ends a
+# request that called tools as any other that stopped (its finished_reason is stop, length,
+# abort, error or repetition; tool_calls is only the OpenAI answer's).
+VLLM_VALUES: dict[str, dict[str, dict[str, str]]] = {
+    "otel_engine_request_success": {
+        "finish_reason": {FinishReason.TOOL_CALLS: FinishReason.STOP},
+    },
+}
 
 
 class StepStats(Protocol):
@@ -202,11 +211,19 @@ class _ConstantLabels(Collector):
 
 
 class _Renamed(Collector):
-    """Copies of the `names` families of `inner` under other names (VLLM_NAMES)."""
+    """Copies of the `names` families of `inner` under other names (VLLM_NAMES), their label
+    values in `values` replaced (VLLM_VALUES) and the samples that then coincide merged: a
+    count summed, a creation time the earliest."""
 
-    def __init__(self, inner: Collector, names: dict[str, tuple[str, dict[str, str]]]) -> None:
+    def __init__(
+        self,
+        inner: Collector,
+        names: dict[str, tuple[str, dict[str, str]]],
+        values: dict[str, dict[str, dict[str, str]]],
+    ) -> None:
         self._inner = inner
         self._names = names
+        self._values = values
 
     def collect(self) -> Iterator[Metric]:
         for family in self._inner.collect():
@@ -214,14 +231,22 @@ class _Renamed(Collector):
             if renamed is None:
                 continue
             name, label_names = renamed
+            values = self._values.get(family.name, {})
             copy = Metric(name, family.documentation, family.type, family.unit)
-            copy.samples = [
-                sample._replace(
-                    name=name + sample.name[len(family.name) :],
-                    labels={label_names.get(k, k): v for k, v in sample.labels.items()},
-                )
-                for sample in family.samples
-            ]
+            merged: dict[tuple[str, tuple[tuple[str, str], ...]], Any] = {}
+            for source in family.samples:
+                labels = {
+                    label_names.get(k, k): values.get(k, {}).get(v, v)
+                    for k, v in source.labels.items()
+                }
+                sample = source._replace(name=name + source.name[len(family.name) :], labels=labels)
+                key = (sample.name, tuple(sorted(labels.items())))
+                found = merged.get(key)
+                if found is not None:
+                    pick = min if sample.name.endswith("_created") else operator.add
+                    sample = found._replace(value=pick(found.value, sample.value))
+                merged[key] = sample
+            copy.samples = list(merged.values())
             yield copy
 
 
@@ -522,7 +547,7 @@ class EngineMetrics:
         if vllm_names:
             self.otlp_registry = CollectorRegistry()
             self.otlp_registry.register(labelled)
-            self.registry.register(_Renamed(labelled, VLLM_NAMES))
+            self.registry.register(_Renamed(labelled, VLLM_NAMES, VLLM_VALUES))
         return inner
 
     def on_tool_calls(self, outcome: ToolCallOutcome, count: int) -> None:

@@ -479,11 +479,40 @@ def test_vllm_names_copy_the_router_signals_with_the_same_values() -> None:
     assert values[("vllm:cache_config_info", info)] == 1
     assert values[("vllm:request_success_total", (("finished_reason", "stop"), *smol))] == 1
     assert values[("vllm:time_to_first_token_seconds_count", smol)] == 1
-    # every copy has its source's type and samples; the source families are all still there
+    # every copy has its source's type and samples (but the label values vLLM does not have,
+    # merged into the ones it has); the source families are all still there
     for source, (name, _) in VLLM_NAMES.items():
+        expected = len(families[source].samples)
+        if source == "otel_engine_request_success":  # tool_calls' samples merged into stop's
+            expected -= len(families[source].samples) // len(FinishReason)
         assert families[name].type == families[source].type, name
-        assert len(families[name].samples) == len(families[source].samples), name
+        assert len(families[name].samples) == expected, name
     assert set(FAMILIES) <= set(families)
+
+
+def test_vllm_names_carry_only_the_finish_reasons_vllm_emits() -> None:
+    """`vllm:request_success` has the finished_reason values vLLM's engine has (a request
+    that ended with tool calls is counted as stopped, as vLLM counts it); the otel_engine
+    family keeps `tool_calls`."""
+    metrics = EngineMetrics(vllm_names=True)
+    for reason in ("stop", "tool_calls", "tool_calls", "length"):
+        metrics.on_request_finished(
+            finish_reason=FinishReason(reason),
+            num_prompt_tokens=1,
+            num_generation_tokens=1,
+            e2e_s=0.1,
+            queue_s=0.0,
+            ttft_s=0.1,
+        )
+    values = samples(metrics)
+
+    vllm = {
+        dict(labels)["finished_reason"]: value
+        for (name, labels), value in values.items()
+        if name == "vllm:request_success_total"
+    }
+    assert {"stop": 3, "length": 1, "abort": 0} == vllm
+    assert 2 == values[("otel_engine_request_success_total", (("finish_reason", "tool_calls"),))]
 
 
 def test_vllm_names_are_not_exported_over_otlp() -> None:
