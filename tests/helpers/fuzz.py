@@ -1,12 +1,17 @@
 """Schemathesis against a running server's own OpenAPI document: no 5xx, and every answer
 (status, content type, headers, body) as the document says; and a hypothesis search for 5xx
-over the values the document cannot describe (`search_server_errors`)."""
+over the values the document cannot describe (`search_server_errors`): hand-written hostile
+requests (`request_cases`), earlier tool calls and Responses items a client gets wrong
+(`history_cases`), and bodies drawn from the document's request schemas with a hostile value
+put somewhere inside (`schema_cases`)."""
 
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
+from collections import Counter
 from typing import Any
 
 CHECKS = (
@@ -227,15 +232,217 @@ def request_cases() -> Any:
     return st.one_of(chat, completion, tool_chat, responses)
 
 
+# ---- Round three: earlier tool calls, Responses items, and any value anywhere ---------------
+
+
+def _nested(depth: int, leaf: Any = 1) -> Any:
+    value = leaf
+    for level in range(depth):
+        value = [value] if level % 2 else {"k": value}
+    return value
+
+
+def hostile_values() -> Any:
+    """JSON values a client should not send: nested around the depth limit and far past it,
+    lone surrogates (as key and as value), huge numbers, NaN and infinities, wrong types."""
+    from hypothesis import strategies as st
+
+    return st.one_of(
+        st.sampled_from([1, 63, 64, 65, 200, 500]).map(_nested),
+        st.sampled_from(["\ud800", "a\udfffb", "\udc00x"]).map(
+            lambda escaped: json.loads(f'"{escaped}"')
+        ),
+        st.just({json.loads('"\ud800"'): 1}),
+        st.sampled_from(
+            [10**4000, -(10**400), 1e308, float("nan"), float("-inf"), 0, -1, True, None, "", []]
+        ),
+        st.text(max_size=8),
+    )
+
+
+def _arguments_texts() -> Any:
+    """The `arguments` text of an earlier call: JSON, not JSON, nested past every bound
+    (balanced or not), lone surrogates escaped in it."""
+    from hypothesis import strategies as st
+
+    return st.one_of(
+        st.sampled_from(
+            [
+                "{}",
+                '{"city": "Oslo"}',
+                "not json",
+                "",
+                '"\\ud800"',
+                '{"a": "\\udc00"}',
+                '{"\\ud800": 1}',
+                "[" * 1200,
+                "[" * 900 + "]" * 900,
+                '{"a": ' * 70 + "1" + "}" * 70,
+                "1" * 5000,
+                "NaN",
+            ]
+        ),
+        st.recursive(
+            st.one_of(st.integers(), st.text(max_size=4), st.none()),
+            lambda children: st.one_of(
+                st.lists(children, max_size=3), st.dictionaries(st.text(max_size=3), children)
+            ),
+            max_leaves=6,
+        ).map(json.dumps),
+        st.text(max_size=12),
+    )
+
+
+def history_cases() -> Any:
+    """(path, body) pairs of chats, /tokenize and Responses whose earlier tool calls or input
+    items a client got wrong."""
+    from hypothesis import strategies as st
+
+    arguments = _arguments_texts()
+    texts = st.one_of(st.text(max_size=6), hostile_values())
+    calls = st.builds(
+        lambda call_id, name, args: {
+            "id": call_id,
+            "type": "function",
+            "function": {"name": name, "arguments": args},
+        },
+        texts,
+        texts,
+        arguments,
+    )
+    assistant = st.builds(
+        lambda content, calls: {"role": "assistant", "content": content, "tool_calls": calls},
+        st.sampled_from(["", "ok", None]),
+        st.lists(calls, min_size=1, max_size=3),
+    )
+    tool = st.builds(
+        lambda call_id, content: {"role": "tool", "tool_call_id": call_id, "content": content},
+        texts,
+        texts,
+    )
+    messages = st.lists(
+        st.one_of(st.just({"role": "user", "content": "hi"}), assistant, tool),
+        min_size=1,
+        max_size=4,
+    )
+    chat = messages.map(
+        lambda m: ("/v1/chat/completions", {"messages": m, "max_tokens": 2, "temperature": 0})
+    )
+    tokenize = messages.map(lambda m: ("/tokenize", {"messages": m}))
+    parts = st.lists(
+        st.one_of(
+            st.builds(lambda t: {"type": "input_text", "text": t}, texts),
+            st.builds(
+                lambda inner: {"type": "input_text", "text": [inner]},
+                st.builds(lambda t: {"type": "text", "text": t}, texts),
+            ),
+            st.fixed_dictionaries({"type": texts}),
+        ),
+        max_size=3,
+    )
+    items = st.one_of(
+        st.builds(lambda role, c: {"role": role, "content": c}, texts, st.one_of(texts, parts)),
+        st.builds(
+            lambda call_id, name, args: {
+                "type": "function_call",
+                "call_id": call_id,
+                "name": name,
+                "arguments": args,
+            },
+            texts,
+            texts,
+            st.one_of(arguments, hostile_values()),
+        ),
+        st.builds(
+            lambda call_id, out: {
+                "type": "function_call_output",
+                "call_id": call_id,
+                "output": out,
+            },
+            texts,
+            st.one_of(texts, parts),
+        ),
+        st.dictionaries(st.sampled_from(["type", "role", "content", "call_id"]), texts, max_size=3),
+    )
+    responses = st.lists(items, min_size=1, max_size=4).map(
+        lambda i: ("/v1/responses", {"input": i, "max_output_tokens": 2, "temperature": 0})
+    )
+    return st.one_of(chat, tokenize, responses)
+
+
+def _inject(body: Any, value: Any, rnd: random.Random) -> Any:
+    """`body` with `value` put at a random place inside it (a field of an object, an item
+    of an array, or the whole of a nested container)."""
+    containers: list[Any] = []
+    stack = [body]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict | list):
+            containers.append(item)
+            stack.extend(item.values() if isinstance(item, dict) else item)
+    if not containers:
+        return value
+    target = rnd.choice(containers)
+    if isinstance(target, dict):
+        keys = [*target, "injected"]
+        target[rnd.choice(keys)] = value
+    elif target and rnd.random() < 0.5:
+        target[rnd.randrange(len(target))] = value
+    else:
+        target.append(value)
+    return body
+
+
+def schema_cases(openapi: dict[str, Any]) -> Any:
+    """(path, body) pairs drawn by schemathesis from the request schemas of every POST route
+    of `openapi` (the server's own document), half of them with a `hostile_values()` value
+    put somewhere inside; generation stays short where the body asks for tokens."""
+    import schemathesis
+    from hypothesis import strategies as st
+
+    schema = schemathesis.openapi.from_dict(openapi)
+    operations = [
+        result.ok()
+        for result in schema.get_all_operations()
+        if result.ok().method.upper() == "POST" and result.ok().body
+    ]
+    drawn = st.one_of([operation.as_strategy() for operation in operations])
+
+    limits = {
+        "/v1/completions": ("max_tokens",),
+        "/v1/chat/completions": ("max_tokens", "max_completion_tokens"),
+        "/v1/responses": ("max_output_tokens",),
+    }
+
+    def build(case: Any, value: Any, inject: bool, rnd: random.Random) -> tuple[str, Any]:
+        path, body = case.operation.path, case.body
+        if isinstance(body, dict):
+            for name in limits.get(path, ()):
+                given = body.get(name)
+                if not isinstance(given, int) or isinstance(given, bool) or given > 8:
+                    body[name] = 8
+        return path, _inject(body, value, rnd) if inject else body
+
+    return st.builds(build, drawn, hostile_values(), st.booleans(), st.randoms())
+
+
 def search_server_errors(
-    base_url: str, *, max_examples: int, seed: int, headers: dict[str, str] | None = None
+    base_url: str,
+    *,
+    max_examples: int,
+    seed: int,
+    headers: dict[str, str] | None = None,
+    cases: Any = None,
+    statuses: Counter[int] | None = None,
 ) -> None:
-    """Post `request_cases()` to the server; raise (with the smallest failing body that
-    hypothesis finds) when one is answered 5xx or with a body that is not an error object."""
+    """Post `cases` (default `request_cases()`) to the server; raise (with the smallest
+    failing body that hypothesis finds) when one is answered 5xx or with a body that is not
+    an error object. Each answer's status is counted in `statuses`."""
     import httpx
     from hypothesis import HealthCheck, given, settings
     from hypothesis import seed as with_seed
 
+    seen = statuses if statuses is not None else Counter()
     with httpx.Client(base_url=base_url, timeout=60, trust_env=False, headers=headers) as client:
 
         @with_seed(seed)
@@ -245,14 +452,19 @@ def search_server_errors(
             database=None,
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
         )
-        @given(request_cases())
-        def probe(case: tuple[str, dict[str, Any]]) -> None:
+        @given(cases if cases is not None else request_cases())
+        def probe(case: tuple[str, Any]) -> None:
             path, body = case
             content = json.dumps(body).encode()
             response = client.post(
                 path, content=content, headers={"content-type": "application/json"}
             )
-            shape = {key: str(value)[:80] for key, value in body.items()}
+            seen[response.status_code] += 1
+            shape = (
+                {key: str(value)[:80] for key, value in body.items()}
+                if isinstance(body, dict)
+                else str(body)[:80]
+            )
             assert response.status_code < 500, (path, shape, response.text[:300])
             if response.status_code != 200:
                 assert {"message", "type", "param", "code"} == set(response.json()["error"])
