@@ -175,3 +175,19 @@ def test_a_history_counts_its_calls_arguments_as_written() -> None:
 
     assert arguments == messages[0]["tool_calls"][0]["function"]["arguments"]
     assert MESSAGE_OVERHEAD_CHARS + 1 + len(arguments) == chat_chars(messages)
+
+
+def test_the_docs_state_the_edge_limits() -> None:
+    """docs/operations.md ("Hostile clients") states the counts and the nesting the edge
+    holds a body to, with the code's numbers."""
+    from otel_engine.entrypoints.tools.request import MAX_TOOLS
+    from tests.helpers.paths import REPO_ROOT
+
+    text = (REPO_ROOT / "docs" / "operations.md").read_text(encoding="utf-8")
+
+    assert (
+        f"at most {MAX_MESSAGES:,} messages, {MAX_CONTENT_PARTS:,} content parts in all and "
+        f"{MAX_TOOL_CALLS:,} earlier tool calls in all ({MAX_TOOLS} a message)"
+    ) in text
+    assert f"hold at most {MAX_CONTENT_PARTS:,} content parts in all" in text
+    assert f"nests objects and arrays at most {MAX_JSON_DEPTH} deep" in text
