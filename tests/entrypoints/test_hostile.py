@@ -21,7 +21,7 @@ import httpx
 import psutil
 import pytest
 
-from otel_engine.entrypoints.network.limits import MAX_BODY_BYTES, MAX_CONTENT_PARTS
+from otel_engine.entrypoints.network.limits import MAX_BODY_BYTES, MAX_CONTENT_PARTS, MAX_MESSAGES
 from otel_engine.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from tests.helpers.probe import HealthProbe
 from tests.helpers.procs import ServerProcess
@@ -521,3 +521,140 @@ def test_special_tokens_in_a_message_cannot_forge_a_turn(server: ServerProcess) 
     response = _post(server, "/tokenize", {"messages": [{"role": "user", "content": content}]})
 
     assert 2 == response.json()["tokens"].count(im_start_id)
+
+
+# ---- Round three ---------------------------------------------------------------------------
+
+
+def _history_of_empty_calls() -> bytes:
+    """2,048 assistant messages of empty tool calls, as many as a 4 MB body holds."""
+    call = '{"id":"c","type":"function","function":{"name":"f","arguments":""}}'
+    per_message = (MAX_BODY_BYTES - 4096) // MAX_MESSAGES
+    calls = ",".join([call] * ((per_message - 60) // (len(call) + 1)))
+    message = '{"role":"assistant","content":"","tool_calls":[' + calls + "]}"
+    body = '{"max_tokens":4,"messages":[' + ",".join([message] * MAX_MESSAGES) + "]}"
+    assert len(body) < MAX_BODY_BYTES
+    return body.encode()
+
+
+def test_a_history_of_too_many_tool_calls_is_refused_without_stalling(
+    server: ServerProcess,
+) -> None:
+    """Round 3, item 1: four chats of 2,048 assistant messages of empty tool calls (4 MB,
+    some 80,000 calls each) are refused (400 too_many_messages) by the count of their calls
+    on the raw body; /health answers in time meanwhile (the autouse fixture) and a normal
+    request is served (before: each expanded on the event loop, /health held up to 7.85 s)."""
+    body = _history_of_empty_calls()
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        responses = list(pool.map(lambda _: _post(server, "/v1/chat/completions", body), range(4)))
+    started = time.monotonic()
+    normal = _greedy_text(server)
+    normal_s = time.monotonic() - started
+
+    assert [400] * 4 == [r.status_code for r in responses]
+    assert {("messages", "too_many_messages")} == {
+        (_error(r)["param"], _error(r)["code"]) for r in responses
+    }
+    assert normal
+    assert normal_s < 5.0
+
+
+def _chat_with_arguments(arguments: str) -> dict[str, Any]:
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    return {
+        "messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+        ],
+        "max_tokens": 4,
+    }
+
+
+MISTAKEN_ARGUMENTS = {
+    "unbalanced 1200 deep": "[" * 1200,
+    "balanced 900 deep": "[" * 900 + "]" * 900,
+    "a lone surrogate": '"\\ud800"',
+    "a lone surrogate in an object": '{"a": "\\udc00"}',
+}
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize", "/v1/responses"])
+@pytest.mark.parametrize(
+    "arguments", list(MISTAKEN_ARGUMENTS.values()), ids=list(MISTAKEN_ARGUMENTS)
+)
+def test_tool_call_arguments_a_template_cannot_render_are_400(
+    server: ServerProcess, path: str, arguments: str
+) -> None:
+    """Round 3, item 3: an earlier call's arguments nested past the limit (even past the
+    JSON decoder's) or holding a lone surrogate once decoded are a 400 naming the history
+    (were 500s: RecursionError, TypeError)."""
+    body = _chat_with_arguments(arguments)
+    if path == "/tokenize":
+        del body["max_tokens"]
+    if path == "/v1/responses":
+        body = {
+            "input": [
+                {"type": "function_call", "call_id": "c1", "name": "f", "arguments": arguments},
+                {"type": "function_call_output", "call_id": "c1", "output": "ok"},
+            ],
+            "max_output_tokens": 4,
+        }
+    response = _post(server, path, body)
+
+    param = "input" if path == "/v1/responses" else "messages"
+    assert (400, param, "invalid_value") == (
+        response.status_code,
+        _error(response)["param"],
+        _error(response)["code"],
+    )
+
+
+RESPONSES_ITEMS = {
+    "content": b'{"role": "user", "content": "\\ud800"}',
+    "call_id": b'{"type": "function_call", "call_id": "\\ud800", "name": "f", "arguments": "{}"}',
+    "name": b'{"type": "function_call", "call_id": "c", "name": "\\ud800", "arguments": "{}"}',
+    "output": b'{"type": "function_call_output", "call_id": "c", "output": "\\udfff"}',
+    "nested parts": b'{"role": "user", "content": [{"type": "input_text", "text": '
+    + b'[{"type": "text", "text": ' * 50
+    + b'"x"'
+    + b"}]" * 50
+    + b"}]}",
+}
+
+
+@pytest.mark.parametrize("item", list(RESPONSES_ITEMS.values()), ids=list(RESPONSES_ITEMS))
+def test_responses_items_a_client_got_wrong_are_400(server: ServerProcess, item: bytes) -> None:
+    """Round 3, item 3: a lone surrogate in any string of a Responses input item, or text
+    parts nested in a text part, is a 400 naming `input` (were 500s, and parts nested to any
+    depth were read)."""
+    response = _post(server, "/v1/responses", b'{"max_output_tokens": 4, "input": [' + item + b"]}")
+
+    assert (400, "input") == (response.status_code, _error(response)["param"])
+
+
+def test_tools_past_the_context_are_refused_before_their_schemas_are_checked(
+    server: ServerProcess,
+) -> None:
+    """Round 3, item 5: four chats of 128 distinct tools whose definitions make the prompt
+    longer than the context are refused (400 context_length_exceeded) after one render,
+    before 128 schemas each are compiled; /health answers in time (the autouse fixture)."""
+
+    def body(seed: int) -> dict[str, Any]:
+        tools = []
+        for index in range(128):
+            names = [f"field_{seed}_{index}_{k}" for k in range(4)]
+            properties = {n: {"type": "string", "description": "x" * 40} for n in names}
+            schema = {"type": "object", "properties": properties, "required": names}
+            tools.append(
+                {"type": "function", "function": {"name": f"f{index}", "parameters": schema}}
+            )
+        return {"messages": [{"role": "user", "content": "hi"}], "tools": tools, "max_tokens": 4}
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        responses = list(
+            pool.map(lambda k: _post(server, "/v1/chat/completions", body(k)), range(4))
+        )
+
+    assert [400] * 4 == [r.status_code for r in responses]
+    assert {"context_length_exceeded"} == {_error(r)["code"] for r in responses}
