@@ -249,14 +249,31 @@ def test_costly_answer_schemas_are_400_grammar_limit_exceeded_on_every_path(
         assert ("grammar_limit_exceeded", "response_format") == (error["code"], error["param"])
 
 
+@pytest.fixture(scope="module")
+def long_served(server_loop: ServerLoop, long_context_model_dir: str) -> Iterator[Served]:
+    """The tiny model with a 4,096-token context: a prompt that holds a costly tool's schema
+    fits, so the schema is what gets refused."""
+    from otel_engine import AsyncLLM
+    from otel_engine.entrypoints.api_server import make_server
+
+    engine = AsyncLLM(model=long_context_model_dir, max_num_seqs=8)
+    server = make_server(engine, drain_timeout=5)
+    yield Served(server_loop.start(server), engine, server)
+    server_loop.stop(server)
+    engine.shutdown()
+
+
 @pytest.mark.parametrize("schema", COSTLY_ANSWERS.values(), ids=list(COSTLY_ANSWERS))
 def test_costly_tool_parameters_are_400_grammar_limit_exceeded(
-    served: Served, schema: dict[str, Any]
+    long_served: Served, schema: dict[str, Any]
 ) -> None:
+    """A tool's schemas are checked once its prompt (the tools written into it) fits the
+    context (on the 512-token model the longest of these is refused for its length first)."""
     parameters = {"type": "object", "properties": {"q": schema}, "required": ["q"]}
     if "x-guidance" in schema:
         parameters = {**parameters, "x-guidance": schema["x-guidance"]}
     tool = {"type": "function", "function": {"name": "search", "parameters": parameters}}
+    served = long_served
     error = _bad_request(
         lambda: served.openai().chat.completions.create(
             model=served.model,
