@@ -262,6 +262,32 @@ def test_repeated_500s_log_one_traceback_a_second_and_count_the_rest(
     assert 301 == errors - errors_before
 
 
+def test_refusals_the_servers_state_causes_are_logged_every_time(
+    server_loop: ServerLoop, engine: AsyncLLM, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A 503 with a code (the engine is not serving) before admission is the server's state,
+    not the client's to repeat: each gets its `request.failed` line, past the client's
+    budget (the chaos ledger holds one line per request)."""
+    from otel_engine.entrypoints.network.errors import engine_unavailable
+
+    served = _serve(server_loop, engine)
+    app = served.server.config.app
+    assert isinstance(app, FastAPI)
+
+    async def unavailable() -> None:
+        raise engine_unavailable(None)
+
+    app.add_api_route("/v1/unavailable", unavailable, methods=["GET"])
+    caplog.set_level(logging.INFO, logger="otel_engine.api_server")
+    with served.http() as client:
+        statuses = {client.get("/v1/unavailable").status_code for _ in range(30)}
+    server_loop.stop(served.server)
+
+    failed = [r for r in caplog.records if r.getMessage() == "request.failed"]
+    assert {503} == statuses
+    assert 30 == len(failed)
+
+
 def _read_response(sock: socket.socket) -> bytes:
     """One response with a Content-Length body, leaving the connection open."""
     data = b""

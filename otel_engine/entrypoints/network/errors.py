@@ -206,8 +206,9 @@ def from_validation_error(exc: RequestValidationError) -> APIError:
 
 async def _answer(request: Request, exc: Exception) -> Response:
     """Count and log errors that no request telemetry recorded (raised before admission):
-    every one counted, logged within the client's budget of lines (`ClientLogBudget`, the
-    app's `log_budget`)."""
+    every one counted; one a client can repeat at will (a 4xx, or a 500 without a code: a
+    bug) logged within the client's budget of lines (`ClientLogBudget`, the app's
+    `log_budget`), one the server's state causes (a dead engine, a drain) every time."""
     assert isinstance(exc, APIError)
     state = request.app.state
     if not exc.is_counted and request.url.path.startswith("/v1/"):
@@ -217,7 +218,8 @@ async def _answer(request: Request, exc: Exception) -> Response:
         level = logging.WARNING if is_server_error(exc.status) else logging.INFO
         fields = {"status": exc.status, "error_type": exc.label}
         budget: ClientLogBudget | None = getattr(state, "log_budget", None)
-        if budget is None:
+        is_repeatable = not is_server_error(exc.status) or exc.code is None
+        if budget is None or not is_repeatable:
             logger.log(level, "request.failed", extra=fields)
         else:
             budget.log(level, "request.failed", client_address(request.scope), **fields)
