@@ -22,8 +22,9 @@ reproduction while a probe process asks `/health` every 20 ms and a thread sends
 - `many_tools`: `--concurrency` chats with 128 distinct tools whose prompt is past the context.
 
 Printed per reproduction: the status codes, how many were 500, the normal request's median and
-worst latency beside it (and the difference from alone), /health's worst latency, and the
-server's log bytes per second while it ran. Prints numbers only; asserts nothing.
+worst latency beside it (and the difference from alone), /health's worst latency, the
+server's log bytes per second while it ran, and its `request.internal_error`,
+`request.failed` and `request.paused` lines. Prints numbers only; asserts nothing.
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ except ImportError:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import otel_engine
 
+# The lines a client can make the server write over and over, counted per reproduction.
+COUNTED_EVENTS = ("request.internal_error", "request.failed", "request.paused")
 NORMAL_INTERVAL_S = 0.25
 HEALTH_INTERVAL_S = 0.02
 BASELINE_REQUESTS = 8
@@ -213,6 +216,13 @@ class Server:
     def log_bytes(self) -> int:
         return self.log_path.stat().st_size
 
+    def events_since(self, offset: int, events: tuple[str, ...]) -> dict[str, int]:
+        """How many lines of each of `events` the log has past byte `offset`."""
+        with self.log_path.open("rb") as log:
+            log.seek(offset)
+            text = log.read().decode(errors="replace")
+        return {event: text.count(f'"event": "{event}"') for event in events}
+
     def stop(self) -> None:
         self.proc.terminate()
         try:
@@ -361,6 +371,7 @@ def measure(server: Server, name: str, action: Callable[[], list[int]]) -> dict[
     found["statuses"] = dict(Counter(statuses))
     found["num_500"] = sum(1 for status in statuses if status == 500)
     found["log_bytes_per_s"] = round((server.log_bytes - log_before) / seconds)
+    found["log_lines"] = server.events_since(log_before, COUNTED_EVENTS)
     return found
 
 
@@ -427,7 +438,7 @@ def report(results: dict[str, Any]) -> None:
     alone = results["normal_alone_s"]
     print(f"\n== {results['format']}: a normal 4-token request alone {1000 * alone:.0f} ms")
     headers = ["reproduction", "s", "statuses", "500s", "normal med/max ms", "vs alone ms"]
-    headers += ["health max ms", "log B/s"]
+    headers += ["health max ms", "log B/s", "internal_error/failed/paused lines"]
     rows = []
     for run in results["runs"]:
         normal = run["normal_s"]
@@ -442,6 +453,7 @@ def report(results: dict[str, Any]) -> None:
                 "-" if not normal else f"{1000 * (max(normal) - alone):+.0f}",
                 _ms(run["health_s"], max),
                 str(run["log_bytes_per_s"]),
+                "/".join(str(n) for n in run["log_lines"].values()),
             ]
         )
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
