@@ -541,7 +541,7 @@ def test_a_history_of_too_many_tool_calls_is_refused_without_stalling(
     server: ServerProcess,
 ) -> None:
     """Round 3, item 1: four chats of 2,048 assistant messages of empty tool calls (4 MB,
-    some 80,000 calls each) are refused (400 too_many_messages) by the count of their calls
+    about 60,000 calls each) are refused (400 too_many_messages) by the count of their calls
     on the raw body; /health answers in time meanwhile (the autouse fixture) and a normal
     request is served (before: each expanded on the event loop, /health held up to 7.85 s)."""
     body = _history_of_empty_calls()
