@@ -30,7 +30,7 @@ help:
 	@echo "make test    run the test suite (PYTEST_ARGS='-k name -x ...')"
 	@echo "make lint    ruff check and mypy"
 	@echo "make bench   run $(BENCH_SCRIPT) (ARGS=...)"
-	@echo "make fuzz    schemathesis against a real server's OpenAPI document (< 2 min)"
+	@echo "make fuzz    schemathesis and hypothesis against real servers, both tool formats (~5 min)"
 	@echo "make gpu-check  the CUDA tests (-m gpu) on a GPU machine (wheels: make gpu-wheels)"
 	@echo "make clean   remove caches and build output (keeps .venv and .cache)"
 
