@@ -107,7 +107,9 @@ class AsyncLLM:
         client = self._frontend.client
         assert isinstance(client, MPClient)
         self._client = client
-        self._threads: list[threading.Thread] = []  # the output thread of the current engine
+        # what shutdown joins: the current engine's output thread and any restart's thread
+        self._threads: list[threading.Thread] = []
+        self._output_thread: threading.Thread | None = None
         self._start_output_thread(client)
         self._finalizer = weakref.finalize(
             self, _shutdown, self._stopped, self._frontend, self._threads
@@ -128,7 +130,13 @@ class AsyncLLM:
             daemon=True,
         )
         thread.start()
-        self._threads[:] = [thread]
+        # the old engine's output thread has ended (a restart joined it); the restart's own
+        # thread, still handing this client over, stays to be joined at shutdown
+        self._threads[:] = [
+            t for t in self._threads if t is not self._output_thread and t.is_alive()
+        ]
+        self._threads.append(thread)
+        self._output_thread = thread
 
     @property
     def is_dead(self) -> bool:

@@ -285,3 +285,38 @@ def test_a_backlog_of_steps_leaves_the_event_loop_room_in_between(
     steps = [s for s in seen if s != "socket"]
     assert [10_000 + i for i in range(1, 41)] == steps
     assert seen.index("socket") <= 2 * DELIVER_BUDGET_S / 0.003 + 1
+
+
+def test_a_restart_keeps_one_output_thread_to_join(
+    tiny_model_dir: str, tiny_prompts: list[list[int]], run: Callable[[Any], Any]
+) -> None:
+    """After the engine core is killed and restarted, what shutdown joins is the new
+    engine's output thread (and the restart's own, while it runs): the old output thread
+    is gone from the list, no ended thread stays in it, and the restarted engine serves."""
+    engine = AsyncLLM(tiny_model_dir, on_engine_failure="restart", num_kv_blocks=64)
+
+    async def scenario() -> list[RequestOutput]:
+        await collect(engine, tiny_prompts[0], greedy(2), "before")
+        first = engine._output_thread
+        core = next(
+            child
+            for child in psutil.Process().children(recursive=True)
+            if child.name() == process_title(ENGINE_CORE)
+        )
+        core.kill()
+        core.wait(timeout=10)
+        # admitted to the dead engine and carried over, or held until the restart
+        outputs = await collect(engine, tiny_prompts[0], greedy(2), "after")
+        assert 1 == engine.restarts
+        assert first is not None
+        assert not first.is_alive()
+        assert first not in engine._threads
+        return outputs
+
+    try:
+        outputs = run(scenario())
+        output_threads = [t for t in engine._threads if t.name == "core-output-io"]
+        assert [engine._output_thread] == output_threads
+        assert 2 == len(outputs[-1].outputs[0].token_ids)
+    finally:
+        engine.shutdown()
