@@ -74,6 +74,8 @@ class AsyncLLM:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncLLM:
+        """The engine of `config` (`serve`'s); its core runs in a process of its own, whatever
+        `config.parallel.multiprocess` says."""
         self = cls.__new__(cls)
         self._setup(config)
         return self
