@@ -3,14 +3,25 @@ fields, and the part it repeats of its request is `ResponsesEcho`'s, in its orde
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import msgspec
+import pytest
 
 from otel_engine.entrypoints.openai.api_kind import ApiKind
 from otel_engine.entrypoints.openai.job import Job
-from otel_engine.entrypoints.openai.response_models import ResponseObject, ResponsesEcho
+from otel_engine.entrypoints.openai.response_models import (
+    ChatCompletionResponse,
+    CompletionResponse,
+    ResponseObject,
+    ResponsesEcho,
+)
 from otel_engine.entrypoints.openai.responses import response_object
 from otel_engine.entrypoints.openai.responses_request import ResponsesRequest
 from otel_engine.sampling_params import SamplingParams
+
+GOLDEN = Path(__file__).parent / "golden" / "wire.json"
 
 
 def _written(**request: object) -> dict[str, object]:
@@ -57,3 +68,24 @@ def test_the_echo_says_what_the_request_got() -> None:
         written["tool_choice"],
         written["previous_response_id"],
     )
+
+
+WHOLE_ANSWERS = {
+    "completion whole": CompletionResponse,
+    "chat whole": ChatCompletionResponse,
+    "chat_tools whole": ChatCompletionResponse,
+    "responses whole": ResponseObject,
+    "responses_tools whole": ResponseObject,
+}
+
+
+@pytest.mark.parametrize("name", sorted(WHOLE_ANSWERS))
+def test_each_recorded_answer_is_its_documented_model(name: str) -> None:
+    """The wire bytes (written fast, by dict builders) and the OpenAPI document's models
+    cannot drift apart: each recorded whole answer validates against its model, and the
+    model, read back, gives the same object (no field the document lacks, none it requires
+    left out)."""
+    written = json.loads(json.loads(GOLDEN.read_text(encoding="utf-8"))[name])
+    model = WHOLE_ANSWERS[name].model_validate(written)
+
+    assert written == model.model_dump(mode="json", exclude_unset=True)
