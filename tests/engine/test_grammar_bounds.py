@@ -388,6 +388,69 @@ def test_the_step_budget_computes_the_longest_waiting_first(tiny_model_dir: str)
     assert [0, 1, 2] == sorted(g.num_deferred for g in waiting)
 
 
+class _FakeGrammar:
+    """What `fill_within` reads of a grammar, with a mask that always takes `cost_s`."""
+
+    def __init__(self, cost_s: float) -> None:
+        self.cost_s = cost_s
+        self.has_mask = False
+        self.error = None
+        self.last_mask_s = self.mask_cost_s = self.debt_s = 0.0
+        self.num_deferred = 0
+        self.num_masks = 0
+
+    @property
+    def is_free(self) -> bool:
+        return self.has_mask
+
+    def fill(self) -> None:
+        self.last_mask_s = self.mask_cost_s = self.cost_s
+        self.has_mask = True
+        self.num_masks += 1
+
+
+def _run_steps(fakes: list[_FakeGrammar], num_steps: int) -> None:
+    for _ in range(num_steps):
+        grammars.fill_within(fakes, budget_s=0.02)  # type: ignore[arg-type]
+        for fake in fakes:
+            fake.has_mask = False  # its token was sampled
+
+
+def test_the_step_budget_holds_back_the_costly_grammar_not_the_cheap_ones() -> None:
+    """One grammar whose masks take 30 ms among four of 0.1 ms, under a 20 ms budget: each
+    has a 4 ms share, so once each has shown its cost (the first step), the costly one gets
+    a mask about once per 30 / 4 steps and the cheap ones one every step."""
+    costly, *cheap = fakes = [_FakeGrammar(0.03)] + [_FakeGrammar(0.0001) for _ in range(4)]
+    _run_steps(fakes, 1)
+    for fake in fakes:
+        fake.num_masks = 0
+    _run_steps(fakes, 75)
+
+    assert [75] * 4 == [fake.num_masks for fake in cheap]
+    assert 9 <= costly.num_masks <= 11
+    assert all(-0.004 - 1e-9 <= fake.debt_s <= fake.cost_s for fake in fakes)
+
+
+def test_a_costly_grammar_alone_gets_a_mask_every_step() -> None:
+    """The least indebted grammar is always computed: alone, a 30 ms one never waits, and
+    owes nothing for it when others come."""
+    alone = _FakeGrammar(0.03)
+    _run_steps([alone], 20)
+
+    assert 20 == alone.num_masks
+    assert 0 == alone.num_deferred
+    assert 0.0 == alone.debt_s
+
+
+def test_grammars_that_fit_the_budget_all_get_a_mask_every_step() -> None:
+    """Ten 1 ms grammars and four of 2 ms take 18 ms of a 20 ms budget: the 2 ms ones cost
+    more than their share (20 / 14 ms), but the step has room for them, so none waits."""
+    fakes = [_FakeGrammar(0.001) for _ in range(10)] + [_FakeGrammar(0.002) for _ in range(4)]
+    _run_steps(fakes, 30)
+
+    assert [30] * 14 == [fake.num_masks for fake in fakes]
+
+
 # ---- The documented numbers are the code's ---------------------------------------------
 
 
