@@ -63,6 +63,12 @@ SEQUENCE = "^" + "a{2000}" * 50 + "$"  # each repeat under the old per-repeat bo
         ("(?P<name>ab){3}", 6),
         ("(?<name>ab){3}", 6),
         ("(?:ab){3}", 6),
+        ("a{" + "0" * 5000 + "7}", 7),  # leading zeros past int()'s 4,300 digits
+        ("a{" + "0" * 5000 + "," + "0" * 5000 + "}", 0),
+        ("a{2," + "0" * 5000 + "12}", 12),
+        ("a{" + "9" * 5000 + "}", 1 << 62),  # a count past any bound: the cap
+        ("a{3," + "1" * 11 + "}", 1 << 62),
+        ("a{1" + "0" * 10 + "}{0}", 0),  # 11 digits: past any bound, times nothing
     ],
 )
 def test_regex_size_reads_counted_repeats_as_llguidance_does(pattern: str, expected: int) -> None:
@@ -145,6 +151,13 @@ def test_a_schema_requiring_more_than_the_bound_is_refused(schema: dict[str, Any
     assert GrammarLimit.REQUIRED_LENGTH == raised.value.limit
 
 
+def test_non_finite_and_negative_required_lengths_pass() -> None:
+    """`-Infinity` (Python's json reads it) and negative numbers require nothing."""
+    schema = json.loads('{"type": "string", "minLength": -Infinity, "minItems": -1e400}')
+    check_schema(schema)
+    check_schema({"type": "string", "pattern": "a", "minLength": -(10**30)})
+
+
 def test_maxima_and_required_lengths_within_the_bound_pass() -> None:
     schema = {
         "type": "object",
@@ -182,6 +195,7 @@ def _refused(spec: StructuredOutput | None) -> RequestError:
         (_schema("^a{ 100000}$"), "regex_size"),
         (_schema(SEQUENCE), "regex_size"),
         (_schema("(?x)a{1 0 0 0 0 0}"), "regex_size"),
+        (_schema("a{" + "0" * 5000 + "100000}"), "regex_size"),
         ({"type": "string", "minLength": 100000}, "required_length"),
         ({"type": "object", "x-guidance": {"whitespace_pattern": "[ ]{0,100000}"}}, "options"),
     ],
