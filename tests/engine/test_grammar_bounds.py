@@ -528,3 +528,46 @@ def test_structured_requests_past_the_step_budget_wait_their_turn_and_finish(
         jsonschema.validate(json.loads(output.outputs[0].text), BOUNDED)
     deferred = [dict(zip(history["fields"], step, strict=True)) for step in history["steps"]]
     assert max(step["num_grammar_deferred"] for step in deferred) == 2
+
+
+@pytest.mark.slow
+def test_the_step_span_counts_the_batch_that_ran_not_the_requests_that_sat_out(
+    tiny_model_dir: str, tiny_prompts: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step span's `num_requests` and `num_batched_tokens` are set after deferral: they
+    agree with the crash history's step, and its grammar rows and deferred add up."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from otel_engine import LLM, SamplingParams
+
+    monkeypatch.setattr(grammars, "STEP_MASK_BUDGET_S", 0.0)
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    structured = SamplingParams(
+        max_tokens=20,
+        temperature=0.0,
+        structured_output=from_response_format(schema_format(BOUNDED)),
+    )
+    with LLM(tiny_model_dir, dtype="float32", crash_history_steps=256) as engine:
+        core = engine._frontend.client.core  # type: ignore[attr-defined]
+        core._tracer, core.is_tracing = provider.get_tracer("test"), True
+        engine.generate(tiny_prompts[:3], structured)
+        history = core.history.part()
+    provider.shutdown()
+
+    steps = {
+        record["step_id"]: record
+        for record in (dict(zip(history["fields"], step, strict=True)) for step in history["steps"])
+    }
+    spans = [span for span in exporter.get_finished_spans() if span.name == "engine_core.step"]
+    deferred = [span for span in spans if span.attributes["otel_engine.step.num_grammar_deferred"]]
+    assert deferred
+    for span in deferred:
+        attributes = span.attributes
+        step = steps[attributes["otel_engine.step.id"]]
+        assert step["num_requests"] == attributes["otel_engine.step.num_requests"]
+        assert step["num_scheduled_tokens"] == attributes["otel_engine.step.num_batched_tokens"]
+        assert step["num_grammar_deferred"] == attributes["otel_engine.step.num_grammar_deferred"]
