@@ -374,6 +374,10 @@ class EngineCore:
         self.num_grammar_deferred = len(waiting)
         span = self.current_step_span
         if span is not None:
+            # The batch that runs, as the step's metrics and history count it. The links to
+            # the requests that sat the step out stay: a span's links are fixed at its start.
+            span.set_attribute("otel_engine.step.num_requests", len(output.chunks))
+            span.set_attribute("otel_engine.step.num_batched_tokens", output.num_batched_tokens)
             span.set_attribute("otel_engine.step.grammar_mask_s", self.step_mask_s)
             span.set_attribute("otel_engine.step.num_grammar_rows", len(rows) - len(waiting))
             span.set_attribute("otel_engine.step.num_grammar_deferred", len(waiting))

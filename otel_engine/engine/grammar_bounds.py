@@ -40,6 +40,7 @@ REQUIRED_KEYWORDS = ("minLength", "minItems", "minProperties", "minContains")
 MIN_LENGTH_WEIGHT = 8  # atoms a character of a `minLength` beside a `pattern` counts
 OPTIONS_KEY = "x-guidance"
 _CAP = 1 << 62  # a size past any bound: products stop growing here
+MAX_COUNT_DIGITS = 10  # a repeat count longer than this (leading zeros aside) is _CAP
 
 
 class GrammarLimit(enum.StrEnum):
@@ -149,7 +150,7 @@ def _node_size(node: dict[str, Any]) -> int:
 def _number(value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
         return 0
-    return int(min(value, _CAP))
+    return int(max(0, min(value, _CAP)))  # -Infinity: 0, not int()'s OverflowError
 
 
 # regex-syntax's counted repeat: `{` then a decimal, an optional `,` and decimal, each with
@@ -227,8 +228,15 @@ def regex_size(pattern: str) -> int:
 def _count(repeat: re.Match[str]) -> int:
     low, comma, high = repeat.groups()
     if comma is None:
-        return int(low or 0)
-    return int(high) if high else max(1, int(low or 0))
+        return _decimal(low)
+    return _decimal(high) if high else max(1, _decimal(low))
+
+
+def _decimal(digits: str) -> int:
+    """A count's value, _CAP past MAX_COUNT_DIGITS digits: `int()` refuses a string of more
+    than 4,300 digits, and leading zeros add nothing."""
+    digits = digits.lstrip("0")
+    return _CAP if len(digits) > MAX_COUNT_DIGITS else int(digits or 0)
 
 
 def _group_start(pattern: str, index: int, frames: list[_Frame]) -> int:

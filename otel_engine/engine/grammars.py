@@ -5,8 +5,9 @@ per request, and what their masks may cost.
   core refuses on its own what the front end would) and built in one background thread
   (never in the step loop) from a cache keyed by the spec; the request is scheduled once its
   grammar is ready, and keeps its own matcher (`RequestGrammar`, on `Request`);
-- each step the core computes the sampled rows' masks (`fill_within`), the longest waiting
-  first, until they have taken STEP_MASK_BUDGET_S: a row left without one sits the step out;
+- each step the core computes the sampled rows' masks (`fill_within`) within
+  STEP_MASK_BUDGET_S, each grammar charged the time its masks take past its fair share, so
+  a costly one waits more steps than cheap ones: a row left without one sits the step out;
   the masks travel in `ModelInput.grammar_bitmask` (`fill_bitmasks`), the sampling rank bans
   every token outside them (`model/sampler.apply_grammar`); each sampled token advances the
   matcher (`Request.append_token`), and a grammar that is complete finishes its request
@@ -55,8 +56,8 @@ REFUSED_SIZE = 256  # specs remembered as past a budget, refused at once
 # schemas take 13 µs to 1 ms each.
 MASK_TIME_BUDGET_S = 1.0  # seconds of mask computation over the request's life
 MATCHER_MEMORY_BUDGET = 64 * 2**20  # bytes its masks may add to the process's RSS
-# Per step, all requests together: masks are computed until they have taken this long, the
-# one that crosses it included; the rest wait for a later step, the longest waiting first.
+# Per step, all requests together: masks are computed until they have taken this long, each
+# grammar charged its mask time past its fair share of it (`fill_within`); the rest wait.
 STEP_MASK_BUDGET_S = 0.02
 
 
@@ -71,10 +72,12 @@ class RequestGrammar:
     """
 
     __slots__ = (
+        "debt_s",
         "error",
         "has_mask",
         "last_mask_s",
         "limit",
+        "mask_cost_s",
         "mask_seconds",
         "matcher",
         "memory_bytes",
@@ -94,6 +97,8 @@ class RequestGrammar:
         self.row = np.full((1, (vocab_size + 31) // 32), -1, dtype=np.int32)
         self.has_mask = False  # `row` is the mask of the current position
         self.num_deferred = 0  # steps in a row this request sat out for the step's budget
+        self.debt_s = 0.0  # mask time taken past its fair shares of the steps' budgets
+        self.mask_cost_s = 0.0  # the last mask computed, kept while it waits: its expected cost
         self.error: str | None = None
         self.limit: GrammarLimit | None = None
         self.mask_seconds = 0.0  # over the request's life: MASK_TIME_BUDGET_S
@@ -141,7 +146,7 @@ class RequestGrammar:
         rss = _rss_bytes()
         started = time.perf_counter()
         llguidance.numpy.fill_next_token_bitmask(self.matcher, self.row, 0)
-        self.last_mask_s = time.perf_counter() - started
+        self.last_mask_s = self.mask_cost_s = time.perf_counter() - started
         self.mask_seconds += self.last_mask_s
         self.has_mask = True
         grown = max(0, _rss_bytes() - rss)
@@ -168,27 +173,47 @@ class RequestGrammar:
 
 
 def fill_within(grammars: Sequence[RequestGrammar], budget_s: float | None = None) -> float:
-    """Compute this step's masks of `grammars`, the longest waiting first (`num_deferred`),
-    until they have taken `budget_s` (default STEP_MASK_BUDGET_S): one is always computed,
-    and one that costs nothing (`is_free`) always kept. Those left without a mask wait for a
-    later step (their `num_deferred` grows). Returns the seconds spent. One after the other:
-    llguidance's parallel executor took 8x longer here (0.8 ms for 8 masks), its threads
-    competing with torch's on two cores, than computing them in turn (~13 µs each)."""
+    """Compute this step's masks of `grammars` within `budget_s` (default
+    STEP_MASK_BUDGET_S), charging time, not turns. Each grammar that needs a mask has a fair
+    share of the budget (budget / their number) and carries a debt in seconds: computing it
+    adds its mask's time less the share, sitting the step out takes the share off. They are
+    taken least debt first (then longest waiting, `num_deferred`); one is computed while the
+    step has spent less than the budget and its debt is not positive, or its last mask fits
+    in what is left, and the first one always. So a costly grammar among cheap ones gets a
+    mask about once per (its cost / share) steps while the cheap ones get one every step,
+    and one alone every step. Debt is kept at -share or more (nothing banks credit), and
+    what all owe at once is forgiven (a step over budget that none could avoid: one
+    alone, or all costly), so none waits for costs it ran up alone. A grammar that costs
+    nothing this step (`is_free`) is always kept. Returns the seconds spent. One after the
+    other: llguidance's parallel executor took 8x longer here (0.8 ms for 8 masks), its
+    threads competing with torch's on two cores, than computing them in turn (~13 µs each)."""
     budget_s = STEP_MASK_BUDGET_S if budget_s is None else budget_s
-    spent = 0.0
-    has_computed = False
-    for grammar in sorted(grammars, key=lambda g: -g.num_deferred):
+    pending = []
+    for grammar in grammars:
         if grammar.is_free:
             grammar.last_mask_s = 0.0
             grammar.num_deferred = 0
-        elif not has_computed or spent < budget_s:
+        else:
+            pending.append(grammar)
+    if not pending:
+        return 0.0
+    share = budget_s / len(pending)
+    spent = 0.0
+    for turn, grammar in enumerate(sorted(pending, key=lambda g: (g.debt_s, -g.num_deferred))):
+        fits = spent < budget_s and (grammar.debt_s <= 0 or spent + grammar.mask_cost_s <= budget_s)
+        if turn == 0 or fits:
             grammar.fill()
             spent += grammar.last_mask_s
             grammar.num_deferred = 0
-            has_computed = True
+            grammar.debt_s += grammar.last_mask_s - share
         else:
             grammar.last_mask_s = 0.0
             grammar.num_deferred += 1
+            grammar.debt_s -= share
+    # All in debt: a step over budget that none could avoid (one alone, or all costly).
+    least = min(grammar.debt_s for grammar in pending)
+    for grammar in pending:
+        grammar.debt_s = max(grammar.debt_s - max(least, 0.0), -share)
     return spent
 
 

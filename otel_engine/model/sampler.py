@@ -6,9 +6,11 @@ over the vocabulary) and skipped entirely for a step where no row has any.
 
 Seeded rows draw their noise from a generator seeded by (seed, output position), so the
 same seed gives the same tokens whatever else shares the batch or after a preemption.
-Unseeded rows draw from one generator seeded by the engine seed (`--seed`), so an engine
-restarted with the same seed and given the same requests in the same order samples the
-same tokens.
+Unseeded rows draw from one generator seeded by the engine seed (`--seed`), shared by the
+whole batch: an engine restarted with the same seed and given the same requests in the
+same order samples the same tokens only while each step's batch is the same too, so not
+once a structured request sat a step out for its grammar mask (that depends on how long
+masks took, wall-clock time); seeded rows stay reproducible by (seed, position) either way.
 """
 
 from __future__ import annotations

@@ -63,6 +63,12 @@ SEQUENCE = "^" + "a{2000}" * 50 + "$"  # each repeat under the old per-repeat bo
         ("(?P<name>ab){3}", 6),
         ("(?<name>ab){3}", 6),
         ("(?:ab){3}", 6),
+        ("a{" + "0" * 5000 + "7}", 7),  # leading zeros past int()'s 4,300 digits
+        ("a{" + "0" * 5000 + "," + "0" * 5000 + "}", 0),
+        ("a{2," + "0" * 5000 + "12}", 12),
+        ("a{" + "9" * 5000 + "}", 1 << 62),  # a count past any bound: the cap
+        ("a{3," + "1" * 11 + "}", 1 << 62),
+        ("a{1" + "0" * 10 + "}{0}", 0),  # 11 digits: past any bound, times nothing
     ],
 )
 def test_regex_size_reads_counted_repeats_as_llguidance_does(pattern: str, expected: int) -> None:
@@ -145,6 +151,13 @@ def test_a_schema_requiring_more_than_the_bound_is_refused(schema: dict[str, Any
     assert GrammarLimit.REQUIRED_LENGTH == raised.value.limit
 
 
+def test_non_finite_and_negative_required_lengths_pass() -> None:
+    """`-Infinity` (Python's json reads it) and negative numbers require nothing."""
+    schema = json.loads('{"type": "string", "minLength": -Infinity, "minItems": -1e400}')
+    check_schema(schema)
+    check_schema({"type": "string", "pattern": "a", "minLength": -(10**30)})
+
+
 def test_maxima_and_required_lengths_within_the_bound_pass() -> None:
     schema = {
         "type": "object",
@@ -182,6 +195,7 @@ def _refused(spec: StructuredOutput | None) -> RequestError:
         (_schema("^a{ 100000}$"), "regex_size"),
         (_schema(SEQUENCE), "regex_size"),
         (_schema("(?x)a{1 0 0 0 0 0}"), "regex_size"),
+        (_schema("a{" + "0" * 5000 + "100000}"), "regex_size"),
         ({"type": "string", "minLength": 100000}, "required_length"),
         ({"type": "object", "x-guidance": {"whitespace_pattern": "[ ]{0,100000}"}}, "options"),
     ],
@@ -388,6 +402,69 @@ def test_the_step_budget_computes_the_longest_waiting_first(tiny_model_dir: str)
     assert [0, 1, 2] == sorted(g.num_deferred for g in waiting)
 
 
+class _FakeGrammar:
+    """What `fill_within` reads of a grammar, with a mask that always takes `cost_s`."""
+
+    def __init__(self, cost_s: float) -> None:
+        self.cost_s = cost_s
+        self.has_mask = False
+        self.error = None
+        self.last_mask_s = self.mask_cost_s = self.debt_s = 0.0
+        self.num_deferred = 0
+        self.num_masks = 0
+
+    @property
+    def is_free(self) -> bool:
+        return self.has_mask
+
+    def fill(self) -> None:
+        self.last_mask_s = self.mask_cost_s = self.cost_s
+        self.has_mask = True
+        self.num_masks += 1
+
+
+def _run_steps(fakes: list[_FakeGrammar], num_steps: int) -> None:
+    for _ in range(num_steps):
+        grammars.fill_within(fakes, budget_s=0.02)  # type: ignore[arg-type]
+        for fake in fakes:
+            fake.has_mask = False  # its token was sampled
+
+
+def test_the_step_budget_holds_back_the_costly_grammar_not_the_cheap_ones() -> None:
+    """One grammar whose masks take 30 ms among four of 0.1 ms, under a 20 ms budget: each
+    has a 4 ms share, so once each has shown its cost (the first step), the costly one gets
+    a mask about once per 30 / 4 steps and the cheap ones one every step."""
+    costly, *cheap = fakes = [_FakeGrammar(0.03)] + [_FakeGrammar(0.0001) for _ in range(4)]
+    _run_steps(fakes, 1)
+    for fake in fakes:
+        fake.num_masks = 0
+    _run_steps(fakes, 75)
+
+    assert [75] * 4 == [fake.num_masks for fake in cheap]
+    assert 9 <= costly.num_masks <= 11
+    assert all(-0.004 - 1e-9 <= fake.debt_s <= fake.cost_s for fake in fakes)
+
+
+def test_a_costly_grammar_alone_gets_a_mask_every_step() -> None:
+    """The least indebted grammar is always computed: alone, a 30 ms one never waits, and
+    owes nothing for it when others come."""
+    alone = _FakeGrammar(0.03)
+    _run_steps([alone], 20)
+
+    assert 20 == alone.num_masks
+    assert 0 == alone.num_deferred
+    assert 0.0 == alone.debt_s
+
+
+def test_grammars_that_fit_the_budget_all_get_a_mask_every_step() -> None:
+    """Ten 1 ms grammars and four of 2 ms take 18 ms of a 20 ms budget: the 2 ms ones cost
+    more than their share (20 / 14 ms), but the step has room for them, so none waits."""
+    fakes = [_FakeGrammar(0.001) for _ in range(10)] + [_FakeGrammar(0.002) for _ in range(4)]
+    _run_steps(fakes, 30)
+
+    assert [30] * 14 == [fake.num_masks for fake in fakes]
+
+
 # ---- The documented numbers are the code's ---------------------------------------------
 
 
@@ -451,3 +528,46 @@ def test_structured_requests_past_the_step_budget_wait_their_turn_and_finish(
         jsonschema.validate(json.loads(output.outputs[0].text), BOUNDED)
     deferred = [dict(zip(history["fields"], step, strict=True)) for step in history["steps"]]
     assert max(step["num_grammar_deferred"] for step in deferred) == 2
+
+
+@pytest.mark.slow
+def test_the_step_span_counts_the_batch_that_ran_not_the_requests_that_sat_out(
+    tiny_model_dir: str, tiny_prompts: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step span's `num_requests` and `num_batched_tokens` are set after deferral: they
+    agree with the crash history's step, and its grammar rows and deferred add up."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from otel_engine import LLM, SamplingParams
+
+    monkeypatch.setattr(grammars, "STEP_MASK_BUDGET_S", 0.0)
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    structured = SamplingParams(
+        max_tokens=20,
+        temperature=0.0,
+        structured_output=from_response_format(schema_format(BOUNDED)),
+    )
+    with LLM(tiny_model_dir, dtype="float32", crash_history_steps=256) as engine:
+        core = engine._frontend.client.core  # type: ignore[attr-defined]
+        core._tracer, core.is_tracing = provider.get_tracer("test"), True
+        engine.generate(tiny_prompts[:3], structured)
+        history = core.history.part()
+    provider.shutdown()
+
+    steps = {
+        record["step_id"]: record
+        for record in (dict(zip(history["fields"], step, strict=True)) for step in history["steps"])
+    }
+    spans = [span for span in exporter.get_finished_spans() if span.name == "engine_core.step"]
+    deferred = [span for span in spans if span.attributes["otel_engine.step.num_grammar_deferred"]]
+    assert deferred
+    for span in deferred:
+        attributes = span.attributes
+        step = steps[attributes["otel_engine.step.id"]]
+        assert step["num_requests"] == attributes["otel_engine.step.num_requests"]
+        assert step["num_scheduled_tokens"] == attributes["otel_engine.step.num_batched_tokens"]
+        assert step["num_grammar_deferred"] == attributes["otel_engine.step.num_grammar_deferred"]
