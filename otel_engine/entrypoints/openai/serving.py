@@ -98,6 +98,7 @@ class OpenAIServing:
             prompt_ids = await self._off_loop(self.engine.encode, prompt)
         else:
             prompt_ids = prompt
+        await self._off_loop(body.structured_output)  # made once, in the tokenizer thread
         job = self._admit(
             body,
             prompt_ids,
@@ -145,7 +146,7 @@ class OpenAIServing:
         except APIError as error:  # the chat's names for this API's fields
             error.param = responses_param(error.param)
             raise
-        job.responses = body.echo(job.params)
+        job.responses = await self._off_loop(body.echo, job.params)  # its tools and schema
         return await self.runner.run(job, body.stream, request, text)
 
     async def _chat_job(
@@ -161,9 +162,8 @@ class OpenAIServing:
     ) -> tuple[Job, str]:
         """A chat's job: its prompt (tools and earlier calls in the model's terms) within the
         context, then its grammar (tools, response_format) valid."""
-        answer_format = body.structured_output()
-        plan, text, prompt_ids = await self._off_loop(
-            self._chat_prompt, messages_of, functions, tool_choice, parallel, answer_format
+        plan, answer_format, text, prompt_ids = await self._off_loop(
+            self._chat_prompt, body.structured_output, messages_of, functions, tool_choice, parallel
         )
         job = self._admit(body, prompt_ids, kind=kind, default_cap=None, prompt_param=prompt_param)
         if plan is not None:
@@ -180,14 +180,17 @@ class OpenAIServing:
 
     def _chat_prompt(
         self,
+        answer_format_of: Callable[[], StructuredOutput | None],
         messages_of: Callable[[], list[dict[str, Any]]],
         functions: list[Function] | None,
         tool_choice: str | dict[str, Any] | None,
         parallel: bool,
-        answer_format: StructuredOutput | None,
-    ) -> tuple[ToolPlan | None, str, list[int]]:
-        """In the tokenizer thread: the chat's messages (`messages_of`), their characters
-        within the budget, the request's tool plan drafted, and the prompt's text and ids."""
+    ) -> tuple[ToolPlan | None, StructuredOutput | None, str, list[int]]:
+        """In the tokenizer thread: the answer's format (`answer_format_of`: a schema is
+        serialized, up to the body's size, before its size is checked), the chat's messages
+        (`messages_of`), their characters within the budget, the request's tool plan drafted,
+        and the prompt's text and ids."""
+        answer_format = answer_format_of()
         messages = messages_of()
         self._check_chars(chat_chars(messages, functions), "messages")
         try:
@@ -196,7 +199,7 @@ class OpenAIServing:
         except RequestError as error:
             raise from_request_error(error) from None
         text, prompt_ids = self._render(messages, True, self._tools.template_tools(plan))
-        return plan, text, prompt_ids
+        return plan, answer_format, text, prompt_ids
 
     def _constrain(self, plan: ToolPlan, answer_format: StructuredOutput | None) -> None:
         """In the tokenizer thread: the tools' schemas checked, the plan's grammar made
