@@ -198,8 +198,15 @@ class OpenAIServing:
             messages = self._tools.messages(messages, plan)
         except RequestError as error:
             raise from_request_error(error) from None
+        self._check_decoded_chars(messages, plan)
         text, prompt_ids = self._render(messages, True, self._tools.template_tools(plan))
         return plan, answer_format, text, prompt_ids
+
+    def _check_decoded_chars(self, messages: list[dict[str, Any]], plan: ToolPlan | None) -> None:
+        """The budget again, on the messages as the template gets them: a call's arguments
+        decoded can be longer than as written (`9e15` is `9000000000000000.0`)."""
+        native = plan is not None and self._tools.native
+        self._check_chars(chat_chars(messages, plan.functions if native else None), "messages")
 
     def _constrain(self, plan: ToolPlan, answer_format: StructuredOutput | None) -> None:
         """In the tokenizer thread: the tools' schemas checked, the plan's grammar made
@@ -233,6 +240,7 @@ class OpenAIServing:
             messages = self._tools.messages(messages, None)
         except RequestError as error:
             raise from_request_error(error) from None
+        self._check_decoded_chars(messages, None)
         return self._render(messages, body.add_generation_prompt)[1]
 
     async def detokenize(self, body: DetokenizeRequest) -> dict[str, str]:
@@ -374,14 +382,17 @@ class OpenAIServing:
 
 def chat_chars(messages: list[dict[str, Any]], functions: list[Function] | None = None) -> int:
     """What a chat costs against the prompt-character budget: its text (earlier tool calls'
-    names and arguments, as the client wrote them, included), plus the template's markup of
-    each message (`MESSAGE_OVERHEAD_CHARS`), plus the tools' definitions as JSON."""
+    names and arguments, as the client wrote them or, decoded, as JSON), plus the template's
+    markup of each message (`MESSAGE_OVERHEAD_CHARS`), plus the tools' definitions as JSON."""
     total = 0
     for m in messages:
         total += len(m["content"]) + len(m.get("name", "")) + MESSAGE_OVERHEAD_CHARS
         for call in m.get("tool_calls", ()):
             function = call["function"]
-            total += len(function["name"]) + len(function["arguments"])
+            arguments = function["arguments"]
+            if not isinstance(arguments, str):
+                arguments = json.dumps(arguments, ensure_ascii=False)
+            total += len(function["name"]) + len(arguments)
     for function in functions or ():
         total += len(json.dumps(function.definition(), ensure_ascii=False))
     return total
