@@ -203,7 +203,7 @@ def _streamed(format: str, pieces: list[str]) -> tuple[str, list[tuple[str, str,
         content += delta.content
         for call in delta.calls:
             assert call.index not in calls, "a call is sent once, whole"
-            calls[call.index] = (call.id, call.name, call.arguments)
+            calls[call.index] = (call.call.id, call.call.name, call.call.arguments)
     return content, [calls[i] for i in sorted(calls)]
 
 
@@ -270,7 +270,9 @@ def test_a_call_is_sent_whole_once_its_object_closes() -> None:
     assert [] == [call for delta in deltas for call in delta.calls]
     assert "Checking." == "".join(delta.content for delta in deltas)
     closed = parser.feed("}\n</tool_call>")
-    assert [(0, "get_weather", WEATHER)] == [(c.index, c.name, c.arguments) for c in closed.calls]
+    assert [(0, "get_weather", WEATHER)] == [
+        (c.index, c.call.name, c.call.arguments) for c in closed.calls
+    ]
     assert closed.calls[0].as_openai()["id"] == parser.calls[0].id
     assert "" == closed.content + parser.finish().content
 

@@ -72,14 +72,9 @@ def problems(case: Answer, stream: list[str]) -> list[str]:
     for delta in [*(parser.feed(piece) for piece in stream), parser.finish()]:
         content += delta.content
         for call in delta.calls:
-            if call.id is not None:
-                if call.index in calls or not call.name:
-                    found.append("a call announced twice or without a name")
-                calls[call.index] = [call.name, ""]
-            elif call.index not in calls:
-                found.append("arguments before the call's name")
-                continue
-            calls[call.index][1] += call.arguments
+            if call.index in calls or not call.call.name:
+                found.append("a call announced twice or without a name")
+            calls[call.index] = [call.call.name, call.call.arguments]
     streamed = [(name, arguments) for name, arguments in (calls[i] for i in sorted(calls))]
     reason = tool_finish_reason(bool(parser.calls), case.reason)
     if any(not _is_call(name, arguments) for name, arguments in streamed):
