@@ -318,16 +318,17 @@ def test_the_docs_state_the_fuzz_sizes() -> None:
 
 
 @settings(max_examples=FUZZ_IN_TESTS, deadline=None)
-@given(st.randoms(use_true_random=False), st.sampled_from(list(ToolFormatName)))
+@given(st.randoms(use_true_random=False), st.sampled_from(list(ToolFormatName)), st.booleans())
 def test_a_streamed_call_always_parses_and_equals_the_whole_answer(
-    rng: random.Random, format: ToolFormatName
+    rng: random.Random, format: ToolFormatName, json_answer: bool
 ) -> None:
-    """Over model answers well-formed and broken, streamed in random pieces: every streamed
-    call parses, and content, calls and finish reason equal the non-streamed answer's."""
+    """Over model answers well-formed and broken, streamed in random pieces to the parser:
+    every streamed call parses, and content, calls and finish reason equal the parser's
+    whole parse of the same text, with a response_format (`json_answer`) or without."""
     case = model_text.answer(rng, format)
     stream = model_text.pieces(rng, case.text)
 
-    assert [] == model_text.problems(case, stream), case
+    assert [] == model_text.problems(case, stream, json_answer), case
 
 
 def test_text_that_may_start_a_marker_is_held_back() -> None:

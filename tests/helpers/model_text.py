@@ -62,12 +62,15 @@ def pieces(rng: random.Random, text: str) -> list[str]:
     return [text[a:b] for a, b in zip([0, *cuts], cuts, strict=False)]
 
 
-def problems(case: Answer, stream: list[str]) -> list[str]:
-    """What breaks the property for this answer streamed in these pieces (none: [])."""
-    whole = ToolCallParser(TOOL_FORMATS[case.format](), TOOLS).parse(case.text)
+def problems(case: Answer, stream: list[str], json_answer: bool = False) -> list[str]:
+    """What breaks the property for this answer streamed in these pieces (none: []), the
+    parsers told that the request has a response_format or not (`json_answer`)."""
+    whole = ToolCallParser(TOOL_FORMATS[case.format](), TOOLS, json_answer=json_answer).parse(
+        case.text
+    )
     whole_calls = [(call.name, call.arguments) for call in whole.calls]
     whole_reason = tool_finish_reason(bool(whole.calls), case.reason)
-    parser = ToolCallParser(TOOL_FORMATS[case.format](), TOOLS)
+    parser = ToolCallParser(TOOL_FORMATS[case.format](), TOOLS, json_answer=json_answer)
     content, calls, found = "", {}, []
     for delta in [*(parser.feed(piece) for piece in stream), parser.finish()]:
         content += delta.content
