@@ -392,7 +392,6 @@ def test_client_error_types_are_the_official_clients(tool_served: Served) -> Non
         )
 
 
-
 def _post_tools(served: Served, num_tools: int, num_fields: int) -> str:
     """A chat of `num_tools` distinct tools, each with `num_fields` described fields: the
     answer's status and error code."""

@@ -150,6 +150,9 @@ class _SamplingFields(Strict):
         when it is admitted); a field of `defaults` (the model's generation config) the
         request omits takes its value there."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
+        logprobs = self.requested_logprobs()
+        if logprobs is None and self.num_samples() > self.n:
+            logprobs = 0  # best_of > n ranks its samples by their cumulative logprobs
         given = {
             "max_tokens": max_tokens,
             "temperature": self.temperature,
@@ -166,7 +169,7 @@ class _SamplingFields(Strict):
             "min_p": self.min_p,
             "min_tokens": self.min_tokens,
             "logit_bias": self.token_logit_bias(),
-            "logprobs": self.requested_logprobs(),
+            "logprobs": logprobs,
             "prompt_logprobs": self.requested_prompt_logprobs(),
             "structured_output": self.structured_output(),
         }

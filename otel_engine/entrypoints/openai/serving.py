@@ -195,18 +195,25 @@ class OpenAIServing:
         self._check_chars(chat_chars(messages, functions), "messages")
         try:
             plan = self._tools.draft(functions, tool_choice, parallel, answer_format)
-            messages = self._tools.messages(messages, plan)
         except RequestError as error:
             raise from_request_error(error) from None
-        self._check_decoded_chars(messages, plan)
+        messages = self._template_messages(messages, plan)
         text, prompt_ids = self._render(messages, True, self._tools.template_tools(plan))
         return plan, answer_format, text, prompt_ids
 
-    def _check_decoded_chars(self, messages: list[dict[str, Any]], plan: ToolPlan | None) -> None:
-        """The budget again, on the messages as the template gets them: a call's arguments
-        decoded can be longer than as written (`9e15` is `9000000000000000.0`)."""
-        native = plan is not None and self._tools.native
-        self._check_chars(chat_chars(messages, plan.functions if native else None), "messages")
+    def _template_messages(
+        self, messages: list[dict[str, Any]], plan: ToolPlan | None
+    ) -> list[dict[str, Any]]:
+        """`messages` as the template gets them (`ToolSupport.messages`), held to the budget
+        again: decoded, a call's arguments can be longer than as written (`9e15` is
+        `9000000000000000.0`)."""
+        try:
+            messages = self._tools.messages(messages, plan)
+        except RequestError as error:
+            raise from_request_error(error) from None
+        functions = plan.functions if plan is not None and self._tools.native else None
+        self._check_chars(chat_chars(messages, functions), "messages")
+        return messages
 
     def _constrain(self, plan: ToolPlan, answer_format: StructuredOutput | None) -> None:
         """In the tokenizer thread: the tools' schemas checked, the plan's grammar made
@@ -236,12 +243,7 @@ class OpenAIServing:
         """In the tokenizer thread: the token ids of `body.messages`, rendered as a chat's."""
         messages = [m.to_template_dict() for m in body.messages or ()]
         self._check_chars(chat_chars(messages), "messages")
-        try:
-            messages = self._tools.messages(messages, None)
-        except RequestError as error:
-            raise from_request_error(error) from None
-        self._check_decoded_chars(messages, None)
-        return self._render(messages, body.add_generation_prompt)[1]
+        return self._render(self._template_messages(messages, None), body.add_generation_prompt)[1]
 
     async def detokenize(self, body: DetokenizeRequest) -> dict[str, str]:
         """vLLM's `/detokenize`: the text of token ids (special tokens included)."""
@@ -346,7 +348,7 @@ class OpenAIServing:
             model=self.engine.model_name,
             request_model=body.model or self.engine.model_name,
             prompt_ids=prompt_ids,
-            params=_sampling(body, max_tokens, self.engine.generation_defaults.values),
+            params=body.to_sampling_params(max_tokens, self.engine.generation_defaults.values),
             include_usage=body.include_usage,
             n=body.n,
             num_samples=body.num_samples(),
@@ -396,14 +398,3 @@ def chat_chars(messages: list[dict[str, Any]], functions: list[Function] | None 
     for function in functions or ():
         total += len(json.dumps(function.definition(), ensure_ascii=False))
     return total
-
-
-def _sampling(
-    body: CompletionRequest | ChatCompletionRequest, max_tokens: int, defaults: dict[str, float]
-) -> SamplingParams:
-    """The request's sampling parameters; best_of > n ranks samples by cumulative logprob,
-    so its samples report logprobs even when the client did not ask."""
-    params = body.to_sampling_params(max_tokens, defaults)
-    if body.num_samples() > body.n and params.logprobs is None:
-        params = msgspec.structs.replace(params, logprobs=0)
-    return params
