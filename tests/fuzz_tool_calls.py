@@ -38,7 +38,7 @@ def main() -> int:
         rng = random.Random(args.seed * 1_000_003 + number)
         case = answer(rng, formats[number % len(formats)])
         stream = pieces(rng, case.text)
-        found = problems(case, stream)
+        found = problems(case, stream, json_answer=(number // len(formats)) % 2 == 1)
         cases[case.format] += 1
         whole = ToolCallParser(TOOL_FORMATS[case.format](), TOOLS).parse(case.text)
         with_calls[case.format] += bool(whole.calls)

@@ -51,6 +51,29 @@ def test_more_content_parts_than_the_limit_is_400() -> None:
     assert ("messages", "too_many_messages") == (caught.value.param, caught.value.code)
 
 
+@pytest.mark.parametrize("tool_calls", ["not a list", {"id": "c"}, 7])
+def test_content_parts_are_counted_beside_wrongly_typed_tool_calls(tool_calls: object) -> None:
+    """A message whose tool_calls has the wrong type still has its content parts counted
+    (the wrong type is pydantic's to refuse): too many parts is a 400 by count."""
+    parts = [{"type": "text", "text": ""}] * (MAX_CONTENT_PARTS + 1)
+    body = _chat([{"role": "assistant", "content": parts, "tool_calls": tool_calls}])
+
+    with pytest.raises(APIError) as caught:
+        check_chat_counts(body)
+
+    assert ("messages", "too_many_messages") == (caught.value.param, caught.value.code)
+
+
+def test_tool_calls_are_counted_beside_wrongly_typed_content() -> None:
+    """A message whose content has the wrong type still has its tool calls counted."""
+    message = _assistant(MAX_TOOL_CALLS + 1) | {"content": 7}
+
+    with pytest.raises(APIError) as caught:
+        check_chat_counts(_chat([message]))
+
+    assert f"at most {MAX_TOOL_CALLS} tool calls" in caught.value.message
+
+
 def test_bodies_within_the_limits_validate() -> None:
     """The most messages accepted validate as before; malformed shapes are pydantic's to
     answer (a 400 naming the field)."""

@@ -633,12 +633,13 @@ def test_responses_items_a_client_got_wrong_are_400(server: ServerProcess, item:
     assert (400, "input") == (response.status_code, _error(response)["param"])
 
 
-def test_tools_past_the_context_are_refused_before_their_schemas_are_checked(
+def test_tools_past_the_context_are_refused_while_health_answers(
     server: ServerProcess,
 ) -> None:
     """Round 3, item 5: four chats of 128 distinct tools whose definitions make the prompt
-    longer than the context are refused (400 context_length_exceeded) after one render,
-    before 128 schemas each are compiled; /health answers in time (the autouse fixture)."""
+    longer than the context are refused (400 context_length_exceeded) and /health answers in
+    time (the autouse fixture). That no schema is checked for them is held in process by
+    test_tools_api's test_tools_past_the_context_are_refused_before_their_schemas_are_checked."""
 
     def body(seed: int) -> dict[str, Any]:
         tools = []

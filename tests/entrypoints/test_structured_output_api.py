@@ -385,3 +385,40 @@ def test_default_model_json_object_parses(default_served: Served) -> None:
 
     assert chat.choices[0].finish_reason == "stop"
     assert isinstance(json.loads(chat.choices[0].message.content or ""), dict)
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 4}),
+        ("/v1/completions", {"prompt": "A fox:", "max_tokens": 4}),
+        ("/v1/responses", {"input": "A fox:", "max_output_tokens": 4}),
+    ],
+)
+def test_a_schema_is_serialized_in_the_tokenizer_thread(
+    served: Served, monkeypatch: pytest.MonkeyPatch, path: str, body: dict[str, Any]
+) -> None:
+    """A schema past 64 KB is serialized (its size known) only in the tokenizer thread, never
+    on the event loop, and refused with a 400."""
+    import threading
+
+    from otel_engine.entrypoints.openai import protocol
+
+    threads: list[str] = []
+
+    def recorded(response_format: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return from_response_format(response_format)
+
+    from_response_format = protocol.from_response_format
+    monkeypatch.setattr(protocol, "from_response_format", recorded)
+    schema = {"type": "object", "description": "x" * (64 * 1024)}
+    if path == "/v1/responses":
+        body = body | {"text": {"format": {"type": "json_schema", "name": "s", "schema": schema}}}
+    else:
+        body = body | {"response_format": schema_format(schema)}
+    response = served.http().post(path, json={"model": served.model} | body)
+
+    assert 400 == response.status_code, response.text
+    assert threads
+    assert [] == [name for name in threads if not name.startswith("tokenizer")]

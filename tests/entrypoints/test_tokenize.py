@@ -112,3 +112,21 @@ def test_a_chat_gets_the_same_prompt_ids_offline_and_served(
 
     assert served_ids == run[0] == run[1] == offline.prompt_token_ids
     assert served_ids.count(served.engine.encode("<|im_start|>", False)[0]) == 2
+
+
+@pytest.mark.parametrize("path", ["/tokenize", "/v1/chat/completions"])
+def test_call_arguments_count_as_decoded(served: Served, path: str) -> None:
+    """An earlier call's arguments count against the character budget as the template gets
+    them, decoded and written again: 3,000 `9e15` (15,000 characters as written, within the
+    tiny model's 16,384) are 57,000 characters as `9000000000000000.0`, a 400 by count."""
+    arguments = "[" + ",".join(["9e15"] * 3000) + "]"
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c", "content": "ok"},
+    ]
+    response = served.http().post(path, json={"messages": messages})
+
+    assert 400 == response.status_code
+    assert "characters" in response.json()["error"]["message"]

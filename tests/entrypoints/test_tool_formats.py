@@ -125,8 +125,8 @@ def test_a_toy_format_round_trips(toy: type[ToolFormat]) -> None:
     deltas = [streamed.feed(char) for char in answer] + [streamed.finish()]
     calls = [call for delta in deltas for call in delta.calls]
     assert "Sure.  Done." == "".join(delta.content for delta in deltas)
-    assert ("toy_1", "get_weather") == (calls[0].id, calls[0].name)
-    assert {"city": "Oslo"} == json.loads("".join(call.arguments for call in calls))
+    assert ("toy_1", "get_weather") == (calls[0].call.id, calls[0].call.name)
+    assert {"city": "Oslo"} == json.loads("".join(call.call.arguments for call in calls))
 
 
 def test_auto_in_a_family_format_is_free(toy: type[ToolFormat]) -> None:

@@ -203,7 +203,7 @@ def _streamed(format: str, pieces: list[str]) -> tuple[str, list[tuple[str, str,
         content += delta.content
         for call in delta.calls:
             assert call.index not in calls, "a call is sent once, whole"
-            calls[call.index] = (call.id, call.name, call.arguments)
+            calls[call.index] = (call.call.id, call.call.name, call.call.arguments)
     return content, [calls[i] for i in sorted(calls)]
 
 
@@ -270,7 +270,9 @@ def test_a_call_is_sent_whole_once_its_object_closes() -> None:
     assert [] == [call for delta in deltas for call in delta.calls]
     assert "Checking." == "".join(delta.content for delta in deltas)
     closed = parser.feed("}\n</tool_call>")
-    assert [(0, "get_weather", WEATHER)] == [(c.index, c.name, c.arguments) for c in closed.calls]
+    assert [(0, "get_weather", WEATHER)] == [
+        (c.index, c.call.name, c.call.arguments) for c in closed.calls
+    ]
     assert closed.calls[0].as_openai()["id"] == parser.calls[0].id
     assert "" == closed.content + parser.finish().content
 
@@ -316,16 +318,17 @@ def test_the_docs_state_the_fuzz_sizes() -> None:
 
 
 @settings(max_examples=FUZZ_IN_TESTS, deadline=None)
-@given(st.randoms(use_true_random=False), st.sampled_from(list(ToolFormatName)))
+@given(st.randoms(use_true_random=False), st.sampled_from(list(ToolFormatName)), st.booleans())
 def test_a_streamed_call_always_parses_and_equals_the_whole_answer(
-    rng: random.Random, format: ToolFormatName
+    rng: random.Random, format: ToolFormatName, json_answer: bool
 ) -> None:
-    """Over model answers well-formed and broken, streamed in random pieces: every streamed
-    call parses, and content, calls and finish reason equal the non-streamed answer's."""
+    """Over model answers well-formed and broken, streamed in random pieces to the parser:
+    every streamed call parses, and content, calls and finish reason equal the parser's
+    whole parse of the same text, with a response_format (`json_answer`) or without."""
     case = model_text.answer(rng, format)
     stream = model_text.pieces(rng, case.text)
 
-    assert [] == model_text.problems(case, stream), case
+    assert [] == model_text.problems(case, stream, json_answer), case
 
 
 def test_text_that_may_start_a_marker_is_held_back() -> None:

@@ -178,6 +178,30 @@ def test_bad_tools_are_request_errors(
     assert param == raised.value.param
 
 
+@pytest.mark.parametrize(
+    ("parameters", "words"),
+    [
+        ({"type": "object", "properties": []}, "properties must be an object"),
+        ({"type": "object", "properties": {"a": "string"}}, "properties.a must be an object"),
+        ({"type": "object", "required": "a"}, "required must be a list"),
+        ({"type": "object", "required": [1]}, "required must be a list"),
+        ({"type": "object", "properties": {"a": {"type": 7}}}, "properties.a: type must be"),
+        ({"type": "object", "properties": {"a": {"type": ["x", {}]}}}, "type must be"),
+        ({"type": "object", "properties": {"a": {"properties": 7}}}, "properties must be"),
+    ],
+)
+def test_malformed_parameters_are_refused_by_the_draft(
+    parameters: dict[str, Any], words: str
+) -> None:
+    """The keywords a template iterates (`properties`, `required`, `type`) are checked when
+    the plan is drafted, before the template renders: a 400 on `tools`, not a template
+    error."""
+    with pytest.raises(RequestError, match=words) as raised:
+        ToolSupport(FakeTokenizer(CHATML)).draft([Function("f", None, parameters)], "auto", True)
+
+    assert "tools" == raised.value.param
+
+
 def test_generic_history_renders_calls_as_written_and_results_as_user_turns() -> None:
     support = ToolSupport(FakeTokenizer(CHATML))
     plan = support.plan([WEATHER], "auto", parallel=True)

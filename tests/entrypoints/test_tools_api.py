@@ -390,3 +390,42 @@ def test_client_error_types_are_the_official_clients(tool_served: Served) -> Non
         _client(tool_served).responses.create(
             model=tool_served.model, input="x", previous_response_id="resp_1"
         )
+
+
+def _post_tools(served: Served, num_tools: int, num_fields: int) -> str:
+    """A chat of `num_tools` distinct tools, each with `num_fields` described fields: the
+    answer's status and error code."""
+    tools = []
+    for index in range(num_tools):
+        names = [f"field_{index}_{k}" for k in range(num_fields)]
+        properties = {n: {"type": "string", "description": f"the {n} of it"} for n in names}
+        schema = {"type": "object", "properties": properties, "required": names}
+        tools.append({"type": "function", "function": {"name": f"f{index}", "parameters": schema}})
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": tools, "max_tokens": 4}
+    response = served.http().post("/v1/chat/completions", json=body)
+    code = response.json()["error"]["code"] if response.status_code != 200 else None
+    return f"{response.status_code} {code}"
+
+
+def test_tools_past_the_context_are_refused_before_their_schemas_are_checked(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through the server's own path (draft, render, context check, constrain): tools that
+    make the prompt longer than the context are a 400 with none of their schemas checked
+    (`Function.check`), while a chat whose prompt fits has its tool's schema checked once."""
+    from otel_engine.entrypoints.tools.request import Function
+
+    checked: list[str] = []
+    check = Function.check
+
+    def counted(function: Function) -> None:
+        checked.append(function.name)
+        check(function)
+
+    monkeypatch.setattr(Function, "check", counted)
+    past = [_post_tools(served, 8, 4), *checked]
+    checked.clear()
+    fits = [_post_tools(served, 1, 0), *checked]
+
+    assert ["400 context_length_exceeded"] == past
+    assert ["200 None", "f0"] == fits

@@ -62,24 +62,22 @@ def pieces(rng: random.Random, text: str) -> list[str]:
     return [text[a:b] for a, b in zip([0, *cuts], cuts, strict=False)]
 
 
-def problems(case: Answer, stream: list[str]) -> list[str]:
-    """What breaks the property for this answer streamed in these pieces (none: [])."""
-    whole = ToolCallParser(TOOL_FORMATS[case.format](), TOOLS).parse(case.text)
+def problems(case: Answer, stream: list[str], json_answer: bool = False) -> list[str]:
+    """What breaks the property for this answer streamed in these pieces (none: []), the
+    parsers told that the request has a response_format or not (`json_answer`)."""
+    whole = ToolCallParser(TOOL_FORMATS[case.format](), TOOLS, json_answer=json_answer).parse(
+        case.text
+    )
     whole_calls = [(call.name, call.arguments) for call in whole.calls]
     whole_reason = tool_finish_reason(bool(whole.calls), case.reason)
-    parser = ToolCallParser(TOOL_FORMATS[case.format](), TOOLS)
+    parser = ToolCallParser(TOOL_FORMATS[case.format](), TOOLS, json_answer=json_answer)
     content, calls, found = "", {}, []
     for delta in [*(parser.feed(piece) for piece in stream), parser.finish()]:
         content += delta.content
         for call in delta.calls:
-            if call.id is not None:
-                if call.index in calls or not call.name:
-                    found.append("a call announced twice or without a name")
-                calls[call.index] = [call.name, ""]
-            elif call.index not in calls:
-                found.append("arguments before the call's name")
-                continue
-            calls[call.index][1] += call.arguments
+            if call.index in calls or not call.call.name:
+                found.append("a call announced twice or without a name")
+            calls[call.index] = [call.call.name, call.call.arguments]
     streamed = [(name, arguments) for name, arguments in (calls[i] for i in sorted(calls))]
     reason = tool_finish_reason(bool(parser.calls), case.reason)
     if any(not _is_call(name, arguments) for name, arguments in streamed):

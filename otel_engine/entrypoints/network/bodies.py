@@ -59,8 +59,19 @@ class _Counted(msgspec.Struct):
 
 
 class _CountedMessage(msgspec.Struct):
-    content: str | list[msgspec.Raw] | None = None
-    tool_calls: list[msgspec.Raw] | None = None
+    """A message as far as counting needs it: each field undecoded, so that one of the wrong
+    type (left for pydantic to refuse) does not keep the other from being counted."""
+
+    content: msgspec.Raw = msgspec.Raw(b"null")
+    tool_calls: msgspec.Raw = msgspec.Raw(b"null")
+
+
+def _list_length(raw: msgspec.Raw) -> int:
+    """The number of items of `raw` if it is a JSON list, else 0."""
+    try:
+        return len(msgspec.json.decode(raw, type=list[msgspec.Raw]))
+    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
+        return 0
 
 
 def check_chat_counts(raw: bytes) -> None:
@@ -83,8 +94,8 @@ def check_chat_counts(raw: bytes) -> None:
             counted = msgspec.json.decode(message, type=_CountedMessage)
         except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
             continue
-        num_parts += len(counted.content) if isinstance(counted.content, list) else 0
-        num_calls += len(counted.tool_calls or ())
+        num_parts += _list_length(counted.content)
+        num_calls += _list_length(counted.tool_calls)
     for num, limit, what in (
         (num_parts, MAX_CONTENT_PARTS, "content parts"),
         (num_calls, MAX_TOOL_CALLS, "tool calls"),

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal, cast
 
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, PrivateAttr
 
 from otel_engine.engine.structured_output import from_response_format
 from otel_engine.entrypoints.network.errors import bad_request, from_request_error
@@ -68,6 +68,8 @@ class _SamplingFields(Strict):
     them instead of dropping them silently."""
 
     model_config = ConfigDict(strict=True, extra="allow")
+    # `structured_output()`'s result, once made (a 1-tuple: None is a text answer).
+    _structured: tuple[StructuredOutput | None] | None = PrivateAttr(default=None)
 
     model: Text | None = None
     max_tokens: Annotated[Int | None, bounded("max_tokens")] = None
@@ -148,6 +150,9 @@ class _SamplingFields(Strict):
         when it is admitted); a field of `defaults` (the model's generation config) the
         request omits takes its value there."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
+        logprobs = self.requested_logprobs()
+        if logprobs is None and self.num_samples() > self.n:
+            logprobs = 0  # best_of > n ranks its samples by their cumulative logprobs
         given = {
             "max_tokens": max_tokens,
             "temperature": self.temperature,
@@ -164,7 +169,7 @@ class _SamplingFields(Strict):
             "min_p": self.min_p,
             "min_tokens": self.min_tokens,
             "logit_bias": self.token_logit_bias(),
-            "logprobs": self.requested_logprobs(),
+            "logprobs": logprobs,
             "prompt_logprobs": self.requested_prompt_logprobs(),
             "structured_output": self.structured_output(),
         }
@@ -173,11 +178,15 @@ class _SamplingFields(Strict):
         return apply_generation_defaults(given, defaults or {})
 
     def structured_output(self) -> StructuredOutput | None:
-        """`response_format` as the engine's spec (None: text); 400 for a malformed one."""
-        try:
-            return from_response_format(self.response_format)
-        except RequestError as error:
-            raise from_request_error(error) from None
+        """`response_format` as the engine's spec (None: text); 400 for a malformed one.
+        Serializing a schema costs up to the body's size, so serving calls this first in its
+        tokenizer thread; later calls (`to_sampling_params`) get that result."""
+        if self._structured is None:
+            try:
+                self._structured = (from_response_format(self.response_format),)
+            except RequestError as error:
+                raise from_request_error(error) from None
+        return self._structured[0]
 
 
 class CompletionRequest(_SamplingFields):

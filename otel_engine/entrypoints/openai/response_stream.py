@@ -123,30 +123,27 @@ class ResponseStream:
             self.event("response.output_item.done", output_index=index, item=done),
         ]
 
-    def call_delta(
-        self, index: int, call_id: str | None, name: str | None, piece: str
-    ) -> list[bytes]:
-        frames: list[bytes] = []
-        if call_id is not None:
-            frames += self.close_message()
-            frames += self.close_call()
-            item = {
-                "type": "function_call",
-                "id": new_item_id("fc"),
-                "call_id": call_id,
-                "name": name or "",
-                "arguments": "",
-                "status": "in_progress",
-            }
-            self.output.append(item)
-            self.call_items[index] = item
-            self.open_call = index
-            frames.append(
-                self.event(
-                    "response.output_item.added", output_index=len(self.output) - 1, item=dict(item)
-                )
+    def call_delta(self, index: int, call: ToolCall) -> list[bytes]:
+        """Call `index`, whole: the message or call before it closed, its item added, its
+        arguments in one delta."""
+        frames = [*self.close_message(), *self.close_call()]
+        item: dict[str, Any] = {
+            "type": "function_call",
+            "id": new_item_id("fc"),
+            "call_id": call.id,
+            "name": call.name,
+            "arguments": "",
+            "status": "in_progress",
+        }
+        self.output.append(item)
+        self.call_items[index] = item
+        self.open_call = index
+        frames.append(
+            self.event(
+                "response.output_item.added", output_index=len(self.output) - 1, item=dict(item)
             )
-        item = self.call_items[index]
+        )
+        piece = call.arguments
         if piece:
             item["arguments"] += piece
             frames.append(
@@ -181,5 +178,5 @@ class ResponseStream:
         if delta.content:
             frames += self.text_delta(delta.content)
         for call in delta.calls:
-            frames += self.call_delta(call.index, call.id, call.name, call.arguments)
+            frames += self.call_delta(call.index, call.call)
         return frames

@@ -98,6 +98,7 @@ class OpenAIServing:
             prompt_ids = await self._off_loop(self.engine.encode, prompt)
         else:
             prompt_ids = prompt
+        await self._off_loop(body.structured_output)  # made once, in the tokenizer thread
         job = self._admit(
             body,
             prompt_ids,
@@ -145,7 +146,7 @@ class OpenAIServing:
         except APIError as error:  # the chat's names for this API's fields
             error.param = responses_param(error.param)
             raise
-        job.responses = body.echo(job.params)
+        job.responses = await self._off_loop(body.echo, job.params)  # its tools and schema
         return await self.runner.run(job, body.stream, request, text)
 
     async def _chat_job(
@@ -161,9 +162,8 @@ class OpenAIServing:
     ) -> tuple[Job, str]:
         """A chat's job: its prompt (tools and earlier calls in the model's terms) within the
         context, then its grammar (tools, response_format) valid."""
-        answer_format = body.structured_output()
-        plan, text, prompt_ids = await self._off_loop(
-            self._chat_prompt, messages_of, functions, tool_choice, parallel, answer_format
+        plan, answer_format, text, prompt_ids = await self._off_loop(
+            self._chat_prompt, body.structured_output, messages_of, functions, tool_choice, parallel
         )
         job = self._admit(body, prompt_ids, kind=kind, default_cap=None, prompt_param=prompt_param)
         if plan is not None:
@@ -180,23 +180,40 @@ class OpenAIServing:
 
     def _chat_prompt(
         self,
+        answer_format_of: Callable[[], StructuredOutput | None],
         messages_of: Callable[[], list[dict[str, Any]]],
         functions: list[Function] | None,
         tool_choice: str | dict[str, Any] | None,
         parallel: bool,
-        answer_format: StructuredOutput | None,
-    ) -> tuple[ToolPlan | None, str, list[int]]:
-        """In the tokenizer thread: the chat's messages (`messages_of`), their characters
-        within the budget, the request's tool plan drafted, and the prompt's text and ids."""
+    ) -> tuple[ToolPlan | None, StructuredOutput | None, str, list[int]]:
+        """In the tokenizer thread: the answer's format (`answer_format_of`: a schema is
+        serialized, up to the body's size, before its size is checked), the chat's messages
+        (`messages_of`), their characters within the budget, the request's tool plan drafted,
+        and the prompt's text and ids."""
+        answer_format = answer_format_of()
         messages = messages_of()
         self._check_chars(chat_chars(messages, functions), "messages")
         try:
             plan = self._tools.draft(functions, tool_choice, parallel, answer_format)
+        except RequestError as error:
+            raise from_request_error(error) from None
+        messages = self._template_messages(messages, plan)
+        text, prompt_ids = self._render(messages, True, self._tools.template_tools(plan))
+        return plan, answer_format, text, prompt_ids
+
+    def _template_messages(
+        self, messages: list[dict[str, Any]], plan: ToolPlan | None
+    ) -> list[dict[str, Any]]:
+        """`messages` as the template gets them (`ToolSupport.messages`), held to the budget
+        again: decoded, a call's arguments can be longer than as written (`9e15` is
+        `9000000000000000.0`)."""
+        try:
             messages = self._tools.messages(messages, plan)
         except RequestError as error:
             raise from_request_error(error) from None
-        text, prompt_ids = self._render(messages, True, self._tools.template_tools(plan))
-        return plan, text, prompt_ids
+        functions = plan.functions if plan is not None and self._tools.native else None
+        self._check_chars(chat_chars(messages, functions), "messages")
+        return messages
 
     def _constrain(self, plan: ToolPlan, answer_format: StructuredOutput | None) -> None:
         """In the tokenizer thread: the tools' schemas checked, the plan's grammar made
@@ -226,11 +243,7 @@ class OpenAIServing:
         """In the tokenizer thread: the token ids of `body.messages`, rendered as a chat's."""
         messages = [m.to_template_dict() for m in body.messages or ()]
         self._check_chars(chat_chars(messages), "messages")
-        try:
-            messages = self._tools.messages(messages, None)
-        except RequestError as error:
-            raise from_request_error(error) from None
-        return self._render(messages, body.add_generation_prompt)[1]
+        return self._render(self._template_messages(messages, None), body.add_generation_prompt)[1]
 
     async def detokenize(self, body: DetokenizeRequest) -> dict[str, str]:
         """vLLM's `/detokenize`: the text of token ids (special tokens included)."""
@@ -335,7 +348,7 @@ class OpenAIServing:
             model=self.engine.model_name,
             request_model=body.model or self.engine.model_name,
             prompt_ids=prompt_ids,
-            params=_sampling(body, max_tokens, self.engine.generation_defaults.values),
+            params=body.to_sampling_params(max_tokens, self.engine.generation_defaults.values),
             include_usage=body.include_usage,
             n=body.n,
             num_samples=body.num_samples(),
@@ -371,25 +384,17 @@ class OpenAIServing:
 
 def chat_chars(messages: list[dict[str, Any]], functions: list[Function] | None = None) -> int:
     """What a chat costs against the prompt-character budget: its text (earlier tool calls'
-    names and arguments, as the client wrote them, included), plus the template's markup of
-    each message (`MESSAGE_OVERHEAD_CHARS`), plus the tools' definitions as JSON."""
+    names and arguments, as the client wrote them or, decoded, as JSON), plus the template's
+    markup of each message (`MESSAGE_OVERHEAD_CHARS`), plus the tools' definitions as JSON."""
     total = 0
     for m in messages:
         total += len(m["content"]) + len(m.get("name", "")) + MESSAGE_OVERHEAD_CHARS
         for call in m.get("tool_calls", ()):
             function = call["function"]
-            total += len(function["name"]) + len(function["arguments"])
+            arguments = function["arguments"]
+            if not isinstance(arguments, str):
+                arguments = json.dumps(arguments, ensure_ascii=False)
+            total += len(function["name"]) + len(arguments)
     for function in functions or ():
         total += len(json.dumps(function.definition(), ensure_ascii=False))
     return total
-
-
-def _sampling(
-    body: CompletionRequest | ChatCompletionRequest, max_tokens: int, defaults: dict[str, float]
-) -> SamplingParams:
-    """The request's sampling parameters; best_of > n ranks samples by cumulative logprob,
-    so its samples report logprobs even when the client did not ask."""
-    params = body.to_sampling_params(max_tokens, defaults)
-    if body.num_samples() > body.n and params.logprobs is None:
-        params = msgspec.structs.replace(params, logprobs=0)
-    return params

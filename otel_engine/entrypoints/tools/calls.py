@@ -33,17 +33,10 @@ class CallDelta:
     so one delta is a whole call to them)."""
 
     index: int
-    id: str
-    name: str
-    arguments: str
+    call: ToolCall
 
     def as_openai(self) -> dict[str, object]:
-        return {
-            "index": self.index,
-            "id": self.id,
-            "type": "function",
-            "function": {"name": self.name, "arguments": self.arguments},
-        }
+        return {"index": self.index, **self.call.as_openai()}
 
 
 @dataclass(slots=True)

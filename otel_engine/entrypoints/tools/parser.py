@@ -201,7 +201,7 @@ class ToolCallParser(JsonScanner):
             self._give_back(delta)
             return False
         done = ToolCall(self.new_id(), call.name, arguments)
-        delta.calls.append(CallDelta(len(self.calls), done.id, done.name, done.arguments))
+        delta.calls.append(CallDelta(len(self.calls), done))
         self.calls.append(done)
         self._value_calls += 1
         self._resume = self._pos + 1

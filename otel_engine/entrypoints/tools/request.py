@@ -51,14 +51,24 @@ class Function:
         return {"type": "function", "function": self.definition()}
 
     def check_shape(self) -> None:
-        """The parameters are an object schema that a template can render (milliseconds at
-        most: the schema checks are `check`'s)."""
+        """The parameters are an object schema that a template can render: a JSON value it
+        can walk, with `properties` an object of schemas, `required` a list of names and each
+        `type` a name or a list of names (templates iterate these), so a malformed tool is a
+        400 on `tools` before rendering (milliseconds at most: the schema checks are
+        `check`'s)."""
         parameters = self.parameters
         if parameters is None:
             return
+        what = f"the parameters of {self.name!r}"
         if parameters.get("type", "object") != "object":
-            raise invalid(f"the parameters of {self.name!r} must be an object schema")
-        check_json_value(parameters, f"the parameters of {self.name!r}", "tools")
+            raise invalid(f"{what} must be an object schema")
+        check_json_value(parameters, what, "tools")
+        _check_keywords(parameters, what)
+        properties = parameters.get("properties", {})
+        for name, schema in properties.items():
+            if not isinstance(schema, dict):
+                raise invalid(f"{what}: properties.{name[:64]} must be an object schema")
+            _check_keywords(schema, f"{what}: properties.{name[:64]}")
 
     def check(self) -> None:
         """The parameters pass the limits and checks of a response_format schema (after
@@ -72,6 +82,19 @@ class Function:
         except RequestError as error:
             message = f"tool {self.name!r}: {error.message}"
             raise RequestError(message, code=error.code, param="tools") from None
+
+
+def _check_keywords(schema: dict[str, Any], what: str) -> None:
+    """`schema`'s `properties`, `required` and `type` have the types templates expect."""
+    if not isinstance(schema.get("properties", {}), dict):
+        raise invalid(f"{what}: properties must be an object")
+    required = schema.get("required", [])
+    if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+        raise invalid(f"{what}: required must be a list of property names")
+    kind = schema.get("type", "object")
+    kinds = kind if isinstance(kind, list) else [kind]
+    if not all(isinstance(k, str) for k in kinds):
+        raise invalid(f"{what}: type must be a type name or a list of them")
 
 
 def resolve_choice(
