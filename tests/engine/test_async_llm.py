@@ -293,16 +293,21 @@ def test_a_restart_keeps_one_output_thread_to_join(
     """After the engine core is killed and restarted, what shutdown joins is the new
     engine's output thread (and the restart's own, while it runs): the old output thread
     is gone from the list, no ended thread stays in it, and the restarted engine serves."""
+
+    def cores() -> dict[int, psutil.Process]:
+        return {
+            child.pid: child
+            for child in psutil.Process().children(recursive=True)
+            if child.name() == process_title(ENGINE_CORE)
+        }
+
+    others = cores()  # other tests' engines, left alone
     engine = AsyncLLM(tiny_model_dir, on_engine_failure="restart", num_kv_blocks=64)
 
     async def scenario() -> list[RequestOutput]:
         await collect(engine, tiny_prompts[0], greedy(2), "before")
         first = engine._output_thread
-        core = next(
-            child
-            for child in psutil.Process().children(recursive=True)
-            if child.name() == process_title(ENGINE_CORE)
-        )
+        (core,) = (proc for pid, proc in cores().items() if pid not in others)
         core.kill()
         core.wait(timeout=10)
         # admitted to the dead engine and carried over, or held until the restart

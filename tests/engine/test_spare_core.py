@@ -15,7 +15,7 @@ def test_a_spare_still_importing_is_not_used_a_fresh_process_is(tiny_model_dir: 
     """A restart that finds the spare still importing closes it and starts the new engine
     core in a fresh process (`engine.spare_not_ready`); the next spare is started."""
     config = EngineConfig.from_kwargs(
-        model=tiny_model_dir, on_engine_failure="restart", num_kv_blocks=64
+        model=tiny_model_dir, on_engine_failure="restart", num_kv_blocks=64, multiprocess=True
     )
     frontend = Frontend(config)
     try:
