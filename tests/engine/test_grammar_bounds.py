@@ -31,6 +31,7 @@ from otel_engine.sampling_params import StructuredOutput
 from tests.engine.test_structured_output import BOUNDED, compiler_for, schema_format
 from tests.entrypoints.test_tools import CHATML, FakeTokenizer
 from tests.helpers.paths import REPO_ROOT
+from tests.helpers.tool_plans import plan_tools
 
 SEQUENCE = "^" + "a{2000}" * 50 + "$"  # each repeat under the old per-repeat bound
 
@@ -274,7 +275,7 @@ def test_an_answer_schema_beside_tools_is_bounded_as_alone(format_name: str) -> 
     support = ToolSupport(FakeTokenizer(CHATML), format_name)
     answer = from_response_format(schema_format(_schema("^a{100000}$")))
     with pytest.raises(RequestError) as raised:
-        support.plan([_function({})], "auto", False, answer)
+        plan_tools(support, [_function({})], "auto", False, answer)
 
     assert ErrorCode.GRAMMAR_LIMIT_EXCEEDED == raised.value.code
     assert "response_format" == raised.value.param
@@ -289,7 +290,7 @@ def test_the_tools_grammar_is_measured_across_every_schema_it_embeds() -> None:
     for function in functions:
         function.check()
     with pytest.raises(RequestError) as raised:
-        ToolSupport(FakeTokenizer(CHATML), "hermes").plan(functions, "required", False)
+        plan_tools(ToolSupport(FakeTokenizer(CHATML), "hermes"), functions, "required", False)
 
     assert ErrorCode.GRAMMAR_LIMIT_EXCEEDED == raised.value.code
     assert "tools" == raised.value.param

@@ -21,6 +21,7 @@ from otel_engine.entrypoints.tools.grammar import calls_schema, json_rule
 from otel_engine.entrypoints.tools.plan import Function, ToolSupport
 from otel_engine.entrypoints.tools.request import ToolChoice
 from tests.helpers.paths import REPO_ROOT
+from tests.helpers.tool_plans import plan_tools
 
 PACKAGE = REPO_ROOT / "otel_engine"
 FORMATS_DIR = PACKAGE / "entrypoints" / "tools" / "formats"
@@ -104,7 +105,7 @@ def test_no_format_name_is_a_string_outside_its_own_class() -> None:
 def test_a_toy_format_round_trips(toy: type[ToolFormat]) -> None:
     """Detected from its template, held to its grammar, parsed whole and streamed."""
     support = ToolSupport(_Tokenizer("{% if tools %}<<toy tools>>{% endif %}"))
-    plan = support.plan([WEATHER], "required", parallel=True)
+    plan = plan_tools(support, [WEATHER], "required", parallel=True)
     assert plan is not None
     assert plan.structured is not None
     answer = 'Sure. CALL:[{"name": "get_weather", "arguments": {"city": "Oslo"}}]END Done.'
@@ -131,7 +132,7 @@ def test_a_toy_format_round_trips(toy: type[ToolFormat]) -> None:
 
 def test_auto_in_a_family_format_is_free(toy: type[ToolFormat]) -> None:
     support = ToolSupport(_Tokenizer("{% if tools %}<<toy tools>>{% endif %}"))
-    plan = support.plan([WEATHER], "auto", parallel=True)
+    plan = plan_tools(support, [WEATHER], "auto", parallel=True)
 
     assert plan is not None
     assert plan.structured is None

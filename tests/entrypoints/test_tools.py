@@ -19,6 +19,7 @@ from otel_engine.entrypoints.tools.parser import ToolCallParser
 from otel_engine.entrypoints.tools.plan import Function, ToolSupport
 from otel_engine.errors import RequestError
 from tests.helpers.tiny_model import HERMES_TOOL_TEMPLATE
+from tests.helpers.tool_plans import plan_tools
 
 PARAMETERS = {
     "type": "object",
@@ -98,7 +99,7 @@ def test_required_is_a_grammar_of_valid_calls_in_each_format(format: str) -> Non
     """The forced grammar accepts a valid call as the format writes it, refuses one whose
     arguments break the schema, and what it accepts parses to arguments that validate."""
     support = ToolSupport(FakeTokenizer(CHATML), format)
-    plan = support.plan([WEATHER, TIME], "required", parallel=False)
+    plan = plan_tools(support, [WEATHER, TIME], "required", parallel=False)
     assert plan is not None
     assert plan.structured is not None
     grammar = grammar_of(plan.structured)
@@ -116,8 +117,11 @@ def test_required_is_a_grammar_of_valid_calls_in_each_format(format: str) -> Non
 
 def test_a_named_function_is_the_only_call_allowed() -> None:
     support = ToolSupport(FakeTokenizer(CHATML))
-    plan = support.plan(
-        [WEATHER, TIME], {"type": "function", "function": {"name": "get_time"}}, parallel=True
+    plan = plan_tools(
+        support,
+        [WEATHER, TIME],
+        {"type": "function", "function": {"name": "get_time"}},
+        parallel=True,
     )
     assert plan is not None
     assert plan.structured is not None
@@ -133,8 +137,8 @@ def test_a_named_function_is_the_only_call_allowed() -> None:
 
 
 def test_generic_auto_allows_text_or_calls_and_native_auto_is_free() -> None:
-    generic = ToolSupport(FakeTokenizer(CHATML)).plan([WEATHER], "auto", parallel=True)
-    native = ToolSupport(FakeTokenizer(HERMES_TOOL_TEMPLATE)).plan([WEATHER], None, True)
+    generic = plan_tools(ToolSupport(FakeTokenizer(CHATML)), [WEATHER], "auto", parallel=True)
+    native = plan_tools(ToolSupport(FakeTokenizer(HERMES_TOOL_TEMPLATE)), [WEATHER], None, True)
     assert generic is not None
     assert generic.structured is not None
     assert native is not None
@@ -150,8 +154,8 @@ def test_generic_auto_allows_text_or_calls_and_native_auto_is_free() -> None:
 def test_none_and_no_tools_make_no_plan() -> None:
     support = ToolSupport(FakeTokenizer(CHATML))
 
-    assert support.plan([WEATHER], "none", parallel=True) is None
-    assert support.plan(None, None, parallel=True) is None
+    assert plan_tools(support, [WEATHER], "none", parallel=True) is None
+    assert plan_tools(support, None, None, parallel=True) is None
 
 
 @pytest.mark.parametrize(
@@ -173,7 +177,7 @@ def test_bad_tools_are_request_errors(
     tools: list[Function] | None, choice: Any, param: str, words: str
 ) -> None:
     with pytest.raises(RequestError, match=words) as raised:
-        ToolSupport(FakeTokenizer(CHATML)).plan(tools, choice, parallel=True)
+        plan_tools(ToolSupport(FakeTokenizer(CHATML)), tools, choice, parallel=True)
 
     assert param == raised.value.param
 
@@ -204,7 +208,7 @@ def test_malformed_parameters_are_refused_by_the_draft(
 
 def test_generic_history_renders_calls_as_written_and_results_as_user_turns() -> None:
     support = ToolSupport(FakeTokenizer(CHATML))
-    plan = support.plan([WEATHER], "auto", parallel=True)
+    plan = plan_tools(support, [WEATHER], "auto", parallel=True)
     history = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Weather in Oslo?"},
@@ -233,7 +237,7 @@ def test_generic_history_renders_calls_as_written_and_results_as_user_turns() ->
 
 def test_native_history_and_tools_go_to_the_template() -> None:
     support = ToolSupport(FakeTokenizer(HERMES_TOOL_TEMPLATE))
-    plan = support.plan([WEATHER], "auto", parallel=True)
+    plan = plan_tools(support, [WEATHER], "auto", parallel=True)
     history = [{"role": "user", "content": "hi"}]
 
     assert history == support.messages(history, plan)
@@ -242,7 +246,7 @@ def test_native_history_and_tools_go_to_the_template() -> None:
 
 def test_a_special_token_marker_is_kept_and_other_specials_dropped() -> None:
     support = ToolSupport(FakeTokenizer(MISTRAL_TEMPLATE, ("[TOOL_CALLS]", "</s>")))
-    plan = support.plan([WEATHER], "auto", parallel=True)
+    plan = plan_tools(support, [WEATHER], "auto", parallel=True)
     assert plan is not None
 
     assert "[TOOL_CALLS]" == plan.keep_special

@@ -90,20 +90,6 @@ class ToolSupport:
             token.content for token in tokenizer.added_tokens_decoder.values() if token.special
         }
 
-    def plan(
-        self,
-        tools: list[Function] | None,
-        tool_choice: str | dict[str, Any] | None,
-        parallel: bool,
-        answer_format: StructuredOutput | None = None,
-    ) -> ToolPlan | None:
-        """The request's plan (`draft`, then `constrain`); None when it has no tools or
-        `tool_choice` is `none`."""
-        plan = self.draft(tools, tool_choice, parallel, answer_format)
-        if plan is not None:
-            self.constrain(plan, answer_format)
-        return plan
-
     def draft(
         self,
         tools: list[Function] | None,
