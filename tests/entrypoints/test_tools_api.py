@@ -118,18 +118,24 @@ def test_forced_calls_parse_and_validate(tool_served: Served, tool_choice: Any) 
     )
 
 
-def test_streamed_calls_equal_the_non_streamed(tool_served: Served) -> None:
-    """The client's stream helper reassembles the same calls as the whole answer, each sent
-    whole in one delta once it is a call."""
-    client = _client(tool_served)
-    options: dict[str, Any] = {
-        "model": tool_served.model,
+def _forced_call(served: Served, **extra: Any) -> dict[str, Any]:
+    """A greedy chat whose tool call is forced (`required`), with room for the whole call."""
+    return {
+        "model": served.model,
         "messages": MESSAGES,
         "tools": TOOLS,
         "tool_choice": "required",
         "max_tokens": 600,
         "temperature": 0.0,
+        **extra,
     }
+
+
+def test_streamed_calls_equal_the_non_streamed(tool_served: Served) -> None:
+    """The client's stream helper reassembles the same calls as the whole answer, each sent
+    whole in one delta once it is a call."""
+    client = _client(tool_served)
+    options = _forced_call(tool_served)
     whole = client.chat.completions.create(**options)
     with client.chat.completions.stream(**options) as stream:
         chunks = list(stream)
@@ -156,15 +162,7 @@ def test_a_call_cut_after_its_name_is_text_streamed_or_not(tool_served: Served) 
     """A stop string cuts the forced call after its name: the stream sends no call, only its
     text, and ends as the whole answer does (that text as content, finish_reason stop)."""
     client = _client(tool_served)
-    options: dict[str, Any] = {
-        "model": tool_served.model,
-        "messages": MESSAGES,
-        "tools": TOOLS,
-        "tool_choice": "required",
-        "max_tokens": 600,
-        "temperature": 0.0,
-        "stop": ['"arguments"'],
-    }
+    options = _forced_call(tool_served, stop=['"arguments"'])
     whole = client.chat.completions.create(**options).choices[0]
     chunks = list(client.chat.completions.create(**options, stream=True))
     streamed = [choice for chunk in chunks for choice in chunk.choices]
