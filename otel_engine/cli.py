@@ -50,6 +50,11 @@ ENGINE_FLAGS = (
     "kv_cache_dtype",
     "max_num_seqs",
     "max_num_batched_tokens",
+    "speculative_method",
+    "num_speculative_tokens",
+    "ngram_min",
+    "ngram_max",
+    "speculative_model",
     "tensor_parallel_size",
     "distributed_executor_backend",
     "ray_address",
@@ -209,6 +214,34 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     )
     cache.add_argument("--max-num-seqs", type=int, metavar="N", help="sequences per step")
     cache.add_argument("--max-num-batched-tokens", type=int, metavar="N", help="tokens per step")
+    spec = parser.add_argument_group("speculative decoding")
+    spec.add_argument(
+        "--speculative-method",
+        choices=_choices("speculative_method"),
+        help="verify several proposed tokens per decode step, exactly (greedy and seeded "
+        "output as without it): ngram, tokens that followed the longest recent match of "
+        "the request's own prompt and output; draft, a smaller model with the same "
+        "tokenizer (--speculative-model). Default: off",
+    )
+    spec.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        metavar="K",
+        help="most tokens proposed per request and step, in [1, 16] (default 4); fewer "
+        "while a request's proposals keep failing, or when the batch is large",
+    )
+    spec.add_argument(
+        "--ngram-min", type=int, metavar="N", help="shortest n-gram prompt lookup matches (2)"
+    )
+    spec.add_argument(
+        "--ngram-max", type=int, metavar="N", help="longest n-gram prompt lookup matches (4)"
+    )
+    spec.add_argument(
+        "--speculative-model",
+        metavar="PATH",
+        help="the draft model of --speculative-method draft: an HF directory or .gguf file "
+        "with the model's tokenizer, e.g. the same model in a lower-bit format",
+    )
     timeouts = parser.add_argument_group("timeouts (seconds)")
     timeouts.add_argument(
         "--engine-ready-timeout", type=float, metavar="S", help="how long startup may take"

@@ -80,6 +80,13 @@ class GenerationConfigMode(enum.StrEnum):
     NONE = "none"  # the API's own defaults
 
 
+class SpeculativeMethod(enum.StrEnum):
+    """--speculative-method: where the tokens a step verifies come from (spec/)."""
+
+    NGRAM = "ngram"  # the request's own prompt and output (prompt lookup); no second model
+    DRAFT = "draft"  # a smaller model with the same tokenizer (--speculative-model)
+
+
 class OtlpProtocol(enum.StrEnum):
     GRPC = "grpc"
     HTTP_PROTOBUF = "http/protobuf"
@@ -145,6 +152,21 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """Speculative decoding (spec/): `method` None is off. Each decoding request may
+    verify up to `num_speculative_tokens` proposed tokens per step, fewer as its measured
+    acceptance falls or the batch grows (spec/adaptive.py). `ngram_min`/`ngram_max`: the
+    n-gram lengths prompt lookup matches, longest first; `speculative_model`: the draft
+    model of `draft` (an HF directory or .gguf file with the target's tokenizer)."""
+
+    speculative_method: SpeculativeMethod | None = None
+    num_speculative_tokens: int = 4
+    ngram_min: int = 2
+    ngram_max: int = 4
+    speculative_model: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class ParallelConfig:
     """Tensor parallelism. `multiprocess` runs the engine core in its own process; the
     default runs it in the caller's (`LLM`, `otel-engine generate`), and `AsyncLLM`, the
@@ -205,6 +227,7 @@ class ObservabilityConfig:
 
 
 MAX_CRASH_HISTORY_STEPS = 256  # a dump lists at most 256 items (redaction.MAX_LIST_ITEMS)
+MAX_SPECULATIVE_TOKENS = 16  # proposed tokens one request may verify in a step
 
 
 class ConfigError(ValueError):
@@ -229,6 +252,12 @@ RULES: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "kv_cache_memory_gib": ("must be positive", _positive),
     "max_num_seqs": ("must be positive", _positive),
     "max_num_batched_tokens": ("must be positive", _positive),
+    "num_speculative_tokens": (
+        f"must be in [1, {MAX_SPECULATIVE_TOKENS}]",
+        lambda n: 1 <= n <= MAX_SPECULATIVE_TOKENS,
+    ),
+    "ngram_min": ("must be at least 1", lambda n: n >= 1),
+    "ngram_max": ("must be at least 1", lambda n: n >= 1),
     "tensor_parallel_size": ("must be at least 1", lambda n: n >= 1),
     "ray_cpus_per_rank": ("must be positive", _positive),
     "engine_ready_timeout": ("must be positive", _positive),
@@ -285,6 +314,7 @@ class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
@@ -312,6 +342,22 @@ class EngineConfig:
             for option in dataclasses.fields(section):
                 _check(option.name, getattr(section, option.name))
         parse_override(self.model.override_generation_config)  # its ValueError names the flag
+        self._validate_speculative()
+
+    def _validate_speculative(self) -> None:
+        """The speculative fields that only work together (named as the flag typed)."""
+        spec = self.speculative
+        if spec.ngram_min > spec.ngram_max:
+            rule = f"must be at most ngram_max ({spec.ngram_max})"
+            raise ConfigError("ngram_min", rule, spec.ngram_min)
+        is_draft = spec.speculative_method == SpeculativeMethod.DRAFT
+        if is_draft and not spec.speculative_model:
+            rule = "needs speculative_model (the draft model)"
+            raise ConfigError("speculative_method", rule, spec.speculative_method)
+        if spec.speculative_model and not is_draft:
+            raise ConfigError(
+                "speculative_model", "needs speculative_method draft", spec.speculative_model
+            )
 
     def encode(self) -> bytes:
         return msgspec.msgpack.encode(self)
@@ -325,6 +371,7 @@ _SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "cache": CacheConfig,
     "scheduler": SchedulerConfig,
+    "speculative": SpeculativeConfig,
     "parallel": ParallelConfig,
     "timeouts": TimeoutConfig,
     "recovery": RecoveryConfig,

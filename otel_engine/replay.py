@@ -27,7 +27,7 @@ from collections.abc import Collection, Mapping
 from typing import Any
 
 from otel_engine.config import EngineConfig
-from otel_engine.observability.crash_dump import CHUNK_START, CHUNK_TOKENS
+from otel_engine.observability.crash_dump import CHUNK_DRAFTS, CHUNK_START, CHUNK_TOKENS
 from otel_engine.sampling_params import SamplingParams, apply_generation_defaults, parse_override
 from otel_engine.sched.request import Request
 from otel_engine.sched.scheduler import CacheTooSmall, SchedulerOutput
@@ -108,6 +108,7 @@ def rebuild_batch(
     for index, entry in enumerate(batch.get("requests") or []):
         num_prompt, num_output = int(entry["prompt_token_ids"]), int(entry["output_token_ids"])
         start, count = int(entry[CHUNK_START]), int(entry[CHUNK_TOKENS])
+        num_drafts = int(entry.get(CHUNK_DRAFTS) or 0)
         ids = [
             (index * 7919 + position) % (vocab - 1) + 1
             for position in range(num_prompt + num_output)
@@ -121,7 +122,9 @@ def rebuild_batch(
             eos_token_ids=core.eos_token_ids,
         )
         request.output_token_ids = ids[num_prompt:]
-        restored.append((request, start, count))
+        # Proposed tokens the step verified: as synthetic as the rest, one per position.
+        drafts = [(index * 7919 + start + count + k) % (vocab - 1) + 1 for k in range(num_drafts)]
+        restored.append((request, start, count, drafts))
     try:
         return core.scheduler.restore(restored, int(batch.get("step_id") or 1))
     except CacheTooSmall as error:

@@ -59,6 +59,20 @@ BAD_VALUES: dict[str, tuple[list[str], str]] = {
         ["--max-num-batched-tokens=-1"],
         "--max-num-batched-tokens must be positive, got -1",
     ),
+    "speculative_method": (
+        ["--speculative-method", "eagle"],
+        "argument --speculative-method: invalid choice: 'eagle'",
+    ),
+    "num_speculative_tokens": (
+        ["--num-speculative-tokens", "17"],
+        "--num-speculative-tokens must be in [1, 16], got 17",
+    ),
+    "ngram_min": (["--ngram-min", "0"], "--ngram-min must be at least 1, got 0"),
+    "ngram_max": (["--ngram-max", "0"], "--ngram-max must be at least 1, got 0"),
+    "speculative_model": (
+        ["--speculative-model", "draft.gguf"],
+        "--speculative-model needs speculative_method draft, got draft.gguf",
+    ),
     "tensor_parallel_size": (
         ["--tensor-parallel-size", "0"],
         "--tensor-parallel-size must be at least 1, got 0",
@@ -179,3 +193,23 @@ def test_the_flags_offer_exactly_each_closed_set() -> None:
     offered = {name: list(actions[name].choices or ()) for name in choice_fields()}
 
     assert {name: [m.value for m in kind] for name, kind in choice_fields().items()} == offered
+
+
+@pytest.mark.parametrize(
+    ("tokens", "expected"),
+    [
+        (
+            ["--speculative-method", "draft"],
+            "--speculative-method needs speculative_model (the draft model), got draft",
+        ),
+        (["--ngram-min", "5", "--ngram-max", "3"], "--ngram-min must be at most ngram_max (3)"),
+    ],
+)
+def test_speculative_flags_that_only_work_together(
+    tokens: list[str], expected: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", *tokens])
+
+    assert 2 == exited.value.code
+    assert expected in capsys.readouterr().err

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from otel_engine.engine.grammars import RequestGrammar, fill_bitmasks
 from otel_engine.ipc.messages import ModelInput, PromptLogprobsChunk
@@ -10,6 +11,46 @@ from otel_engine.observability import faults
 from otel_engine.sampling_params import LogitsProcessing
 from otel_engine.sched.request import Request
 from otel_engine.sched.scheduler import ScheduledChunk
+
+
+@dataclass(slots=True)
+class _SampledRows:
+    """The sampling fields of a step's sampled rows, row by row."""
+
+    temperatures: list[float] = field(default_factory=list)
+    top_ps: list[float] = field(default_factory=list)
+    top_ks: list[int] = field(default_factory=list)
+    seeds: list[int | None] = field(default_factory=list)
+    output_positions: list[int] = field(default_factory=list)
+    processing: list[LogitsProcessing | None] = field(default_factory=list)
+    num_logprobs: list[int] = field(default_factory=list)
+    any_processing: bool = False
+    any_logprobs: bool = False
+    grammar_rows: list[int] = field(default_factory=list)
+    grammars: list[RequestGrammar] = field(default_factory=list)
+    grammar_offsets: list[int] = field(default_factory=list)
+
+    def add(self, request: Request, drafts: list[int]) -> None:
+        """One row per verified position: as the step after each proposed token would be."""
+        params = request.sampling_params
+        for offset in range(1 + len(drafts)):
+            self.temperatures.append(0.0 if params.is_greedy else params.temperature)
+            self.top_ps.append(params.top_p)
+            self.top_ks.append(params.top_k)
+            self.seeds.append(params.seed)
+            self.output_positions.append(request.num_output_tokens + offset)
+            row = None
+            if params.has_logits_processing:
+                row = logits_processing(request, drafts[:offset])
+                self.any_processing = True
+            self.processing.append(row)
+            wanted = -1 if params.logprobs is None else params.logprobs
+            self.any_logprobs |= wanted >= 0
+            self.num_logprobs.append(wanted)
+            if request.grammar is not None:
+                self.grammar_rows.append(len(self.temperatures) - 1)
+                self.grammars.append(request.grammar)
+                self.grammar_offsets.append(offset)
 
 
 def prepare_model_input(
@@ -23,20 +64,17 @@ def prepare_model_input(
     positions: list[int] = []
     slot_mapping: list[int] = []
     query_lens, seq_lens, block_tables, sample_indices = [], [], [], []
-    temperatures, top_ps, top_ks, seeds, output_positions = [], [], [], [], []
-    processing: list[LogitsProcessing | None] = []
-    num_logprobs: list[int] = []
-    any_processing = any_logprobs = False
     prompt_logprobs: list[PromptLogprobsChunk] = []
-    grammar_rows: list[int] = []
-    grammars: list[RequestGrammar] = []
+    rows = _SampledRows()
     num_decodes = 0
+    sample_rows: list[int] = []
     for index, chunk in enumerate(chunks):
         request = chunk.request
+        drafts = chunk.draft_token_ids
         start, end = chunk.start, chunk.start + chunk.num_tokens
         if chunk.num_tokens == 1 and index == num_decodes:
             num_decodes += 1
-        input_ids += request.token_ids(start, end)
+        input_ids += request.token_ids(start, end - len(drafts)) + drafts
         positions += range(start, end)
         blocks = request.block_ids
         slot_mapping += [
@@ -50,23 +88,10 @@ def prepare_model_input(
             last = min(end, request.num_prompt_tokens - 1)  # the last prompt position scored
             after = request.prompt_token_ids[end] if end == last else -1
             prompt_logprobs.append(PromptLogprobsChunk(index, wanted, last - start, after))
-        if end == request.num_tokens:
-            params = request.sampling_params
+        if chunk.needs_sample:
             sample_indices.append(index)
-            temperatures.append(0.0 if params.is_greedy else params.temperature)
-            top_ps.append(params.top_p)
-            top_ks.append(params.top_k)
-            seeds.append(params.seed)
-            output_positions.append(request.num_output_tokens)
-            row = logits_processing(request) if params.has_logits_processing else None
-            any_processing |= row is not None
-            processing.append(row)
-            wanted = -1 if params.logprobs is None else params.logprobs
-            any_logprobs |= wanted >= 0
-            num_logprobs.append(wanted)
-            if request.grammar is not None:
-                grammar_rows.append(len(sample_indices) - 1)
-                grammars.append(request.grammar)
+            sample_rows.append(1 + len(drafts))
+            rows.add(request, drafts)
     return ModelInput(
         step_id=step_id,
         input_ids=input_ids,
@@ -77,17 +102,20 @@ def prepare_model_input(
         seq_lens=seq_lens,
         block_tables=block_tables,
         sample_indices=sample_indices,
-        temperatures=temperatures,
-        top_ps=top_ps,
-        top_ks=top_ks,
-        seeds=seeds,
-        output_positions=output_positions,
+        sample_rows=sample_rows if len(sample_rows) < len(rows.temperatures) else [],
+        temperatures=rows.temperatures,
+        top_ps=rows.top_ps,
+        top_ks=rows.top_ks,
+        seeds=rows.seeds,
+        output_positions=rows.output_positions,
         trace_context=trace_context or {},
-        processing=processing if any_processing else [],
-        num_logprobs=num_logprobs if any_logprobs else [],
+        processing=rows.processing if rows.any_processing else [],
+        num_logprobs=rows.num_logprobs if rows.any_logprobs else [],
         prompt_logprobs=prompt_logprobs,
-        grammar_rows=grammar_rows,
-        grammar_bitmask=fill_bitmasks(grammars) if grammars else b"",
+        grammar_rows=rows.grammar_rows,
+        grammar_bitmask=(
+            fill_bitmasks(rows.grammars, rows.grammar_offsets) if rows.grammars else b""
+        ),
         max_prompt_len=longest_prompt(chunks) if faults.wants_prompt_len() else 0,
     )
 
@@ -97,11 +125,14 @@ def longest_prompt(chunks: Sequence[ScheduledChunk]) -> int:
     return max((chunk.request.num_prompt_tokens for chunk in chunks), default=0)
 
 
-def logits_processing(request: Request) -> LogitsProcessing:
-    """What the sampler needs to process `request`'s logits this step."""
+def logits_processing(request: Request, proposed: list[int] | None = None) -> LogitsProcessing:
+    """What the sampler needs to process `request`'s logits this step, at the position
+    after `proposed` tokens (a verified position of speculative decoding: they count as
+    output there)."""
     params = request.sampling_params
+    proposed = proposed or []
     banned: list[int] = []
-    if request.num_output_tokens < params.min_tokens:
+    if request.num_output_tokens + len(proposed) < params.min_tokens:
         banned = list(params.stop_token_ids)
         if not params.ignore_eos:
             banned += request.eos_token_ids
@@ -114,6 +145,6 @@ def logits_processing(request: Request) -> LogitsProcessing:
         min_p=params.min_p,
         logit_bias=list(params.logit_bias),
         banned_token_ids=banned,
-        output_token_ids=request.output_token_ids if penalized or repeated else [],
+        output_token_ids=request.output_token_ids + proposed if penalized or repeated else [],
         prompt_token_ids=request.prompt_token_ids if repeated else [],
     )

@@ -117,5 +117,6 @@ def _merged(metrics: dict[int, dict[str, float]]) -> dict[str, float]:
     finished = [m["finished_time"] for m in metrics.values() if "finished_time" in m]
     if finished:
         merged["finished_time"] = max(finished)
-    merged["num_preemptions"] = sum(m.get("num_preemptions", 0) for m in metrics.values())
+    for name in ("num_preemptions", "num_draft_tokens", "num_accepted_tokens"):
+        merged[name] = sum(m.get(name, 0) for m in metrics.values())
     return merged

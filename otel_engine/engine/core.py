@@ -59,7 +59,8 @@ from otel_engine.observability.tracing import (
 from otel_engine.outputs import FinishReason
 from otel_engine.sched.kv_cache import BlockAllocator
 from otel_engine.sched.request import Request
-from otel_engine.sched.scheduler import Scheduler, SchedulerOutput
+from otel_engine.sched.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from otel_engine.spec.speculator import Speculator, make_speculator
 from otel_engine.timing import CRASH_FLUSH_S
 
 logger = logging.getLogger(__name__)
@@ -76,13 +77,17 @@ class EngineCore:
         executor: Executor,
         model_dir: str = "",
         grammars: GrammarCompiler | None = None,
+        speculator: Speculator | None = None,
     ) -> None:
         """`grammars`: the structured-output compiler, its token trie begun (else one is
-        made here, its trie built before this returns when there is a `model_dir`)."""
+        made here, its trie built before this returns when there is a `model_dir`).
+        `speculator`: speculative decoding's proposer (else the configured method's, when
+        it needs no model of its own: spec/speculator.make_speculator)."""
         self.config = config
         self.arch = arch
         self.limits = limits
         self.eos_token_ids = frozenset(self.arch.eos_token_ids)
+        self.speculator: Speculator | None = speculator or make_speculator(config.speculative)
         self.scheduler = Scheduler(
             BlockAllocator(
                 self.limits.num_kv_blocks,
@@ -92,6 +97,7 @@ class EngineCore:
             max_num_seqs=config.scheduler.max_num_seqs,
             max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
             max_model_len=self.limits.max_model_len,
+            speculation=self.speculator,
         )
         self.executor = executor
         self.fast_paths = executor.fast_paths  # every rank's plan (`executor/rank_plans.py`)
@@ -111,6 +117,7 @@ class EngineCore:
         self.num_grammar_deferred = 0  # structured requests that sat the step out for it
         self.step_bytes_read = 0  # what the current step's forward read (model/step_reads.py)
         self.step_decode_bandwidth = 0.0  # its bytes over its time, for decodes alone
+        self.step_num_drafts = 0  # proposed tokens the current step verifies
         self._tracer = get_tracer()
         self.is_tracing = is_tracing()
         self.failed_step_context: dict[str, str] = {}
@@ -290,12 +297,23 @@ class EngineCore:
             if result.prompt_logprobs:
                 self._collect_prompt_logprobs(output, result)
             logprobs = _logprobs_by_request(output, result)
+            drafts = {id(c.request): len(c.draft_token_ids) for c in output.chunks}
             updated = self.scheduler.update(output, result.sampled_token_ids)
+            updates = [
+                _update(r, logprobs.get(r.request_id), drafts.get(id(r), 0)) for r in updated
+            ]
+            num_accepted = sum(u.num_accepted_tokens for u in updates)
+            if self.current_step_span is not None and self.step_num_drafts:
+                self.current_step_span.set_attribute(
+                    "otel_engine.step.num_accepted_tokens", num_accepted
+                )
         self._release_grammars(r for r in updated if r.status.is_finished)
-        self._record_step(output)
+        self._record_step(output, num_accepted)
         return self._outputs(
             output.step_id,
-            [_update(r, logprobs.get(r.request_id)) for r in updated],
+            updates,
+            num_draft_tokens=sum(u.num_draft_tokens for u in updates),
+            num_accepted_tokens=num_accepted,
             num_preemptions=len(output.preempted_request_ids),
             num_scheduled_seqs=len(output.chunks),
             num_scheduled_tokens=output.num_batched_tokens,
@@ -316,7 +334,7 @@ class EngineCore:
         if not future.cancelled() and future.exception() is None:
             self.grammars.release(future.result())
 
-    def _record_step(self, output: SchedulerOutput) -> None:
+    def _record_step(self, output: SchedulerOutput, num_accepted: int = 0) -> None:
         """The step in the crash history: plain numbers only (step_history.FIELDS)."""
         history = self.history
         if not history.size:
@@ -331,7 +349,9 @@ class EngineCore:
                 started_at=time.time() - duration,
                 duration_s=duration,
                 num_requests=len(chunks),
-                num_prefill_chunks=sum(1 for chunk in chunks if chunk.num_tokens > 1),
+                num_prefill_chunks=sum(
+                    1 for chunk in chunks if chunk.num_tokens > len(chunk.draft_token_ids) + 1
+                ),
                 num_scheduled_tokens=output.num_batched_tokens,
                 num_preemptions=len(output.preempted_request_ids),
                 kv_cache_usage=allocator.usage,
@@ -341,22 +361,44 @@ class EngineCore:
                 num_paused=len(scheduler.paused),
                 grammar_mask_s=self.step_mask_s,
                 num_grammar_deferred=self.num_grammar_deferred,
+                num_draft_tokens=self.step_num_drafts,
+                num_accepted_tokens=num_accepted,
             )
         )
 
     def _execute(self, output: SchedulerOutput, trace_context: dict[str, str]) -> ModelOutput:
+        self.step_num_drafts = 0
         self.step_mask_s = 0.0
         self.num_grammar_deferred = 0
         self.step_bytes_read = 0
         if output.is_empty:
             return ModelOutput(output.step_id, [])
+        if self.speculator is not None:
+            self._propose(output)
         self._fill_masks(output)
+        if self.speculator is not None:  # proposals made some chunks longer: decodes first
+            output.chunks.sort(key=lambda c: c.num_tokens > 1)
         model_input = self.current_model_input = prepare_model_input(
             output.step_id, output.chunks, self.config.cache.block_size, trace_context
         )
         result = self.executor.execute(model_input)
         self.step_bytes_read = result.num_bytes_read
         return result
+
+    def _propose(self, output: SchedulerOutput) -> None:
+        """Fill the step's proposed tokens (spec/speculator.py; the draft model runs here),
+        and say on the step span how many positions it verifies."""
+        assert self.speculator is not None
+        self.speculator.propose(output.chunks)
+        self.step_num_drafts = sum(len(c.draft_token_ids) for c in output.chunks)
+        span = self.current_step_span
+        if span is not None and self.step_num_drafts:
+            span.set_attribute("otel_engine.step.num_batched_tokens", output.num_batched_tokens)
+            span.set_attribute("otel_engine.step.num_draft_tokens", self.step_num_drafts)
+            span.set_attribute(
+                "otel_engine.step.num_verified_positions",
+                sum(c.num_sample_rows for c in output.chunks),
+            )
 
     def _fill_masks(self, output: SchedulerOutput) -> None:
         """Compute this step's grammar masks within the step's budget (`fill_within`); a
@@ -371,6 +413,7 @@ class EngineCore:
         waiting = {id(chunk) for chunk, grammar in rows if grammar.num_deferred}
         if waiting:
             output.chunks = [c for c in output.chunks if id(c) not in waiting]
+        self._fill_proposal_masks(rows, waiting)
         self.num_grammar_deferred = len(waiting)
         span = self.current_step_span
         if span is not None:
@@ -381,6 +424,23 @@ class EngineCore:
             span.set_attribute("otel_engine.step.grammar_mask_s", self.step_mask_s)
             span.set_attribute("otel_engine.step.num_grammar_rows", len(rows) - len(waiting))
             span.set_attribute("otel_engine.step.num_grammar_deferred", len(waiting))
+
+    def _fill_proposal_masks(
+        self, rows: list[tuple[ScheduledChunk, RequestGrammar]], waiting: set[int]
+    ) -> None:
+        """The grammar masks of the positions after each proposed token of a structured
+        request; its proposals stop at the first one its grammar refuses (it could never be
+        accepted), and the step's drafts count shrinks by the rest."""
+        for chunk, grammar in rows:
+            drafts = chunk.draft_token_ids
+            if not drafts or id(chunk) in waiting:
+                continue
+            allowed = grammar.fill_proposals(drafts)
+            if allowed < len(drafts):
+                chunk.num_tokens -= len(drafts) - allowed
+                self.step_num_drafts -= len(drafts) - allowed
+                chunk.draft_token_ids = drafts[:allowed]
+                grammar.proposal_rows = grammar.proposal_rows[:allowed]
 
     def _collect_prompt_logprobs(self, output: SchedulerOutput, result: ModelOutput) -> None:
         """Keep each asking request's prompt logprobs in order; a chunk computed again after
@@ -550,33 +610,48 @@ def _replayed(grammar: RequestGrammar, output_token_ids: list[int]) -> RequestGr
     return grammar
 
 
-def _logprobs_by_request(output: SchedulerOutput, result: ModelOutput) -> dict[str, Any]:
-    """The logprobs of each sampled request of the step, by request id (none asked: {})."""
+def _logprobs_by_request(
+    output: SchedulerOutput, result: ModelOutput
+) -> dict[str, list[TokenLogprobs | None]]:
+    """The logprobs of each sampled request's rows of the step, by request id (none
+    asked: {})."""
     if not result.logprobs:
         return {}
-    sampled = [c.request.request_id for c in output.chunks if c.needs_sample]
-    return dict(zip(sampled, result.logprobs, strict=True))
+    found = {}
+    position = 0
+    for chunk in output.chunks:
+        count = chunk.num_sample_rows
+        if count:
+            found[chunk.request.request_id] = result.logprobs[position : position + count]
+        position += count
+    return found
 
 
-def _update(request: Request, logprobs: TokenLogprobs | None = None) -> RequestUpdate:
+def _update(
+    request: Request, logprobs: list[TokenLogprobs | None] | None = None, num_drafts: int = 0
+) -> RequestUpdate:
     if request.grammar is not None and request.grammar.error is not None:
         return _grammar_failed(request)
     queue_time = num_cached = prompt_logprobs = None
-    if request.num_output_tokens == 1:
+    if request.num_output_tokens == request.num_new_tokens:  # its first update
         num_cached = request.num_cached_tokens
         prompt_logprobs = request.prompt_logprobs
         if request.first_scheduled_time is not None:
             queue_time = max(0.0, request.first_scheduled_time - request.arrival_time)
+    count = request.num_new_tokens
+    kept = [entry for entry in logprobs[:count] if entry is not None] if logprobs else None
     return RequestUpdate(
         request.request_id,
-        [request.output_token_ids[-1]],
+        request.output_token_ids[-count:],
         request.finish_reason,
         request.stop_reason,
         request.num_preemptions,
         queue_time,
         num_cached_tokens=num_cached,
-        logprobs=logprobs,
+        logprobs=kept or None,
         prompt_logprobs=prompt_logprobs,
+        num_draft_tokens=num_drafts,
+        num_accepted_tokens=min(count - 1, num_drafts) if num_drafts else 0,
     )
 
 

@@ -20,7 +20,7 @@ import time
 
 import zmq
 
-from otel_engine.config import EngineConfig
+from otel_engine.config import EngineConfig, SpeculativeMethod
 from otel_engine.engine.core import EngineCore
 from otel_engine.engine.grammars import GrammarCompiler
 from otel_engine.executor.channel import failure_info
@@ -41,6 +41,7 @@ from otel_engine.model.arch import load_model_arch
 from otel_engine.model.limits import resolve_limits
 from otel_engine.observability.faults import FaultPhase, maybe_inject
 from otel_engine.observability.tracing import shutdown_telemetry
+from otel_engine.spec.draft import DraftSpeculator
 from otel_engine.timing import (
     CORE_IDLE_POLL_S,
     CRASH_FLUSH_S,
@@ -76,7 +77,17 @@ def build_engine_core(config: EngineConfig, model_dir: str, ipc_dir: IpcDir) -> 
     except BaseException:
         grammars.shutdown()
         raise
-    return EngineCore(config, arch, limits, executor, model_dir, grammars)
+    try:
+        speculator = (
+            DraftSpeculator(config, arch, limits)
+            if config.speculative.speculative_method == SpeculativeMethod.DRAFT
+            else None
+        )
+    except BaseException:
+        grammars.shutdown()
+        executor.shutdown(graceful=False)
+        raise
+    return EngineCore(config, arch, limits, executor, model_dir, grammars, speculator)
 
 
 def run_engine_core(

@@ -82,6 +82,7 @@ class RequestGrammar:
         "matcher",
         "memory_bytes",
         "num_deferred",
+        "proposal_rows",
         "row",
         "template",
         "vocab_size",
@@ -96,6 +97,9 @@ class RequestGrammar:
         # The next-token mask: bit b of word w allows token 32 w + b (llguidance's layout).
         self.row = np.full((1, (vocab_size + 31) // 32), -1, dtype=np.int32)
         self.has_mask = False  # `row` is the mask of the current position
+        # Speculative decoding: the masks of the positions after each proposed token the
+        # step verifies (`fill_proposals`), one row each.
+        self.proposal_rows = np.empty((0, self.row.shape[1]), dtype=np.int32)
         self.num_deferred = 0  # steps in a row this request sat out for the step's budget
         self.debt_s = 0.0  # mask time taken past its fair shares of the steps' budgets
         self.mask_cost_s = 0.0  # the last mask computed, kept while it waits: its expected cost
@@ -124,9 +128,36 @@ class RequestGrammar:
             return False
         return bool(matcher.is_stopped())
 
-    def _allows(self, token_id: int) -> bool:
-        word = int(self.row[0, token_id >> 5]) if 0 <= token_id < self.vocab_size else 0
+    def _allows(self, token_id: int, row: np.ndarray | None = None) -> bool:
+        mask = self.row[0] if row is None else row
+        word = int(mask[token_id >> 5]) if 0 <= token_id < self.vocab_size else 0
         return bool((word >> (token_id & 31)) & 1)
+
+    def fill_proposals(self, token_ids: list[int]) -> int:
+        """The masks of the positions after each proposed token, into `proposal_rows`, as
+        far as the grammar allows the tokens (the current mask, `row`, already computed);
+        the matcher is rolled back to where it was. Returns how many of `token_ids` it
+        allows in a row: those past them could never be accepted. Their time is charged to
+        the request's mask budget (`mask_seconds`)."""
+        self.proposal_rows = np.full((len(token_ids), self.row.shape[1]), -1, dtype=np.int32)
+        if self.error is not None or not self.has_mask:
+            return 0
+        matcher = self.matcher
+        started = time.perf_counter()
+        mask = self.row[0]
+        count = 0
+        for token_id in token_ids:
+            if not self._allows(token_id, mask) or not matcher.consume_token(token_id):
+                break
+            count += 1
+            if matcher.is_error() or matcher.is_stopped():
+                break  # complete: the request ends at this token, what follows is unused
+            llguidance.numpy.fill_next_token_bitmask(matcher, self.proposal_rows, count - 1)
+            mask = self.proposal_rows[count - 1]
+        if count:
+            matcher.rollback(count)
+        self.mask_seconds += time.perf_counter() - started
+        return count
 
     @property
     def is_free(self) -> bool:
@@ -217,14 +248,19 @@ def fill_within(grammars: Sequence[RequestGrammar], budget_s: float | None = Non
     return spent
 
 
-def fill_bitmasks(grammars: Sequence[RequestGrammar]) -> bytes:
+def fill_bitmasks(grammars: Sequence[RequestGrammar], offsets: Sequence[int] = ()) -> bytes:
     """The next-token masks of `grammars` for the sampling rank, one row of
     ceil(vocab_size / 32) int32 words each; a mask not computed yet (`fill_within`) is
-    computed now."""
+    computed now. `offsets` (default all 0): the row's position after that many proposed
+    tokens (`RequestGrammar.fill_proposals`)."""
     for grammar in grammars:
         if not grammar.is_free:
             grammar.fill()
-    return np.concatenate([grammar.row for grammar in grammars]).tobytes()
+    rows = [
+        grammar.row if not offset else grammar.proposal_rows[offset - 1 : offset]
+        for grammar, offset in zip(grammars, offsets or [0] * len(grammars), strict=True)
+    ]
+    return np.concatenate(rows).tobytes()
 
 
 _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")

@@ -204,7 +204,7 @@ class OutputProcessor:
             state.prompt_logprobs = update.prompt_logprobs
         logprobs = state.logprobs
         if logprobs is not None and update.logprobs is not None:
-            logprobs.append(update.logprobs)
+            logprobs += update.logprobs
         matched = None
         if state.stops is not None:
             found = state.stops.feed(state.text, num_chars_before)
@@ -257,3 +257,8 @@ def _record_timing(state: RequestState, update: RequestUpdate, now: float) -> No
     if update.num_cached_tokens is not None:
         metrics["num_cached_tokens"] = update.num_cached_tokens
     metrics["num_preemptions"] = update.num_preemptions
+    if update.num_draft_tokens:
+        metrics["num_draft_tokens"] = metrics.get("num_draft_tokens", 0) + update.num_draft_tokens
+        metrics["num_accepted_tokens"] = (
+            metrics.get("num_accepted_tokens", 0) + update.num_accepted_tokens
+        )

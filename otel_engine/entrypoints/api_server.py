@@ -50,6 +50,9 @@ def make_server(
     )
     metrics.set_fast_paths(engine.fast_paths)
     metrics.set_memory_bandwidth(engine.memory_bandwidth)
+    method = engine.config.speculative.speculative_method
+    if method is not None:
+        metrics.spec.bind(method)
     cache = engine.config.cache
     metrics.set_cache_config(
         block_size=cache.block_size,

@@ -82,7 +82,10 @@ class ModelRunner:
         limits: EngineLimits | None = None,
         *,
         rank: int = 0,
+        is_draft: bool = False,
     ) -> None:
+        """`is_draft`: speculative decoding's draft model, beside the target in the engine
+        core (spec/draft.py): no bandwidth probe of its own, and its start log says so."""
         self.config = config
         self.rank = rank
         self.arch = load_model_arch(model_dir)
@@ -99,7 +102,9 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         # Before the model is in memory: the probe's buffer never adds to the peak.
         self.memory_bandwidth: MemoryBandwidth | None = (
-            peak_read_bandwidth() if rank == 0 and self.device.type == "cpu" else None
+            peak_read_bandwidth()
+            if rank == 0 and self.device.type == "cpu" and not is_draft
+            else None
         )
         self.model = load_model(
             model_dir,
@@ -119,6 +124,7 @@ class ModelRunner:
             extra={
                 **self.model.fast_paths.summary(),
                 "rank": rank,
+                "role": "draft" if is_draft else "target",
                 "dtype": dtype.name,
                 "dtype_reason": dtype.reason,
                 "kv_cache_dtype": kv_dtype.name,
@@ -154,20 +160,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, step: ModelInput) -> ModelOutput:
-        """Run the forward; rank 0 returns one sampled token per sampled sequence (and
-        their logprobs where asked)."""
+        """Run the forward; rank 0 returns one sampled token per sampled row (and their
+        logprobs where asked)."""
         device = self.device
         input_ids, meta = self.forward_inputs(step)
         hidden = self.model.forward(input_ids, self.kv_caches, meta)
         if self.sampler is None:
             return ModelOutput(step.step_id, [])
-        logit_rows = len(step.sample_indices) + sum(c.num_targets for c in step.prompt_logprobs)
+        logit_rows = len(step.temperatures) + sum(c.num_targets for c in step.prompt_logprobs)
         read = self.reads.bytes_read(len(step.input_ids), step.seq_lens, logit_rows)
         prompt_logprobs = [self._prompt_logprobs(step, hidden, c) for c in step.prompt_logprobs]
         if not step.sample_indices:
             return ModelOutput(step.step_id, [], [], prompt_logprobs, read)
-        ends = torch.tensor(step.query_lens, device=device).cumsum(0) - 1
-        rows = ends[torch.tensor(step.sample_indices, dtype=torch.long, device=device)]
+        rows = _sampled_rows(step, device)
         if _greedy_only(step):
             greedy = self.model.greedy_tokens(hidden[rows])
             if greedy is not None:
@@ -205,6 +210,21 @@ class ModelRunner:
             logits = self.model.compute_logits(rows)
             result += logprobs_of(logits, part, [chunk.num_top] * len(part))  # type: ignore[arg-type]
         return result
+
+
+def _sampled_rows(step: ModelInput, device: torch.device) -> torch.Tensor:
+    """The positions of the step's hidden states that are sampled: each sampled sequence's
+    last, or its last `sample_rows` (the positions a speculative step verifies)."""
+    ends = torch.tensor(step.query_lens, device=device).cumsum(0) - 1
+    if not step.sample_rows:
+        return ends[torch.tensor(step.sample_indices, dtype=torch.long, device=device)]
+    ends_list = ends.tolist()
+    rows = [
+        position
+        for index, count in zip(step.sample_indices, step.sample_rows, strict=True)
+        for position in range(ends_list[index] - count + 1, ends_list[index] + 1)
+    ]
+    return torch.tensor(rows, dtype=torch.long, device=device)
 
 
 def _greedy_only(step: ModelInput) -> bool:

@@ -137,8 +137,12 @@ class RequestUpdate(msgspec.Struct, frozen=True, array_like=True):
     queue_time_s: float | None = None  # arrival to first scheduled; on the first update only
     rejected: RequestRejected | None = None
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache; first only
-    logprobs: TokenLogprobs | None = None  # of the new token, when the request asked
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked
     prompt_logprobs: list[TokenLogprobs] | None = None  # prompt tokens 2..n; first update only
+    # Speculative decoding: the proposed tokens this step verified for the request, and how
+    # many of them it kept (`new_token_ids` then has that many more than one).
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 class StepOutputs(msgspec.Struct, frozen=True, tag="outputs", array_like=True):
@@ -167,6 +171,8 @@ class StepOutputs(msgspec.Struct, frozen=True, tag="outputs", array_like=True):
     # A step of decodes only: the bytes rank 0 read (model/step_reads.py) over the step's
     # time; 0 for any other step.
     decode_bandwidth: float = 0.0
+    num_draft_tokens: int = 0  # proposed tokens this step verified (speculative decoding)
+    num_accepted_tokens: int = 0  # of them, accepted
 
 
 class EngineDead(msgspec.Struct, frozen=True, tag="dead", array_like=True):
@@ -211,7 +217,9 @@ class ModelInput(msgspec.Struct, frozen=True, tag="execute", array_like=True):
     Sequences are ordered decodes first. Per token: `input_ids`, `positions`,
     `slot_mapping`. Per sequence: `query_lens`, `seq_lens` (context after this step),
     `block_tables`. Per sampled sequence (rank 0 only uses these): `sample_indices`
-    (sequence index), and the sampling fields.
+    (sequence index) and `sample_rows`: how many of its last positions are sampled (one,
+    plus one per proposed token it verifies; empty when every sequence samples one).
+    Per sampled row (sequence by sequence, its positions in order): the sampling fields.
     """
 
     step_id: int
@@ -229,11 +237,12 @@ class ModelInput(msgspec.Struct, frozen=True, tag="execute", array_like=True):
     seeds: list[int | None]
     output_positions: list[int]
     trace_context: dict[str, str] = {}  # the engine core's step span (workers' parent)
-    # Per sampled sequence, or empty when no sequence of the step has any (the fast path).
+    sample_rows: list[int] = []
+    # Per sampled row, or empty when no sequence of the step has any (the fast path).
     processing: list[LogitsProcessing | None] = []
     num_logprobs: list[int] = []  # top logprobs wanted (-1: no logprobs at all)
     prompt_logprobs: list[PromptLogprobsChunk] = []
-    # Structured output: the sampled rows (indexes into `sample_indices`) that follow a
+    # Structured output: the sampled rows (indexes into the sampled rows) that follow a
     # grammar, and their next-token masks, one row of int32 words each (bit b of word w
     # allows token 32 w + b; `engine/grammars.fill_bitmasks`).
     grammar_rows: list[int] = []
@@ -253,8 +262,8 @@ WorkerRequest = ModelInput | StopWorker
 
 
 class ModelOutput(msgspec.Struct, frozen=True, tag="sampled", array_like=True):
-    """Rank 0's sampled token per sampled sequence of step `step_id`, and their logprobs
-    (per sampled sequence, None where not asked; empty when no sequence asked)."""
+    """Rank 0's sampled token per sampled row of step `step_id` (`ModelInput.sample_rows`),
+    and their logprobs (per sampled row, None where not asked; empty when none asked)."""
 
     step_id: int
     sampled_token_ids: list[int]

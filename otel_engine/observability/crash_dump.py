@@ -71,7 +71,8 @@ def _scheduler_output(
         "step_id": scalar(step.step_id),
         "num_requests": len(chunks),
         "num_scheduled_tokens": sum(c.num_tokens for c in chunks),
-        "num_prefill_chunks": sum(1 for c in chunks if c.num_tokens > 1),
+        "num_prefill_chunks": sum(1 for c in chunks if c.num_tokens > len(c.draft_token_ids) + 1),
+        "num_draft_tokens": sum(len(c.draft_token_ids) for c in chunks),
         "preempted_request_ids": [
             str(r)[:128] for r in list(step.preempted_request_ids)[:MAX_LIST_ITEMS]
         ],
@@ -85,13 +86,17 @@ def _scheduler_output(
 
 # What a dumped request says of its chunk in the failing step, beside its own fields
 # (`otel-engine replay` reads them back).
+# `num_draft_tokens`: of the chunk's tokens, the proposed ones the step verified (their
+# count: like every token id, never the values).
 CHUNK_START, CHUNK_TOKENS = "scheduled_start", "num_scheduled_tokens"
+CHUNK_DRAFTS = "num_draft_tokens"
 
 
 def _chunk(chunk: Any) -> dict[str, Any]:
     entry = dump_object(chunk.request)
     entry[CHUNK_START] = chunk.start
     entry[CHUNK_TOKENS] = chunk.num_tokens
+    entry[CHUNK_DRAFTS] = len(chunk.draft_token_ids)
     entry["num_blocks"] = len(chunk.request.block_ids)
     return entry
 
@@ -140,6 +145,7 @@ def engine_config_part(
         "on_engine_failure": config.recovery.on_engine_failure,
         "max_engine_restarts": config.recovery.max_engine_restarts,
         "engine_restart_window_s": config.recovery.engine_restart_window,
+        "speculative": _speculative(config.speculative),
         "versions": safe(_versions),
     }
     if fast_paths is not None:
@@ -159,6 +165,20 @@ def engine_config_part(
         else:
             part["family_limits"] = limits
     return part
+
+
+def _speculative(spec: Any) -> dict[str, Any] | None:
+    """Speculative decoding's settings (None: off); the draft model by its file's name."""
+    if spec.speculative_method is None:
+        return None
+    draft = spec.speculative_model
+    return {
+        "method": spec.speculative_method,
+        "num_speculative_tokens": spec.num_speculative_tokens,
+        "ngram_min": spec.ngram_min,
+        "ngram_max": spec.ngram_max,
+        "draft_model": os.path.basename(os.path.normpath(draft)) if draft else None,
+    }
 
 
 def _versions() -> dict[str, str]:

@@ -140,6 +140,8 @@ RESTART_CAUSES = (
     FailureCause.ENGINE_STALLED,
 )
 # crash to a carried-over request's first token after the restart (engine/recovery.py)
+# a request's accepted share of the proposed tokens it verified (speculative decoding)
+ACCEPTANCE_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 RECOVERY_BUCKETS = (0.5, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0)
 # error_type values that exist at 0 from the start, so that `increase()` sees the first one:
 # engine failures and clients dropped for not reading (the others appear when they happen)
@@ -170,6 +172,8 @@ VLLM_NAMES: dict[str, tuple[str, dict[str, str]]] = {
     "otel_engine_request_queue_time_seconds": ("vllm:request_queue_time_seconds", {}),
     "otel_engine_request_prompt_tokens": ("vllm:request_prompt_tokens", {}),
     "otel_engine_request_generation_tokens": ("vllm:request_generation_tokens", {}),
+    "otel_engine_spec_decode_proposed_tokens": ("vllm:spec_decode_num_draft_tokens", {}),
+    "otel_engine_spec_decode_accepted_tokens": ("vllm:spec_decode_num_accepted_tokens", {}),
 }
 # Label values of the copies that vLLM does not emit, as vLLM counts them: its engine ends a
 # request that called tools as any other that stopped (its finished_reason is stop, length,
@@ -186,7 +190,7 @@ class StepStats(Protocol):
     `step_id` (0: no step ran), `num_paused`, `kv_cache_cached_blocks`,
     `prefix_cache_queries`, `prefix_cache_hits`, `step_duration_s`, `num_scheduled_seqs`,
     `num_scheduled_tokens`, `grammar_compile_s`, `grammar_mask_s`, `num_grammar_deferred`,
-    `decode_bandwidth`."""
+    `decode_bandwidth`, `num_draft_tokens`, `num_accepted_tokens`."""
 
     num_running: int
     num_waiting: int
@@ -248,6 +252,52 @@ class _Renamed(Collector):
                 merged[key] = sample
             copy.samples = list(merged.values())
             yield copy
+
+
+class SpecMetrics:
+    """Speculative decoding: proposed and accepted tokens, and each finished request's
+    acceptance, labelled with the method (`bind`, once at start; nothing is counted before)."""
+
+    def __init__(self, r: CollectorRegistry) -> None:
+        self.proposed = Counter(
+            "otel_engine_spec_decode_proposed_tokens",
+            "Proposed tokens verified by speculative decoding, by method (ngram, draft).",
+            ["method"],
+            registry=r,
+        )
+        self.accepted = Counter(
+            "otel_engine_spec_decode_accepted_tokens",
+            "Proposed tokens speculative decoding accepted, by method.",
+            ["method"],
+            registry=r,
+        )
+        self.acceptance = Histogram(
+            "otel_engine_spec_decode_acceptance_rate",
+            "Per finished request that verified proposals: accepted / proposed tokens.",
+            ["method"],
+            buckets=ACCEPTANCE_BUCKETS,
+            registry=r,
+        )
+        self.method: str | None = None
+        self._bound: tuple[Counter, Counter, Histogram] | None = None
+
+    def bind(self, method: str) -> None:
+        """The engine's method: its series exist (at 0) from now."""
+        self.method = method
+        self._bound = (
+            self.proposed.labels(method),
+            self.accepted.labels(method),
+            self.acceptance.labels(method),
+        )
+
+    def on_step(self, num_drafts: int, num_accepted: int) -> None:
+        if num_drafts and self._bound is not None:
+            self._bound[0].inc(num_drafts)
+            self._bound[1].inc(num_accepted)
+
+    def on_request(self, num_drafts: int, num_accepted: int) -> None:
+        if num_drafts and self._bound is not None:
+            self._bound[2].observe(num_accepted / num_drafts)
 
 
 def _grammar_metrics(r: CollectorRegistry) -> tuple[Histogram, Histogram, Counter]:
@@ -411,6 +461,7 @@ class EngineMetrics:
         self.preemptions = Counter(
             "otel_engine_preemptions", "Requests preempted (KV blocks reclaimed).", registry=r
         )
+        self.spec = SpecMetrics(r)
         self.ignored_request_fields = Counter(
             "otel_engine_ignored_request_fields",
             "Request body fields the API does not know, ignored (logged: request.ignored_fields).",
@@ -599,6 +650,9 @@ class EngineMetrics:
         num_deferred = getattr(stats, "num_grammar_deferred", 0)
         if num_deferred:
             self.grammar_deferred.inc(num_deferred)
+        self.spec.on_step(
+            getattr(stats, "num_draft_tokens", 0), getattr(stats, "num_accepted_tokens", 0)
+        )
         bandwidth = getattr(stats, "decode_bandwidth", 0.0)
         if bandwidth and duration:
             self.bandwidth.observe(bandwidth, duration)
@@ -617,10 +671,14 @@ class EngineMetrics:
         ttft_s: float | None = None,
         tpot_s: float | None = None,
         trace_id: str | None = None,
+        num_draft_tokens: int = 0,
+        num_accepted_tokens: int = 0,
     ) -> None:
         """A request that ended normally; TPOT defaults to (e2e - ttft) / (n - 1). `trace_id`
-        (32 hex digits) becomes the exemplar of the TTFT and end-to-end latency observations."""
+        (32 hex digits) becomes the exemplar of the TTFT and end-to-end latency observations.
+        With proposed tokens verified, its acceptance rate is observed too."""
         self._success[finish_reason].inc()
+        self.spec.on_request(num_draft_tokens, num_accepted_tokens)
         self._count_tokens(num_prompt_tokens, num_generation_tokens)
         self.request_prompt_tokens.observe(num_prompt_tokens)
         self.request_generation_tokens.observe(num_generation_tokens)

@@ -28,6 +28,8 @@ class StepRecord(NamedTuple):
     num_paused: int
     grammar_mask_s: float  # the step's structured-output masks: why a step with grammars is slow
     num_grammar_deferred: int  # structured requests that sat the step out (its mask budget)
+    num_draft_tokens: int = 0  # proposed tokens it verified (speculative decoding)
+    num_accepted_tokens: int = 0  # of them, accepted
 
 
 FIELDS = StepRecord._fields

@@ -12,6 +12,7 @@ from otel_engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from otel_engine.engine.grammars import RequestGrammar
+    from otel_engine.spec.state import SpecState
 
 
 class RequestStatus(enum.IntEnum):
@@ -68,6 +69,9 @@ class Request:
     trace_link: Any = None  # an OpenTelemetry Link to the request's span, when tracing
     # With `structured_output`: its position in the grammar (engine/grammars.py).
     grammar: RequestGrammar | None = None
+    # With speculative decoding: its proposals' counts and state (spec/state.py).
+    spec: SpecState | None = None
+    num_new_tokens: int = 0  # the tokens its last step gained (more than 1: proposals kept)
 
     # What a crash dump may show (observability/crash_dump.py): never token ids or text.
     # A field missing here is left out of dumps and listed by name until it is decided.
@@ -91,6 +95,8 @@ class Request:
         "first_scheduled_time": "value",
         "trace_link": "is_set",
         "grammar": "is_set",
+        "spec": "nested",
+        "num_new_tokens": "value",
     }
 
     @property

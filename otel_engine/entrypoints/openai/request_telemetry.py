@@ -186,6 +186,8 @@ class RequestTelemetry:
             tpot_s = max(0.0, e2e_s - ttft_s) / (num_generated - 1)
         queue_s = timings.get("queue_time_s")
         num_cached = int(timings.get("num_cached_tokens", 0))
+        num_drafts = int(timings.get("num_draft_tokens", 0))
+        num_accepted = int(timings.get("num_accepted_tokens", 0))
         self._metrics.on_request_finished(
             finish_reason=finish_reason,
             num_prompt_tokens=self.num_prompt_tokens,
@@ -197,6 +199,8 @@ class RequestTelemetry:
             trace_id=(
                 format(self.span.get_span_context().trace_id, "032x") if self.is_recording else None
             ),
+            num_draft_tokens=num_drafts,
+            num_accepted_tokens=num_accepted,
         )
         fields: dict[str, Any] = {
             "finish_reason": finish_reason,
@@ -209,6 +213,8 @@ class RequestTelemetry:
             "num_preemptions": self.num_preemptions,
             "num_cached_tokens": num_cached,
         }
+        if num_drafts:
+            fields.update(_spec_fields(num_drafts, num_accepted, self._metrics.spec.method))
         logger.info("request.finished", extra=self._log_fields(fields))
         if self.is_recording:
             attributes: dict[str, Any] = {
@@ -221,6 +227,9 @@ class RequestTelemetry:
             for key, value in (("queue_time_s", queue_s), ("ttft_s", ttft_s), ("tpot_s", tpot_s)):
                 if value is not None:
                     attributes[f"otel_engine.request.{key}"] = value
+            if num_drafts:
+                spec = _spec_fields(num_drafts, num_accepted, self._metrics.spec.method)
+                attributes.update({f"otel_engine.request.{k}": v for k, v in spec.items()})
             self.span.set_attributes(attributes)
             self.span.add_event(
                 EVENT_FINISHED, {"gen_ai.response.finish_reason": finish_reason}, _ns(finished)
@@ -313,3 +322,14 @@ class RequestTelemetry:
             fields["trace_id"] = format(context.trace_id, "032x")
             fields["span_id"] = format(context.span_id, "016x")
         return fields
+
+
+def _spec_fields(num_drafts: int, num_accepted: int, method: str | None) -> dict[str, Any]:
+    """A request's speculative decoding, for its log line and span (the names after
+    `otel_engine.request.`)."""
+    return {
+        "spec_method": method or "",
+        "spec_proposed_tokens": num_drafts,
+        "spec_accepted_tokens": num_accepted,
+        "spec_acceptance_rate": round(num_accepted / num_drafts, 4),
+    }
