@@ -389,7 +389,7 @@ class EngineCore:
         """Fill the step's proposed tokens (spec/speculator.py; the draft model runs here),
         and say on the step span how many positions it verifies."""
         assert self.speculator is not None
-        self.speculator.propose(output.chunks)
+        self.speculator.propose(output.chunks, output.step_id)
         self.step_num_drafts = sum(len(c.draft_token_ids) for c in output.chunks)
         span = self.current_step_span
         if span is not None and self.step_num_drafts:

@@ -4,7 +4,8 @@
 or several such faults separated by `;` (a chaos drill: a different fault in each engine a
 recovering server starts, a poison request in all of them); at each place and step the first
 fault of the list that matches fires. In one fault, where in {worker, engine_core}, kind a
-`FaultKind`, phase in {run, load}, and KEY in {num_requests, num_tokens} (scheduled in the
+`FaultKind`, phase in {run, load, draft} (draft: as the engine core's draft model proposes,
+speculative decoding), and KEY in {num_requests, num_tokens} (scheduled in the
 step) or prompt_len (the longest prompt of a request in the step): `when` fires at every
 step whose batch is at least that large (with `step=` too: only at that step, if it is), so
 `when=prompt_len>=N` fires each time a request with such a prompt is scheduled, a request
@@ -91,6 +92,9 @@ class FaultPhase(enum.StrEnum):
 
     RUN = "run"  # in a step (its number and shape: `step`, `when`)
     LOAD = "load"  # while the process loads the model, before it is ready
+    # in a step, as speculative decoding's draft model proposes (engine_core only; its
+    # number and the shape of the draft's forward: `step`, `when`)
+    DRAFT = "draft"
 
 
 WHEN_KEYS = ("num_requests", "num_tokens", "prompt_len")
@@ -213,7 +217,8 @@ def maybe_inject(
             for fault in _FAULTS
             if (fault.where, fault.phase, fault.rank) == (where, phase, rank)
             and (
-                phase != FaultPhase.RUN or fault.matches(step, num_requests, num_tokens, prompt_len)
+                phase == FaultPhase.LOAD
+                or fault.matches(step, num_requests, num_tokens, prompt_len)
             )
         ),
         None,

@@ -28,9 +28,11 @@ import msgspec
 from otel_engine.config import EngineConfig, Int4Mode, SpeculativeMethod
 from otel_engine.engine.batch import prepare_model_input
 from otel_engine.executor.model_runner import ModelRunner
+from otel_engine.ipc.process import ENGINE_CORE
 from otel_engine.model.arch import ModelArch, load_model_arch
 from otel_engine.model.limits import EngineLimits
 from otel_engine.model.loader import prepare_model_dir
+from otel_engine.observability.faults import FaultPhase, maybe_inject
 from otel_engine.sampling_params import SamplingParams
 from otel_engine.sched.request import Request
 from otel_engine.sched.scheduler import ScheduledChunk
@@ -71,9 +73,8 @@ class DraftSpeculator(Speculator):
         )
         self.runner = ModelRunner(draft_config, model_dir, limits, is_draft=True)
         self.block_size = config.cache.block_size
-        self.num_steps = 0
 
-    def propose(self, chunks: Sequence[ScheduledChunk]) -> None:
+    def propose(self, chunks: Sequence[ScheduledChunk], step_id: int = 0) -> None:
         speculating = [c for c in chunks if c.num_spec_slots]
         if not speculating:
             return
@@ -87,7 +88,7 @@ class DraftSpeculator(Speculator):
             start = min(state.num_draft_computed, request.num_tokens - 1)
             views.append(ScheduledChunk(_view(request, []), start, request.num_tokens - start))
             state.num_draft_computed = request.num_tokens
-        for tokens, token in zip(proposed, self._run(views), strict=True):
+        for tokens, token in zip(proposed, self._run(views, step_id), strict=True):
             tokens.append(token)
         # Further rounds: the last proposal in, the next out, while a request has slots.
         for _ in range(1, max(c.num_spec_slots for c in speculating)):
@@ -96,17 +97,24 @@ class DraftSpeculator(Speculator):
             for index in active:
                 view = _view(speculating[index].request, proposed[index])
                 views.append(ScheduledChunk(view, view.num_tokens - 1, 1))
-            for index, token in zip(active, self._run(views), strict=True):
+            for index, token in zip(active, self._run(views, step_id), strict=True):
                 proposed[index].append(token)
         for chunk, tokens in zip(speculating, proposed, strict=True):
             chunk.draft_token_ids = tokens
             chunk.num_tokens += len(tokens)
 
-    def _run(self, chunks: list[ScheduledChunk]) -> list[int]:
-        """One forward of the draft over `chunks`; one sampled token per chunk."""
-        self.num_steps += 1
-        step = prepare_model_input(self.num_steps, chunks, self.block_size)
+    def _run(self, chunks: list[ScheduledChunk], step_id: int) -> list[int]:
+        """One forward of the draft over `chunks` in the engine's step `step_id`; one
+        sampled token per chunk."""
+        step = prepare_model_input(step_id, chunks, self.block_size)
         try:
+            maybe_inject(
+                ENGINE_CORE,
+                phase=FaultPhase.DRAFT,
+                step=step_id,
+                num_requests=len(chunks),
+                num_tokens=len(step.input_ids),
+            )
             return self.runner.execute(step).sampled_token_ids
         except Exception as exc:
             raise DraftModelError(

@@ -55,9 +55,9 @@ class Speculator:
             return 0
         return min(state.k, self.step_cap, limit)
 
-    def propose(self, chunks: Sequence[ScheduledChunk]) -> None:
+    def propose(self, chunks: Sequence[ScheduledChunk], step_id: int = 0) -> None:
         """Fill the chunks' `draft_token_ids` (at most `num_spec_slots` each) and lengthen
-        them by as many."""
+        them by as many, for the engine's step `step_id`."""
         raise NotImplementedError
 
     def observe(self, request: Request, proposed: int, accepted: int) -> None:
@@ -70,7 +70,7 @@ class NgramSpeculator(Speculator):
 
     method = SpeculativeMethod.NGRAM
 
-    def propose(self, chunks: Sequence[ScheduledChunk]) -> None:
+    def propose(self, chunks: Sequence[ScheduledChunk], step_id: int = 0) -> None:
         config = self.config
         for chunk in chunks:
             if not chunk.num_spec_slots:

@@ -1,0 +1,215 @@
+"""Speculative decoding's parts on their own: prompt lookup, the acceptance rule, the
+adaptive number of proposals, and the scheduler's slots and verification."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from otel_engine.config import SpeculativeConfig
+from otel_engine.sampling_params import SamplingParams
+from otel_engine.sched.kv_cache import BlockAllocator
+from otel_engine.sched.request import Request, RequestStatus
+from otel_engine.sched.scheduler import Scheduler
+from otel_engine.spec.ngram import TokenHistory, lookup
+from otel_engine.spec.speculator import STEP_VERIFY_POSITIONS, Speculator
+from otel_engine.spec.state import MAX_SKIP_STEPS, SpecState
+from otel_engine.spec.verify import accepted_tokens
+
+
+def test_lookup_takes_what_followed_the_most_recent_longest_match() -> None:
+    tokens = np.array([1, 2, 3, 4, 5, 9, 1, 2, 3, 7, 7, 1, 2, 3], dtype=np.int32)
+
+    assert lookup(tokens, 2, 4, 3) == [7, 7, 1]  # [1, 2, 3] last seen at 6, then 7 7 1
+    assert lookup(tokens, 2, 4, 1) == [7]
+    assert lookup(np.array([5, 6, 7, 8], dtype=np.int32), 1, 3, 2) == []  # nothing repeats
+    assert lookup(np.array([5, 6, 5], dtype=np.int32), 1, 3, 4) == [6, 5]
+    assert lookup(tokens, 2, 4, 0) == []
+
+
+def test_a_longer_match_wins_over_a_more_recent_shorter_one() -> None:
+    # "8 2 3" occurs at 0 followed by 40; "2 3" alone occurs later, followed by 50.
+    tokens = np.array([8, 2, 3, 40, 2, 3, 50, 8, 2, 3], dtype=np.int32)
+
+    assert lookup(tokens, 2, 3, 1) == [40]
+    assert lookup(tokens, 2, 2, 1) == [50]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.integers(0, 5), min_size=1, max_size=60),
+    st.integers(1, 3),
+    st.integers(0, 3),
+    st.integers(1, 6),
+)
+def test_a_proposal_is_what_followed_an_earlier_occurrence_of_the_suffix(
+    tokens: list[int], n_min: int, extra: int, k: int
+) -> None:
+    n_max = n_min + extra
+    proposal = lookup(np.array(tokens, dtype=np.int32), n_min, n_max, k)
+
+    matches = [
+        (n, start)
+        for n in range(n_max, n_min - 1, -1)
+        for start in range(len(tokens) - n)
+        if n < len(tokens) and tokens[start : start + n] == tokens[len(tokens) - n :]
+    ]
+    if not matches:
+        assert proposal == []
+        return
+    n = matches[0][0]  # the longest n with a match, its most recent start
+    start = max(s for m, s in matches if m == n)
+    assert proposal == tokens[start + n : start + n + k]
+
+
+def test_token_history_takes_only_new_tokens() -> None:
+    request = Request("r", list(range(300)), SamplingParams(max_tokens=10))
+    history = TokenHistory()
+
+    assert history.sync(request).tolist() == list(range(300))
+    request.output_token_ids += [7, 8]
+    assert history.sync(request).tolist() == [*range(300), 7, 8]
+
+
+def test_the_first_mismatch_ends_the_accepted_tokens() -> None:
+    assert accepted_tokens([5], []) == [5]
+    assert accepted_tokens([1, 2, 3], [1, 2]) == [1, 2, 3]  # all proposals and a bonus
+    assert accepted_tokens([1, 9, 3], [1, 2]) == [1, 9]  # the second proposal was wrong
+    assert accepted_tokens([4, 2, 3], [1, 2]) == [4]  # the first was wrong: row 0's token
+
+
+def test_k_grows_after_full_acceptance_and_shrinks_after_a_miss() -> None:
+    state = SpecState(k=2)
+
+    state.observe(2, 2, max_k=4)
+    assert state.k == 3
+    state.observe(3, 3, max_k=4)
+    state.observe(4, 4, max_k=4)
+    assert state.k == 4
+    state.observe(4, 1, max_k=4)
+    assert state.k == 2
+    assert (state.num_proposed, state.num_accepted, state.num_verify_steps) == (13, 10, 4)
+
+
+def test_proposals_that_keep_failing_back_off_more_and_more() -> None:
+    state = SpecState(k=4)
+    skipped = []
+    for _ in range(8):
+        state.observe(1, 0, max_k=4)
+        skipped.append(state.skip)
+        while not state.take_turn():
+            pass
+
+    assert skipped == [0, 1, 2, 4, 8, 16, 32, MAX_SKIP_STEPS]
+    state.observe(1, 1, max_k=4)
+    assert state.misses == 0
+
+
+def _scheduler(policy: Speculator | None, num_blocks: int = 64) -> Scheduler:
+    return Scheduler(
+        BlockAllocator(num_blocks, 4),
+        max_num_seqs=64,
+        max_num_batched_tokens=256,
+        max_model_len=64,
+        speculation=policy,
+    )
+
+
+def _decoding(scheduler: Scheduler, request: Request) -> None:
+    """Prefill `request` and give it its first token."""
+    scheduler.add(request)
+    output = scheduler.schedule()
+    scheduler.update(output, [100])
+
+
+def test_only_a_decoding_request_gets_slots_and_the_batch_caps_them() -> None:
+    policy = Speculator(SpeculativeConfig(num_speculative_tokens=4))
+    scheduler = _scheduler(policy)
+    requests = [Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=20)) for i in range(3)]
+    for request in requests:
+        scheduler.add(request)
+
+    first = scheduler.schedule()
+    assert all(c.num_spec_slots == 0 for c in first.chunks)  # prefills
+    scheduler.update(first, [100, 100, 100])
+    second = scheduler.schedule()
+    assert [c.num_spec_slots for c in second.chunks] == [4, 4, 4]
+    policy.start_step(STEP_VERIFY_POSITIONS // 2)
+    assert policy.step_cap == 1
+    policy.start_step(STEP_VERIFY_POSITIONS)
+    assert policy.step_cap == 0
+
+
+def test_slots_stop_short_of_max_tokens_and_the_context() -> None:
+    policy = Speculator(SpeculativeConfig(num_speculative_tokens=8))
+    scheduler = _scheduler(policy)
+    request = Request("r", [1, 2, 3], SamplingParams(max_tokens=4))
+    _decoding(scheduler, request)
+
+    output = scheduler.schedule()
+    # 1 token out, 3 to go: the step may add 3, so 2 proposals and the token after them.
+    assert output.chunks[0].num_spec_slots == 2
+
+
+def test_a_verified_step_keeps_the_accepted_tokens_and_their_kv() -> None:
+    policy = Speculator(SpeculativeConfig(num_speculative_tokens=3))
+    scheduler = _scheduler(policy)
+    request = Request("r", [1, 2, 3], SamplingParams(max_tokens=20))
+    _decoding(scheduler, request)
+    output = scheduler.schedule()
+    chunk = output.chunks[0]
+    chunk.draft_token_ids = [7, 8, 9]
+    chunk.num_tokens += 3
+
+    [updated] = scheduler.update(output, [7, 8, 5, 6])  # 7 and 8 right, 9 wrong (5)
+
+    assert updated.output_token_ids == [100, 7, 8, 5]
+    assert updated.num_new_tokens == 3
+    assert updated.num_computed_tokens == updated.num_tokens - 1  # 100, 7, 8 computed
+    assert updated.spec is not None
+    assert (updated.spec.num_proposed, updated.spec.num_accepted) == (3, 2)
+
+
+def test_a_stop_token_among_accepted_ones_ends_the_request_there() -> None:
+    policy = Speculator(SpeculativeConfig(num_speculative_tokens=3))
+    scheduler = _scheduler(policy)
+    request = Request("r", [1, 2, 3], SamplingParams(max_tokens=20, stop_token_ids=[8]))
+    _decoding(scheduler, request)
+    output = scheduler.schedule()
+    output.chunks[0].draft_token_ids = [7, 8, 9]
+    output.chunks[0].num_tokens += 3
+
+    [updated] = scheduler.update(output, [7, 8, 9, 4])
+
+    assert updated.output_token_ids == [100, 7, 8]
+    assert updated.status == RequestStatus.FINISHED_STOPPED
+    assert updated.stop_reason == 8
+    assert scheduler.allocator.num_free_blocks == scheduler.allocator.num_blocks
+
+
+def test_slots_never_cost_another_request_its_blocks() -> None:
+    policy = Speculator(SpeculativeConfig(num_speculative_tokens=8))
+    scheduler = _scheduler(policy, num_blocks=2)  # 8 slots of 4 tokens
+    request = Request("r", [1, 2, 3], SamplingParams(max_tokens=20))
+    _decoding(scheduler, request)
+
+    output = scheduler.schedule()
+
+    assert output.chunks[0].num_spec_slots == 0  # 4 + 8 tokens would need 3 blocks
+    assert not output.preempted_request_ids
+
+
+def test_preemption_and_pause_drop_the_draft_models_kv_too() -> None:
+    policy = Speculator(SpeculativeConfig(num_speculative_tokens=2))
+    scheduler = _scheduler(policy)
+    request = Request("r", [1, 2, 3], SamplingParams(max_tokens=20))
+    _decoding(scheduler, request)
+    scheduler.schedule()
+    assert request.spec is not None
+    request.spec.num_draft_computed = 4
+
+    scheduler.pause(["r"])
+
+    assert request.spec.num_draft_computed == 0
+    assert request.num_computed_tokens == 0
