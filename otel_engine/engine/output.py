@@ -193,25 +193,27 @@ class OutputProcessor:
         stop_reason: str | int | None = update.stop_reason
         _record_timing(state, update, now)
         start = len(state.token_ids)
-        num_chars_before = len(state.text)
         backend = self._backend
+        matched = None
+        # Token by token: an update of several (speculative decoding kept proposals) ends
+        # at the token that completes a stop string, as one token per update would.
         for token_id in update.new_token_ids:
+            num_chars_before = len(state.text)
             state.token_ids.append(token_id)
             piece = state.stream.step(backend, token_id)
             if piece:
                 state.text += piece
-        if update.prompt_logprobs is not None:
-            state.prompt_logprobs = update.prompt_logprobs
-        logprobs = state.logprobs
-        if logprobs is not None and update.logprobs is not None:
-            logprobs += update.logprobs
-        matched = None
-        if state.stops is not None:
-            found = state.stops.feed(state.text, num_chars_before)
+            found = state.stops.feed(state.text, num_chars_before) if state.stops else None
             if found is not None:
                 state.text = state.text[: found[0]]
                 matched = found[1]
                 finish_reason, stop_reason = FinishReason.STOP, matched
+                break
+        if update.prompt_logprobs is not None:
+            state.prompt_logprobs = update.prompt_logprobs
+        logprobs = state.logprobs
+        if logprobs is not None and update.logprobs is not None:
+            logprobs += update.logprobs[: len(state.token_ids) - start]
         finished = finish_reason is not None
         end = len(state.text)
         if not finished and state.stops is not None:

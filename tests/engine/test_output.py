@@ -329,3 +329,27 @@ def test_an_output_handed_out_does_not_change_later(tokenizer: Any) -> None:
     assert 1 == len(first)
     assert [token_ids[0]] == list(first)
     assert token_ids == outputs[-1].outputs[0].token_ids
+
+
+def test_an_update_of_several_tokens_ends_at_the_stop_string(tokenizer: Any) -> None:
+    """Speculative decoding's updates carry several tokens: the ones after the token that
+    completes a stop string are dropped (text, token ids and their logprobs), as if each
+    token had come alone."""
+    from otel_engine.outputs import TokenLogprobs
+
+    params = SamplingParams(max_tokens=50, stop=("STOP",), logprobs=0)
+    processor = start(tokenizer, params)
+    before, after = encode(tokenizer, "one two STOP"), encode(tokenizer, " three four")
+    tokens = before + after
+    logprobs = [TokenLogprobs(-0.5, [], []) for _ in tokens]
+    step = StepOutputs(step_id=1, updates=[RequestUpdate("r", tokens, logprobs=logprobs)])
+
+    [output], to_abort, _ = processor.process(step)
+
+    completion = output.outputs[0]
+    assert completion.text == "one two "
+    assert list(completion.token_ids) == before
+    assert completion.logprobs is not None
+    assert len(completion.logprobs) == len(before)
+    assert (completion.finish_reason, completion.stop_reason) == ("stop", "STOP")
+    assert to_abort == ["r"]
