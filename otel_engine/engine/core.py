@@ -378,6 +378,7 @@ class EngineCore:
         self._fill_masks(output)
         if self.speculator is not None:  # proposals made some chunks longer: decodes first
             output.chunks.sort(key=lambda c: c.num_tokens > 1)
+            self._tag_verification(output)
         model_input = self.current_model_input = prepare_model_input(
             output.step_id, output.chunks, self.config.cache.block_size, trace_context
         )
@@ -386,19 +387,24 @@ class EngineCore:
         return result
 
     def _propose(self, output: SchedulerOutput) -> None:
-        """Fill the step's proposed tokens (spec/speculator.py; the draft model runs here),
-        and say on the step span how many positions it verifies."""
+        """Fill the step's proposed tokens (spec/speculator.py; the draft model runs
+        here)."""
         assert self.speculator is not None
         self.speculator.propose(output.chunks, output.step_id)
         self.step_num_drafts = sum(len(c.draft_token_ids) for c in output.chunks)
+
+    def _tag_verification(self, output: SchedulerOutput) -> None:
+        """The step span says what it verifies: its proposed tokens (after grammars cut
+        theirs) and the positions it samples."""
         span = self.current_step_span
-        if span is not None and self.step_num_drafts:
-            span.set_attribute("otel_engine.step.num_batched_tokens", output.num_batched_tokens)
-            span.set_attribute("otel_engine.step.num_draft_tokens", self.step_num_drafts)
-            span.set_attribute(
-                "otel_engine.step.num_verified_positions",
-                sum(c.num_sample_rows for c in output.chunks),
-            )
+        if span is None or not self.step_num_drafts:
+            return
+        span.set_attribute("otel_engine.step.num_batched_tokens", output.num_batched_tokens)
+        span.set_attribute("otel_engine.step.num_draft_tokens", self.step_num_drafts)
+        span.set_attribute(
+            "otel_engine.step.num_verified_positions",
+            sum(c.num_sample_rows for c in output.chunks),
+        )
 
     def _fill_masks(self, output: SchedulerOutput) -> None:
         """Compute this step's grammar masks within the step's budget (`fill_within`); a
@@ -642,7 +648,7 @@ def _update(
     kept = [entry for entry in logprobs[:count] if entry is not None] if logprobs else None
     return RequestUpdate(
         request.request_id,
-        request.output_token_ids[-count:],
+        request.output_token_ids[-count:] if count else [],
         request.finish_reason,
         request.stop_reason,
         request.num_preemptions,

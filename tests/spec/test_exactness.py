@@ -252,3 +252,14 @@ def test_ngram_proposals_on_a_repeating_text_are_exact(tiny_model_dir: str, tmp_
             got = _run(llm, prompts, params)
         _same(expected, got, logprobs=False)
         assert sum(o.metrics.get("num_draft_tokens", 0) for o in got) > 0
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused_at_start(
+    tiny_model_dir: str, tmp_path: Path
+) -> None:
+    from otel_engine import EngineStartupError
+
+    other = write_tiny_llama(tmp_path / "other-vocab", vocab=512)
+
+    with pytest.raises(EngineStartupError, match="does not share the model's tokenizer"):
+        LLM(tiny_model_dir, speculative_method="draft", speculative_model=other)
