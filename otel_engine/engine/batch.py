@@ -59,38 +59,55 @@ def prepare_model_input(
     block_size: int,
     trace_context: dict[str, str] | None = None,
 ) -> ModelInput:
-    """Flatten a scheduler output (decodes first) into the message every rank receives."""
+    """Flatten a scheduler output (decodes first: `is_decode`) into the message every rank
+    receives."""
     input_ids: list[int] = []
     positions: list[int] = []
     slot_mapping: list[int] = []
-    query_lens, seq_lens, block_tables, sample_indices = [], [], [], []
+    query_lens: list[int] = []
+    seq_lens: list[int] = []
+    block_tables: list[list[int]] = []
+    sample_indices: list[int] = []
     prompt_logprobs: list[PromptLogprobsChunk] = []
     rows = _SampledRows()
     num_decodes = 0
-    sample_rows: list[int] = []
-    for index, chunk in enumerate(chunks):
+    for chunk in chunks:
         request = chunk.request
         drafts = chunk.draft_token_ids
         start, end = chunk.start, chunk.start + chunk.num_tokens
-        if chunk.num_tokens == 1 and index == num_decodes:
-            num_decodes += 1
-        input_ids += request.token_ids(start, end - len(drafts)) + drafts
-        positions += range(start, end)
         blocks = request.block_ids
-        slot_mapping += [
-            blocks[p // block_size] * block_size + p % block_size for p in range(start, end)
-        ]
-        query_lens.append(chunk.num_tokens)
-        seq_lens.append(end)
-        block_tables.append(blocks)
+        slots = [blocks[p // block_size] * block_size + p % block_size for p in range(start, end)]
+        tokens = request.token_ids(start, end - len(drafts)) + drafts
+        if is_decode(chunk):
+            # A decode, and each proposed token it verifies, as one decode sequence per
+            # position: the same blocks, one more token of context each (the step writes
+            # every position's K/V before any attends). So a verifying step is a decode
+            # step, through the same kernels as one without proposals.
+            for offset in range(chunk.num_tokens):
+                sample_indices.append(len(query_lens))
+                query_lens.append(1)
+                seq_lens.append(start + offset + 1)
+                block_tables.append(blocks)
+            num_decodes += chunk.num_tokens
+            input_ids += tokens
+            positions += range(start, end)
+            slot_mapping += slots
+            rows.add(request, drafts)
+            continue
+        input_ids += tokens
+        positions += range(start, end)
+        slot_mapping += slots
         wanted = request.sampling_params.prompt_logprobs
         if wanted is not None and start < request.num_prompt_tokens - 1:
             last = min(end, request.num_prompt_tokens - 1)  # the last prompt position scored
             after = request.prompt_token_ids[end] if end == last else -1
+            index = len(query_lens)
             prompt_logprobs.append(PromptLogprobsChunk(index, wanted, last - start, after))
+        query_lens.append(chunk.num_tokens)
+        seq_lens.append(end)
+        block_tables.append(blocks)
         if chunk.needs_sample:
-            sample_indices.append(index)
-            sample_rows.append(1 + len(drafts))
+            sample_indices.append(len(query_lens) - 1)
             rows.add(request, drafts)
     return ModelInput(
         step_id=step_id,
@@ -102,7 +119,6 @@ def prepare_model_input(
         seq_lens=seq_lens,
         block_tables=block_tables,
         sample_indices=sample_indices,
-        sample_rows=sample_rows if len(sample_rows) < len(rows.temperatures) else [],
         temperatures=rows.temperatures,
         top_ps=rows.top_ps,
         top_ks=rows.top_ks,
@@ -118,6 +134,21 @@ def prepare_model_input(
         ),
         max_prompt_len=longest_prompt(chunks) if faults.wants_prompt_len() else 0,
     )
+
+
+def is_decode(chunk: ScheduledChunk) -> bool:
+    """One token of the request's own (and any proposed ones after it): a decode step's."""
+    return chunk.num_tokens - len(chunk.draft_token_ids) == 1 and chunk.needs_sample
+
+
+def sequence_chunks(chunks: Sequence[ScheduledChunk]) -> list[int]:
+    """For each sequence of `prepare_model_input`'s `ModelInput`, the index of its chunk (a
+    decode verifying k proposed tokens is k + 1 sequences)."""
+    return [
+        index
+        for index, chunk in enumerate(chunks)
+        for _ in range(chunk.num_tokens if is_decode(chunk) else 1)
+    ]
 
 
 def longest_prompt(chunks: Sequence[ScheduledChunk]) -> int:

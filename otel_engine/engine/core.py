@@ -17,7 +17,12 @@ from typing import Any
 from opentelemetry import trace
 
 from otel_engine.config import EngineConfig
-from otel_engine.engine.batch import longest_prompt, prepare_model_input
+from otel_engine.engine.batch import (
+    is_decode,
+    longest_prompt,
+    prepare_model_input,
+    sequence_chunks,
+)
 from otel_engine.engine.grammars import GrammarCompiler, RequestGrammar, fill_within
 from otel_engine.engine.structured_output import LIMIT_EXCEEDED, PARAM, param_of
 from otel_engine.engine.validation import check_request
@@ -376,8 +381,8 @@ class EngineCore:
         if self.speculator is not None:
             self._propose(output)
         self._fill_masks(output)
-        if self.speculator is not None:  # proposals made some chunks longer: decodes first
-            output.chunks.sort(key=lambda c: c.num_tokens > 1)
+        if self.speculator is not None:  # decodes (with their proposals) first
+            output.chunks.sort(key=lambda c: not is_decode(c))
             self._tag_verification(output)
         model_input = self.current_model_input = prepare_model_input(
             output.step_id, output.chunks, self.config.cache.block_size, trace_context
@@ -453,8 +458,9 @@ class EngineCore:
         a preemption adds nothing it already has."""
         model_input = self.current_model_input
         assert model_input is not None
+        chunk_of = sequence_chunks(output.chunks)
         for asked, entries in zip(model_input.prompt_logprobs, result.prompt_logprobs, strict=True):
-            chunk = output.chunks[asked.seq_index]
+            chunk = output.chunks[chunk_of[asked.seq_index]]
             collected = chunk.request.prompt_logprobs
             if collected is None:
                 continue

@@ -160,19 +160,20 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, step: ModelInput) -> ModelOutput:
-        """Run the forward; rank 0 returns one sampled token per sampled row (and their
-        logprobs where asked)."""
+        """Run the forward; rank 0 returns one sampled token per sampled sequence (and
+        their logprobs where asked)."""
         device = self.device
         input_ids, meta = self.forward_inputs(step)
         hidden = self.model.forward(input_ids, self.kv_caches, meta)
         if self.sampler is None:
             return ModelOutput(step.step_id, [])
-        logit_rows = len(step.temperatures) + sum(c.num_targets for c in step.prompt_logprobs)
+        logit_rows = len(step.sample_indices) + sum(c.num_targets for c in step.prompt_logprobs)
         read = self.reads.bytes_read(len(step.input_ids), step.seq_lens, logit_rows)
         prompt_logprobs = [self._prompt_logprobs(step, hidden, c) for c in step.prompt_logprobs]
         if not step.sample_indices:
             return ModelOutput(step.step_id, [], [], prompt_logprobs, read)
-        rows = _sampled_rows(step, device)
+        ends = torch.tensor(step.query_lens, device=device).cumsum(0) - 1
+        rows = ends[torch.tensor(step.sample_indices, dtype=torch.long, device=device)]
         if _greedy_only(step):
             greedy = self.model.greedy_tokens(hidden[rows])
             if greedy is not None:
@@ -210,21 +211,6 @@ class ModelRunner:
             logits = self.model.compute_logits(rows)
             result += logprobs_of(logits, part, [chunk.num_top] * len(part))  # type: ignore[arg-type]
         return result
-
-
-def _sampled_rows(step: ModelInput, device: torch.device) -> torch.Tensor:
-    """The positions of the step's hidden states that are sampled: each sampled sequence's
-    last, or its last `sample_rows` (the positions a speculative step verifies)."""
-    ends = torch.tensor(step.query_lens, device=device).cumsum(0) - 1
-    if not step.sample_rows:
-        return ends[torch.tensor(step.sample_indices, dtype=torch.long, device=device)]
-    ends_list = ends.tolist()
-    rows = [
-        position
-        for index, count in zip(step.sample_indices, step.sample_rows, strict=True)
-        for position in range(ends_list[index] - count + 1, ends_list[index] + 1)
-    ]
-    return torch.tensor(rows, dtype=torch.long, device=device)
 
 
 def _greedy_only(step: ModelInput) -> bool:

@@ -217,9 +217,8 @@ class ModelInput(msgspec.Struct, frozen=True, tag="execute", array_like=True):
     Sequences are ordered decodes first. Per token: `input_ids`, `positions`,
     `slot_mapping`. Per sequence: `query_lens`, `seq_lens` (context after this step),
     `block_tables`. Per sampled sequence (rank 0 only uses these): `sample_indices`
-    (sequence index) and `sample_rows`: how many of its last positions are sampled (one,
-    plus one per proposed token it verifies; empty when every sequence samples one).
-    Per sampled row (sequence by sequence, its positions in order): the sampling fields.
+    (sequence index), and the sampling fields. A decode that verifies k proposed tokens
+    (speculative decoding) is k + 1 decode sequences of one token each, on the same blocks.
     """
 
     step_id: int
@@ -237,12 +236,11 @@ class ModelInput(msgspec.Struct, frozen=True, tag="execute", array_like=True):
     seeds: list[int | None]
     output_positions: list[int]
     trace_context: dict[str, str] = {}  # the engine core's step span (workers' parent)
-    sample_rows: list[int] = []
     # Per sampled row, or empty when no sequence of the step has any (the fast path).
     processing: list[LogitsProcessing | None] = []
     num_logprobs: list[int] = []  # top logprobs wanted (-1: no logprobs at all)
     prompt_logprobs: list[PromptLogprobsChunk] = []
-    # Structured output: the sampled rows (indexes into the sampled rows) that follow a
+    # Structured output: the sampled rows (indexes into `sample_indices`) that follow a
     # grammar, and their next-token masks, one row of int32 words each (bit b of word w
     # allows token 32 w + b; `engine/grammars.fill_bitmasks`).
     grammar_rows: list[int] = []
@@ -262,8 +260,8 @@ WorkerRequest = ModelInput | StopWorker
 
 
 class ModelOutput(msgspec.Struct, frozen=True, tag="sampled", array_like=True):
-    """Rank 0's sampled token per sampled row of step `step_id` (`ModelInput.sample_rows`),
-    and their logprobs (per sampled row, None where not asked; empty when none asked)."""
+    """Rank 0's sampled token per sampled sequence of step `step_id`, and their logprobs
+    (per sampled sequence, None where not asked; empty when no sequence asked)."""
 
     step_id: int
     sampled_token_ids: list[int]
