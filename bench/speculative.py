@@ -1,0 +1,500 @@
+"""Speculative decoding over HTTP: output tok/s, TTFT, acceptance and exactness per prompt set.
+
+    .venv/bin/python bench/speculative.py [--methods off,ngram,draft] [--streams 1,4,16]
+        [--sets quoting,summarization,code_edit,free_chat] [--max-tokens 128]
+        [--num-speculative-tokens K] [--ngram-min N] [--ngram-max N]
+        [--speculative-model PATH] [--target-args '--int4 off --dtype float32']
+        [--server-args ARGS] [--quick] [--json out.json]
+
+One server per configuration, each started once the previous one has stopped:
+- off: the engine as configured (--model, --dtype, --server-args), without speculation;
+- ngram: the same with `--speculative-method ngram`;
+- off-target: the draft method's target (the same plus --target-args) without speculation,
+  the baseline of `draft`;
+- draft: the target with `--speculative-method draft --speculative-model PATH` (by default
+  the served GGUF file itself: its 4-bit path drafts for its dense self).
+`off` in --methods runs the baselines of the other methods listed. Each server gets a warm-up,
+then at each level of concurrent streams each prompt set (bench/spec_prompts.py) is sent as
+streamed `/v1/chat/completions` at temperature 0, its prompts cycled up to the number of
+streams: output tok/s, TTFT, the acceptance rate from the deltas of
+`otel_engine_spec_decode_{proposed,accepted}_tokens_total`, and the speed-up over the
+baseline at the same set and level. Exactness: the requests whose text differs from the
+baseline's (a baseline is compared with its own first level: what batching alone changes).
+Prints numbers only; asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shlex
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import psutil
+from common import (
+    CpuMeter,
+    ServerProcess,
+    fmt,
+    free_port,
+    print_table,
+    quantile,
+    served_model_name,
+    server_parser,
+    start_benchmark,
+    write_json,
+)
+from spec_prompts import PROMPT_SETS, WARMUP
+
+METHODS = ("off", "ngram", "draft")
+PROPOSED = "otel_engine_spec_decode_proposed_tokens_total"
+ACCEPTED = "otel_engine_spec_decode_accepted_tokens_total"
+CONTENDED_CORES = 0.25  # CPU cores taken by other processes beyond which a rate is suspect
+DEFAULTS = {"streams": [1, 4, 16], "max_tokens": 128, "prompts_per_set": None}
+QUICK = {"streams": [1, 4], "max_tokens": 96, "prompts_per_set": 4}
+WARMUP_TOKENS = 32
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """One server's flags; `baseline` names the configuration its speed and texts are
+    compared with (None: it is a baseline)."""
+
+    name: str
+    flags: tuple[str, ...]
+    baseline: str | None
+
+
+def _csv(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def _levels(text: str) -> list[int]:
+    return list(dict.fromkeys(int(part) for part in _csv(text)))  # in order, once each
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = server_parser(__doc__)
+    parser.add_argument("--methods", type=_csv, default=list(METHODS), help="off,ngram,draft")
+    parser.add_argument("--streams", type=_levels, help="1,4,16")
+    parser.add_argument("--sets", type=_csv, default=list(PROMPT_SETS), help="prompt sets")
+    parser.add_argument("--max-tokens", type=int, help="per request (default 128)")
+    parser.add_argument("--prompts-per-set", type=int, help="the first N of each set (all)")
+    parser.add_argument("--num-speculative-tokens", type=int, metavar="K")
+    parser.add_argument("--ngram-min", type=int, metavar="N")
+    parser.add_argument("--ngram-max", type=int, metavar="N")
+    parser.add_argument(
+        "--speculative-model", help="the draft method's draft (default: the served model)"
+    )
+    parser.add_argument(
+        "--target-args",
+        default="--int4 off --dtype float32",
+        help="flags added to the draft method's target and its baseline (off-target)",
+    )
+    parser.add_argument("--server-args", default="", help="flags added to every server")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="streams 1,4, 4 prompts per set, 96 tokens (flags given explicitly win)",
+    )
+    args = parser.parse_args(argv)
+    for name, value in (QUICK if args.quick else DEFAULTS).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    unknown = [m for m in args.methods if m not in METHODS] + [
+        s for s in args.sets if s not in PROMPT_SETS
+    ]
+    if unknown:
+        parser.error(f"unknown methods or sets: {', '.join(unknown)}")
+    return args
+
+
+def build_configs(args: argparse.Namespace) -> list[Config]:
+    """The servers to run, in order: each baseline before the method compared with it."""
+    base = ["--dtype", args.dtype, "--no-enable-prefix-caching", *shlex.split(args.server_args)]
+    base += ["--model", args.model] if args.model else []
+    target = [*base, *shlex.split(args.target_args)]
+    spec = _optional(args, "num_speculative_tokens")
+    is_off = "off" in args.methods
+    configs = []
+    if is_off:
+        configs.append(Config("off", tuple(base), None))
+    if "ngram" in args.methods:
+        ngram = [*spec, *_optional(args, "ngram_min"), *_optional(args, "ngram_max")]
+        flags = (*base, "--speculative-method", "ngram", *ngram)
+        configs.append(Config("ngram", flags, "off"))
+    if "draft" in args.methods:
+        draft = args.speculative_model or args.model or _default_model()
+        baseline = "off-target" if target != base else "off"
+        if is_off and baseline == "off-target":
+            configs.append(Config("off-target", tuple(target), None))
+        flags = (*target, "--speculative-method", "draft", "--speculative-model", draft, *spec)
+        configs.append(Config("draft", flags, baseline))
+    return configs
+
+
+def _optional(args: argparse.Namespace, name: str) -> list[str]:
+    value = getattr(args, name)
+    return [] if value is None else ["--" + name.replace("_", "-"), str(value)]
+
+
+def _default_model() -> str:
+    from otel_engine.model.loader import default_model_path
+
+    return str(default_model_path())
+
+
+def spec_counters(base_url: str) -> dict[str, float] | None:
+    """Proposed and accepted draft tokens, summed over every label; None where the server
+    has no such counter."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(base_url + "/metrics", timeout=10, trust_env=False).text
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in (PROPOSED, ACCEPTED):
+                totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    if not totals:
+        return None
+    return {"proposed": totals.get(PROPOSED, 0.0), "accepted": totals.get(ACCEPTED, 0.0)}
+
+
+async def stream_chat(client: Any, model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+    """One streamed greedy chat completion: its text, completion tokens (from usage), finish
+    reason, TTFT and latency in seconds."""
+    start = time.perf_counter()
+    ttft = None
+    pieces: list[str] = []
+    tokens = finish_reason = None
+    stream = await client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=max_tokens,
+        temperature=0.0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    async for chunk in stream:
+        if chunk.choices:
+            choice = chunk.choices[0]
+            if choice.delta.content:
+                ttft = ttft if ttft is not None else time.perf_counter() - start
+                pieces.append(choice.delta.content)
+            finish_reason = choice.finish_reason or finish_reason
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    latency = time.perf_counter() - start
+    return {
+        "text": "".join(pieces),
+        "tokens": tokens,
+        "finish_reason": finish_reason,
+        "ttft": latency if ttft is None else ttft,
+        "latency": latency,
+    }
+
+
+async def run_requests(
+    base_url: str, model: str, prompts: list[str], streams: int, max_tokens: int
+) -> dict[str, Any]:
+    """`prompts` from `streams` client tasks, each request after the previous one; the
+    records in the order of `prompts` (None for a failed request) and the wall time."""
+    from openai import AsyncOpenAI, DefaultAsyncHttpxClient
+
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    for index in range(len(prompts)):
+        queue.put_nowait(index)
+    records: list[dict[str, Any] | None] = [None] * len(prompts)
+    errors: list[str] = []
+
+    async def worker() -> None:
+        while not queue.empty():
+            index = queue.get_nowait()
+            try:
+                records[index] = await stream_chat(client, model, prompts[index], max_tokens)
+            except Exception as error:
+                errors.append(f"request {index}: {type(error).__name__}: {error}")
+
+    async with AsyncOpenAI(
+        base_url=base_url + "/v1",
+        api_key="unused",
+        max_retries=0,
+        timeout=600.0,
+        http_client=DefaultAsyncHttpxClient(trust_env=False),  # loopback: never via a proxy
+    ) as client:
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(streams)))
+        wall = time.perf_counter() - start
+    return {"wall_s": wall, "records": records, "errors": errors}
+
+
+def measure_level(
+    server: ServerProcess,
+    model: str,
+    set_name: str,
+    prompts: list[str],
+    streams: int,
+    max_tokens: int,
+) -> dict[str, Any]:
+    """One prompt set at one level of streams, with the speculation counters' deltas."""
+    requests = [prompts[i % len(prompts)] for i in range(max(len(prompts), streams))]
+    before = spec_counters(server.base_url)
+    meter = CpuMeter({"server": server.processes(), "client": [psutil.Process()]})
+    run = asyncio.run(run_requests(server.base_url, model, requests, streams, max_tokens))
+    cores = meter.stop()
+    after = spec_counters(server.base_url)
+    done = [r for r in run["records"] if r is not None]
+    tokens = sum(int(r["tokens"] or 0) for r in done)
+    level: dict[str, Any] = {
+        "set": set_name,
+        "streams": streams,
+        "num_prompts": len(prompts),
+        "num_requests": len(requests),
+        "num_errors": len(run["errors"]),
+        "errors": run["errors"][:3],
+        "output_tokens": tokens,
+        "wall_s": round(run["wall_s"], 2),
+        "tok_s": round(tokens / run["wall_s"], 1),
+        "ttft_median_ms": _ms(quantile([r["ttft"] for r in done], 0.5)),
+        "tpot_median_ms": _ms(quantile([_tpot(r) for r in done if r["tokens"] > 1], 0.5)),
+        "num_length_finishes": sum(r["finish_reason"] == "length" for r in done),
+        "cpu_cores": cores,
+        "records": [
+            None
+            if r is None
+            else {**r, "ttft": round(r["ttft"], 4), "latency": round(r["latency"], 4)}
+            for r in run["records"]
+        ],
+    }
+    if before is not None and after is not None:
+        proposed = after["proposed"] - before["proposed"]
+        accepted = after["accepted"] - before["accepted"]
+        level |= {"proposed": proposed, "accepted": accepted}
+        level["acceptance"] = round(accepted / proposed, 4) if proposed else None
+    return level
+
+
+def _tpot(record: dict[str, Any]) -> float:
+    return float((record["latency"] - record["ttft"]) / (record["tokens"] - 1))
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(1000 * seconds, 1)
+
+
+def run_config(args: argparse.Namespace, config: Config) -> dict[str, Any]:
+    """Start one server, warm it up, measure each set at each level, stop it."""
+    print(f"[{config.name}] serve {shlex.join(config.flags)}", flush=True)
+    server = ServerProcess(list(config.flags), free_port())
+    result: dict[str, Any] = {"name": config.name, "flags": list(config.flags), "levels": []}
+    try:
+        result["startup_s"] = round(server.wait_ready(args.startup_timeout), 2)
+        model = served_model_name(server.base_url)
+        warm = asyncio.run(
+            run_requests(server.base_url, model, list(WARMUP), len(WARMUP), WARMUP_TOKENS)
+        )
+        print(
+            f"[{config.name}] ready in {result['startup_s']:.1f} s, warm-up "
+            f"{warm['wall_s']:.1f} s ({len(warm['errors'])} failed)",
+            flush=True,
+        )
+        for streams in args.streams:
+            for set_name in args.sets:
+                prompts = list(PROMPT_SETS[set_name][: args.prompts_per_set])
+                level = measure_level(server, model, set_name, prompts, streams, args.max_tokens)
+                result["levels"].append(level)
+                print(f"[{config.name}] {_level_line(level)}", flush=True)
+                if server.returncode is not None:
+                    raise RuntimeError(f"server exited with {server.returncode}")
+    except Exception as error:
+        result["error"] = f"{type(error).__name__}: {error}"
+        print(f"[{config.name}] failed: {result['error']}", file=sys.stderr, flush=True)
+    finally:
+        result["shutdown"] = server.stop(keep_log="error" in result)
+    return result
+
+
+def _level_line(level: dict[str, Any]) -> str:
+    acceptance = level.get("acceptance")
+    return (
+        f"{level['set']:<13} streams {level['streams']:>2}: {level['num_requests']} requests "
+        f"({level['num_errors']} failed), {level['output_tokens']} tokens, "
+        f"{level['tok_s']:.1f} tok/s, TTFT median {fmt(level['ttft_median_ms'], 0)} ms, "
+        f"acceptance {fmt(None if acceptance is None else 100 * acceptance)}%; CPU cores: "
+        + ", ".join(f"{k} {v:.2f}" for k, v in level["cpu_cores"].items())
+    )
+
+
+def exactness(level: dict[str, Any], reference: dict[str, Any]) -> dict[str, Any]:
+    """The requests of `level` whose text differs from the same prompt's in `reference` (a
+    failed request counts as differing), each with the characters shared before the first
+    difference."""
+    differing = []
+    for index, mine in enumerate(level["records"]):
+        theirs = reference["records"][index % reference["num_prompts"]]
+        if mine is None or theirs is None:
+            differing.append({"request": index, "shared_chars": 0})
+        elif mine["text"] != theirs["text"]:
+            differing.append(
+                {"request": index, "shared_chars": _shared(mine["text"], theirs["text"])}
+            )
+    return {
+        "num_compared": len(level["records"]),
+        "num_differing": len(differing),
+        "differing": differing,
+    }
+
+
+def _shared(a: str, b: str) -> int:
+    pairs = zip(a, b, strict=False)
+    return next((i for i, (x, y) in enumerate(pairs) if x != y), min(len(a), len(b)))
+
+
+def analyse(configs: list[Config], runs: dict[str, dict[str, Any]], first_streams: int) -> None:
+    """Add to every level its speed-up over its baseline and its exactness: a method's texts
+    against its baseline's at the same set and level, a baseline's against its own at the
+    first level (what batching alone changes)."""
+    by_key = {
+        name: {(lv["set"], lv["streams"]): lv for lv in run["levels"]} for name, run in runs.items()
+    }
+    for config in configs:
+        for key, level in by_key[config.name].items():
+            if config.baseline is None:
+                reference = by_key[config.name].get((key[0], first_streams))
+                if reference is not None and reference is not level:
+                    level["exactness"] = exactness(level, reference) | {"against": "first level"}
+                continue
+            base = by_key.get(config.baseline, {}).get(key)
+            if base is None:
+                continue
+            level["speed_up"] = round(level["tok_s"] / base["tok_s"], 3) if base["tok_s"] else None
+            level["is_baseline_contended"] = _is_contended(base)
+            level["exactness"] = exactness(level, base) | {"against": config.baseline}
+
+
+def print_summary(report: dict[str, Any]) -> None:
+    runs: dict[str, dict[str, Any]] = report["runs"]
+    print(
+        f"\n== speculative decoding: {report['model']}, {report['max_tokens']} tokens at most, "
+        f"temperature 0, {report['cpu_count']} CPUs; CPU busy before start "
+        f"{report['cpu_busy_before_pct']:.0f}%"
+    )
+    rows = []
+    for set_name in report["sets"]:
+        for streams in report["streams"]:
+            for name, run in runs.items():
+                level = next(
+                    (
+                        lv
+                        for lv in run["levels"]
+                        if (lv["set"], lv["streams"]) == (set_name, streams)
+                    ),
+                    None,
+                )
+                if level is not None:
+                    rows.append(_row(name, level))
+    headers = ["set", "streams", "config", "requests", "tokens", "tok/s", "speed-up"]
+    headers += ["ttft p50 ms", "tpot p50 ms", "accepted", "differ"]
+    if rows:
+        print_table(headers, rows)
+    print(
+        f"speed-up: tok/s over the baseline's (off; off-target for draft) at the same set and "
+        f"streams. differ: requests whose text is not the baseline's; in parentheses, a "
+        f"baseline against itself at {report['streams'][0]} stream(s). * other processes took "
+        f"more than {CONTENDED_CORES} CPU cores during that level (for a speed-up: or during "
+        f"the baseline's): rerun"
+    )
+    print("\n== exactness (temperature 0): requests whose text differs from the baseline's")
+    rows = []
+    for name, run in runs.items():
+        checks = [lv for lv in run["levels"] if "exactness" in lv]
+        if checks:
+            against = checks[0]["exactness"]["against"]
+            cells = [
+                _differing([c for c in checks if c["streams"] == n]) for n in report["streams"]
+            ]
+            rows.append([name, against, *cells, _differing(checks)])
+    if rows:
+        print_table(
+            ["config", "against", *(f"{n} streams" for n in report["streams"]), "all"], rows
+        )
+    for name, run in runs.items():
+        print(
+            f"{name}: startup {fmt(run.get('startup_s'))} s; shutdown {run.get('shutdown')}"
+            + (f"; error: {run['error']}" if "error" in run else "")
+        )
+
+
+def _differing(levels: list[dict[str, Any]]) -> str:
+    if not levels:
+        return "-"
+    differing = sum(lv["exactness"]["num_differing"] for lv in levels)
+    return f"{differing}/{sum(lv['exactness']['num_compared'] for lv in levels)}"
+
+
+def _is_contended(level: dict[str, Any]) -> bool:
+    return bool(level["cpu_cores"].get("other", 0.0) > CONTENDED_CORES)
+
+
+def _row(name: str, level: dict[str, Any]) -> list[str]:
+    contended = _is_contended(level)
+    is_suspect = contended or level.get("is_baseline_contended")
+    speed_up_mark = "*" if is_suspect and level.get("speed_up") is not None else ""
+    acceptance = level.get("acceptance")
+    check = level.get("exactness")
+    differ = "-"
+    if check is not None:
+        differ = f"{check['num_differing']}/{check['num_compared']}"
+        differ = f"({differ})" if check["against"] == "first level" else differ
+    return [
+        level["set"],
+        str(level["streams"]),
+        name,
+        f"{level['num_requests'] - level['num_errors']}/{level['num_requests']}",
+        str(level["output_tokens"]),
+        fmt(level["tok_s"]) + ("*" if contended else ""),
+        fmt(level.get("speed_up"), 2) + speed_up_mark,
+        fmt(level["ttft_median_ms"], 0),
+        fmt(level["tpot_median_ms"]),
+        "-" if acceptance is None else f"{100 * acceptance:.1f}%",
+        differ,
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    start_benchmark(args.model)
+    configs = build_configs(args)
+    report: dict[str, Any] = {
+        "model": args.model or os.path.basename(_default_model()),
+        "dtype": args.dtype,
+        "methods": args.methods,
+        "sets": args.sets,
+        "streams": args.streams,
+        "max_tokens": args.max_tokens,
+        "prompts_per_set": args.prompts_per_set,
+        "configs": [
+            {"name": c.name, "flags": list(c.flags), "baseline": c.baseline} for c in configs
+        ],
+        "cpu_count": os.cpu_count(),
+        "cpu_busy_before_pct": psutil.cpu_percent(interval=1.0),
+        "load_before": os.getloadavg(),
+        "runs": {},
+    }
+    began = time.monotonic()
+    for config in configs:
+        report["runs"][config.name] = run_config(args, config)
+    report["wall_s"] = round(time.monotonic() - began, 1)
+    analyse(configs, report["runs"], args.streams[0])
+    print_summary(report)
+    print(f"whole run: {report['wall_s']:.0f} s")
+    write_json(args.json, report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
