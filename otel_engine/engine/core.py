@@ -123,6 +123,7 @@ class EngineCore:
         self.step_bytes_read = 0  # what the current step's forward read (model/step_reads.py)
         self.step_decode_bandwidth = 0.0  # its bytes over its time, for decodes alone
         self.step_num_drafts = 0  # proposed tokens the current step verifies
+        self.step_propose_s = 0.0  # what proposing them took (a draft model's forwards)
         self._tracer = get_tracer()
         self.is_tracing = is_tracing()
         self.failed_step_context: dict[str, str] = {}
@@ -373,6 +374,7 @@ class EngineCore:
 
     def _execute(self, output: SchedulerOutput, trace_context: dict[str, str]) -> ModelOutput:
         self.step_num_drafts = 0
+        self.step_propose_s = 0.0
         self.step_mask_s = 0.0
         self.num_grammar_deferred = 0
         self.step_bytes_read = 0
@@ -395,7 +397,9 @@ class EngineCore:
         """Fill the step's proposed tokens (spec/speculator.py; the draft model runs
         here)."""
         assert self.speculator is not None
+        started = time.monotonic()
         self.speculator.propose(output.chunks, output.step_id)
+        self.step_propose_s = time.monotonic() - started
         self.step_num_drafts = sum(len(c.draft_token_ids) for c in output.chunks)
 
     def _tag_verification(self, output: SchedulerOutput) -> None:
@@ -488,10 +492,21 @@ class EngineCore:
             self.step_started_at = None
         self.last_step_at = time.monotonic()
         self._account_bandwidth(span)
+        self._account_step_cost()
         if span is not None:
             span.end()
         self.current_step_span = None
         self.current_output = self.current_model_input = None
+
+    def _account_step_cost(self) -> None:
+        """A decode-only step's time by its sequences, proposing excluded: what speculative
+        decoding plans with (spec/cost.py)."""
+        model_input = self.current_model_input
+        if self.speculator is None or model_input is None:
+            return
+        if model_input.num_decodes == len(model_input.query_lens):
+            seconds = self.last_step_at - self.last_step_started_at - self.step_propose_s
+            self.speculator.observe_step(model_input.num_decodes, seconds)
 
     def _account_bandwidth(self, span: trace.Span | None) -> None:
         """The step's reads over its time, for a step of decodes alone

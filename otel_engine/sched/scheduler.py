@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -53,7 +53,7 @@ class ScheduledChunk:
 class SpeculationPolicy(Protocol):
     """How many proposed tokens a decoding request may verify (spec/speculator.py)."""
 
-    def start_step(self, num_running: int) -> None: ...
+    def start_step(self, running: Sequence[Request]) -> None: ...
 
     def slots(self, request: Request, limit: int) -> int: ...
 
@@ -190,7 +190,7 @@ class Scheduler:
         self.num_steps += 1
         output = SchedulerOutput(step_id=self.num_steps, chunks=[])
         if self.speculation is not None:
-            self.speculation.start_step(len(self.running))
+            self.speculation.start_step(self.running)
         budget = self._schedule_running(output, self.max_num_batched_tokens)
         if not output.preempted_request_ids:
             self._schedule_waiting(output, budget)

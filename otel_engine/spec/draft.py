@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 from collections.abc import Sequence
 
 import msgspec
@@ -36,6 +37,7 @@ from otel_engine.observability.faults import FaultPhase, maybe_inject
 from otel_engine.sampling_params import SamplingParams
 from otel_engine.sched.request import Request
 from otel_engine.sched.scheduler import ScheduledChunk
+from otel_engine.spec.cost import StepCost
 from otel_engine.spec.speculator import Speculator
 
 logger = logging.getLogger(__name__)
@@ -72,6 +74,7 @@ class DraftSpeculator(Speculator):
             parallel=dataclasses.replace(config.parallel, tensor_parallel_size=1),
         )
         self.runner = ModelRunner(draft_config, model_dir, limits, is_draft=True)
+        self.draft_cost = StepCost()
         self.block_size = config.cache.block_size
 
     def propose(self, chunks: Sequence[ScheduledChunk], step_id: int = 0) -> None:
@@ -85,8 +88,7 @@ class DraftSpeculator(Speculator):
             request = chunk.request
             state = request.spec
             assert state is not None
-            start = min(state.num_draft_computed, request.num_tokens - 1)
-            views.append(ScheduledChunk(_view(request, []), start, request.num_tokens - start))
+            views.append(_catch_up(request, state.num_draft_computed, self.max_k))
             state.num_draft_computed = request.num_tokens
         for tokens, token in zip(proposed, self._run(views, step_id), strict=True):
             tokens.append(token)
@@ -104,9 +106,11 @@ class DraftSpeculator(Speculator):
             chunk.num_tokens += len(tokens)
 
     def _run(self, chunks: list[ScheduledChunk], step_id: int) -> list[int]:
-        """One forward of the draft over `chunks` in the engine's step `step_id`; one
-        sampled token per chunk."""
+        """One forward of the draft over `chunks` in the engine's step `step_id`; each
+        chunk's last sampled token. A forward of decode sequences only is timed for the
+        planning (spec/cost.py)."""
         step = prepare_model_input(step_id, chunks, self.block_size)
+        started = time.monotonic()
         try:
             maybe_inject(
                 ENGINE_CORE,
@@ -115,16 +119,40 @@ class DraftSpeculator(Speculator):
                 num_requests=len(chunks),
                 num_tokens=len(step.input_ids),
             )
-            return self.runner.execute(step).sampled_token_ids
+            sampled = self.runner.execute(step).sampled_token_ids
         except Exception as exc:
             raise DraftModelError(
                 f"the draft model {self.name} failed: {type(exc).__name__}"
             ) from exc
+        if step.num_decodes == len(step.query_lens) and self.draft_cost is not None:
+            self.draft_cost.observe(step.num_decodes, time.monotonic() - started)
+        last, position = [], 0
+        for chunk in chunks:
+            position += chunk.num_sample_rows
+            last.append(sampled[position - 1])
+        return last
 
 
-def _view(request: Request, proposed: list[int]) -> Request:
+def _catch_up(request: Request, computed: int, max_k: int) -> ScheduledChunk:
+    """The draft's first forward of a step for `request`: its tokens from `computed` on
+    (the draft holds the K/V of those before), sampling the first proposal after them. A
+    few output tokens (those the last step gained) go as decode sequences, one per token,
+    like a verifying decode (engine/batch.py): the draft's decode kernels, not a prefill;
+    a prompt (the request's first proposals) as a prefill chunk."""
+    start = min(computed, request.num_tokens - 1)
+    count = request.num_tokens - start
+    done = start + 1 - request.num_prompt_tokens  # outputs up to the chunk's first token
+    if done < 1 or count > max_k + 1:
+        return ScheduledChunk(_view(request, []), start, count)
+    view = _view(request, [], num_outputs=done)
+    rest = request.output_token_ids[done:]
+    return ScheduledChunk(view, start, count, len(rest), rest)
+
+
+def _view(request: Request, proposed: list[int], num_outputs: int | None = None) -> Request:
     """`request` as the draft sees it after `proposed` tokens: they count as output, the
-    blocks are the request's, and sampling is the draft's (`_draft_params`)."""
+    blocks are the request's, and sampling is the draft's (`_draft_params`); with
+    `num_outputs`, only its first that many outputs (the rest go as proposals would)."""
     state = request.spec
     assert state is not None
     if state.draft_params is None:
@@ -134,7 +162,7 @@ def _view(request: Request, proposed: list[int]) -> Request:
         prompt_token_ids=request.prompt_token_ids,
         sampling_params=state.draft_params,
         eos_token_ids=request.eos_token_ids,
-        output_token_ids=request.output_token_ids + proposed,
+        output_token_ids=request.output_token_ids[:num_outputs] + proposed,
         block_ids=request.block_ids,
     )
 

@@ -1,14 +1,13 @@
 """How many tokens each decoding request proposes in a step, and where they come from.
 
-The scheduler asks `slots` for each decoding request it schedules (the KV slots it then
-allocates for that many more positions); the engine core calls `propose` on the step's
-batch before it runs, which fills each chunk's `draft_token_ids` (at most its slots, maybe
-none) and lengthens the chunk by them; after the step, `observe` learns from how many were
-accepted (spec/verify.py). A request proposes fewer tokens while its proposals fail
-(spec/state.py), and the step as a whole backs off as the batch grows: one decode step
-reads every weight once whatever its batch, so extra positions cost little while the
-batch is small, but at many streams the step's arithmetic, not its reads, is the limit,
-and verifying proposals there costs as much as it saves.
+At the start of a step the scheduler hands `start_step` its running requests; for the
+decoding ones the speculator plans how many proposals each verifies (spec/cost.py: from
+each request's measured acceptance, and what a step of that many sequences is measured to
+cost), and the scheduler asks `slots` for each as it schedules it (the KV slots it then
+allocates). The engine core calls `propose` on the step's batch before it runs, which
+fills each chunk's `draft_token_ids` (at most its slots) and lengthens the chunk by them;
+after the step, `observe` learns how many were accepted (spec/verify.py) and
+`observe_step` what the step cost.
 """
 
 from __future__ import annotations
@@ -18,42 +17,54 @@ from collections.abc import Sequence
 from otel_engine.config import SpeculativeConfig, SpeculativeMethod
 from otel_engine.sched.request import Request
 from otel_engine.sched.scheduler import ScheduledChunk
+from otel_engine.spec.cost import StepCost, plan
 from otel_engine.spec.ngram import lookup
-from otel_engine.spec.state import SpecState
+from otel_engine.spec.state import DECAY, SpecState
 
-# Decode positions (sequences plus their proposed tokens) a step may verify in all before
-# speculation backs off: each of n decoding requests may propose up to (this - n) / n
-# tokens, so none at this many streams. See docs/speculative.md for how it was measured.
-STEP_VERIFY_POSITIONS = 32
+PRIOR_ACCEPTANCE = 0.5  # a method's acceptance before any of its proposals was verified
 
 
 class Speculator:
-    """The adaptive part common to every method; `propose` is the method's."""
+    """The planning common to every method; `propose` (and `candidates`) is the method's."""
 
     method: SpeculativeMethod
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
         self.max_k = config.num_speculative_tokens
-        self.step_cap = 0  # the current step's per-request cap (`start_step`)
+        self.step_cost = StepCost()  # the target's decode-only steps
+        self.draft_cost: StepCost | None = None  # a draft model's forwards (draft.py)
+        self.hits = self.fails = 0.0  # every request's recent verifications, decayed
+        self.planned: dict[int, int] = {}  # id(request) -> proposals, this step
 
-    def start_step(self, num_running: int) -> None:
-        """The scheduler begins a step with `num_running` running requests."""
-        n = max(1, num_running)
-        self.step_cap = max(0, (STEP_VERIFY_POSITIONS - n) // n)
+    @property
+    def acceptance(self) -> float:
+        """The method's recent acceptance (a new request's prior)."""
+        total = self.hits + self.fails
+        return PRIOR_ACCEPTANCE if total < 1 else self.hits / total
+
+    def start_step(self, running: Sequence[Request]) -> None:
+        """Plan the step's proposals for the decoding requests among `running`."""
+        decoding = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
+        prior = self.acceptance
+        caps, acceptance = [], []
+        for request in decoding:
+            state = request.spec
+            if state is None:
+                state = request.spec = SpecState()
+            caps.append(self.candidates(request, state) if state.take_turn() else 0)
+            acceptance.append(state.acceptance(prior))
+        counts = plan(acceptance, caps, self.step_cost, self.draft_cost) if decoding else []
+        self.planned = {id(r): c for r, c in zip(decoding, counts, strict=True) if c}
+
+    def candidates(self, request: Request, state: SpecState) -> int:
+        """How many tokens the method could propose for `request` this step."""
+        return self.max_k
 
     def slots(self, request: Request, limit: int) -> int:
-        """How many proposed tokens `request`, decoding, may verify this step: its adaptive
-        k within the step's cap and `limit` (what its budget, context and max_tokens
-        leave)."""
-        if limit <= 0 or self.step_cap <= 0:
-            return 0
-        state = request.spec
-        if state is None:
-            state = request.spec = SpecState(k=self.max_k)
-        if not state.take_turn():
-            return 0
-        return min(state.k, self.step_cap, limit)
+        """How many proposed tokens `request`, decoding, verifies this step: as planned,
+        within `limit` (what its budget, context and max_tokens leave)."""
+        return max(0, min(self.planned.get(id(request), 0), limit))
 
     def propose(self, chunks: Sequence[ScheduledChunk], step_id: int = 0) -> None:
         """Fill the chunks' `draft_token_ids` (at most `num_spec_slots` each) and lengthen
@@ -61,31 +72,42 @@ class Speculator:
         raise NotImplementedError
 
     def observe(self, request: Request, proposed: int, accepted: int) -> None:
-        if request.spec is not None:
-            request.spec.observe(proposed, accepted, self.max_k)
+        if request.spec is not None and proposed > 0:
+            request.spec.observe(proposed, accepted)
+            self.hits = DECAY * self.hits + accepted
+            self.fails = DECAY * self.fails + (accepted < proposed)
+
+    def observe_step(self, num_sequences: int, seconds: float) -> None:
+        """A decode-only step of `num_sequences` sequences took `seconds` (proposing
+        excluded)."""
+        self.step_cost.observe(num_sequences, seconds)
 
 
 class NgramSpeculator(Speculator):
-    """Prompt lookup (spec/ngram.py): no second model, nothing to compute but a search."""
+    """Prompt lookup (spec/ngram.py): no second model, nothing to compute but a search,
+    made when the step is planned (its length caps the request's proposals)."""
 
     method = SpeculativeMethod.NGRAM
 
-    def propose(self, chunks: Sequence[ScheduledChunk], step_id: int = 0) -> None:
+    def candidates(self, request: Request, state: SpecState) -> int:
         config = self.config
+        tokens = state.history.sync(request)
+        state.candidates = lookup(tokens, config.ngram_min, config.ngram_max, self.max_k)
+        return len(state.candidates)
+
+    def propose(self, chunks: Sequence[ScheduledChunk], step_id: int = 0) -> None:
         for chunk in chunks:
-            if not chunk.num_spec_slots:
-                continue
             state = chunk.request.spec
-            assert state is not None
-            tokens = state.history.sync(chunk.request)
-            drafts = lookup(tokens, config.ngram_min, config.ngram_max, chunk.num_spec_slots)
+            if not chunk.num_spec_slots or state is None:
+                continue
+            drafts = state.candidates[: chunk.num_spec_slots]
             chunk.draft_token_ids = drafts
             chunk.num_tokens += len(drafts)
 
 
 def make_speculator(config: SpeculativeConfig) -> Speculator | None:
     """The configured method's speculator (None: speculation is off). The draft model's is
-    built by the engine core, which owns the model (spec/draft.py)."""
+    built by the engine core's builder, which loads the model (spec/draft.py)."""
     if config.speculative_method == SpeculativeMethod.NGRAM:
         return NgramSpeculator(config)
     return None

@@ -4,6 +4,7 @@ adaptive number of proposals, and the scheduler's slots and verification."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -12,8 +13,9 @@ from otel_engine.sampling_params import SamplingParams
 from otel_engine.sched.kv_cache import BlockAllocator
 from otel_engine.sched.request import Request, RequestStatus
 from otel_engine.sched.scheduler import Scheduler
+from otel_engine.spec.cost import EMA_WEIGHT, UNSEEN_ROW_SHARE, StepCost, plan
 from otel_engine.spec.ngram import TokenHistory, lookup
-from otel_engine.spec.speculator import STEP_VERIFY_POSITIONS, Speculator
+from otel_engine.spec.speculator import Speculator
 from otel_engine.spec.state import MAX_SKIP_STEPS, SpecState
 from otel_engine.spec.verify import accepted_tokens
 
@@ -79,31 +81,82 @@ def test_the_first_mismatch_ends_the_accepted_tokens() -> None:
     assert accepted_tokens([4, 2, 3], [1, 2]) == [4]  # the first was wrong: row 0's token
 
 
-def test_k_grows_after_full_acceptance_and_shrinks_after_a_miss() -> None:
-    state = SpecState(k=2)
+def test_acceptance_follows_recent_verifications_from_the_methods_prior() -> None:
+    state = SpecState()
+    assert state.acceptance(0.6) == pytest.approx(0.6)
 
-    state.observe(2, 2, max_k=4)
-    assert state.k == 3
-    state.observe(3, 3, max_k=4)
-    state.observe(4, 4, max_k=4)
-    assert state.k == 4
-    state.observe(4, 1, max_k=4)
-    assert state.k == 2
-    assert (state.num_proposed, state.num_accepted, state.num_verify_steps) == (13, 10, 4)
+    for _ in range(10):
+        state.observe(4, 4)  # every proposal kept
+    high = state.acceptance(0.6)
+    for _ in range(10):
+        state.observe(4, 0)  # none kept
+    low = state.acceptance(0.6)
+
+    assert high > 0.9
+    assert low < 0.4
+    assert (state.num_proposed, state.num_accepted, state.num_verify_steps) == (80, 40, 20)
 
 
 def test_proposals_that_keep_failing_back_off_more_and_more() -> None:
-    state = SpecState(k=4)
+    state = SpecState()
     skipped = []
     for _ in range(8):
-        state.observe(1, 0, max_k=4)
+        state.observe(1, 0)
         skipped.append(state.skip)
         while not state.take_turn():
             pass
 
     assert skipped == [0, 1, 2, 4, 8, 16, 32, MAX_SKIP_STEPS]
-    state.observe(1, 1, max_k=4)
+    state.observe(1, 1)
     assert state.misses == 0
+
+
+def _cost(knee: int, base: float, per_row: float) -> StepCost:
+    """A measured step cost: flat to `knee` sequences, then `per_row` more each."""
+    cost = StepCost()
+    for rows in range(1, 129):
+        cost.observe(rows, base + per_row * max(0, rows - knee))
+    return cost
+
+
+def test_a_step_within_the_knee_verifies_everything_likely_at_all() -> None:
+    cost = _cost(knee=5, base=0.01, per_row=0.0011)
+
+    assert plan([0.5], [4], cost) == [4]  # 5 sequences cost what 1 does
+    assert plan([0.7, 0.2], [4, 4], cost) == [3, 0]  # the likelier gets the free ones
+
+
+def test_past_the_knee_only_proposals_that_pay_are_verified() -> None:
+    cost = _cost(knee=5, base=0.01, per_row=0.0011)
+
+    assert plan([0.7] * 32, [4] * 32, cost) == [0] * 32  # 32 streams: compute-bound
+    assert plan([0.9] * 32, [4] * 32, cost) == [1] * 32  # unless nearly sure: 1.9 for 1.9
+    sixteen = plan([0.95] * 8 + [0.1] * 8, [4] * 16, cost)
+    assert sum(sixteen[8:]) == 0  # the unlikely ones get none
+    assert sum(sixteen[:8]) > 0
+
+
+def test_before_any_step_is_measured_the_caps_are_taken() -> None:
+    assert plan([0.5, 0.5], [3, 0], StepCost()) == [3, 0]
+
+
+def test_step_cost_interpolates_and_is_cautious_past_what_it_saw() -> None:
+    cost = StepCost()
+    cost.observe(1, 0.010)
+    cost.observe(5, 0.014)
+
+    assert cost.predict(3) == pytest.approx(0.012)
+    assert cost.predict(7) == pytest.approx(0.014 * (1 + 2 * UNSEEN_ROW_SHARE))
+    cost.observe(5, 0.019)
+    assert cost.predict(5) == pytest.approx(0.014 + EMA_WEIGHT * 0.005)
+
+
+def test_a_draft_models_forwards_count_against_its_proposals() -> None:
+    target = _cost(knee=1, base=0.040, per_row=0.0)  # a dense float32 target: reads rule
+    cheap, dear = _cost(knee=1, base=0.004, per_row=0.0), _cost(knee=1, base=0.05, per_row=0.0)
+
+    assert plan([0.9], [4], target, cheap) == [4]
+    assert plan([0.9], [4], target, dear) == [0]  # each proposal costs more than a step
 
 
 def _scheduler(policy: Speculator | None, num_blocks: int = 64) -> Scheduler:
@@ -123,7 +176,7 @@ def _decoding(scheduler: Scheduler, request: Request) -> None:
     scheduler.update(output, [100])
 
 
-def test_only_a_decoding_request_gets_slots_and_the_batch_caps_them() -> None:
+def test_only_a_decoding_request_gets_slots() -> None:
     policy = Speculator(SpeculativeConfig(num_speculative_tokens=4))
     scheduler = _scheduler(policy)
     requests = [Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=20)) for i in range(3)]
@@ -134,11 +187,22 @@ def test_only_a_decoding_request_gets_slots_and_the_batch_caps_them() -> None:
     assert all(c.num_spec_slots == 0 for c in first.chunks)  # prefills
     scheduler.update(first, [100, 100, 100])
     second = scheduler.schedule()
-    assert [c.num_spec_slots for c in second.chunks] == [4, 4, 4]
-    policy.start_step(STEP_VERIFY_POSITIONS // 2)
-    assert policy.step_cap == 1
-    policy.start_step(STEP_VERIFY_POSITIONS)
-    assert policy.step_cap == 0
+    assert [c.num_spec_slots for c in second.chunks] == [4, 4, 4]  # nothing measured yet
+
+
+def test_the_plan_follows_the_measured_cost() -> None:
+    policy = Speculator(SpeculativeConfig(num_speculative_tokens=4))
+    for rows in range(1, 65):
+        policy.observe_step(rows, 0.01 + 0.0011 * max(0, rows - 5))
+    scheduler = _scheduler(policy)
+    requests = [Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=20)) for i in range(32)]
+    for request in requests:
+        scheduler.add(request)
+    scheduler.update(scheduler.schedule(), [100] * 32)
+
+    output = scheduler.schedule()
+
+    assert all(c.num_spec_slots == 0 for c in output.chunks)  # 32 streams: none pays
 
 
 def test_slots_stop_short_of_max_tokens_and_the_context() -> None:
@@ -169,6 +233,7 @@ def test_a_verified_step_keeps_the_accepted_tokens_and_their_kv() -> None:
     assert updated.num_computed_tokens == updated.num_tokens - 1  # 100, 7, 8 computed
     assert updated.spec is not None
     assert (updated.spec.num_proposed, updated.spec.num_accepted) == (3, 2)
+    assert (updated.spec.hits, updated.spec.fails) == (2, 1)
 
 
 def test_a_stop_token_among_accepted_ones_ends_the_request_there() -> None:

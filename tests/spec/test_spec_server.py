@@ -129,10 +129,10 @@ def test_metrics_count_proposals_under_both_names(run: dict[str, Any]) -> None:
 def test_a_failing_draft_model_fails_the_engine_in_order(
     tiny_model_dir: str, tmp_path: Path
 ) -> None:
-    """The draft model raises in step 3: the client's error and the crash dump name it, the
+    """The draft model raises in its first forward: the client's error and the crash dump name it, the
     dump holds the speculative settings and each request's counts, the server exits 1."""
     dump_dir = tmp_path / "dumps"
-    env = clean_env(OTEL_ENGINE_FAULT="engine_core:raise:phase=draft:step=3")
+    env = clean_env(OTEL_ENGINE_FAULT="engine_core:raise:phase=draft:when=num_requests>=1")
     server = _server(
         tiny_model_dir, tmp_path / "serve.log", "--crash-dump-dir", str(dump_dir), env=env
     ).start()
@@ -156,5 +156,5 @@ def test_a_failing_draft_model_fails_the_engine_in_order(
     assert f"the draft model {Path(tiny_model_dir).name} failed" in json.dumps(dump)
     [request] = dump["scheduler_output"]["requests"]
     assert request["spec"]["history"] is True  # only that it exists: token ids never leave
-    assert request["spec"]["k"] >= 1
+    assert request["spec"]["num_proposed"] == 0
     assert request["num_draft_tokens"] == 0  # the draft failed before it proposed

@@ -1,0 +1,123 @@
+"""What a step costs by how many decode sequences it runs, learned from the engine's own
+steps, and how many proposals each request should verify given that cost.
+
+A decode step reads every weight once whatever its batch, so on a small batch extra
+sequences (a request's proposed tokens are sequences of their own: engine/batch.py) cost
+almost nothing; past some batch the step's arithmetic is the limit and each one costs its
+share. Where that knee is depends on the model, its formats and the machine (on a 2-core
+EPYC, SmolLM2-135M in Q4_1: flat to about 5 sequences, then about 11% of a one-sequence
+step per sequence: bench/spec_verify.py), so it is measured, not assumed: `StepCost` keeps
+a moving average of the seconds of decode-only steps by their number of sequences.
+
+`plan` then gives out proposals one at a time, always the one with the largest expected
+gain next: the j-th proposal of a request whose proposals are each accepted with
+probability p yields p^j tokens more (all before it must be accepted too), and costs the
+step one sequence (and with a draft model maybe one more draft forward). Of all the
+allocations on that path it keeps the one with the most expected tokens per second. So a
+request whose proposals fail gets none, a small batch verifies many, and a batch past the
+knee verifies only the proposals likely enough to pay for themselves (at 32 streams with
+that model: about none).
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+from collections.abc import Sequence
+
+EMA_WEIGHT = 0.2  # of the newest step, in a sequence count's moving average
+# Before a sequence count was ever seen: each sequence past the largest seen below it costs
+# this share of that step (a cautious guess above the measured 11%: an untried size is
+# tried only when its expected gain pays for this much; then its real cost is known).
+UNSEEN_ROW_SHARE = 0.15
+MIN_GAIN = 0.01  # expected tokens below which a proposal is not worth planning
+
+
+class StepCost:
+    """Seconds of a decode-only step by its number of sequences (moving averages)."""
+
+    __slots__ = ("rows", "seconds")
+
+    def __init__(self) -> None:
+        self.seconds: dict[int, float] = {}
+        self.rows: list[int] = []  # the measured counts, sorted
+
+    def observe(self, rows: int, seconds: float) -> None:
+        if rows <= 0 or seconds <= 0:
+            return
+        old = self.seconds.get(rows)
+        if old is None:
+            bisect.insort(self.rows, rows)
+            self.seconds[rows] = seconds
+        else:
+            self.seconds[rows] = old + EMA_WEIGHT * (seconds - old)
+
+    def predict(self, rows: int) -> float | None:
+        """The expected seconds of a step of `rows` sequences: measured, else between the
+        nearest measured sizes, else past the largest below (UNSEEN_ROW_SHARE per
+        sequence), else the smallest above; None before any step was measured."""
+        seconds = self.seconds
+        found = seconds.get(rows)
+        if found is not None:
+            return found
+        index = bisect.bisect_left(self.rows, rows)
+        below = self.rows[index - 1] if index > 0 else None
+        above = self.rows[index] if index < len(self.rows) else None
+        if below is None:
+            return None if above is None else seconds[above]
+        if above is None:
+            return seconds[below] * (1 + UNSEEN_ROW_SHARE * (rows - below))
+        share = (rows - below) / (above - below)
+        return seconds[below] + share * (seconds[above] - seconds[below])
+
+
+def plan(
+    acceptance: Sequence[float],
+    caps: Sequence[int],
+    target: StepCost,
+    draft: StepCost | None = None,
+) -> list[int]:
+    """How many proposals each decoding request verifies: `acceptance[i]` is request i's
+    chance that a proposal is accepted, `caps[i]` the most it may verify; `target` the
+    step's cost by its sequences; `draft` the draft model's forward by its sequences (a
+    request's j-th proposal needs the j-th draft forward, which runs for every request
+    with j or more). Before the step's cost is known at all, every request takes its cap
+    (the steps then measure it)."""
+    n = len(caps)
+    counts = [0] * n
+    base = target.predict(n)
+    if base is None:
+        return list(caps)
+    round_rows: list[int] = []  # sequences of each draft forward
+    draft_seconds = 0.0
+    tokens = float(n)
+    best_rate, best = tokens / base, list(counts)
+    heap = [(-p, i) for i, p in enumerate(acceptance) if caps[i] > 0 and p >= MIN_GAIN]
+    heapq.heapify(heap)
+    added = 0
+    while heap:
+        negative, i = heapq.heappop(heap)
+        gain = -negative
+        counts[i] += 1
+        added += 1
+        tokens += gain
+        if draft is not None:
+            draft_seconds += _draft_round_delta(draft, round_rows, counts[i])
+        seconds = target.predict(n + added)
+        assert seconds is not None
+        rate = tokens / (seconds + draft_seconds)
+        if rate > best_rate:
+            best_rate, best = rate, list(counts)
+        if counts[i] < caps[i] and gain * acceptance[i] >= MIN_GAIN:
+            heapq.heappush(heap, (-gain * acceptance[i], i))
+    return best
+
+
+def _draft_round_delta(draft: StepCost, round_rows: list[int], round_index: int) -> float:
+    """One more sequence in draft forward `round_index` (1-based): what it adds."""
+    if len(round_rows) < round_index:
+        round_rows.append(0)
+    rows = round_rows[round_index - 1]
+    round_rows[round_index - 1] = rows + 1
+    after = draft.predict(rows + 1) or 0.0
+    return after - (draft.predict(rows) or 0.0) if rows else after
