@@ -2,8 +2,8 @@
 written here so that the benchmark never downloads anything.
 
 Each set is a tuple of user messages for `/v1/chat/completions`:
-- `quoting`: a passage and a question to answer by quoting it word for word (retrieval-style
-  answers, where much of the output is already in the prompt);
+- `quoting`: a passage and which of its sentences to give back word for word
+  (retrieval-style answers, where much of the output is already in the prompt);
 - `summarization`: the same passages, each with an instruction to summarize it;
 - `code_edit`: a 30-60 line Python file and an edit (a rename, docstrings) to return whole;
 - `free_chat`: open questions whose answers are not in the prompt.
@@ -137,24 +137,17 @@ tomatoes, cucumbers and even bananas far below the Arctic Circle, and outdoor sw
 pools stay warm through the dark winter months.""",
 )
 
-QUESTIONS = (
-    "Why did early lighthouses waste much of their light?",
-    "What do the bacteria in a sourdough starter produce, and what does that do for the bread?",
-    "What can happen to a coastal aquifer when people pump too much water from it?",
-    "How does the waggle dance show the distance to the flowers?",
-    "What was Gutenberg's type made of, and why was that alloy useful?",
-    "Why do most places have two high tides a day?",
-    "Where are most of an octopus's neurons?",
-    "What problem did the safety bicycle solve, and how?",
-    "What are memory cells and what do they do when the real germ arrives?",
-    "What share of Icelandic homes are heated with geothermal water?",
+# What a retrieval answer asks of its context: the document, then which of its sentences to
+# give back as they are. (Asked for a quote that answers a question, SmolLM2-135M mostly
+# answers in its own words; asked for given sentences, it copies them: measured on this set.)
+QUOTE_ASKS = (
+    "Repeat the first two sentences of the document exactly.",
+    "Quote the first three sentences of the document word for word.",
+    "Copy the opening sentence of the document exactly, then the sentence after it.",
 )
-
 QUOTING = tuple(
-    f"Read the passage below, then answer the question by quoting the passage verbatim: copy "
-    f"the sentences that answer it, word for word, inside quotation marks, and add nothing "
-    f"of your own.\n\nPassage:\n{passage}\n\nQuestion: {question}"
-    for passage, question in zip(PASSAGES, QUESTIONS, strict=True)
+    f"Here is a document:\n\n{passage}\n\n{QUOTE_ASKS[index % len(QUOTE_ASKS)]}"
+    for index, passage in enumerate(PASSAGES)
 )
 
 SUMMARIZATION = tuple(
@@ -564,7 +557,8 @@ if __name__ == "__main__":
 )
 
 CODE_EDIT = tuple(
-    f"Here is a Python file:\n\n```python\n{source}```\n\n{instruction}"
+    f"```python\n{source}```\n\n{instruction} Reply with the complete updated file in one "
+    f"code block."
     for instruction, source in CODE_FILES
 )
 

@@ -227,8 +227,9 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
         "--num-speculative-tokens",
         type=int,
         metavar="K",
-        help="most tokens proposed per request and step, in [1, 16] (default 4); fewer "
-        "while a request's proposals keep failing, or when the batch is large",
+        help="most tokens proposed per request and step, in [1, 16] (default 8); each step "
+        "verifies fewer where they would not pay: a request's proposals fail, or the batch "
+        "is large enough that each verified token costs its share of the step",
     )
     spec.add_argument(
         "--ngram-min", type=int, metavar="N", help="shortest n-gram prompt lookup matches (2)"

@@ -160,7 +160,7 @@ class SpeculativeConfig:
     model of `draft` (an HF directory or .gguf file with the target's tokenizer)."""
 
     speculative_method: SpeculativeMethod | None = None
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int = 8
     ngram_min: int = 2
     ngram_max: int = 4
     speculative_model: str | None = None

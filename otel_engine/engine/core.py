@@ -320,6 +320,7 @@ class EngineCore:
             updates,
             num_draft_tokens=sum(u.num_draft_tokens for u in updates),
             num_accepted_tokens=num_accepted,
+            num_verifications=sum(1 for u in updates if u.num_draft_tokens),
             num_preemptions=len(output.preempted_request_ids),
             num_scheduled_seqs=len(output.chunks),
             num_scheduled_tokens=output.num_batched_tokens,

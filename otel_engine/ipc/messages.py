@@ -173,6 +173,7 @@ class StepOutputs(msgspec.Struct, frozen=True, tag="outputs", array_like=True):
     decode_bandwidth: float = 0.0
     num_draft_tokens: int = 0  # proposed tokens this step verified (speculative decoding)
     num_accepted_tokens: int = 0  # of them, accepted
+    num_verifications: int = 0  # requests that verified proposed tokens in this step
 
 
 class EngineDead(msgspec.Struct, frozen=True, tag="dead", array_like=True):

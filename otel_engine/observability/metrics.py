@@ -174,6 +174,7 @@ VLLM_NAMES: dict[str, tuple[str, dict[str, str]]] = {
     "otel_engine_request_generation_tokens": ("vllm:request_generation_tokens", {}),
     "otel_engine_spec_decode_proposed_tokens": ("vllm:spec_decode_num_draft_tokens", {}),
     "otel_engine_spec_decode_accepted_tokens": ("vllm:spec_decode_num_accepted_tokens", {}),
+    "otel_engine_spec_decode_verifications": ("vllm:spec_decode_num_drafts", {}),
 }
 # Label values of the copies that vLLM does not emit, as vLLM counts them: its engine ends a
 # request that called tools as any other that stopped (its finished_reason is stop, length,
@@ -190,7 +191,7 @@ class StepStats(Protocol):
     `step_id` (0: no step ran), `num_paused`, `kv_cache_cached_blocks`,
     `prefix_cache_queries`, `prefix_cache_hits`, `step_duration_s`, `num_scheduled_seqs`,
     `num_scheduled_tokens`, `grammar_compile_s`, `grammar_mask_s`, `num_grammar_deferred`,
-    `decode_bandwidth`, `num_draft_tokens`, `num_accepted_tokens`."""
+    `decode_bandwidth`, `num_draft_tokens`, `num_accepted_tokens`, `num_verifications`."""
 
     num_running: int
     num_waiting: int
@@ -271,6 +272,13 @@ class SpecMetrics:
             ["method"],
             registry=r,
         )
+        self.verifications = Counter(
+            "otel_engine_spec_decode_verifications",
+            "Verifications: a request's proposed tokens checked in one step (accepted / this: "
+            "proposals kept per verification), by method.",
+            ["method"],
+            registry=r,
+        )
         self.acceptance = Histogram(
             "otel_engine_spec_decode_acceptance_rate",
             "Per finished request that verified proposals: accepted / proposed tokens.",
@@ -279,7 +287,7 @@ class SpecMetrics:
             registry=r,
         )
         self.method: str | None = None
-        self._bound: tuple[Counter, Counter, Histogram] | None = None
+        self._bound: tuple[Counter, Counter, Counter, Histogram] | None = None
 
     def bind(self, method: str) -> None:
         """The engine's method: its series exist (at 0) from now."""
@@ -287,17 +295,19 @@ class SpecMetrics:
         self._bound = (
             self.proposed.labels(method),
             self.accepted.labels(method),
+            self.verifications.labels(method),
             self.acceptance.labels(method),
         )
 
-    def on_step(self, num_drafts: int, num_accepted: int) -> None:
+    def on_step(self, num_drafts: int, num_accepted: int, num_verifications: int) -> None:
         if num_drafts and self._bound is not None:
             self._bound[0].inc(num_drafts)
             self._bound[1].inc(num_accepted)
+            self._bound[2].inc(num_verifications)
 
     def on_request(self, num_drafts: int, num_accepted: int) -> None:
         if num_drafts and self._bound is not None:
-            self._bound[2].observe(num_accepted / num_drafts)
+            self._bound[3].observe(num_accepted / num_drafts)
 
 
 def _grammar_metrics(r: CollectorRegistry) -> tuple[Histogram, Histogram, Counter]:
@@ -651,7 +661,9 @@ class EngineMetrics:
         if num_deferred:
             self.grammar_deferred.inc(num_deferred)
         self.spec.on_step(
-            getattr(stats, "num_draft_tokens", 0), getattr(stats, "num_accepted_tokens", 0)
+            getattr(stats, "num_draft_tokens", 0),
+            getattr(stats, "num_accepted_tokens", 0),
+            getattr(stats, "num_verifications", 0),
         )
         bandwidth = getattr(stats, "decode_bandwidth", 0.0)
         if bandwidth and duration:

@@ -13,7 +13,8 @@ a moving average of the seconds of decode-only steps by their number of sequence
 gain next: the j-th proposal of a request whose proposals are each accepted with
 probability p yields p^j tokens more (all before it must be accepted too), and costs the
 step one sequence (and with a draft model maybe one more draft forward). Of all the
-allocations on that path it keeps the one with the most expected tokens per second. So a
+allocations on that path it keeps the one with the most expected tokens per second, if
+that beats no proposals by MIN_IMPROVEMENT. So a
 request whose proposals fail gets none, a small batch verifies many, and a batch past the
 knee verifies only the proposals likely enough to pay for themselves (at 32 streams with
 that model: about none).
@@ -26,11 +27,16 @@ import heapq
 from collections.abc import Sequence
 
 EMA_WEIGHT = 0.2  # of the newest step, in a sequence count's moving average
-# Before a sequence count was ever seen: each sequence past the largest seen below it costs
-# this share of that step (a cautious guess above the measured 11%: an untried size is
-# tried only when its expected gain pays for this much; then its real cost is known).
+# Past the largest sequence count seen: up to EXPLORE_ROWS more cost what it did (a guess
+# that lets the plan try slightly larger steps, and so learn what they cost), each one past
+# those this share of it more (a cautious guess, above the measured 11%).
+EXPLORE_ROWS = 4
 UNSEEN_ROW_SHARE = 0.15
 MIN_GAIN = 0.01  # expected tokens below which a proposal is not worth planning
+# How much better than no proposals at all a plan must expect to be: the estimates are
+# estimates (a request's next proposal is not its last ones; a step size's cost is an
+# average), and a plan that only breaks even is a loss on a bad guess.
+MIN_IMPROVEMENT = 0.05
 
 
 class StepCost:
@@ -54,8 +60,9 @@ class StepCost:
 
     def predict(self, rows: int) -> float | None:
         """The expected seconds of a step of `rows` sequences: measured, else between the
-        nearest measured sizes, else past the largest below (UNSEEN_ROW_SHARE per
-        sequence), else the smallest above; None before any step was measured."""
+        nearest measured sizes, else past the largest (EXPLORE_ROWS as it, then
+        UNSEEN_ROW_SHARE more per sequence), else the smallest above; None before any step
+        was measured."""
         seconds = self.seconds
         found = seconds.get(rows)
         if found is not None:
@@ -66,7 +73,7 @@ class StepCost:
         if below is None:
             return None if above is None else seconds[above]
         if above is None:
-            return seconds[below] * (1 + UNSEEN_ROW_SHARE * (rows - below))
+            return seconds[below] * (1 + UNSEEN_ROW_SHARE * max(0, rows - below - EXPLORE_ROWS))
         share = (rows - below) / (above - below)
         return seconds[below] + share * (seconds[above] - seconds[below])
 
@@ -91,7 +98,7 @@ def plan(
     round_rows: list[int] = []  # sequences of each draft forward
     draft_seconds = 0.0
     tokens = float(n)
-    best_rate, best = tokens / base, list(counts)
+    best_rate, best = tokens / base * (1 + MIN_IMPROVEMENT), list(counts)
     heap = [(-p, i) for i, p in enumerate(acceptance) if caps[i] > 0 and p >= MIN_GAIN]
     heapq.heapify(heap)
     added = 0

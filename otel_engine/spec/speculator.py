@@ -21,7 +21,12 @@ from otel_engine.spec.cost import StepCost, plan
 from otel_engine.spec.ngram import lookup
 from otel_engine.spec.state import DECAY, SpecState
 
-PRIOR_ACCEPTANCE = 0.5  # a method's acceptance before any of its proposals was verified
+# A request's acceptance before its own proposals were verified: the method's recent one,
+# but never below this. A request must try to learn: if text where proposals fail (free
+# chat) set every new request's prior, a request that quotes its prompt would never
+# propose, and so never show that its proposals are good. A try costs one verification;
+# proposals that then fail are cut (spec/state.py).
+PRIOR_ACCEPTANCE = 0.5
 
 
 class Speculator:
@@ -39,9 +44,9 @@ class Speculator:
 
     @property
     def acceptance(self) -> float:
-        """The method's recent acceptance (a new request's prior)."""
+        """A request's prior: the method's recent acceptance, at least PRIOR_ACCEPTANCE."""
         total = self.hits + self.fails
-        return PRIOR_ACCEPTANCE if total < 1 else self.hits / total
+        return PRIOR_ACCEPTANCE if total < 1 else max(PRIOR_ACCEPTANCE, self.hits / total)
 
     def start_step(self, running: Sequence[Request]) -> None:
         """Plan the step's proposals for the decoding requests among `running`."""

@@ -13,7 +13,7 @@ from otel_engine.sampling_params import SamplingParams
 from otel_engine.sched.kv_cache import BlockAllocator
 from otel_engine.sched.request import Request, RequestStatus
 from otel_engine.sched.scheduler import Scheduler
-from otel_engine.spec.cost import EMA_WEIGHT, UNSEEN_ROW_SHARE, StepCost, plan
+from otel_engine.spec.cost import EMA_WEIGHT, EXPLORE_ROWS, UNSEEN_ROW_SHARE, StepCost, plan
 from otel_engine.spec.ngram import TokenHistory, lookup
 from otel_engine.spec.speculator import Speculator
 from otel_engine.spec.state import MAX_SKIP_STEPS, SpecState
@@ -130,7 +130,7 @@ def test_past_the_knee_only_proposals_that_pay_are_verified() -> None:
     cost = _cost(knee=5, base=0.01, per_row=0.0011)
 
     assert plan([0.7] * 32, [4] * 32, cost) == [0] * 32  # 32 streams: compute-bound
-    assert plan([0.9] * 32, [4] * 32, cost) == [1] * 32  # unless nearly sure: 1.9 for 1.9
+    assert plan([0.9] * 32, [4] * 32, cost) == [0] * 32  # 1.9x the tokens for 1.9x the time
     sixteen = plan([0.95] * 8 + [0.1] * 8, [4] * 16, cost)
     assert sum(sixteen[8:]) == 0  # the unlikely ones get none
     assert sum(sixteen[:8]) > 0
@@ -146,7 +146,8 @@ def test_step_cost_interpolates_and_is_cautious_past_what_it_saw() -> None:
     cost.observe(5, 0.014)
 
     assert cost.predict(3) == pytest.approx(0.012)
-    assert cost.predict(7) == pytest.approx(0.014 * (1 + 2 * UNSEEN_ROW_SHARE))
+    assert cost.predict(5 + EXPLORE_ROWS) == pytest.approx(0.014)  # tried as free, to learn
+    assert cost.predict(7 + EXPLORE_ROWS) == pytest.approx(0.014 * (1 + 2 * UNSEEN_ROW_SHARE))
     cost.observe(5, 0.019)
     assert cost.predict(5) == pytest.approx(0.014 + EMA_WEIGHT * 0.005)
 

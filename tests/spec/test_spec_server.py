@@ -122,6 +122,9 @@ def test_metrics_count_proposals_under_both_names(run: dict[str, Any]) -> None:
     assert 0 < accepted <= proposed
     assert _sample(text, "vllm:spec_decode_num_draft_tokens_total") == proposed
     assert _sample(text, "vllm:spec_decode_num_accepted_tokens_total") == accepted
+    verifications = _sample(text, "otel_engine_spec_decode_verifications_total")
+    assert 0 < verifications <= proposed
+    assert _sample(text, "vllm:spec_decode_num_drafts_total") == verifications
     # One request (its two choices' counts summed), as every request metric counts it.
     assert _sample(text, "otel_engine_spec_decode_acceptance_rate_count") == 1
 
@@ -129,8 +132,9 @@ def test_metrics_count_proposals_under_both_names(run: dict[str, Any]) -> None:
 def test_a_failing_draft_model_fails_the_engine_in_order(
     tiny_model_dir: str, tmp_path: Path
 ) -> None:
-    """The draft model raises in its first forward: the client's error and the crash dump name it, the
-    dump holds the speculative settings and each request's counts, the server exits 1."""
+    """The draft model raises in its first forward: the client's error and the crash dump
+    name it, the dump holds the speculative settings and each request's counts, the server
+    exits 1."""
     dump_dir = tmp_path / "dumps"
     env = clean_env(OTEL_ENGINE_FAULT="engine_core:raise:phase=draft:when=num_requests>=1")
     server = _server(
