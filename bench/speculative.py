@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import shlex
 import sys
@@ -50,9 +51,17 @@ from common import (
 )
 from spec_prompts import PROMPT_SETS, WARMUP
 
-METHODS = ("off", "ngram", "draft")
-PROPOSED = "otel_engine_spec_decode_proposed_tokens_total"
-ACCEPTED = "otel_engine_spec_decode_accepted_tokens_total"
+METHODS = ("off", "ngram", "draft", "vllm-off", "vllm-ngram")
+# The counters of otel-engine, and of vLLM (whose own names: the bench never asks otel-engine
+# for its copies under vLLM's names, so nothing is counted twice).
+PROPOSED = (
+    "otel_engine_spec_decode_proposed_tokens_total",
+    "vllm:spec_decode_num_draft_tokens_total",
+)
+ACCEPTED = (
+    "otel_engine_spec_decode_accepted_tokens_total",
+    "vllm:spec_decode_num_accepted_tokens_total",
+)
 CONTENDED_CORES = 0.25  # CPU cores taken by other processes beyond which a rate is suspect
 DEFAULTS = {"streams": [1, 4, 16], "max_tokens": 128, "prompts_per_set": None}
 QUICK = {"streams": [1, 4], "max_tokens": 96, "prompts_per_set": 4}
@@ -67,6 +76,7 @@ class Config:
     name: str
     flags: tuple[str, ...]
     baseline: str | None
+    engine: str = "otel-engine"  # or "vllm": vLLM's OpenAI server, in `--vllm-python`
 
 
 def _csv(text: str) -> list[str]:
@@ -96,6 +106,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="flags added to the draft method's target and its baseline (off-target)",
     )
     parser.add_argument("--server-args", default="", help="flags added to every server")
+    parser.add_argument(
+        "--vllm-python",
+        default=os.environ.get("VLLM_PYTHON"),
+        help="the Python of an environment with vLLM's CPU build, for vllm-off and "
+        "vllm-ngram (default: $VLLM_PYTHON)",
+    )
     parser.add_argument(
         "--quick",
         action="store_true",
@@ -134,7 +150,57 @@ def build_configs(args: argparse.Namespace) -> list[Config]:
             configs.append(Config("off-target", tuple(target), None))
         flags = (*target, "--speculative-method", "draft", "--speculative-model", draft, *spec)
         configs.append(Config("draft", flags, baseline))
+    configs += _vllm_configs(args)
     return configs
+
+
+def _vllm_configs(args: argparse.Namespace) -> list[Config]:
+    """vLLM's OpenAI server on the checkpoint otel-engine converted the same file to (vLLM
+    reads a Hugging Face directory), in bfloat16, without and with its n-gram speculation at
+    the same K and n-gram lengths (vLLM's defaults where the engine's are not given)."""
+    wanted = [m for m in ("vllm-off", "vllm-ngram") if m in args.methods]
+    if not wanted:
+        return []
+    if not args.vllm_python:
+        raise SystemExit("vllm-off and vllm-ngram need --vllm-python (or $VLLM_PYTHON)")
+    from otel_engine.model.loader import prepare_model_dir
+
+    model = prepare_model_dir(args.model)
+    base = ["--model", model, "--served-model-name", "SmolLM2-135M-Instruct"]
+    base += ["--dtype", "bfloat16", "--max-model-len", "2048", "--no-enable-prefix-caching"]
+    speculative = {
+        "method": "ngram",
+        "num_speculative_tokens": args.num_speculative_tokens or 8,
+        "prompt_lookup_min": args.ngram_min or 2,
+        "prompt_lookup_max": args.ngram_max or 4,
+    }
+    configs = []
+    if "vllm-off" in wanted:
+        configs.append(Config("vllm-off", tuple(base), None, "vllm"))
+    if "vllm-ngram" in wanted:
+        flags = (*base, "--speculative-config", json.dumps(speculative))
+        configs.append(
+            Config("vllm-ngram", flags, "vllm-off" if "vllm-off" in wanted else None, "vllm")
+        )
+    return configs
+
+
+class VllmServer(ServerProcess):
+    """vLLM's OpenAI server in another environment (its CPU build: `LD_PRELOAD` of that
+    environment's Intel OpenMP, as its CPU guide asks, where the file is there)."""
+
+    def __init__(self, python: str, args: list[str], port: int) -> None:
+        self.python = python
+        env = {"VLLM_CPU_KVCACHE_SPACE": "2"}
+        iomp = os.path.join(os.path.dirname(os.path.dirname(python)), "lib", "libiomp5.so")
+        if os.path.exists(iomp):
+            env["LD_PRELOAD"] = iomp
+        super().__init__(args, port, env=env)
+
+    @property
+    def command(self) -> list[str]:
+        serve = [self.python, "-m", "vllm.entrypoints.openai.api_server"]
+        return [*serve, "--host", "127.0.0.1", "--port", str(self.port), *self.args]
 
 
 def _optional(args: argparse.Namespace, name: str) -> list[str]:
@@ -157,11 +223,12 @@ def spec_counters(base_url: str) -> dict[str, float] | None:
     totals: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name in (PROPOSED, ACCEPTED):
-                totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+            kind = "proposed" if sample.name in PROPOSED else "accepted"
+            if sample.name in PROPOSED + ACCEPTED:
+                totals[kind] = totals.get(kind, 0.0) + sample.value
     if not totals:
         return None
-    return {"proposed": totals.get(PROPOSED, 0.0), "accepted": totals.get(ACCEPTED, 0.0)}
+    return {"proposed": totals.get("proposed", 0.0), "accepted": totals.get("accepted", 0.0)}
 
 
 async def stream_chat(client: Any, model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
@@ -289,7 +356,11 @@ def _ms(seconds: float | None) -> float | None:
 def run_config(args: argparse.Namespace, config: Config) -> dict[str, Any]:
     """Start one server, warm it up, measure each set at each level, stop it."""
     print(f"[{config.name}] serve {shlex.join(config.flags)}", flush=True)
-    server = ServerProcess(list(config.flags), free_port())
+    server = (
+        VllmServer(args.vllm_python, list(config.flags), free_port())
+        if config.engine == "vllm"
+        else ServerProcess(list(config.flags), free_port())
+    )
     result: dict[str, Any] = {"name": config.name, "flags": list(config.flags), "levels": []}
     try:
         result["startup_s"] = round(server.wait_ready(args.startup_timeout), 2)

@@ -153,9 +153,10 @@ class SchedulerConfig:
 
 @dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
-    """Speculative decoding (spec/): `method` None is off. Each decoding request may
-    verify up to `num_speculative_tokens` proposed tokens per step, fewer as its measured
-    acceptance falls or the batch grows (spec/adaptive.py). `ngram_min`/`ngram_max`: the
+    """Speculative decoding (spec/): `speculative_method` None is off. Each decoding
+    request may verify up to `num_speculative_tokens` proposed tokens per step, fewer where
+    they would not pay: as planned from its measured acceptance and the measured cost of a
+    step's size (spec/cost.py). `ngram_min`/`ngram_max`: the
     n-gram lengths prompt lookup matches, longest first; `speculative_model`: the draft
     model of `draft` (an HF directory or .gguf file with the target's tokenizer)."""
 

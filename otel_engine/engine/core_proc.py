@@ -41,7 +41,6 @@ from otel_engine.model.arch import load_model_arch
 from otel_engine.model.limits import resolve_limits
 from otel_engine.observability.faults import FaultPhase, maybe_inject
 from otel_engine.observability.tracing import shutdown_telemetry
-from otel_engine.spec.draft import DraftSpeculator
 from otel_engine.timing import (
     CORE_IDLE_POLL_S,
     CRASH_FLUSH_S,
@@ -78,11 +77,13 @@ def build_engine_core(config: EngineConfig, model_dir: str, ipc_dir: IpcDir) -> 
         grammars.shutdown()
         raise
     try:
-        speculator = (
-            DraftSpeculator(config, arch, limits)
-            if config.speculative.speculative_method == SpeculativeMethod.DRAFT
-            else None
-        )
+        speculator = None
+        if config.speculative.speculative_method == SpeculativeMethod.DRAFT:
+            # Here, not at import: a draft model runs in this process, which otherwise at
+            # TP > 1 runs no model and never loads torch.
+            from otel_engine.spec.draft import DraftSpeculator
+
+            speculator = DraftSpeculator(config, arch, limits)
     except BaseException:
         grammars.shutdown()
         executor.shutdown(graceful=False)

@@ -74,6 +74,12 @@ EXTRA_FLAGS = {
     "--on-engine-failure",
     "--max-engine-restarts",
     "--engine-restart-window",
+    # speculative decoding (docs/speculative.md)
+    "--speculative-method",
+    "--num-speculative-tokens",
+    "--ngram-min",
+    "--ngram-max",
+    "--speculative-model",
 }
 # the post-mortem flags (docs/operations.md, "Reading a crash")
 POST_MORTEM_FLAGS = {"--crash-dump-dir", "--crash-history-steps"}
