@@ -83,13 +83,15 @@ def plan(
     caps: Sequence[int],
     target: StepCost,
     draft: StepCost | None = None,
+    catch_up: Sequence[int] = (),
 ) -> list[int]:
     """How many proposals each decoding request verifies: `acceptance[i]` is request i's
     chance that a proposal is accepted, `caps[i]` the most it may verify; `target` the
     step's cost by its sequences; `draft` the draft model's forward by its sequences (a
     request's j-th proposal needs the j-th draft forward, which runs for every request
-    with j or more). Before the step's cost is known at all, every request takes its cap
-    (the steps then measure it)."""
+    with j or more; its first also runs the `catch_up[i]` tokens the draft has not seen,
+    one sequence each). Before the step's cost is known at all, every request takes its
+    cap (the steps then measure it)."""
     n = len(caps)
     counts = [0] * n
     base = target.predict(n)
@@ -109,7 +111,8 @@ def plan(
         added += 1
         tokens += gain
         if draft is not None:
-            draft_seconds += _draft_round_delta(draft, round_rows, counts[i])
+            rows = catch_up[i] if counts[i] == 1 and catch_up else 1
+            draft_seconds += _draft_round_delta(draft, round_rows, counts[i], rows)
         seconds = target.predict(n + added)
         assert seconds is not None
         rate = tokens / (seconds + draft_seconds)
@@ -120,11 +123,13 @@ def plan(
     return best
 
 
-def _draft_round_delta(draft: StepCost, round_rows: list[int], round_index: int) -> float:
-    """One more sequence in draft forward `round_index` (1-based): what it adds."""
+def _draft_round_delta(
+    draft: StepCost, round_rows: list[int], round_index: int, added: int
+) -> float:
+    """`added` more sequences in draft forward `round_index` (1-based): what they add."""
     if len(round_rows) < round_index:
         round_rows.append(0)
     rows = round_rows[round_index - 1]
-    round_rows[round_index - 1] = rows + 1
-    after = draft.predict(rows + 1) or 0.0
+    round_rows[round_index - 1] = rows + added
+    after = draft.predict(rows + added) or 0.0
     return after - (draft.predict(rows) or 0.0) if rows else after

@@ -52,14 +52,21 @@ class Speculator:
         """Plan the step's proposals for the decoding requests among `running`."""
         decoding = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
         prior = self.acceptance
-        caps, acceptance = [], []
+        caps, acceptance, catch_up = [], [], []
         for request in decoding:
             state = request.spec
             if state is None:
                 state = request.spec = SpecState()
             caps.append(self.candidates(request, state) if state.take_turn() else 0)
             acceptance.append(state.acceptance(prior))
-        counts = plan(acceptance, caps, self.step_cost, self.draft_cost) if decoding else []
+            # The draft's first forward for it: the tokens it has not seen. A prompt it has
+            # never seen is paid once in the request's life, not charged to one step.
+            seen = state.num_draft_computed
+            catch_up.append(request.num_tokens - seen if seen else 1)
+        if not decoding:
+            self.planned = {}
+            return
+        counts = plan(acceptance, caps, self.step_cost, self.draft_cost, catch_up)
         self.planned = {id(r): c for r, c in zip(decoding, counts, strict=True) if c}
 
     def candidates(self, request: Request, state: SpecState) -> int:

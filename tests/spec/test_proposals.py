@@ -279,3 +279,13 @@ def test_preemption_and_pause_drop_the_draft_models_kv_too() -> None:
 
     assert request.spec.num_draft_computed == 0
     assert request.num_computed_tokens == 0
+
+
+def test_a_draft_models_catch_up_is_charged_to_its_first_proposal() -> None:
+    """At high acceptance the draft must first run the tokens the last step kept: 9 of
+    them for each of 16 requests makes the first draft forward a 144-sequence one."""
+    target = _cost(knee=1, base=0.100, per_row=0.001)
+    draft = _cost(knee=5, base=0.010, per_row=0.002)
+
+    assert sum(plan([0.95] * 16, [8] * 16, target, draft)) > 0
+    assert plan([0.95] * 16, [8] * 16, target, draft, catch_up=[9] * 16) == [0] * 16
