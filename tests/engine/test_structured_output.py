@@ -561,3 +561,37 @@ def test_a_carried_over_output_advances_the_grammar_or_fails_the_request(
     with pytest.raises(RuntimeError, match="refused a carried-over token"):
         _replayed(compiler.submit(spec).result(timeout=60), refused)
     compiler.shutdown()
+
+
+def test_proposed_tokens_get_a_mask_each_up_to_the_first_the_grammar_refuses(
+    tiny_model_dir: str,
+) -> None:
+    """Speculative decoding's proposals: the mask after each allowed one, none past a
+    refused one, and the matcher back where it was."""
+    compiler = compiler_for(tiny_model_dir)
+    spec = from_response_format(
+        schema_format(
+            {
+                "type": "object",
+                "properties": {"kind": {"enum": ["fox", "dog"]}},
+                "required": ["kind"],
+                "additionalProperties": False,
+            }
+        )
+    )
+    assert spec is not None
+    grammar = compiler.submit(spec).result(timeout=60)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    good = tokenizer.encode('{"kind":', add_special_tokens=False)
+    refused = tokenizer.encode("zz", add_special_tokens=False)[0]
+    fill_bitmasks([grammar])
+
+    allowed = grammar.fill_proposals([*good, refused, *good])
+
+    assert len(good) == allowed
+    assert grammar.proposal_rows.shape[0] == len(good) * 2 + 1
+    for token in good:  # the matcher was rolled back: the same tokens are accepted again
+        assert not grammar.accept(token)
+    assert grammar.error is None

@@ -263,3 +263,14 @@ def test_a_draft_model_with_another_vocabulary_is_refused_at_start(
 
     with pytest.raises(EngineStartupError, match="does not share the model's tokenizer"):
         LLM(tiny_model_dir, speculative_method="draft", speculative_model=other)
+
+
+def test_a_draft_model_that_is_not_there_fails_the_start_naming_it(
+    tiny_model_dir: str, tmp_path: Path
+) -> None:
+    from otel_engine import EngineStartupError
+
+    missing = tmp_path / "no-such-draft.gguf"
+
+    with pytest.raises(EngineStartupError, match=r"no-such-draft\.gguf"):
+        LLM(tiny_model_dir, speculative_method="draft", speculative_model=str(missing))
