@@ -27,10 +27,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import json
 import os
 import shlex
+import shutil
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -156,8 +159,9 @@ def build_configs(args: argparse.Namespace) -> list[Config]:
 
 def _vllm_configs(args: argparse.Namespace) -> list[Config]:
     """vLLM's OpenAI server on the checkpoint otel-engine converted the same file to (vLLM
-    reads a Hugging Face directory), in bfloat16, without and with its n-gram speculation at
-    the same K and n-gram lengths (vLLM's defaults where the engine's are not given)."""
+    reads a Hugging Face directory; a dense copy of it, `_vllm_checkpoint`), in bfloat16,
+    without and with its n-gram speculation at the same K and n-gram lengths (vLLM's defaults
+    where the engine's are not given)."""
     wanted = [m for m in ("vllm-off", "vllm-ngram") if m in args.methods]
     if not wanted:
         return []
@@ -165,7 +169,7 @@ def _vllm_configs(args: argparse.Namespace) -> list[Config]:
         raise SystemExit("vllm-off and vllm-ngram need --vllm-python (or $VLLM_PYTHON)")
     from otel_engine.model.loader import prepare_model_dir
 
-    model = prepare_model_dir(args.model)
+    model = _vllm_checkpoint(prepare_model_dir(args.model))
     base = ["--model", model, "--served-model-name", "SmolLM2-135M-Instruct"]
     base += ["--dtype", "bfloat16", "--max-model-len", "2048", "--no-enable-prefix-caching"]
     speculative = {
@@ -183,6 +187,30 @@ def _vllm_configs(args: argparse.Namespace) -> list[Config]:
             Config("vllm-ngram", flags, "vllm-off" if "vllm-off" in wanted else None, "vllm")
         )
     return configs
+
+
+def _vllm_checkpoint(model_dir: str) -> str:
+    """`model_dir` itself, or for a GGUF conversion a dense copy in a new temporary directory
+    (removed at exit): its weights dequantized as otel-engine reads them (`iter_weights`),
+    its config and tokenizer files copied. A conversion keeps its matrices, the embeddings
+    included, in their GGUF blocks under `QUANT_FILE`, which vLLM never reads: it would load
+    the norms alone and, every other weight left unset, answer token 0 (<|endoftext|>, a
+    special token: empty text) up to max_tokens."""
+    from safetensors.torch import save_file
+
+    from otel_engine.model.weights import QUANT_FILE, iter_weights
+
+    if not os.path.isfile(os.path.join(model_dir, QUANT_FILE)):
+        return model_dir
+    dense = tempfile.mkdtemp(prefix="otel-bench-vllm-")
+    atexit.register(shutil.rmtree, dense, ignore_errors=True)
+    weights = {name: tensor.contiguous() for name, tensor in iter_weights(model_dir)}
+    save_file(weights, os.path.join(dense, "model.safetensors"), metadata={"format": "pt"})
+    for name in os.listdir(model_dir):
+        path = os.path.join(model_dir, name)
+        if os.path.isfile(path) and not name.endswith(".safetensors"):
+            shutil.copy(path, dense)
+    return dense
 
 
 class VllmServer(ServerProcess):
