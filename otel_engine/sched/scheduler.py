@@ -53,7 +53,7 @@ class ScheduledChunk:
 class SpeculationPolicy(Protocol):
     """How many proposed tokens a decoding request may verify (spec/speculator.py)."""
 
-    def start_step(self, running: Sequence[Request]) -> None: ...
+    def start_step(self, running: Sequence[Request], num_waiting: int = 0) -> None: ...
 
     def slots(self, request: Request, limit: int) -> int: ...
 
@@ -190,7 +190,8 @@ class Scheduler:
         self.num_steps += 1
         output = SchedulerOutput(step_id=self.num_steps, chunks=[])
         if self.speculation is not None:
-            self.speculation.start_step(self.running)
+            room = max(0, self.max_num_seqs - len(self.running))
+            self.speculation.start_step(self.running, min(len(self.waiting), room))
         budget = self._schedule_running(output, self.max_num_batched_tokens)
         if not output.preempted_request_ids:
             self._schedule_waiting(output, budget)

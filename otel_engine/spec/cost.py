@@ -40,13 +40,16 @@ MIN_IMPROVEMENT = 0.05
 
 
 class StepCost:
-    """Seconds of a decode-only step by its number of sequences (moving averages)."""
+    """Seconds of a decode-only step by its number of sequences (moving averages), and of
+    a forward that prefills, by its tokens (`prefill_token_seconds`)."""
 
-    __slots__ = ("rows", "seconds")
+    __slots__ = ("floor", "prefill_token_seconds", "rows", "seconds")
 
     def __init__(self) -> None:
         self.seconds: dict[int, float] = {}
         self.rows: list[int] = []  # the measured counts, sorted
+        self.floor: list[float] = []  # per measured count: the most any count to it took
+        self.prefill_token_seconds: float | None = None
 
     def observe(self, rows: int, seconds: float) -> None:
         if rows <= 0 or seconds <= 0:
@@ -57,25 +60,40 @@ class StepCost:
             self.seconds[rows] = seconds
         else:
             self.seconds[rows] = old + EMA_WEIGHT * (seconds - old)
+        floor, most = self.floor, 0.0
+        floor.clear()
+        for count in self.rows:
+            most = max(most, self.seconds[count])
+            floor.append(most)
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """A forward of `tokens` tokens that prefilled took `seconds`."""
+        if tokens <= 0 or seconds <= 0:
+            return
+        per_token, old = seconds / tokens, self.prefill_token_seconds
+        self.prefill_token_seconds = (
+            per_token if old is None else old + EMA_WEIGHT * (per_token - old)
+        )
 
     def predict(self, rows: int) -> float | None:
         """The expected seconds of a step of `rows` sequences: measured, else between the
         nearest measured sizes, else past the largest (EXPLORE_ROWS as it, then
         UNSEEN_ROW_SHARE more per sequence), else the smallest above; None before any step
-        was measured."""
+        was measured. Never less than a smaller count was measured to take: more sequences
+        never cost less, whatever one noisy step said."""
         seconds = self.seconds
-        found = seconds.get(rows)
-        if found is not None:
-            return found
-        index = bisect.bisect_left(self.rows, rows)
-        below = self.rows[index - 1] if index > 0 else None
-        above = self.rows[index] if index < len(self.rows) else None
-        if below is None:
-            return None if above is None else seconds[above]
-        if above is None:
-            return seconds[below] * (1 + UNSEEN_ROW_SHARE * max(0, rows - below - EXPLORE_ROWS))
+        index = bisect.bisect_right(self.rows, rows)
+        if index == 0:
+            return seconds[self.rows[0]] if self.rows else None
+        below = self.rows[index - 1]
+        floor = self.floor[index - 1]
+        if below == rows:
+            return floor
+        if index == len(self.rows):
+            return floor * (1 + UNSEEN_ROW_SHARE * max(0, rows - below - EXPLORE_ROWS))
+        above = self.rows[index]
         share = (rows - below) / (above - below)
-        return seconds[below] + share * (seconds[above] - seconds[below])
+        return max(floor, seconds[below] + share * (seconds[above] - seconds[below]))
 
 
 def plan(
@@ -84,14 +102,16 @@ def plan(
     target: StepCost,
     draft: StepCost | None = None,
     catch_up: Sequence[int] = (),
+    upfront: Sequence[float] = (),
 ) -> list[int]:
     """How many proposals each decoding request verifies: `acceptance[i]` is request i's
     chance that a proposal is accepted, `caps[i]` the most it may verify; `target` the
     step's cost by its sequences; `draft` the draft model's forward by its sequences (a
     request's j-th proposal needs the j-th draft forward, which runs for every request
     with j or more; its first also runs the `catch_up[i]` tokens the draft has not seen,
-    one sequence each). Before the step's cost is known at all, every request takes its
-    cap (the steps then measure it)."""
+    one sequence each, and `upfront[i]` seconds more: the share of a prefill the draft must
+    run for it). Before the step's cost is known at all, every request takes its cap (the
+    steps then measure it)."""
     n = len(caps)
     counts = [0] * n
     base = target.predict(n)
@@ -113,6 +133,8 @@ def plan(
         if draft is not None:
             rows = catch_up[i] if counts[i] == 1 and catch_up else 1
             draft_seconds += _draft_round_delta(draft, round_rows, counts[i], rows)
+            if counts[i] == 1 and upfront:
+                draft_seconds += upfront[i]
         seconds = target.predict(n + added)
         assert seconds is not None
         rate = tokens / (seconds + draft_seconds)

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-from otel_engine.config import EngineConfig, Int4Mode, SpeculativeMethod
+from otel_engine.config import Dtype, EngineConfig, Int4Mode, SpeculativeMethod
 from otel_engine.engine.batch import prepare_model_input
 from otel_engine.executor.model_runner import ModelRunner
 from otel_engine.ipc.process import ENGINE_CORE
@@ -65,16 +65,22 @@ class DraftSpeculator(Speculator):
                 f"{arch.vocab_size} vs {target.vocab_size}, or other end-of-sequence tokens)"
             )
         # One rank in this process, whatever the target's; a lower-bit draft runs its own
-        # 4-bit path even where the target's is turned off (`--int4 off`).
+        # 4-bit path even where the target's is turned off (`--int4 off`), in the dtype
+        # `auto` gives it: a float32 target's draft still takes bfloat16's 4-bit kernels,
+        # whose forward of 4 sequences costs about 2 of one where float32's from the
+        # file's blocks cost 3 (the default model: 11 against 17 ms, on 2 cores).
         draft_config = dataclasses.replace(
             config,
             model=dataclasses.replace(
-                config.model, model=spec.speculative_model, int4=Int4Mode.AUTO
+                config.model,
+                model=spec.speculative_model,
+                int4=Int4Mode.AUTO,
+                dtype=Dtype.AUTO,
             ),
             parallel=dataclasses.replace(config.parallel, tensor_parallel_size=1),
         )
         self.runner = ModelRunner(draft_config, model_dir, limits, is_draft=True)
-        self.draft_cost = StepCost()
+        self.draft_cost: StepCost = StepCost()
         self.block_size = config.cache.block_size
 
     def propose(self, chunks: Sequence[ScheduledChunk], step_id: int = 0) -> None:
@@ -107,8 +113,8 @@ class DraftSpeculator(Speculator):
 
     def _run(self, chunks: list[ScheduledChunk], step_id: int) -> list[int]:
         """One forward of the draft over `chunks` in the engine's step `step_id`; each
-        chunk's last sampled token. A forward of decode sequences only is timed for the
-        planning (spec/cost.py)."""
+        chunk's last sampled token. Each forward is timed for the planning (spec/cost.py):
+        one of decode sequences only by its sequences, one that prefills by its tokens."""
         step = prepare_model_input(step_id, chunks, self.block_size)
         started = time.monotonic()
         try:
@@ -124,8 +130,11 @@ class DraftSpeculator(Speculator):
             raise DraftModelError(
                 f"the draft model {self.name} failed: {type(exc).__name__}"
             ) from exc
-        if step.num_decodes == len(step.query_lens) and self.draft_cost is not None:
-            self.draft_cost.observe(step.num_decodes, time.monotonic() - started)
+        seconds = time.monotonic() - started
+        if step.num_decodes == len(step.query_lens):
+            self.draft_cost.observe(step.num_decodes, seconds)
+        else:
+            self.draft_cost.observe_prefill(len(step.input_ids), seconds)
         last, position = [], 0
         for chunk in chunks:
             position += chunk.num_sample_rows

@@ -48,30 +48,64 @@ class Speculator:
         total = self.hits + self.fails
         return PRIOR_ACCEPTANCE if total < 1 else max(PRIOR_ACCEPTANCE, self.hits / total)
 
-    def start_step(self, running: Sequence[Request]) -> None:
-        """Plan the step's proposals for the decoding requests among `running`."""
+    def start_step(self, running: Sequence[Request], num_waiting: int = 0) -> None:
+        """Plan the step's proposals for the decoding requests among `running`, with
+        `num_waiting` more requests about to join them."""
         decoding = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
         prior = self.acceptance
-        caps, acceptance, catch_up = [], [], []
+        caps, acceptance, catch_up, upfront = [], [], [], []
         for request in decoding:
             state = request.spec
             if state is None:
                 state = request.spec = SpecState()
             caps.append(self.candidates(request, state) if state.take_turn() else 0)
             acceptance.append(state.acceptance(prior))
-            # The draft's first forward for it: the tokens it has not seen. A prompt it has
-            # never seen is paid once in the request's life, not charged to one step.
-            seen = state.num_draft_computed
-            catch_up.append(request.num_tokens - seen if seen else 1)
+            rows, seconds = self._draft_catch_up(request, state, acceptance[-1], caps[-1])
+            catch_up.append(rows)
+            upfront.append(seconds)
         if not decoding:
             self.planned = {}
             return
-        counts = plan(acceptance, caps, self.step_cost, self.draft_cost, catch_up)
+        # The requests still in their prompt, or waiting to start it, decode a few steps
+        # on: planned as decoding already, without proposals, so that a batch that is
+        # filling up does not start proposals (and a draft's prefills) that pay only while
+        # it is small.
+        filling = len(running) - len(decoding) + num_waiting
+        counts = plan(
+            acceptance + [0.0] * filling,
+            caps + [0] * filling,
+            self.step_cost,
+            self.draft_cost,
+            catch_up + [1] * filling,
+            upfront + [0.0] * filling,
+        )[: len(decoding)]
         self.planned = {id(r): c for r, c in zip(decoding, counts, strict=True) if c}
 
     def candidates(self, request: Request, state: SpecState) -> int:
         """How many tokens the method could propose for `request` this step."""
         return self.max_k
+
+    def _draft_catch_up(
+        self, request: Request, state: SpecState, acceptance: float, cap: int
+    ) -> tuple[int, float]:
+        """What the draft model's first forward for `request` this step costs besides its
+        one sequence: the tokens it has not seen, as decode sequences when few (the last
+        step's accepted ones: spec/draft.py), else as a prefill at the draft's measured
+        seconds per token. A prefill (the prompt, or what a request gained while it did
+        not propose) lets the draft propose for the rest of the request, so a step is
+        charged the share of the tokens it may gain (at most `cap` proposals at
+        `acceptance`) in those the request may still produce."""
+        draft = self.draft_cost
+        if draft is None:
+            return 1, 0.0
+        seen = state.num_draft_computed
+        missing = request.num_tokens - seen
+        if seen and missing <= self.max_k + 1:
+            return missing, 0.0
+        per_token = draft.prefill_token_seconds or 0.0
+        remaining = request.sampling_params.max_tokens - request.num_output_tokens
+        gained = sum(acceptance**j for j in range(cap + 1))
+        return 1, per_token * missing * min(1.0, gained / max(1, remaining))
 
     def slots(self, request: Request, limit: int) -> int:
         """How many proposed tokens `request`, decoding, verifies this step: as planned,

@@ -289,3 +289,120 @@ def test_a_draft_models_catch_up_is_charged_to_its_first_proposal() -> None:
 
     assert sum(plan([0.95] * 16, [8] * 16, target, draft)) > 0
     assert plan([0.95] * 16, [8] * 16, target, draft, catch_up=[9] * 16) == [0] * 16
+
+
+def test_a_step_never_predicts_cheaper_than_a_smaller_one_took() -> None:
+    """One slow step of 16 (a noisy machine) must not make 17 to 31 look cheap."""
+    cost = StepCost()
+    cost.observe(16, 0.600)
+    cost.observe(32, 0.070)
+
+    assert cost.predict(16) == pytest.approx(0.600)
+    assert cost.predict(24) == pytest.approx(0.600)
+    assert cost.predict(32) == pytest.approx(0.600)
+    assert cost.predict(8) == pytest.approx(0.600)  # below every count: the smallest's
+
+
+def test_a_prefill_is_measured_per_token() -> None:
+    cost = StepCost()
+    assert cost.prefill_token_seconds is None
+    cost.observe_prefill(100, 0.050)
+    cost.observe_prefill(0, 1.0)  # nothing run: nothing learned
+
+    assert cost.prefill_token_seconds == pytest.approx(0.0005)
+    cost.observe_prefill(10, 0.010)
+    assert cost.prefill_token_seconds == pytest.approx(0.0005 + EMA_WEIGHT * 0.0005)
+
+
+def test_seconds_a_draft_must_spend_first_are_charged_to_the_first_proposal() -> None:
+    target = _cost(knee=1, base=0.100, per_row=0.001)
+    draft = _cost(knee=5, base=0.010, per_row=0.002)
+
+    assert sum(plan([0.95] * 16, [8] * 16, target, draft, upfront=[0.0] * 16)) > 0
+    assert plan([0.95] * 16, [8] * 16, target, draft, upfront=[0.2] * 16) == [0] * 16
+
+
+def _draft_policy(prefill_token_seconds: float) -> Speculator:
+    """A speculator whose draft costs as measured (its model is not needed to plan)."""
+    policy = Speculator(SpeculativeConfig(num_speculative_tokens=8))
+    policy.draft_cost = _cost(knee=5, base=0.004, per_row=0.001)
+    policy.draft_cost.observe_prefill(1, prefill_token_seconds)
+    for rows in range(1, 65):
+        policy.observe_step(rows, 0.030 + 0.006 * (rows - 1))  # a dense float32 target
+    return policy
+
+
+@pytest.mark.parametrize(
+    ("num_prompt", "max_tokens", "prefill_token_seconds", "speculates"),
+    [
+        (8, 100, 0.0005, True),  # a short prompt: its draft prefill is nothing
+        (2000, 100, 0.0005, False),  # 1 s of draft prefill for at most 100 tokens
+        (2000, 100_000, 0.0005, True),  # the same over a long answer
+    ],
+)
+def test_a_prompt_the_draft_has_not_seen_is_charged_its_share(
+    num_prompt: int, max_tokens: int, prefill_token_seconds: float, speculates: bool
+) -> None:
+    policy = _draft_policy(prefill_token_seconds)
+    scheduler = Scheduler(
+        BlockAllocator(1024, 16),
+        max_num_seqs=64,
+        max_num_batched_tokens=4096,
+        max_model_len=200_000,
+        speculation=policy,
+    )
+    request = Request("r", list(range(num_prompt)), SamplingParams(max_tokens=max_tokens))
+    scheduler.add(request)
+    scheduler.update(scheduler.schedule(), [100])
+
+    (chunk,) = scheduler.schedule().chunks
+
+    assert (chunk.num_spec_slots > 0) == speculates
+
+
+def test_a_draft_that_has_seen_the_prompt_pays_only_for_the_new_tokens() -> None:
+    policy = _draft_policy(0.0005)
+    request = Request("r", list(range(2000)), SamplingParams(max_tokens=100))
+    request.output_token_ids = [5, 6, 7]
+    request.num_computed_tokens = request.num_tokens - 1
+    request.spec = SpecState(num_draft_computed=request.num_tokens - 3)
+
+    policy.start_step([request])
+
+    assert policy.slots(request, 100) > 0
+
+
+def test_a_draft_that_fell_behind_may_catch_up_again() -> None:
+    """A request that did not propose for a while (its proposals failed, or did not pay)
+    leaves the draft many tokens behind: catching up is a prefill that pays for the rest of
+    the request, not for one step, so it does not bar the request from proposing again."""
+    policy = _draft_policy(0.0005)
+    request = Request("r", list(range(100)), SamplingParams(max_tokens=1000))
+    request.output_token_ids = list(range(200))
+    request.num_computed_tokens = request.num_tokens - 1
+    request.spec = SpecState(num_draft_computed=100)
+
+    policy.start_step([request])
+
+    assert policy.slots(request, 100) > 0
+
+
+def test_a_batch_that_is_filling_up_is_planned_at_the_size_it_will_have() -> None:
+    """One request decodes while 31 wait for their prompts: proposals that pay for a batch
+    of one do not pay for the 32 it is about to be, and are not started."""
+    policy = Speculator(SpeculativeConfig(num_speculative_tokens=4))
+    for rows in range(1, 65):
+        policy.observe_step(rows, 0.01 + 0.0011 * max(0, rows - 5))
+    scheduler = _scheduler(policy)
+    first = Request("first", [1, 2, 3], SamplingParams(max_tokens=20))
+    _decoding(scheduler, first)
+
+    alone = scheduler.schedule()
+    assert alone.chunks[0].num_spec_slots == 4
+
+    scheduler.update(alone, [100] + [0] * alone.chunks[0].num_spec_slots)
+    for i in range(31):
+        scheduler.add(Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=20)))
+    filling = scheduler.schedule()
+
+    assert [c.num_spec_slots for c in filling.chunks if c.request is first] == [0]
