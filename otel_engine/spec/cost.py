@@ -43,12 +43,11 @@ class StepCost:
     """Seconds of a decode-only step by its number of sequences (moving averages), and of
     a forward that prefills, by its tokens (`prefill_token_seconds`)."""
 
-    __slots__ = ("floor", "prefill_token_seconds", "rows", "seconds")
+    __slots__ = ("prefill_token_seconds", "rows", "seconds")
 
     def __init__(self) -> None:
         self.seconds: dict[int, float] = {}
         self.rows: list[int] = []  # the measured counts, sorted
-        self.floor: list[float] = []  # per measured count: the most any count to it took
         self.prefill_token_seconds: float | None = None
 
     def observe(self, rows: int, seconds: float) -> None:
@@ -60,11 +59,6 @@ class StepCost:
             self.seconds[rows] = seconds
         else:
             self.seconds[rows] = old + EMA_WEIGHT * (seconds - old)
-        floor, most = self.floor, 0.0
-        floor.clear()
-        for count in self.rows:
-            most = max(most, self.seconds[count])
-            floor.append(most)
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """A forward of `tokens` tokens that prefilled took `seconds`."""
@@ -79,21 +73,20 @@ class StepCost:
         """The expected seconds of a step of `rows` sequences: measured, else between the
         nearest measured sizes, else past the largest (EXPLORE_ROWS as it, then
         UNSEEN_ROW_SHARE more per sequence), else the smallest above; None before any step
-        was measured. Never less than a smaller count was measured to take: more sequences
-        never cost less, whatever one noisy step said."""
+        was measured."""
         seconds = self.seconds
-        index = bisect.bisect_right(self.rows, rows)
-        if index == 0:
-            return seconds[self.rows[0]] if self.rows else None
-        below = self.rows[index - 1]
-        floor = self.floor[index - 1]
-        if below == rows:
-            return floor
-        if index == len(self.rows):
-            return floor * (1 + UNSEEN_ROW_SHARE * max(0, rows - below - EXPLORE_ROWS))
-        above = self.rows[index]
+        found = seconds.get(rows)
+        if found is not None:
+            return found
+        index = bisect.bisect_left(self.rows, rows)
+        below = self.rows[index - 1] if index > 0 else None
+        above = self.rows[index] if index < len(self.rows) else None
+        if below is None:
+            return None if above is None else seconds[above]
+        if above is None:
+            return seconds[below] * (1 + UNSEEN_ROW_SHARE * max(0, rows - below - EXPLORE_ROWS))
         share = (rows - below) / (above - below)
-        return max(floor, seconds[below] + share * (seconds[above] - seconds[below]))
+        return seconds[below] + share * (seconds[above] - seconds[below])
 
 
 def plan(

@@ -291,18 +291,6 @@ def test_a_draft_models_catch_up_is_charged_to_its_first_proposal() -> None:
     assert plan([0.95] * 16, [8] * 16, target, draft, catch_up=[9] * 16) == [0] * 16
 
 
-def test_a_step_never_predicts_cheaper_than_a_smaller_one_took() -> None:
-    """One slow step of 16 (a noisy machine) must not make 17 to 31 look cheap."""
-    cost = StepCost()
-    cost.observe(16, 0.600)
-    cost.observe(32, 0.070)
-
-    assert cost.predict(16) == pytest.approx(0.600)
-    assert cost.predict(24) == pytest.approx(0.600)
-    assert cost.predict(32) == pytest.approx(0.600)
-    assert cost.predict(8) == pytest.approx(0.600)  # below every count: the smallest's
-
-
 def test_a_prefill_is_measured_per_token() -> None:
     cost = StepCost()
     assert cost.prefill_token_seconds is None
