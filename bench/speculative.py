@@ -12,7 +12,9 @@ One server per configuration, each started once the previous one has stopped:
 - off-target: the draft method's target (the same plus --target-args) without speculation,
   the baseline of `draft`;
 - draft: the target with `--speculative-method draft --speculative-model PATH` (by default
-  the served GGUF file itself: its 4-bit path drafts for its dense self).
+  the served GGUF file itself: its 4-bit path drafts for its dense self);
+- vllm-off, vllm-ngram (only when listed; with --vllm-python): vLLM's OpenAI server on a dense
+  bfloat16 copy of the same weights, without and with its n-gram speculation.
 `off` in --methods runs the baselines of the other methods listed. Each server gets a warm-up,
 then at each level of concurrent streams each prompt set (bench/spec_prompts.py) is sent as
 streamed `/v1/chat/completions` at temperature 0, its prompts cycled up to the number of
@@ -92,7 +94,12 @@ def _levels(text: str) -> list[int]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = server_parser(__doc__)
-    parser.add_argument("--methods", type=_csv, default=list(METHODS), help="off,ngram,draft")
+    parser.add_argument(
+        "--methods",
+        type=_csv,
+        default=["off", "ngram", "draft"],
+        help=f"of {','.join(METHODS)} (default: off,ngram,draft)",
+    )
     parser.add_argument("--streams", type=_levels, help="1,4,16")
     parser.add_argument("--sets", type=_csv, default=list(PROMPT_SETS), help="prompt sets")
     parser.add_argument("--max-tokens", type=int, help="per request (default 128)")
