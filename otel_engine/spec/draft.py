@@ -66,9 +66,9 @@ class DraftSpeculator(Speculator):
             )
         # One rank in this process, whatever the target's; a lower-bit draft runs its own
         # 4-bit path even where the target's is turned off (`--int4 off`), in the dtype
-        # `auto` gives it: a float32 target's draft still takes bfloat16's 4-bit kernels,
-        # whose forward of 4 sequences costs about 2 of one where float32's from the
-        # file's blocks cost 3 (the default model: 11 against 17 ms, on 2 cores).
+        # `auto` gives it: a float32 target's draft still takes bfloat16's 4-bit kernels
+        # (the default model's draft forward of 4 sequences, on 2 cores: 11 ms, against 17
+        # in float32 from the file's blocks).
         draft_config = dataclasses.replace(
             config,
             model=dataclasses.replace(
