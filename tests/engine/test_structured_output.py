@@ -175,10 +175,11 @@ def test_the_grammar_wins_when_bans_leave_none_of_its_tokens() -> None:
     assert tokens == [eos]
 
 
-def test_masks_from_llguidance_allow_what_the_grammar_allows(tiny_model_dir: str) -> None:
-    """The words llguidance fills decode, bit by bit, to the tokens that keep the JSON
-    valid: after `{"kind":` only the enum's strings can start."""
-    compiler = compiler_for(tiny_model_dir)
+def _kind_grammar(model_dir: str) -> tuple[grammars.RequestGrammar, Any]:
+    """The grammar of `{"kind": "fox" | "dog"}` for the model at `model_dir`, and its
+    tokenizer."""
+    from transformers import AutoTokenizer
+
     spec = from_response_format(
         schema_format(
             {
@@ -190,10 +191,18 @@ def test_masks_from_llguidance_allow_what_the_grammar_allows(tiny_model_dir: str
         )
     )
     assert spec is not None
-    grammar = compiler.submit(spec).result(timeout=60)
-    from transformers import AutoTokenizer
+    compiler = compiler_for(model_dir)
+    try:
+        grammar = compiler.submit(spec).result(timeout=60)
+    finally:
+        compiler.shutdown()
+    return grammar, AutoTokenizer.from_pretrained(model_dir)
 
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+
+def test_masks_from_llguidance_allow_what_the_grammar_allows(tiny_model_dir: str) -> None:
+    """The words llguidance fills decode, bit by bit, to the tokens that keep the JSON
+    valid: after `{"kind":` only the enum's strings can start."""
+    grammar, tokenizer = _kind_grammar(tiny_model_dir)
     for token in tokenizer.encode('{"kind":', add_special_tokens=False):
         assert not grammar.accept(token)
     words = torch.frombuffer(bytearray(fill_bitmasks([grammar])), dtype=torch.int32)
@@ -207,7 +216,6 @@ def test_masks_from_llguidance_allow_what_the_grammar_allows(tiny_model_dir: str
             or '"fox"'.startswith(text.strip())
             or '"dog"'.startswith(text.strip())
         ), text
-    compiler.shutdown()
 
 
 def test_a_request_finishes_when_its_grammar_is_complete_or_refuses_a_token(
@@ -568,22 +576,7 @@ def test_proposed_tokens_get_a_mask_each_up_to_the_first_the_grammar_refuses(
 ) -> None:
     """Speculative decoding's proposals: the mask after each allowed one, none past a
     refused one, and the matcher back where it was."""
-    compiler = compiler_for(tiny_model_dir)
-    spec = from_response_format(
-        schema_format(
-            {
-                "type": "object",
-                "properties": {"kind": {"enum": ["fox", "dog"]}},
-                "required": ["kind"],
-                "additionalProperties": False,
-            }
-        )
-    )
-    assert spec is not None
-    grammar = compiler.submit(spec).result(timeout=60)
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    grammar, tokenizer = _kind_grammar(tiny_model_dir)
     good = tokenizer.encode('{"kind":', add_special_tokens=False)
     refused = tokenizer.encode("zz", add_special_tokens=False)[0]
     fill_bitmasks([grammar])
