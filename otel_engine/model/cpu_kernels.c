@@ -881,6 +881,9 @@ DEFINE_ATTENTION(float, f32, f16, f16, f32_f16)
  * per group, 16 floats d then 16 floats m + 8d. N is a multiple of 16, K of 32. */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #define Q4_ROWS 4 /* rows of x per tile; a tile is up to 4 rows by 32 columns of out */
+/* Two bfloat16 values read as one 32-bit word (the pair vdpbf16ps multiplies), at any even
+ * address. */
+typedef int32_t bf16_pair __attribute__((may_alias, aligned(2)));
 
 /* The j-th 32 bytes of block b's group g widened to 16-bit words: word 2c + e holds column
  * c's q for k = 32g + 4j + e in its low nibble and for k + 2 in its high one. */
@@ -890,11 +893,13 @@ static inline __m512i q4_words(const uint8_t *restrict w, int64_t groups, int b,
         _mm256_loadu_si256((const __m256i *)(w + (b * groups + g) * 256 + j * 32)));
 }
 
-/* ROWS rows of x by BLOCKS (1 or 2) blocks of 16 columns of out; constants where called. */
+/* ROWS rows of x by BLOCKS (1 or 2) blocks of 16 columns of out; constants where called.
+ * `ahead` (NULL: none): the weights of the next blocks, `ahead_blocks` of them, fetched a
+ * group at a time while this tile runs. */
 static inline __attribute__((always_inline)) void q4_tile(
     const int ROWS, const int BLOCKS, const bf16 *restrict x, const float *restrict sums,
     int64_t k, const uint8_t *restrict w, const float *restrict params, bf16 *restrict out,
-    int64_t n) {
+    int64_t n, const uint8_t *ahead, const float *ahead_params, int ahead_blocks) {
     const int64_t groups = k / Q4_GROUP;
     /* bfloat16 bits of q - 8 for q = 0..15 (vpermw looks each 16-bit lane up) */
     const __m512i centred = _mm512_set_epi16(
@@ -907,6 +912,12 @@ static inline __attribute__((always_inline)) void q4_tile(
     for (int r = 0; r < ROWS; r++)
         for (int b = 0; b < BLOCKS; b++) acc[r][b] = ZERO();
     for (int64_t g = 0; g < groups; g++) {
+        for (int b = 0; ahead && b < ahead_blocks; b++) {
+            const uint8_t *next = ahead + (b * groups + g) * 256;
+            for (int line = 0; line < 256; line += 64) prefetch_line(next + line);
+            prefetch_line(ahead_params + (b * groups + g) * 32);
+            prefetch_line(ahead_params + (b * groups + g) * 32 + 16);
+        }
         vec dot[Q4_ROWS][2], dot_high[Q4_ROWS][2]; /* two chains each: dpbf16 latency */
         for (int r = 0; r < ROWS; r++)
             for (int b = 0; b < BLOCKS; b++) dot[r][b] = dot_high[r][b] = ZERO();
@@ -918,8 +929,9 @@ static inline __attribute__((always_inline)) void q4_tile(
                 high[b] = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(bytes, 4), centred);
             }
             for (int r = 0; r < ROWS; r++) {
-                int32_t pairs[2];
-                memcpy(pairs, x + r * k + g * Q4_GROUP + j * 4, sizeof pairs);
+                /* each pair broadcast from memory (a load); read as one 8-byte word into a
+                 * general register (a memcpy of both) each took a shuffle from there */
+                const bf16_pair *pairs = (const bf16_pair *)(x + r * k + g * Q4_GROUP + j * 4);
                 const __m512bh first = (__m512bh)_mm512_set1_epi32(pairs[0]);
                 const __m512bh second = (__m512bh)_mm512_set1_epi32(pairs[1]);
                 for (int b = 0; b < BLOCKS; b++) {
@@ -941,12 +953,19 @@ static inline __attribute__((always_inline)) void q4_tile(
         for (int b = 0; b < BLOCKS; b++) store_bf16(out + r * n + b * 16, acc[r][b], 16);
 }
 
+/* Every row of x by one pair of blocks (`blocks`: 1 or 2); the first tile fetches the next
+ * pair's weights (`ahead_blocks` blocks, 0: none), so that steps of several rows, whose
+ * tiles each run over the pair, compute while the next pair is read from memory. */
 static void q4_rows(int64_t rows, int blocks, const bf16 *x, const float *sums, int64_t k,
-                    const uint8_t *w, const float *params, bf16 *out, int64_t n) {
+                    const uint8_t *w, const float *params, bf16 *out, int64_t n,
+                    int ahead_blocks) {
     const int64_t groups = k / Q4_GROUP;
+    const uint8_t *ahead = ahead_blocks ? w + 2 * groups * 256 : NULL;
+    const float *ahead_params = params + 2 * groups * 32;
     int64_t r = 0;
 #define Q4_TILE(ROWS, BLOCKS)                                                                  \
-    q4_tile(ROWS, BLOCKS, x + r * k, sums + r * groups, k, w, params, out + r * n, n)
+    q4_tile(ROWS, BLOCKS, x + r * k, sums + r * groups, k, w, params, out + r * n, n,          \
+            r ? NULL : ahead, ahead_params, ahead_blocks)
     if (blocks == 2) {
         for (; r + Q4_ROWS <= rows; r += Q4_ROWS) Q4_TILE(4, 2);
         switch (rows - r) {
@@ -981,8 +1000,10 @@ int q4_linear_bf16(bf16 *restrict out, const bf16 *restrict x, const uint8_t *re
     _Pragma("omp parallel for schedule(static) if (pairs > 1)")
     for (int64_t pair = 0; pair < pairs; pair++) {
         const int64_t block = 2 * pair;
+        const int64_t next = blocks - block - 2; /* blocks after this pair */
         q4_rows(rows, block + 1 < blocks ? 2 : 1, x, sums, k, w + block * groups * 256,
-                params + block * groups * 32, out + block * 16, n);
+                params + block * groups * 32, out + block * 16, n,
+                next <= 0 ? 0 : next < 2 ? 1 : 2);
     }
     return STATUS_OK;
 }

@@ -16,7 +16,8 @@ from otel_engine.model.quant import QuantWeight
 from otel_engine.model.weights import INT4_GROUP, Int4Tensor
 
 # Up to this many rows the exact 4-bit kernel is the faster (the default model's 30 layers,
-# weights in cache: 0.74 ms at 1 row, 2.63 at 8, 5.0 at 16; oneDNN bfloat16 2.6 / 3.5 / 4.9),
+# weights in cache: 0.74 ms at 1 row, 2.63 at 8, 5.0 at 16; oneDNN bfloat16 2.6 / 3.5 / 4.9;
+# read from memory, bench/int4_rows.py: 10.3 ms at 16 rows, the panels 11.4 at 17),
 # beyond it the bfloat16 panels (6.8 ms at 32 rows, 405 at 2,048, weights read from memory;
 # oneDNN 8.8 / 422), measured on a CPU without AMX. Where torch's matmul runs on AMX, tiles of
 # the blocks dequantized for it beat the panels beyond 16 rows (the default model's four

@@ -118,8 +118,9 @@ def test_int4_kernel_computes_scale_times_q_plus_offset(model_dir: str) -> None:
 
 
 def test_int4_kernel_shapes_rows_and_non_finite_input() -> None:
-    """Odd blocks of 16 columns, 1..9 rows (every tail of its 4-row tiles), fused parts: each
-    row's result is the same whatever the other rows are (bit for bit), an inf or NaN in a
+    """Odd blocks of 16 columns, 1..16 rows (every row count the 4-bit path takes, so every
+    tail of its 4-row tiles), fused parts: each row's result is the same whatever the other
+    rows are (bit for bit: a verifying step's row is the plain step's), an inf or NaN in a
     row makes that row non-finite and leaves the others alone."""
     generator = torch.Generator().manual_seed(0)
     parts = []
@@ -130,16 +131,18 @@ def test_int4_kernel_shapes_rows_and_non_finite_input() -> None:
         parts.append(Int4Tensor(q, scale.to(torch.float16), offset.to(torch.float16)))
     packed = _pack(parts)
     weight = torch.cat([_dequantized(p) for p in parts])
-    x = (torch.randn(9, 96, generator=generator) * 4).to(torch.bfloat16)
+    x = (torch.randn(INT4_MAX_ROWS, 96, generator=generator) * 4).to(torch.bfloat16)
     full = _q4_linear(x, packed)
     _assert_close(full, x.double() @ weight.T)
-    for rows in range(1, 9):
+    for rows in range(1, INT4_MAX_ROWS):
         assert torch.equal(_q4_linear(x[:rows].contiguous(), packed), full[:rows])
+        assert torch.equal(_q4_linear(x[-rows:].contiguous(), packed), full[-rows:])
     x[2, 5], x[4, 70] = float("inf"), float("nan")
     out = _q4_linear(x, packed).float()
     assert not out[2].isfinite().any()
     assert not out[4].isfinite().any()
-    assert torch.equal(out[[0, 1, 3, 5, 6, 7, 8]], full[[0, 1, 3, 5, 6, 7, 8]].float())
+    finite = [row for row in range(INT4_MAX_ROWS) if row not in (2, 4)]
+    assert torch.equal(out[finite], full[finite].float())
 
 
 def _panel_linear(x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
