@@ -25,8 +25,13 @@ from __future__ import annotations
 import bisect
 import heapq
 from collections.abc import Sequence
+from typing import NamedTuple
 
 EMA_WEIGHT = 0.2  # of the newest step, in a sequence count's moving average
+# A count's first step stands only until its second replaces it: a new shape's first run
+# pays one-time costs (the default model's first 16-sequence step took 26.9 ms, the 15s 23.3).
+# Its next 1 / EMA_WEIGHT steps are averaged alike, then the average moves.
+SETTLED_STEPS = 2  # a count's steps measured before its cost is more than a first run's
 # Past the largest sequence count seen: up to EXPLORE_ROWS more cost what it did (a guess
 # that lets the plan try slightly larger steps, and so learn what they cost), each one past
 # those this share of it more (a cautious guess, above the measured 11%).
@@ -43,10 +48,11 @@ class StepCost:
     """Seconds of a decode-only step by its number of sequences (moving averages), and of
     a forward that prefills, by its tokens (`prefill_token_seconds`)."""
 
-    __slots__ = ("prefill_token_seconds", "rows", "seconds")
+    __slots__ = ("counts", "prefill_token_seconds", "rows", "seconds")
 
     def __init__(self) -> None:
         self.seconds: dict[int, float] = {}
+        self.counts: dict[int, int] = {}  # steps measured, by sequence count
         self.rows: list[int] = []  # the measured counts, sorted
         self.prefill_token_seconds: float | None = None
 
@@ -54,11 +60,19 @@ class StepCost:
         if rows <= 0 or seconds <= 0:
             return
         old = self.seconds.get(rows)
+        count = self.counts[rows] = self.counts.get(rows, 0) + 1
         if old is None:
             bisect.insort(self.rows, rows)
             self.seconds[rows] = seconds
+        elif count == SETTLED_STEPS:
+            self.seconds[rows] = seconds
         else:
-            self.seconds[rows] = old + EMA_WEIGHT * (seconds - old)
+            share = max(EMA_WEIGHT, 1 / (count - SETTLED_STEPS + 1))
+            self.seconds[rows] = old + share * (seconds - old)
+
+    def is_settled(self, rows: int) -> bool:
+        """Whether steps of `rows` sequences were measured past their first run."""
+        return self.counts.get(rows, 0) >= SETTLED_STEPS
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """A forward of `tokens` tokens that prefilled took `seconds`."""
@@ -89,6 +103,14 @@ class StepCost:
         return seconds[below] + share * (seconds[above] - seconds[below])
 
 
+class Plan(NamedTuple):
+    """Proposals per request, and the expected tokens per second they give over none's (1.0
+    for none; None before any step was measured)."""
+
+    counts: list[int]
+    gain: float | None
+
+
 def plan(
     acceptance: Sequence[float],
     caps: Sequence[int],
@@ -96,7 +118,7 @@ def plan(
     draft: StepCost | None = None,
     catch_up: Sequence[int] = (),
     upfront: Sequence[float] = (),
-) -> list[int]:
+) -> Plan:
     """How many proposals each decoding request verifies: `acceptance[i]` is request i's
     chance that a proposal is accepted, `caps[i]` the most it may verify; `target` the
     step's cost by its sequences; `draft` the draft model's forward by its sequences (a
@@ -109,11 +131,12 @@ def plan(
     counts = [0] * n
     base = target.predict(n)
     if base is None:
-        return list(caps)
+        return Plan(list(caps), None)
     round_rows: list[int] = []  # sequences of each draft forward
     draft_seconds = 0.0
     tokens = float(n)
-    best_rate, best = tokens / base * (1 + MIN_IMPROVEMENT), list(counts)
+    plain_rate = tokens / base
+    best_rate, best = plain_rate * (1 + MIN_IMPROVEMENT), list(counts)
     heap = [(-p, i) for i, p in enumerate(acceptance) if caps[i] > 0 and p >= MIN_GAIN]
     heapq.heapify(heap)
     added = 0
@@ -135,7 +158,7 @@ def plan(
             best_rate, best = rate, list(counts)
         if counts[i] < caps[i] and gain * acceptance[i] >= MIN_GAIN:
             heapq.heappush(heap, (-gain * acceptance[i], i))
-    return best
+    return Plan(best, best_rate / plain_rate if any(best) else 1.0)
 
 
 def _draft_round_delta(

@@ -27,6 +27,14 @@ from otel_engine.spec.state import DECAY, SpecState
 # propose, and so never show that its proposals are good. A try costs one verification;
 # proposals that then fail are cut (spec/state.py).
 PRIOR_ACCEPTANCE = 0.5
+# A plan that expects less than this gain over no proposals rests on what a step of the
+# batch's size costs without them, which the steps that verify never measure: where that was
+# last measured more than EXPLORE_STEPS steps ago, or never past its first run (one slow
+# first 16-sequence step, 26.9 ms where 15 took 23.3, had a 16-stream batch propose on
+# every step), a step runs without proposals and measures it again. A plan that expects
+# more (one stream, text it quotes) gains whatever that cost is off by, and never stops.
+EXPLORE_BELOW_GAIN = 1.25
+EXPLORE_STEPS = 32
 
 
 class Speculator:
@@ -41,6 +49,8 @@ class Speculator:
         self.draft_cost: StepCost | None = None  # a draft model's forwards (draft.py)
         self.hits = self.fails = 0.0  # every request's recent verifications, decayed
         self.planned: dict[int, int] = {}  # id(request) -> proposals, this step
+        self.num_plans = 0  # steps planned
+        self.measured_at: dict[int, int] = {}  # sequences -> the last plan its step measured
 
     @property
     def acceptance(self) -> float:
@@ -63,6 +73,7 @@ class Speculator:
             rows, seconds = self._draft_catch_up(request, state, acceptance[-1], caps[-1])
             catch_up.append(rows)
             upfront.append(seconds)
+        self.num_plans += 1
         if not decoding:
             self.planned = {}
             return
@@ -71,15 +82,27 @@ class Speculator:
         # filling up does not start proposals (and a draft's prefills) that pay only while
         # it is small.
         filling = len(running) - len(decoding) + num_waiting
-        counts = plan(
+        proposals = plan(
             acceptance + [0.0] * filling,
             caps + [0] * filling,
             self.step_cost,
             self.draft_cost,
             catch_up + [1] * filling,
             upfront + [0.0] * filling,
-        )[: len(decoding)]
+        )
+        counts = proposals.counts[: len(decoding)]
+        if not filling and self._measures_plain(len(decoding), proposals.gain):
+            counts = [0] * len(decoding)
         self.planned = {id(r): c for r, c in zip(decoding, counts, strict=True) if c}
+
+    def _measures_plain(self, size: int, gain: float | None) -> bool:
+        """Whether this step, of `size` decoding requests, runs without the proposals planned
+        (expecting `gain`) to measure again what it costs so (EXPLORE_STEPS)."""
+        if gain is None or gain <= 1.0 or gain >= EXPLORE_BELOW_GAIN:
+            return False
+        measured = self.measured_at.get(size)
+        stale = measured is None or self.num_plans - measured > EXPLORE_STEPS
+        return stale or not self.step_cost.is_settled(size)
 
     def candidates(self, request: Request, state: SpecState) -> int:
         """How many tokens the method could propose for `request` this step."""
@@ -127,6 +150,7 @@ class Speculator:
         """A decode-only step of `num_sequences` sequences took `seconds` (proposing
         excluded)."""
         self.step_cost.observe(num_sequences, seconds)
+        self.measured_at[num_sequences] = self.num_plans
 
 
 class NgramSpeculator(Speculator):

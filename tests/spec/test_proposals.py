@@ -15,7 +15,7 @@ from otel_engine.sched.request import Request, RequestStatus
 from otel_engine.sched.scheduler import Scheduler
 from otel_engine.spec.cost import EMA_WEIGHT, EXPLORE_ROWS, UNSEEN_ROW_SHARE, StepCost, plan
 from otel_engine.spec.ngram import TokenHistory, lookup
-from otel_engine.spec.speculator import Speculator
+from otel_engine.spec.speculator import EXPLORE_STEPS, Speculator
 from otel_engine.spec.state import MAX_SKIP_STEPS, SpecState
 from otel_engine.spec.verify import accepted_tokens
 
@@ -122,22 +122,22 @@ def _cost(knee: int, base: float, per_row: float) -> StepCost:
 def test_a_step_within_the_knee_verifies_everything_likely_at_all() -> None:
     cost = _cost(knee=5, base=0.01, per_row=0.0011)
 
-    assert plan([0.5], [4], cost) == [4]  # 5 sequences cost what 1 does
-    assert plan([0.7, 0.2], [4, 4], cost) == [3, 0]  # the likelier gets the free ones
+    assert plan([0.5], [4], cost).counts == [4]  # 5 sequences cost what 1 does
+    assert plan([0.7, 0.2], [4, 4], cost).counts == [3, 0]  # the likelier gets the free ones
 
 
 def test_past_the_knee_only_proposals_that_pay_are_verified() -> None:
     cost = _cost(knee=5, base=0.01, per_row=0.0011)
 
-    assert plan([0.7] * 32, [4] * 32, cost) == [0] * 32  # 32 streams: compute-bound
-    assert plan([0.9] * 32, [4] * 32, cost) == [0] * 32  # 1.9x the tokens for 1.9x the time
-    sixteen = plan([0.95] * 8 + [0.1] * 8, [4] * 16, cost)
+    assert plan([0.7] * 32, [4] * 32, cost).counts == [0] * 32  # 32 streams: compute-bound
+    assert plan([0.9] * 32, [4] * 32, cost).counts == [0] * 32  # 1.9x the tokens for 1.9x the time
+    sixteen = plan([0.95] * 8 + [0.1] * 8, [4] * 16, cost).counts
     assert sum(sixteen[8:]) == 0  # the unlikely ones get none
     assert sum(sixteen[:8]) > 0
 
 
 def test_before_any_step_is_measured_the_caps_are_taken() -> None:
-    assert plan([0.5, 0.5], [3, 0], StepCost()) == [3, 0]
+    assert plan([0.5, 0.5], [3, 0], StepCost()).counts == [3, 0]
 
 
 def test_step_cost_interpolates_and_is_cautious_past_what_it_saw() -> None:
@@ -148,16 +148,22 @@ def test_step_cost_interpolates_and_is_cautious_past_what_it_saw() -> None:
     assert cost.predict(3) == pytest.approx(0.012)
     assert cost.predict(5 + EXPLORE_ROWS) == pytest.approx(0.014)  # tried as free, to learn
     assert cost.predict(7 + EXPLORE_ROWS) == pytest.approx(0.014 * (1 + 2 * UNSEEN_ROW_SHARE))
-    cost.observe(5, 0.019)
-    assert cost.predict(5) == pytest.approx(0.014 + EMA_WEIGHT * 0.005)
+    cost.observe(5, 0.019)  # a count's second step replaces its first
+    assert cost.predict(5) == pytest.approx(0.019)
+    cost.observe(5, 0.015)  # its next ones are averaged alike
+    assert cost.predict(5) == pytest.approx(0.017)
+    for _ in range(10):
+        cost.observe(5, 0.017)
+    cost.observe(5, 0.022)  # then a moving average
+    assert cost.predict(5) == pytest.approx(0.017 + EMA_WEIGHT * 0.005)
 
 
 def test_a_draft_models_forwards_count_against_its_proposals() -> None:
     target = _cost(knee=1, base=0.040, per_row=0.0)  # a dense float32 target: reads rule
     cheap, dear = _cost(knee=1, base=0.004, per_row=0.0), _cost(knee=1, base=0.05, per_row=0.0)
 
-    assert plan([0.9], [4], target, cheap) == [4]
-    assert plan([0.9], [4], target, dear) == [0]  # each proposal costs more than a step
+    assert plan([0.9], [4], target, cheap).counts == [4]
+    assert plan([0.9], [4], target, dear).counts == [0]  # each proposal costs more than a step
 
 
 def _scheduler(policy: Speculator | None, num_blocks: int = 64) -> Scheduler:
@@ -287,8 +293,8 @@ def test_a_draft_models_catch_up_is_charged_to_its_first_proposal() -> None:
     target = _cost(knee=1, base=0.100, per_row=0.001)
     draft = _cost(knee=5, base=0.010, per_row=0.002)
 
-    assert sum(plan([0.95] * 16, [8] * 16, target, draft)) > 0
-    assert plan([0.95] * 16, [8] * 16, target, draft, catch_up=[9] * 16) == [0] * 16
+    assert sum(plan([0.95] * 16, [8] * 16, target, draft).counts) > 0
+    assert plan([0.95] * 16, [8] * 16, target, draft, catch_up=[9] * 16).counts == [0] * 16
 
 
 def test_a_prefill_is_measured_per_token() -> None:
@@ -306,8 +312,8 @@ def test_seconds_a_draft_must_spend_first_are_charged_to_the_first_proposal() ->
     target = _cost(knee=1, base=0.100, per_row=0.001)
     draft = _cost(knee=5, base=0.010, per_row=0.002)
 
-    assert sum(plan([0.95] * 16, [8] * 16, target, draft, upfront=[0.0] * 16)) > 0
-    assert plan([0.95] * 16, [8] * 16, target, draft, upfront=[0.2] * 16) == [0] * 16
+    assert sum(plan([0.95] * 16, [8] * 16, target, draft, upfront=[0.0] * 16).counts) > 0
+    assert plan([0.95] * 16, [8] * 16, target, draft, upfront=[0.2] * 16).counts == [0] * 16
 
 
 def _draft_policy(prefill_token_seconds: float) -> Speculator:
@@ -316,7 +322,8 @@ def _draft_policy(prefill_token_seconds: float) -> Speculator:
     policy.draft_cost = _cost(knee=5, base=0.004, per_row=0.001)
     policy.draft_cost.observe_prefill(1, prefill_token_seconds)
     for rows in range(1, 65):
-        policy.observe_step(rows, 0.030 + 0.006 * (rows - 1))  # a dense float32 target
+        for _ in range(2):  # measured (a size measured once is measured again first)
+            policy.observe_step(rows, 0.030 + 0.006 * (rows - 1))  # a dense float32 target
     return policy
 
 
@@ -394,3 +401,70 @@ def test_a_batch_that_is_filling_up_is_planned_at_the_size_it_will_have() -> Non
     filling = scheduler.schedule()
 
     assert [c.num_spec_slots for c in filling.chunks if c.request is first] == [0]
+
+
+def _sixteen_streams(first_sixteen: float) -> Speculator:
+    """Step costs as measured at 16 streams (2 cores, the default model): 23.3 ms for 15
+    sequences, 0.67 ms more for each past that, each count measured often, but 16 once, at
+    `first_sixteen`."""
+    policy = Speculator(SpeculativeConfig(num_speculative_tokens=4))
+    for rows in range(1, 65):
+        for _ in range(1 if rows == 16 else 5):
+            seconds = first_sixteen if rows == 16 else 0.0233 + 0.00067 * max(0, rows - 15)
+            policy.observe_step(rows, seconds)
+    return policy
+
+
+def _decoding_requests(count: int) -> list[Request]:
+    requests = []
+    for i in range(count):
+        request = Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=100))
+        request.output_token_ids = [4]
+        request.num_computed_tokens = request.num_tokens - 1
+        requests.append(request)
+    return requests
+
+
+def test_a_batch_size_measured_once_is_measured_again_before_a_marginal_plan() -> None:
+    """Verifying steps never measure what the batch's step costs without proposals. One slow
+    first step of 16 sequences (26.9 ms where 15 take 23.3) made proposals at acceptance 0.5
+    look 13% better than none, and every step proposed. Such a plan runs a plain step first;
+    with what that measures, the proposals no longer pay."""
+    policy = _sixteen_streams(first_sixteen=0.0269)
+    requests = _decoding_requests(16)
+
+    policy.start_step(requests)
+    assert not policy.planned  # measures the plain step instead
+
+    policy.observe_step(16, 0.0234)  # replaces the first
+    policy.start_step(requests)
+    assert not policy.planned  # measured: proposals at 0.5 do not pay at 16 streams
+
+
+def test_a_fresh_measurement_is_not_taken_again_until_it_is_stale() -> None:
+    policy = _sixteen_streams(first_sixteen=0.0240)
+    requests = _decoding_requests(16)
+    for request in requests:
+        request.spec = SpecState(hits=1.0)  # acceptance 2/3: a plan that gains 15%
+
+    policy.start_step(requests)
+    assert not policy.planned  # 16 measured once: measured again
+    policy.observe_step(16, 0.0240)
+    for _ in range(EXPLORE_STEPS):
+        policy.start_step(requests)
+        assert policy.planned  # the plan pays, on what was measured
+    policy.start_step(requests)
+    assert not policy.planned  # stale: measured again
+
+
+def test_a_plan_that_pays_well_never_stops_to_measure() -> None:
+    """One stream: proposals cost little more than the step; whatever the step costs, they
+    pay, and no step goes without them to find out (each count measured once)."""
+    policy = Speculator(SpeculativeConfig(num_speculative_tokens=8))
+    for rows in range(1, 17):
+        policy.observe_step(rows, 0.010 + 0.0005 * (rows - 1))
+    (request,) = _decoding_requests(1)
+
+    for _ in range(2 * EXPLORE_STEPS):
+        policy.start_step([request])
+        assert policy.slots(request, 100) > 0
