@@ -6,7 +6,9 @@
         [--speculative-model PATH] [--target-args '--int4 off --dtype float32']
         [--server-args ARGS] [--quick] [--json out.json]
 
-One server per configuration, each started once the previous one has stopped:
+One server per configuration; a baseline's server and those of the methods compared with it
+run together, each idle while another is measured, and each set at each level is measured
+on each of them in turn (one group of servers started once the previous one has stopped):
 - off: the engine as configured (--model, --dtype, --server-args), without speculation;
 - ngram: the same with `--speculative-method ngram`;
 - off-target: the draft method's target (the same plus --target-args) without speculation,
@@ -388,40 +390,95 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(1000 * seconds, 1)
 
 
-def run_config(args: argparse.Namespace, config: Config) -> dict[str, Any]:
-    """Start one server, warm it up, measure each set at each level, stop it."""
-    print(f"[{config.name}] serve {shlex.join(config.flags)}", flush=True)
-    server = (
-        VllmServer(args.vllm_python, list(config.flags), free_port())
-        if config.engine == "vllm"
-        else ServerProcess(list(config.flags), free_port())
-    )
-    result: dict[str, Any] = {"name": config.name, "flags": list(config.flags), "levels": []}
+class Served:
+    """One configuration's server and what it measured (`result`: the report's run)."""
+
+    def __init__(self, args: argparse.Namespace, config: Config) -> None:
+        self.config = config
+        self.server = (
+            VllmServer(args.vllm_python, list(config.flags), free_port())
+            if config.engine == "vllm"
+            else ServerProcess(list(config.flags), free_port())
+        )
+        self.result: dict[str, Any] = {
+            "name": config.name,
+            "flags": list(config.flags),
+            "levels": [],
+        }
+        self.model = ""
+
+    def start(self, timeout: float) -> None:
+        """Start the server, wait for it, warm it up."""
+        name = self.config.name
+        print(f"[{name}] serve {shlex.join(self.config.flags)}", flush=True)
+        self._guard(self._start, timeout)
+        if "error" not in self.result:
+            print(f"[{name}] ready in {self.result['startup_s']:.1f} s, {self.result['warm']}")
+
+    def _start(self, timeout: float) -> None:
+        self.result["startup_s"] = round(self.server.wait_ready(timeout), 2)
+        self.model = served_model_name(self.server.base_url)
+        url = self.server.base_url
+        warm = asyncio.run(run_requests(url, self.model, list(WARMUP), len(WARMUP), WARMUP_TOKENS))
+        self.result["warm"] = f"warm-up {warm['wall_s']:.1f} s ({len(warm['errors'])} failed)"
+
+    def measure(self, args: argparse.Namespace, set_name: str, streams: int) -> None:
+        """One prompt set at one level of streams (nothing once the server has failed)."""
+        if "error" in self.result:
+            return
+        self._guard(self._measure, args, set_name, streams)
+
+    def _measure(self, args: argparse.Namespace, set_name: str, streams: int) -> None:
+        prompts = list(PROMPT_SETS[set_name][: args.prompts_per_set])
+        level = measure_level(self.server, self.model, set_name, prompts, streams, args.max_tokens)
+        self.result["levels"].append(level)
+        print(f"[{self.config.name}] {_level_line(level)}", flush=True)
+        if self.server.returncode is not None:
+            raise RuntimeError(f"server exited with {self.server.returncode}")
+
+    def _guard(self, step: Any, *step_args: Any) -> None:
+        try:
+            step(*step_args)
+        except Exception as error:
+            self.result["error"] = f"{type(error).__name__}: {error}"
+            print(f"[{self.config.name}] failed: {self.result['error']}", file=sys.stderr)
+
+    def stop(self) -> dict[str, Any]:
+        self.result["shutdown"] = self.server.stop(keep_log="error" in self.result)
+        self.result.pop("warm", None)
+        return self.result
+
+
+def groups(configs: list[Config]) -> list[list[Config]]:
+    """The configurations each compared with one baseline, that baseline first; a method
+    whose baseline is not run, alone."""
+    by_baseline: dict[str, list[Config]] = {c.name: [c] for c in configs if c.baseline is None}
+    alone: list[Config] = []
+    for config in configs:
+        if config.baseline is not None:
+            by_baseline.get(config.baseline, alone).append(config)
+    return [*by_baseline.values(), *([c] for c in alone)]
+
+
+def run_group(args: argparse.Namespace, group: list[Config]) -> dict[str, dict[str, Any]]:
+    """A baseline and the methods compared with it, their servers up together (each idle
+    while another is measured): each set at each level is measured on each in turn, the
+    order reversed from one level to the next, so that the pairs compared were measured a
+    minute apart at most, not a server's whole run apart (the rate of this machine drifts
+    by 10% and more over minutes)."""
+    served = [Served(args, config) for config in group]
     try:
-        result["startup_s"] = round(server.wait_ready(args.startup_timeout), 2)
-        model = served_model_name(server.base_url)
-        warm = asyncio.run(
-            run_requests(server.base_url, model, list(WARMUP), len(WARMUP), WARMUP_TOKENS)
-        )
-        print(
-            f"[{config.name}] ready in {result['startup_s']:.1f} s, warm-up "
-            f"{warm['wall_s']:.1f} s ({len(warm['errors'])} failed)",
-            flush=True,
-        )
+        for one in served:
+            one.start(args.startup_timeout)
+        turn = 0
         for streams in args.streams:
             for set_name in args.sets:
-                prompts = list(PROMPT_SETS[set_name][: args.prompts_per_set])
-                level = measure_level(server, model, set_name, prompts, streams, args.max_tokens)
-                result["levels"].append(level)
-                print(f"[{config.name}] {_level_line(level)}", flush=True)
-                if server.returncode is not None:
-                    raise RuntimeError(f"server exited with {server.returncode}")
-    except Exception as error:
-        result["error"] = f"{type(error).__name__}: {error}"
-        print(f"[{config.name}] failed: {result['error']}", file=sys.stderr, flush=True)
+                for one in served if turn % 2 == 0 else reversed(served):
+                    one.measure(args, set_name, streams)
+                turn += 1
     finally:
-        result["shutdown"] = server.stop(keep_log="error" in result)
-    return result
+        results = {one.config.name: one.stop() for one in served}
+    return results
 
 
 def _level_line(level: dict[str, Any]) -> str:
@@ -592,8 +649,8 @@ def main(argv: list[str] | None = None) -> int:
         "runs": {},
     }
     began = time.monotonic()
-    for config in configs:
-        report["runs"][config.name] = run_config(args, config)
+    for group in groups(configs):
+        report["runs"] |= run_group(args, group)
     report["wall_s"] = round(time.monotonic() - began, 1)
     analyse(configs, report["runs"], args.streams[0])
     print_summary(report)
