@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from otel_engine.config import SpeculativeConfig, SpeculativeMethod
 from otel_engine.sched.request import Request
 from otel_engine.sched.scheduler import ScheduledChunk
-from otel_engine.spec.cost import StepCost, plan
+from otel_engine.spec.cost import MIN_IMPROVEMENT, StepCost, plan
 from otel_engine.spec.ngram import lookup
 from otel_engine.spec.state import DECAY, SpecState
 
@@ -35,6 +35,13 @@ PRIOR_ACCEPTANCE = 0.5
 # more (one stream, text it quotes) gains whatever that cost is off by, and never stops.
 EXPLORE_BELOW_GAIN = 1.25
 EXPLORE_STEPS = 32
+# What verifying steps delivered against what their plans expected (tokens per second over
+# a plain step's), by batch size, a moving average with this weight a step. A plan is
+# trusted as far as its size's plans delivered: at 16 streams plans expecting 5-50% more
+# delivered 0.89-1.26x, the acceptance of a request's next proposals and the cost of a
+# larger step both being estimates. Where a size's plans under-deliver it stops proposing,
+# but lets one verifying step through every EXPLORE_STEPS steps to learn again.
+DELIVERED_WEIGHT = 0.1
 
 
 class Speculator:
@@ -51,6 +58,11 @@ class Speculator:
         self.planned: dict[int, int] = {}  # id(request) -> proposals, this step
         self.num_plans = 0  # steps planned
         self.measured_at: dict[int, int] = {}  # sequences -> the last plan its step measured
+        self.delivered: dict[int, float] = {}  # batch size -> delivered / expected gain
+        self.verified_at: dict[int, int] = {}  # batch size -> the last plan that verified
+        self.step_plan: tuple[int, float] | None = None  # (size, expected gain) this step
+        self.step_accepted = 0  # proposed tokens the step kept
+        self.step_draft_seconds = 0.0  # a draft model's forwards this step
 
     @property
     def acceptance(self) -> float:
@@ -74,6 +86,7 @@ class Speculator:
             catch_up.append(rows)
             upfront.append(seconds)
         self.num_plans += 1
+        self.step_plan, self.step_accepted, self.step_draft_seconds = None, 0, 0.0
         if not decoding:
             self.planned = {}
             return
@@ -91,14 +104,27 @@ class Speculator:
             upfront + [0.0] * filling,
         )
         counts = proposals.counts[: len(decoding)]
-        if not filling and self._measures_plain(len(decoding), proposals.gain):
-            counts = [0] * len(decoding)
+        size, gain = len(decoding), proposals.gain
+        if not filling and any(counts) and gain is not None:
+            if self._measures_plain(size, gain) or not self._is_trusted(size, gain):
+                counts = [0] * size
+            else:
+                self.step_plan = (size, gain)
+                self.verified_at[size] = self.num_plans
         self.planned = {id(r): c for r, c in zip(decoding, counts, strict=True) if c}
 
-    def _measures_plain(self, size: int, gain: float | None) -> bool:
+    def _is_trusted(self, size: int, gain: float) -> bool:
+        """Whether a plan for `size` decoding requests expecting `gain` runs: its expectation
+        times what its size's plans delivered beats no proposals, or the size has not
+        verified for EXPLORE_STEPS steps (DELIVERED_WEIGHT)."""
+        if gain * self.delivered.get(size, 1.0) >= 1 + MIN_IMPROVEMENT:
+            return True
+        return self.num_plans - self.verified_at.get(size, 0) > EXPLORE_STEPS
+
+    def _measures_plain(self, size: int, gain: float) -> bool:
         """Whether this step, of `size` decoding requests, runs without the proposals planned
         (expecting `gain`) to measure again what it costs so (EXPLORE_STEPS)."""
-        if gain is None or gain <= 1.0 or gain >= EXPLORE_BELOW_GAIN:
+        if gain >= EXPLORE_BELOW_GAIN:
             return False
         measured = self.measured_at.get(size)
         stale = measured is None or self.num_plans - measured > EXPLORE_STEPS
@@ -145,12 +171,22 @@ class Speculator:
             request.spec.observe(proposed, accepted)
             self.hits = DECAY * self.hits + accepted
             self.fails = DECAY * self.fails + (accepted < proposed)
+            self.step_accepted += accepted
 
     def observe_step(self, num_sequences: int, seconds: float) -> None:
         """A decode-only step of `num_sequences` sequences took `seconds` (proposing
         excluded)."""
         self.step_cost.observe(num_sequences, seconds)
         self.measured_at[num_sequences] = self.num_plans
+        if self.step_plan is None:
+            return
+        size, expected = self.step_plan
+        plain = self.step_cost.predict(size)
+        if plain:  # tokens per second delivered, over a plain step's
+            spent = seconds + self.step_draft_seconds
+            delivered = (size + self.step_accepted) / spent / (size / plain)
+            old = self.delivered.get(size, 1.0)
+            self.delivered[size] = old + DELIVERED_WEIGHT * (delivered / expected - old)
 
 
 class NgramSpeculator(Speculator):

@@ -468,3 +468,33 @@ def test_a_plan_that_pays_well_never_stops_to_measure() -> None:
     for _ in range(2 * EXPLORE_STEPS):
         policy.start_step([request])
         assert policy.slots(request, 100) > 0
+
+
+def test_a_batch_size_whose_plans_under_deliver_stops_proposing_for_a_while() -> None:
+    """Plans at 16 streams that expect 15% more than a plain step but deliver less (their
+    requests' estimates stay optimistic: each as if new): after a few such steps that size
+    proposes no more, then lets one verifying step through every EXPLORE_STEPS steps, to
+    learn again."""
+    policy = Speculator(SpeculativeConfig(num_speculative_tokens=4))
+    for rows in range(1, 65):
+        for _ in range(2):
+            policy.observe_step(rows, 0.0233 + 0.00067 * max(0, rows - 15))
+    requests = _decoding_requests(16)
+
+    verifying = []
+    for _ in range(2 * EXPLORE_STEPS + 8):
+        for request in requests:
+            request.spec = SpecState(hits=1.0)  # acceptance 2/3, whatever was kept
+        policy.start_step(requests)
+        planned = dict(policy.planned)
+        verifying.append(bool(planned))
+        for request in requests:
+            policy.observe(request, planned.get(id(request), 0), 0)  # nothing kept
+        rows = 16 + sum(planned.values())
+        policy.observe_step(rows, policy.step_cost.predict(rows) or 0.0)
+
+    stopped = verifying.index(False)
+    assert 0 < stopped <= 5
+    assert not any(verifying[stopped : stopped + EXPLORE_STEPS])
+    assert verifying[stopped + EXPLORE_STEPS]  # one step through, to learn again
+    assert not any(verifying[stopped + EXPLORE_STEPS + 1 : 2 * stopped + EXPLORE_STEPS + 1])
