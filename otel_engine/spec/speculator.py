@@ -62,7 +62,7 @@ class Speculator:
         self.verified_at: dict[int, int] = {}  # batch size -> the last plan that verified
         self.step_plan: tuple[int, float] | None = None  # (size, expected gain) this step
         self.step_accepted = 0  # proposed tokens the step kept
-        self.step_draft_seconds = 0.0  # a draft model's forwards this step
+        self.step_draft_seconds = 0.0  # a draft model's decode forwards this step
 
     @property
     def acceptance(self) -> float:
