@@ -961,7 +961,7 @@ static void q4_rows(int64_t rows, int blocks, const bf16 *x, const float *sums, 
                     int ahead_blocks) {
     const int64_t groups = k / Q4_GROUP;
     const uint8_t *ahead = ahead_blocks ? w + 2 * groups * 256 : NULL;
-    const float *ahead_params = params + 2 * groups * 32;
+    const float *ahead_params = ahead_blocks ? params + 2 * groups * 32 : NULL;
     int64_t r = 0;
 #define Q4_TILE(ROWS, BLOCKS)                                                                  \
     q4_tile(ROWS, BLOCKS, x + r * k, sums + r * groups, k, w, params, out + r * n, n,          \
