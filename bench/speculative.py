@@ -39,6 +39,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -408,12 +409,13 @@ class Served:
         self.model = ""
 
     def start(self, timeout: float) -> None:
-        """Start the server, wait for it, warm it up."""
+        """Wait for the server (started with this object) and warm it up."""
         name = self.config.name
         print(f"[{name}] serve {shlex.join(self.config.flags)}", flush=True)
         self._guard(self._start, timeout)
         if "error" not in self.result:
-            print(f"[{name}] ready in {self.result['startup_s']:.1f} s, {self.result['warm']}")
+            ready = f"ready in {self.result['startup_s']:.1f} s, {self.result['warm']}"
+            print(f"[{name}] {ready}", flush=True)
 
     def _start(self, timeout: float) -> None:
         self.result["startup_s"] = round(self.server.wait_ready(timeout), 2)
@@ -436,12 +438,14 @@ class Served:
         if self.server.returncode is not None:
             raise RuntimeError(f"server exited with {self.server.returncode}")
 
-    def _guard(self, step: Any, *step_args: Any) -> None:
+    def _guard(self, step: Callable[..., None], *step_args: Any) -> None:
         try:
             step(*step_args)
         except Exception as error:
             self.result["error"] = f"{type(error).__name__}: {error}"
-            print(f"[{self.config.name}] failed: {self.result['error']}", file=sys.stderr)
+            print(
+                f"[{self.config.name}] failed: {self.result['error']}", file=sys.stderr, flush=True
+            )
 
     def stop(self) -> dict[str, Any]:
         self.result["shutdown"] = self.server.stop(keep_log="error" in self.result)
@@ -466,8 +470,10 @@ def run_group(args: argparse.Namespace, group: list[Config]) -> dict[str, dict[s
     order reversed from one level to the next, so that the pairs compared were measured a
     minute apart at most, not a server's whole run apart (the rate of this machine drifts
     by 10% and more over minutes)."""
-    served = [Served(args, config) for config in group]
+    served: list[Served] = []
     try:
+        for config in group:  # each server starts here, the group's together
+            served.append(Served(args, config))
         for one in served:
             one.start(args.startup_timeout)
         turn = 0
