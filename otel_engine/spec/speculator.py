@@ -60,7 +60,8 @@ class Speculator:
         self.measured_at: dict[int, int] = {}  # sequences -> the last plan its step measured
         self.delivered: dict[int, float] = {}  # batch size -> delivered / expected gain
         self.verified_at: dict[int, int] = {}  # batch size -> the last plan that verified
-        self.step_plan: tuple[int, float] | None = None  # (size, expected gain) this step
+        # (batch size, its verifying step's sequences, expected gain) of this step's plan
+        self.step_plan: tuple[int, int, float] | None = None
         self.step_accepted = 0  # proposed tokens the step kept
         self.step_draft_seconds = 0.0  # a draft model's decode forwards this step
 
@@ -109,7 +110,7 @@ class Speculator:
             if self._measures_plain(size, gain) or not self._is_trusted(size, gain):
                 counts = [0] * size
             else:
-                self.step_plan = (size, gain)
+                self.step_plan = (size, size + sum(counts), gain)
                 self.verified_at[size] = self.num_plans
         self.planned = {id(r): c for r, c in zip(decoding, counts, strict=True) if c}
 
@@ -180,7 +181,9 @@ class Speculator:
         self.measured_at[num_sequences] = self.num_plans
         if self.step_plan is None:
             return
-        size, expected = self.step_plan
+        size, planned, expected = self.step_plan
+        if num_sequences != planned:  # slots cut (a budget, max_tokens): not the plan's step
+            return
         plain = self.step_cost.predict(size)
         if plain:  # tokens per second delivered, over a plain step's
             spent = seconds + self.step_draft_seconds

@@ -36,3 +36,23 @@ def test_a_draft_on_the_served_model_shares_off_with_ngram(speculative: ModuleTy
 
 def test_a_method_whose_baseline_is_not_run_runs_alone(speculative: ModuleType) -> None:
     assert _groups(speculative, "--methods", "ngram,draft") == [["ngram"], ["draft"]]
+
+
+def test_a_group_whose_servers_fail_reports_each_and_leaves_none_running(
+    speculative: ModuleType,
+) -> None:
+    """Servers that exit at start (a flag the engine refuses): each run says why, measures
+    nothing, and every server of the group is stopped."""
+    flags = "--methods off,ngram --streams 1 --sets quoting --prompts-per-set 1"
+    args = speculative.parse_args(
+        ["--server-args", "--max-num-seqs 0", "--startup-timeout", "120", *flags.split()]
+    )
+    (group,) = speculative.groups(speculative.build_configs(args))
+
+    runs = speculative.run_group(args, group)
+
+    assert list(runs) == ["off", "ngram"]
+    for run in runs.values():
+        assert "error" in run
+        assert run["levels"] == []
+        assert run["shutdown"]["killed_leftovers"] == []

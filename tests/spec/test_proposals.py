@@ -498,3 +498,22 @@ def test_a_batch_size_whose_plans_under_deliver_stops_proposing_for_a_while() ->
     assert not any(verifying[stopped : stopped + EXPLORE_STEPS])
     assert verifying[stopped + EXPLORE_STEPS]  # one step through, to learn again
     assert not any(verifying[stopped + EXPLORE_STEPS + 1 : 2 * stopped + EXPLORE_STEPS + 1])
+
+
+def test_a_step_whose_slots_were_cut_says_nothing_of_its_plan() -> None:
+    """The scheduler may grant fewer slots than planned (a step's budget, a request near its
+    max_tokens): that step is not the plan's, and what it delivers is not counted against
+    its batch size's plans."""
+    policy = Speculator(SpeculativeConfig(num_speculative_tokens=4))
+    for rows in range(1, 65):
+        for _ in range(2):
+            policy.observe_step(rows, 0.0233 + 0.00067 * max(0, rows - 15))
+    requests = _decoding_requests(16)
+    for request in requests:
+        request.spec = SpecState(hits=1.0)
+
+    policy.start_step(requests)
+    assert policy.planned
+    policy.observe_step(16, 0.0233)  # every slot cut: a plain step
+
+    assert 16 not in policy.delivered
