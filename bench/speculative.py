@@ -4,7 +4,7 @@
         [--sets quoting,summarization,code_edit,free_chat] [--max-tokens 128]
         [--num-speculative-tokens K] [--ngram-min N] [--ngram-max N]
         [--speculative-model PATH] [--target-args '--int4 off --dtype float32']
-        [--server-args ARGS] [--quick] [--json out.json]
+        [--server-args ARGS] [--repeats N] [--quick] [--json out.json]
 
 One server per configuration; a baseline's server and those of the methods compared with it
 run together, each idle while another is measured, and each set at each level is measured
@@ -22,9 +22,12 @@ then at each level of concurrent streams each prompt set (bench/spec_prompts.py)
 streamed `/v1/chat/completions` at temperature 0, its prompts cycled up to the number of
 streams: output tok/s, TTFT, the acceptance rate from the deltas of
 `otel_engine_spec_decode_{proposed,accepted}_tokens_total`, and the speed-up over the
-baseline at the same set and level. Exactness: the requests whose text differs from the
-baseline's (a baseline is compared with its own first level: what batching alone changes).
-Prints numbers only; asserts nothing.
+baseline at the same set and level. With --repeats N each set at each level is measured N
+times on each server in turn, and the table gives the median of each number over the rounds,
+with the speed-up's median and its range over the rounds (each round's rate over its
+baseline's in the same round): at 16 streams one round's rate moves by 5-10% from the next.
+Exactness: the requests whose text differs from the baseline's (a baseline is compared with
+its own first level: what batching alone changes). Prints numbers only; asserts nothing.
 """
 
 from __future__ import annotations
@@ -120,6 +123,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--server-args", default="", help="flags added to every server")
     parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        metavar="N",
+        help="rounds of each set at each level on each server, in turn (default 1)",
+    )
+    parser.add_argument(
         "--vllm-python",
         default=os.environ.get("VLLM_PYTHON"),
         help="the Python of an environment with vLLM's CPU build, for vllm-off and "
@@ -139,6 +149,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ]
     if unknown:
         parser.error(f"unknown methods or sets: {', '.join(unknown)}")
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
     return args
 
 
@@ -344,8 +356,10 @@ def measure_level(
     prompts: list[str],
     streams: int,
     max_tokens: int,
+    repeat: int = 0,
 ) -> dict[str, Any]:
-    """One prompt set at one level of streams, with the speculation counters' deltas."""
+    """One prompt set at one level of streams (its round `repeat`), with the speculation
+    counters' deltas."""
     requests = [prompts[i % len(prompts)] for i in range(max(len(prompts), streams))]
     before = spec_counters(server.base_url)
     meter = CpuMeter({"server": server.processes(), "client": [psutil.Process()]})
@@ -357,6 +371,7 @@ def measure_level(
     level: dict[str, Any] = {
         "set": set_name,
         "streams": streams,
+        "repeat": repeat,
         "num_prompts": len(prompts),
         "num_requests": len(requests),
         "num_errors": len(run["errors"]),
@@ -424,15 +439,20 @@ class Served:
         warm = asyncio.run(run_requests(url, self.model, list(WARMUP), len(WARMUP), WARMUP_TOKENS))
         self.result["warm"] = f"warm-up {warm['wall_s']:.1f} s ({len(warm['errors'])} failed)"
 
-    def measure(self, args: argparse.Namespace, set_name: str, streams: int) -> None:
-        """One prompt set at one level of streams (nothing once the server has failed)."""
+    def measure(
+        self, args: argparse.Namespace, set_name: str, streams: int, repeat: int = 0
+    ) -> None:
+        """One prompt set at one level of streams, its round `repeat` (nothing once the
+        server has failed)."""
         if "error" in self.result:
             return
-        self._guard(self._measure, args, set_name, streams)
+        self._guard(self._measure, args, set_name, streams, repeat)
 
-    def _measure(self, args: argparse.Namespace, set_name: str, streams: int) -> None:
+    def _measure(self, args: argparse.Namespace, set_name: str, streams: int, repeat: int) -> None:
         prompts = list(PROMPT_SETS[set_name][: args.prompts_per_set])
-        level = measure_level(self.server, self.model, set_name, prompts, streams, args.max_tokens)
+        level = measure_level(
+            self.server, self.model, set_name, prompts, streams, args.max_tokens, repeat
+        )
         self.result["levels"].append(level)
         print(f"[{self.config.name}] {_level_line(level)}", flush=True)
         if self.server.returncode is not None:
@@ -466,10 +486,10 @@ def groups(configs: list[Config]) -> list[list[Config]]:
 
 def run_group(args: argparse.Namespace, group: list[Config]) -> dict[str, dict[str, Any]]:
     """A baseline and the methods compared with it, their servers up together (each idle
-    while another is measured): each set at each level is measured on each in turn, the
-    order reversed from one level to the next, so that the pairs compared were measured a
-    minute apart at most, not a server's whole run apart (the rate of this machine drifts
-    by 10% and more over minutes)."""
+    while another is measured): each set at each level (each of its rounds) is measured on
+    each in turn, the order reversed from one round to the next, so that the pairs compared
+    were measured a minute apart at most, not a server's whole run apart (the rate of this
+    machine drifts by 10% and more over minutes)."""
     served: list[Served] = []
     try:
         for config in group:  # each server starts here, the group's together
@@ -479,9 +499,10 @@ def run_group(args: argparse.Namespace, group: list[Config]) -> dict[str, dict[s
         turn = 0
         for streams in args.streams:
             for set_name in args.sets:
-                for one in served if turn % 2 == 0 else reversed(served):
-                    one.measure(args, set_name, streams)
-                turn += 1
+                for repeat in range(args.repeats):
+                    for one in served if turn % 2 == 0 else reversed(served):
+                        one.measure(args, set_name, streams, repeat)
+                    turn += 1
     finally:
         results = {one.config.name: one.stop() for one in served}
     return results
@@ -524,16 +545,18 @@ def _shared(a: str, b: str) -> int:
 
 
 def analyse(configs: list[Config], runs: dict[str, dict[str, Any]], first_streams: int) -> None:
-    """Add to every level its speed-up over its baseline and its exactness: a method's texts
-    against its baseline's at the same set and level, a baseline's against its own at the
-    first level (what batching alone changes)."""
+    """Add to every level its speed-up over its baseline's in the same round and its
+    exactness: a method's texts against its baseline's at the same set, level and round, a
+    baseline's against its own first round at the first level (what batching alone
+    changes); then to every run its `summary` over the rounds (`summarize`)."""
     by_key = {
-        name: {(lv["set"], lv["streams"]): lv for lv in run["levels"]} for name, run in runs.items()
+        name: {(lv["set"], lv["streams"], lv.get("repeat", 0)): lv for lv in run["levels"]}
+        for name, run in runs.items()
     }
     for config in configs:
         for key, level in by_key[config.name].items():
             if config.baseline is None:
-                reference = by_key[config.name].get((key[0], first_streams))
+                reference = by_key[config.name].get((key[0], first_streams, 0))
                 if reference is not None and reference is not level:
                     level["exactness"] = exactness(level, reference) | {"against": "first level"}
                 continue
@@ -543,6 +566,54 @@ def analyse(configs: list[Config], runs: dict[str, dict[str, Any]], first_stream
             level["speed_up"] = round(level["tok_s"] / base["tok_s"], 3) if base["tok_s"] else None
             level["is_baseline_contended"] = _is_contended(base)
             level["exactness"] = exactness(level, base) | {"against": config.baseline}
+    for run in runs.values():
+        run["summary"] = summarize(run["levels"])
+
+
+def summarize(levels: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per set and level over its rounds: the median of the rounds' tok/s, TTFT and
+    TPOT medians, the median speed-up and its range, the acceptance of all their proposals,
+    and their differing requests together."""
+    rounds: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for level in levels:
+        rounds.setdefault((level["set"], level["streams"]), []).append(level)
+    rows = []
+    for (set_name, streams), measured in rounds.items():
+        row: dict[str, Any] = {
+            "set": set_name,
+            "streams": streams,
+            "rounds": len(measured),
+            "num_requests": sum(lv["num_requests"] for lv in measured),
+            "num_errors": sum(lv["num_errors"] for lv in measured),
+            "output_tokens": sum(lv["output_tokens"] for lv in measured),
+            "is_contended": any(_is_contended(lv) for lv in measured),
+            "is_baseline_contended": any(lv.get("is_baseline_contended") for lv in measured),
+        }
+        for name in ("tok_s", "ttft_median_ms", "tpot_median_ms"):
+            row[name] = _median([lv[name] for lv in measured])
+        speed_ups = [lv["speed_up"] for lv in measured if lv.get("speed_up") is not None]
+        row["speed_up"] = _median(speed_ups)
+        row["speed_up_range"] = [min(speed_ups), max(speed_ups)] if speed_ups else None
+        if all("proposed" in lv for lv in measured):
+            proposed = sum(lv["proposed"] for lv in measured)
+            accepted = sum(lv["accepted"] for lv in measured)
+            row |= {"proposed": proposed, "accepted": accepted}
+            row["acceptance"] = round(accepted / proposed, 4) if proposed else None
+        checks = [lv["exactness"] for lv in measured if "exactness" in lv]
+        if checks:
+            row["exactness"] = {
+                "against": checks[0]["against"],
+                "num_compared": sum(c["num_compared"] for c in checks),
+                "num_differing": sum(c["num_differing"] for c in checks),
+            }
+        rows.append(row)
+    return rows
+
+
+def _median(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    middle = quantile(present, 0.5)
+    return None if middle is None else round(middle, 3)
 
 
 def print_summary(report: dict[str, Any]) -> None:
@@ -552,35 +623,42 @@ def print_summary(report: dict[str, Any]) -> None:
         f"temperature 0, {report['cpu_count']} CPUs; CPU busy before start "
         f"{report['cpu_busy_before_pct']:.0f}%"
     )
+    repeats = report.get("repeats", 1)
     rows = []
     for set_name in report["sets"]:
         for streams in report["streams"]:
             for name, run in runs.items():
-                level = next(
+                summary = next(
                     (
-                        lv
-                        for lv in run["levels"]
-                        if (lv["set"], lv["streams"]) == (set_name, streams)
+                        row
+                        for row in run.get("summary", [])
+                        if (row["set"], row["streams"]) == (set_name, streams)
                     ),
                     None,
                 )
-                if level is not None:
-                    rows.append(_row(name, level))
+                if summary is not None:
+                    rows.append(_row(name, summary))
     headers = ["set", "streams", "config", "requests", "tokens", "tok/s", "speed-up"]
     headers += ["ttft p50 ms", "tpot p50 ms", "accepted", "differ"]
     if rows:
         print_table(headers, rows)
+    rounds = (
+        f"each number the median of {repeats} rounds, the speed-up's range over them in "
+        f"parentheses. "
+        if repeats > 1
+        else ""
+    )
     print(
         f"speed-up: tok/s over the baseline's (off; off-target for draft) at the same set and "
-        f"streams. differ: requests whose text is not the baseline's; in parentheses, a "
-        f"baseline against itself at {report['streams'][0]} stream(s). * other processes took "
+        f"streams; {rounds}differ: requests whose text is not the baseline's; in parentheses, "
+        f"a baseline against itself at {report['streams'][0]} stream(s). * other processes took "
         f"more than {CONTENDED_CORES} CPU cores during that level (for a speed-up: or during "
         f"the baseline's): rerun"
     )
     print("\n== exactness (temperature 0): requests whose text differs from the baseline's")
     rows = []
     for name, run in runs.items():
-        checks = [lv for lv in run["levels"] if "exactness" in lv]
+        checks = [row for row in run.get("summary", []) if "exactness" in row]
         if checks:
             against = checks[0]["exactness"]["against"]
             cells = [
@@ -598,37 +676,42 @@ def print_summary(report: dict[str, Any]) -> None:
         )
 
 
-def _differing(levels: list[dict[str, Any]]) -> str:
-    if not levels:
+def _differing(rows: list[dict[str, Any]]) -> str:
+    if not rows:
         return "-"
-    differing = sum(lv["exactness"]["num_differing"] for lv in levels)
-    return f"{differing}/{sum(lv['exactness']['num_compared'] for lv in levels)}"
+    differing = sum(row["exactness"]["num_differing"] for row in rows)
+    return f"{differing}/{sum(row['exactness']['num_compared'] for row in rows)}"
 
 
 def _is_contended(level: dict[str, Any]) -> bool:
     return bool(level["cpu_cores"].get("other", 0.0) > CONTENDED_CORES)
 
 
-def _row(name: str, level: dict[str, Any]) -> list[str]:
-    contended = _is_contended(level)
-    is_suspect = contended or level.get("is_baseline_contended")
-    speed_up_mark = "*" if is_suspect and level.get("speed_up") is not None else ""
-    acceptance = level.get("acceptance")
-    check = level.get("exactness")
+def _row(name: str, summary: dict[str, Any]) -> list[str]:
+    """A table row of one configuration's `summarize` row."""
+    contended = summary["is_contended"]
+    is_suspect = contended or summary["is_baseline_contended"]
+    speed_up_mark = "*" if is_suspect and summary.get("speed_up") is not None else ""
+    acceptance = summary.get("acceptance")
+    check = summary.get("exactness")
     differ = "-"
     if check is not None:
         differ = f"{check['num_differing']}/{check['num_compared']}"
         differ = f"({differ})" if check["against"] == "first level" else differ
+    speed_up = fmt(summary.get("speed_up"), 2) + speed_up_mark
+    spread = summary.get("speed_up_range")
+    if spread is not None and summary["rounds"] > 1:
+        speed_up += f" ({spread[0]:.2f}-{spread[1]:.2f})"
     return [
-        level["set"],
-        str(level["streams"]),
+        summary["set"],
+        str(summary["streams"]),
         name,
-        f"{level['num_requests'] - level['num_errors']}/{level['num_requests']}",
-        str(level["output_tokens"]),
-        fmt(level["tok_s"]) + ("*" if contended else ""),
-        fmt(level.get("speed_up"), 2) + speed_up_mark,
-        fmt(level["ttft_median_ms"], 0),
-        fmt(level["tpot_median_ms"]),
+        f"{summary['num_requests'] - summary['num_errors']}/{summary['num_requests']}",
+        str(summary["output_tokens"]),
+        fmt(summary["tok_s"]) + ("*" if contended else ""),
+        speed_up,
+        fmt(summary["ttft_median_ms"], 0),
+        fmt(summary["tpot_median_ms"]),
         "-" if acceptance is None else f"{100 * acceptance:.1f}%",
         differ,
     ]
@@ -646,6 +729,7 @@ def main(argv: list[str] | None = None) -> int:
         "streams": args.streams,
         "max_tokens": args.max_tokens,
         "prompts_per_set": args.prompts_per_set,
+        "repeats": args.repeats,
         "configs": [
             {"name": c.name, "flags": list(c.flags), "baseline": c.baseline} for c in configs
         ],

@@ -56,3 +56,94 @@ def test_a_group_whose_servers_fail_reports_each_and_leaves_none_running(
         assert "error" in run
         assert run["levels"] == []
         assert run["shutdown"]["killed_leftovers"] == []
+
+
+def _level(repeat: int, tok_s: float, **extra: object) -> dict[str, object]:
+    return {
+        "set": "quoting",
+        "streams": 16,
+        "repeat": repeat,
+        "num_requests": 16,
+        "num_errors": 0,
+        "output_tokens": 2000,
+        "tok_s": tok_s,
+        "ttft_median_ms": 100.0 + repeat,
+        "tpot_median_ms": 20.0,
+        "cpu_cores": {"other": 0.0},
+        **extra,
+    }
+
+
+def test_rounds_are_summarized_by_their_medians_and_the_speed_ups_range(
+    speculative: ModuleType,
+) -> None:
+    """--repeats: a set and level's rounds make one row: medians of the rates, the median of
+    the rounds' speed-ups over their own round's baseline and their range, the acceptance of
+    all their proposals, their differing requests together."""
+    check = {"against": "off", "num_compared": 16}
+    levels = [
+        _level(
+            0,
+            300.0,
+            speed_up=1.10,
+            proposed=100,
+            accepted=80,
+            exactness=check | {"num_differing": 0},
+        ),
+        _level(
+            1,
+            330.0,
+            speed_up=0.95,
+            proposed=50,
+            accepted=10,
+            exactness=check | {"num_differing": 1},
+        ),
+        _level(
+            2, 320.0, speed_up=1.02, proposed=0, accepted=0, exactness=check | {"num_differing": 0}
+        ),
+    ]
+
+    (row,) = speculative.summarize(levels)
+
+    assert row["rounds"] == 3
+    assert row["tok_s"] == 320.0
+    assert row["ttft_median_ms"] == 101.0
+    assert row["speed_up"] == 1.02
+    assert row["speed_up_range"] == [0.95, 1.10]
+    assert (row["proposed"], row["accepted"], row["acceptance"]) == (150, 90, 0.6)
+    assert row["exactness"] == {"against": "off", "num_compared": 48, "num_differing": 1}
+    assert row["num_requests"] == 48
+    assert not row["is_contended"]
+
+
+def test_a_baseline_round_is_checked_against_its_first_round(speculative: ModuleType) -> None:
+    """A baseline's later rounds at the first level are compared with its first round (what
+    running again changes), the first with nothing; a method's round with its baseline's
+    round."""
+    records = [{"text": "a"}]
+    runs = {
+        "off": {
+            "levels": [
+                _level(0, 300.0, num_prompts=1, records=records),
+                _level(1, 310.0, num_prompts=1, records=[{"text": "b"}]),
+            ]
+        },
+        "ngram": {
+            "levels": [
+                _level(0, 330.0, num_prompts=1, records=records),
+                _level(1, 310.0, num_prompts=1, records=[{"text": "b"}]),
+            ]
+        },
+    }
+    configs = speculative.build_configs(speculative.parse_args(["--methods", "off,ngram"]))
+
+    speculative.analyse(configs, runs, 16)
+
+    off, ngram = runs["off"]["levels"], runs["ngram"]["levels"]
+    assert "exactness" not in off[0]
+    assert off[1]["exactness"]["num_differing"] == 1
+    assert [lv["speed_up"] for lv in ngram] == [1.1, 1.0]
+    assert [lv["exactness"]["num_differing"] for lv in ngram] == [0, 0]
+    (row,) = runs["ngram"]["summary"]
+    assert row["speed_up"] == 1.05
+    assert row["speed_up_range"] == [1.0, 1.1]
