@@ -47,19 +47,13 @@ def break_even(ratio: float, k: int) -> float | None:
     return low
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--batch-sizes", default="1,4,8,16,32")
-    parser.add_argument("--ks", default="0,1,2,4")
-    parser.add_argument("--context", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--exactness", type=int, default=0)
-    parser.add_argument("--json")
-    args = parser.parse_args()
-
-    from otel_engine import LLM, SamplingParams
+def step_costs(
+    llm: Any, batch: int, ks: Sequence[int], context: int, steps: int
+) -> dict[int, float]:
+    """Mean seconds of a step of `batch` decoding streams (random prompts of `context`
+    tokens) that each verify k random proposed tokens, for each k of `ks`, on `llm`'s
+    in-process engine (its own step thread); its requests are gone afterwards."""
+    from otel_engine import SamplingParams
     from otel_engine.config import SpeculativeConfig
     from otel_engine.sched.scheduler import ScheduledChunk
     from otel_engine.spec.speculator import Speculator
@@ -88,41 +82,60 @@ def main() -> None:
         def observe(self, request: Any, proposed: int, accepted: int) -> None:
             pass
 
+    frontend = llm._frontend
+    client = frontend.client
+    core = client.core
+    vocab = core.arch.vocab_size
+    prompts = random_prompts(batch, context, vocab, batch)
+    total = 4 + (steps + 2) * len(ks)
+    params = SamplingParams(max_tokens=total, temperature=0.0, ignore_eos=True)
+    for index, prompt in enumerate(prompts):
+        frontend.add_request(f"v{batch}-{index}", prompt, params)
+
+    def measure(k: int) -> float:
+        core.speculator = core.scheduler.speculation = RandomProposals(k, vocab)
+        for _ in range(2):
+            core.step()
+        started = time.perf_counter()
+        for _ in range(steps):
+            core.step()
+        return (time.perf_counter() - started) / steps
+
+    def run_all() -> dict[int, float]:
+        while any(
+            r.num_computed_tokens < r.num_prompt_tokens for r in core.scheduler.requests.values()
+        ):
+            core.step()
+        return {k: measure(k) for k in ks}
+
+    try:
+        return dict(client._steps.call(run_all, 1200))
+    finally:
+        core.scheduler.abort(list(core.scheduler.requests))
+        frontend.outputs.states.clear()
+        core.speculator = core.scheduler.speculation = None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--batch-sizes", default="1,4,8,16,32")
+    parser.add_argument("--ks", default="0,1,2,4")
+    parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--exactness", type=int, default=0)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+
+    from otel_engine import LLM, SamplingParams
+
     ks = [int(k) for k in args.ks.split(",")]
     rows: list[list[str]] = []
     results: list[dict[str, Any]] = []
     with LLM(model=args.model, dtype=args.dtype, kv_cache_memory_gib=2.0) as llm:
-        frontend = llm._frontend
-        client = frontend.client
-        core = client.core  # type: ignore[union-attr]
-        vocab = core.arch.vocab_size
         for batch in (int(b) for b in args.batch_sizes.split(",")):
-            prompts = random_prompts(batch, args.context, vocab, batch)
-            total = 4 + (args.steps + 2) * len(ks)
-            params = SamplingParams(max_tokens=total, temperature=0.0, ignore_eos=True)
-            for index, prompt in enumerate(prompts):
-                frontend.add_request(f"v{batch}-{index}", prompt, params)
-
-            def measure(k: int) -> float:
-                core.speculator = core.scheduler.speculation = RandomProposals(k, vocab)
-                for _ in range(2):
-                    core.step()
-                started = time.perf_counter()
-                for _ in range(args.steps):
-                    core.step()
-                return (time.perf_counter() - started) / args.steps
-
-            def run_all() -> dict[int, float]:
-                while any(
-                    r.num_computed_tokens < r.num_prompt_tokens
-                    for r in core.scheduler.requests.values()
-                ):
-                    core.step()
-                return {k: measure(k) for k in ks}
-
-            times = client._steps.call(run_all, 1200)  # type: ignore[union-attr]
-            core.scheduler.abort(list(core.scheduler.requests))
-            frontend.outputs.states.clear()
+            times = step_costs(llm, batch, ks, args.context, args.steps)
             base = times[ks[0]]
             for k in ks:
                 ratio = times[k] / base
@@ -145,7 +158,6 @@ def main() -> None:
                         "break_even_acceptance": even,
                     }
                 )
-        core.speculator = core.scheduler.speculation = None
     print(
         f"model: {args.model or 'default (SmolLM2-135M-Instruct, Q4_1)'}, "
         f"dtype {args.dtype}, context {args.context}"
