@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from otel_engine.config import SpeculativeConfig, SpeculativeMethod
 from otel_engine.sched.request import Request
 from otel_engine.sched.scheduler import ScheduledChunk
-from otel_engine.spec.cost import MIN_IMPROVEMENT, StepCost, plan
+from otel_engine.spec.cost import MIN_IMPROVEMENT, Plan, StepCost, plan
 from otel_engine.spec.ngram import lookup
 from otel_engine.spec.state import DECAY, SpecState
 
@@ -42,6 +42,16 @@ EXPLORE_STEPS = 32
 # larger step both being estimates. Where a size's plans under-deliver it stops proposing,
 # but lets one verifying step through every EXPLORE_STEPS steps to learn again.
 DELIVERED_WEIGHT = 0.1
+# A draft model's prefill for a request (its prompt, or the tokens it gained while it
+# proposed nothing) pays only over the later steps that propose for it, and is charged to a
+# step as that step's share of them. A plan that expects less than this gain is marginal,
+# and the later steps of its batch mostly propose nothing (a plan under-delivers, its size
+# stops, a step measures the plain cost): at 16 streams on free chat, a marginal plan
+# prefilled 16 prompts in one step (550 ms, 6.5 plain steps) and the requests then proposed
+# a few times each; the level ran at 0.85-0.92x. So once the method has verified proposals
+# (its acceptance is known, not the prior), a marginal plan starts no request's draft: the
+# requests whose draft would prefill are planned without proposals. (Those started go on.)
+DRAFT_START_GAIN = EXPLORE_BELOW_GAIN
 
 
 class Speculator:
@@ -76,7 +86,7 @@ class Speculator:
         `num_waiting` more requests about to join them."""
         decoding = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
         prior = self.acceptance
-        caps, acceptance, catch_up, upfront = [], [], [], []
+        caps, acceptance, catch_up, upfront, starts = [], [], [], [], []
         for request in decoding:
             state = request.spec
             if state is None:
@@ -86,6 +96,7 @@ class Speculator:
             rows, seconds = self._draft_catch_up(request, state, acceptance[-1], caps[-1])
             catch_up.append(rows)
             upfront.append(seconds)
+            starts.append(self._draft_prefills(request, state))
         self.num_plans += 1
         self.step_plan, self.step_accepted, self.step_draft_seconds = None, 0, 0.0
         if not decoding:
@@ -96,14 +107,12 @@ class Speculator:
         # filling up does not start proposals (and a draft's prefills) that pay only while
         # it is small.
         filling = len(running) - len(decoding) + num_waiting
-        proposals = plan(
-            acceptance + [0.0] * filling,
-            caps + [0] * filling,
-            self.step_cost,
-            self.draft_cost,
-            catch_up + [1] * filling,
-            upfront + [0.0] * filling,
-        )
+        proposals = self._plan(acceptance, caps, catch_up, upfront, filling)
+        starting = any(c and start for c, start in zip(proposals.counts, starts, strict=False))
+        is_learning = self.hits + self.fails < 1
+        if starting and not is_learning and (proposals.gain or 0.0) < DRAFT_START_GAIN:
+            caps = [0 if start else cap for cap, start in zip(caps, starts, strict=True)]
+            proposals = self._plan(acceptance, caps, catch_up, upfront, filling)
         counts = proposals.counts[: len(decoding)]
         size, gain = len(decoding), proposals.gain
         if not filling and any(counts) and gain is not None:
@@ -113,6 +122,24 @@ class Speculator:
                 self.step_plan = (size, size + sum(counts), gain)
                 self.verified_at[size] = self.num_plans
         self.planned = {id(r): c for r, c in zip(decoding, counts, strict=True) if c}
+
+    def _plan(
+        self,
+        acceptance: list[float],
+        caps: list[int],
+        catch_up: list[int],
+        upfront: list[float],
+        filling: int,
+    ) -> Plan:
+        """`plan` for the decoding requests, and `filling` more without proposals."""
+        return plan(
+            acceptance + [0.0] * filling,
+            caps + [0] * filling,
+            self.step_cost,
+            self.draft_cost,
+            catch_up + [1] * filling,
+            upfront + [0.0] * filling,
+        )
 
     def _is_trusted(self, size: int, gain: float) -> bool:
         """Whether a plan for `size` decoding requests expecting `gain` runs: its expectation
@@ -148,14 +175,21 @@ class Speculator:
         draft = self.draft_cost
         if draft is None:
             return 1, 0.0
-        seen = state.num_draft_computed
-        missing = request.num_tokens - seen
-        if seen and missing <= self.max_k + 1:
+        missing = request.num_tokens - state.num_draft_computed
+        if not self._draft_prefills(request, state):
             return missing, 0.0
         per_token = draft.prefill_token_seconds or 0.0
         remaining = request.sampling_params.max_tokens - request.num_output_tokens
         gained = sum(acceptance**j for j in range(cap + 1))
         return 1, per_token * missing * min(1.0, gained / max(1, remaining))
+
+    def _draft_prefills(self, request: Request, state: SpecState) -> bool:
+        """Whether proposing for `request` now needs a prefill of the draft model's
+        (DRAFT_START_GAIN): its prompt, or more tokens than a verifying step keeps."""
+        if self.draft_cost is None:
+            return False
+        seen = state.num_draft_computed
+        return not seen or request.num_tokens - seen > self.max_k + 1
 
     def slots(self, request: Request, limit: int) -> int:
         """How many proposed tokens `request`, decoding, verifies this step: as planned,

@@ -382,6 +382,33 @@ def test_a_draft_that_fell_behind_may_catch_up_again() -> None:
     assert policy.slots(request, 100) > 0
 
 
+@pytest.mark.parametrize(
+    ("hits", "fails", "is_current", "speculates"),
+    [
+        (0.0, 0.0, False, True),  # nothing verified yet: the prior is to learn from, it starts
+        (1.0, 1.0, False, False),  # proposals half right: a marginal plan starts no draft
+        (1.0, 1.0, True, True),  # ... but a request whose draft is current goes on
+        (19.0, 1.0, False, True),  # proposals mostly right: the plan pays, the draft starts
+    ],
+)
+def test_a_marginal_plan_starts_no_draft_once_the_acceptance_is_known(
+    hits: float, fails: float, is_current: bool, speculates: bool
+) -> None:
+    """A draft's prefill pays over the later steps that propose for its request; where the
+    plan expects less than DRAFT_START_GAIN, later steps mostly propose nothing, so once the
+    method's acceptance is measured such a plan starts no request's draft."""
+    policy = _draft_policy(0.0005)
+    policy.hits, policy.fails = hits, fails
+    request = Request("r", list(range(40)), SamplingParams(max_tokens=100))
+    request.output_token_ids = [5]
+    request.num_computed_tokens = request.num_tokens - 1
+    request.spec = SpecState(num_draft_computed=request.num_tokens - 1 if is_current else 0)
+
+    policy.start_step([request])
+
+    assert (policy.slots(request, 100) > 0) == speculates
+
+
 def test_a_batch_that_is_filling_up_is_planned_at_the_size_it_will_have() -> None:
     """One request decodes while 31 wait for their prompts: proposals that pay for a batch
     of one do not pay for the 32 it is about to be, and are not started."""
