@@ -131,9 +131,12 @@ class DraftSpeculator(Speculator):
                 f"the draft model {self.name} failed: {type(exc).__name__}"
             ) from exc
         seconds = time.monotonic() - started
+        # Every forward counts in what the step delivered (spec/speculator.py), a prefill
+        # too: it pays only if its request goes on proposing, which its batch size's
+        # delivery then shows.
+        self.step_draft_seconds += seconds
         if step.num_decodes == len(step.query_lens):
             self.draft_cost.observe(step.num_decodes, seconds)
-            self.step_draft_seconds += seconds  # a prefill serves the rest of its request
         else:
             self.draft_cost.observe_prefill(len(step.input_ids), seconds)
         last, position = [], 0

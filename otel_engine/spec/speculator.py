@@ -49,8 +49,10 @@ DELIVERED_WEIGHT = 0.1
 # stops, a step measures the plain cost): at 16 streams on free chat, a marginal plan
 # prefilled 16 prompts in one step (550 ms, 6.5 plain steps) and the requests then proposed
 # a few times each; the level ran at 0.85-0.92x. So once the method has verified proposals
-# (its acceptance is known, not the prior), a marginal plan starts no request's draft: the
-# requests whose draft would prefill are planned without proposals. (Those started go on.)
+# (its acceptance is known, not the prior), a plan that expects less than this, times what
+# its batch size's plans delivered (the draft's prefills counted), starts no request's
+# draft: the requests whose draft would prefill are planned without proposals. (Those
+# started go on.)
 DRAFT_START_GAIN = EXPLORE_BELOW_GAIN
 
 
@@ -73,7 +75,7 @@ class Speculator:
         # (batch size, its verifying step's sequences, expected gain) of this step's plan
         self.step_plan: tuple[int, int, float] | None = None
         self.step_accepted = 0  # proposed tokens the step kept
-        self.step_draft_seconds = 0.0  # a draft model's decode forwards this step
+        self.step_draft_seconds = 0.0  # a draft model's forwards this step
 
     @property
     def acceptance(self) -> float:
@@ -110,7 +112,8 @@ class Speculator:
         proposals = self._plan(acceptance, caps, catch_up, upfront, filling)
         starting = any(c and start for c, start in zip(proposals.counts, starts, strict=False))
         is_learning = self.hits + self.fails < 1
-        if starting and not is_learning and (proposals.gain or 0.0) < DRAFT_START_GAIN:
+        expected = (proposals.gain or 0.0) * self.delivered.get(len(decoding) + filling, 1.0)
+        if starting and not is_learning and expected < DRAFT_START_GAIN:
             caps = [0 if start else cap for cap, start in zip(caps, starts, strict=True)]
             proposals = self._plan(acceptance, caps, catch_up, upfront, filling)
         counts = proposals.counts[: len(decoding)]

@@ -189,6 +189,39 @@ def test_a_draft_model_changes_nothing(
         assert accepted / drafted < 0.5
 
 
+def test_a_draft_prefill_counts_in_what_its_step_delivered(
+    tiny_model_dir: str, tiny_prompts: list[list[int]]
+) -> None:
+    """A request's first proposals need the draft to prefill its prompt in that step: the
+    prefill's seconds are in the step's draft time, which the step's delivery (tokens per
+    second over a plain step's) is measured with."""
+    with LLM(
+        tiny_model_dir,
+        dtype="float32",
+        speculative_method="draft",
+        speculative_model=tiny_model_dir,
+        num_speculative_tokens=3,
+    ) as llm:
+        speculator = llm._frontend.client.core.speculator  # type: ignore[union-attr]
+        seen: list[tuple[float, float | None]] = []
+        observe_step = speculator.observe_step
+
+        def recording(num_sequences: int, seconds: float) -> None:
+            if speculator.step_draft_seconds:
+                prefill = speculator.draft_cost.prefill_token_seconds
+                seen.append((speculator.step_draft_seconds, prefill))
+            observe_step(num_sequences, seconds)
+
+        speculator.observe_step = recording
+        prompt = tiny_prompts[0]
+        llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+
+    assert seen
+    draft_seconds, per_token = seen[0]  # the first verifying step: the prompt's prefill
+    assert per_token is not None
+    assert draft_seconds >= per_token * len(prompt)
+
+
 def test_tensor_parallel_two_with_a_draft_model(
     tiny_model_dir: str, tiny_prompts: list[list[int]]
 ) -> None:

@@ -409,6 +409,26 @@ def test_a_marginal_plan_starts_no_draft_once_the_acceptance_is_known(
     assert (policy.slots(request, 100) > 0) == speculates
 
 
+def test_a_size_whose_plans_under_delivered_starts_no_draft() -> None:
+    """The start rule weighs a plan by what its batch size's plans delivered: proposals that
+    would pay on the measured costs start no draft where that size's steps (the draft's
+    prefills counted) gave less than expected."""
+    policy = _draft_policy(0.0005)
+    policy.hits, policy.fails = 19.0, 1.0
+    request = Request("r", list(range(40)), SamplingParams(max_tokens=100))
+    request.output_token_ids = [5]
+    request.num_computed_tokens = request.num_tokens - 1
+    request.spec = SpecState()
+
+    policy.delivered[1] = 0.6
+    policy.start_step([request])
+    assert policy.slots(request, 100) == 0
+
+    policy.delivered[1] = 1.0
+    policy.start_step([request])
+    assert policy.slots(request, 100) > 0
+
+
 def test_a_batch_that_is_filling_up_is_planned_at_the_size_it_will_have() -> None:
     """One request decodes while 31 wait for their prompts: proposals that pay for a batch
     of one do not pay for the 32 it is about to be, and are not started."""
