@@ -81,26 +81,17 @@ def test_rounds_are_summarized_by_their_medians_and_the_speed_ups_range(
     the rounds' speed-ups over their own round's baseline and their range, the acceptance of
     all their proposals, their differing requests together."""
     check = {"against": "off", "num_compared": 16}
+    rounds = [(300.0, 1.10, 100, 80, 0), (330.0, 0.95, 50, 10, 1), (320.0, 1.02, 0, 0, 0)]
     levels = [
         _level(
-            0,
-            300.0,
-            speed_up=1.10,
-            proposed=100,
-            accepted=80,
-            exactness=check | {"num_differing": 0},
-        ),
-        _level(
-            1,
-            330.0,
-            speed_up=0.95,
-            proposed=50,
-            accepted=10,
-            exactness=check | {"num_differing": 1},
-        ),
-        _level(
-            2, 320.0, speed_up=1.02, proposed=0, accepted=0, exactness=check | {"num_differing": 0}
-        ),
+            index,
+            tok_s,
+            speed_up=speed_up,
+            proposed=proposed,
+            accepted=accepted,
+            exactness=check | {"num_differing": differing},
+        )
+        for index, (tok_s, speed_up, proposed, accepted, differing) in enumerate(rounds)
     ]
 
     (row,) = speculative.summarize(levels)
