@@ -70,6 +70,15 @@ class StepCost:
             share = max(EMA_WEIGHT, 1 / (count - SETTLED_STEPS + 1))
             self.seconds[rows] = old + share * (seconds - old)
 
+    def restart(self, rows: int, seconds: float) -> None:
+        """A step of `rows` sequences took `seconds` where what was measured before no
+        longer holds (other contexts): it stands as a first run does, until the next."""
+        if rows <= 0 or seconds <= 0:
+            return
+        if rows not in self.seconds:
+            bisect.insort(self.rows, rows)
+        self.seconds[rows], self.counts[rows] = seconds, 1
+
     def is_settled(self, rows: int) -> bool:
         """Whether steps of `rows` sequences were measured past their first run."""
         return self.counts.get(rows, 0) >= SETTLED_STEPS

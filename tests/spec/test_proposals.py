@@ -564,3 +564,60 @@ def test_a_step_whose_slots_were_cut_says_nothing_of_its_plan() -> None:
     policy.observe_step(16, 0.0233)  # every slot cut: a plain step
 
     assert 16 not in policy.delivered
+
+
+def _requests_of(count: int, prompt_tokens: int) -> list[Request]:
+    requests = []
+    for i in range(count):
+        request = Request(f"c{i}", list(range(prompt_tokens)), SamplingParams(max_tokens=100))
+        request.output_token_ids = [4]
+        request.num_computed_tokens = request.num_tokens - 1
+        request.spec = SpecState(hits=19.0, fails=1.0)  # proposals nearly always right
+        requests.append(request)
+    return requests
+
+
+def _plain_steps(policy: Speculator, requests: list[Request], seconds: float) -> None:
+    """Steps of `requests` without proposals (each sits the step out), at `seconds`."""
+    for _ in range(3):
+        for request in requests:
+            assert request.spec is not None
+            request.spec.skip = 1
+        policy.start_step(requests)
+        assert not policy.planned
+        policy.observe_step(len(requests), seconds)
+
+
+def test_a_plain_cost_measured_over_other_contexts_is_measured_again() -> None:
+    """16 streams: the plain step measured over long contexts (700 tokens each: 84 ms) does
+    not stand for 16 short ones (100 each: 67 ms). The first plan over the short ones runs a
+    plain step whatever it expects, and that step's time replaces the old one."""
+    policy = Speculator(SpeculativeConfig(num_speculative_tokens=4))
+    for rows in range(17, 65):
+        for _ in range(2):
+            policy.observe_step(rows, 0.084 + 0.002 * (rows - 16))
+    _plain_steps(policy, _requests_of(16, 700), 0.084)
+    short = _requests_of(16, 100)
+
+    policy.start_step(short)
+    assert not policy.planned  # measures the plain step first
+    policy.observe_step(16, 0.067)
+
+    assert policy.step_cost.predict(16) == 0.067
+    policy.start_step(short)
+    assert policy.plain_context[16] == 16 * 101
+
+
+def test_small_contexts_keep_their_measured_cost() -> None:
+    """Below CONTEXT_TOKENS in a step, attention is too small a part of it to move its cost:
+    one stream whose context grows from 40 to 160 tokens is not measured again."""
+    policy = Speculator(SpeculativeConfig(num_speculative_tokens=4))
+    for rows in range(2, 17):
+        for _ in range(2):
+            policy.observe_step(rows, 0.010 + 0.0005 * (rows - 1))
+    _plain_steps(policy, _requests_of(1, 40), 0.010)
+
+    (request,) = _requests_of(1, 160)
+    policy.start_step([request])
+
+    assert policy.slots(request, 100) > 0
