@@ -107,10 +107,12 @@ class Speculator:
                 state = request.spec = SpecState()
             caps.append(self.candidates(request, state) if state.take_turn() else 0)
             acceptance.append(state.acceptance(prior))
-            rows, seconds = self._draft_catch_up(request, state, acceptance[-1], caps[-1])
+            starts.append(self._draft_prefills(request, state))
+            rows, seconds = self._draft_catch_up(
+                request, state, acceptance[-1], caps[-1], starts[-1]
+            )
             catch_up.append(rows)
             upfront.append(seconds)
-            starts.append(self._draft_prefills(request, state))
         self.num_plans += 1
         self.step_plan, self.step_accepted, self.step_draft_seconds = None, 0, 0.0
         self.step_size, self.step_context = len(decoding), sum(r.num_tokens for r in decoding)
@@ -192,7 +194,7 @@ class Speculator:
         return self.max_k
 
     def _draft_catch_up(
-        self, request: Request, state: SpecState, acceptance: float, cap: int
+        self, request: Request, state: SpecState, acceptance: float, cap: int, prefills: bool
     ) -> tuple[int, float]:
         """What the draft model's first forward for `request` this step costs besides its
         one sequence: the tokens it has not seen, as decode sequences when few (the last
@@ -205,7 +207,7 @@ class Speculator:
         if draft is None:
             return 1, 0.0
         missing = request.num_tokens - state.num_draft_computed
-        if not self._draft_prefills(request, state):
+        if not prefills:  # few enough for decode sequences (`_draft_prefills`)
             return missing, 0.0
         per_token = draft.prefill_token_seconds or 0.0
         remaining = request.sampling_params.max_tokens - request.num_output_tokens
