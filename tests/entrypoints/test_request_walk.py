@@ -162,19 +162,35 @@ def _reentries(calls: list[Call]) -> set[tuple[str, str, tuple[str, ...]]]:
     return found
 
 
-def _wait_until_idle(state: ServerState, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
+# Loop turns that end what a request left scheduled once it left the guard (a watch's
+# cancelled waits, the middlewares' unwinding), so none of it runs under the next recording.
+SETTLE_TURNS = 20
+
+
+def _wait_until_idle(state: ServerState, loop: asyncio.AbstractEventLoop) -> None:
+    """Until no request is in flight and the loop has run what the last one left behind."""
+    deadline = time.monotonic() + 10.0
     while state.num_in_flight:
         assert time.monotonic() < deadline, "the request did not end"
         time.sleep(0.01)
 
+    async def settle() -> None:
+        for _ in range(SETTLE_TURNS):
+            await asyncio.sleep(0)
+
+    asyncio.run_coroutine_threadsafe(settle(), loop).result(10)
+
 
 @pytest.fixture(scope="module")
-def walks(server_loop: ServerLoop, engine: AsyncLLM) -> Iterator[dict[bool, list[Call]]]:
+def walks(tiny_model_dir: str) -> Iterator[dict[bool, list[Call]]]:
     """The request path of one chat request, whole (False) and streamed (True), on a server
-    of its own (so that its tokenizer thread starts under the recorder)."""
+    of its own (so that its tokenizer thread starts under the recorder), on an event loop
+    and engine of its own: the package's loop also runs the other tests' servers, and what
+    their requests left running would be recorded with this one."""
     import httpx
 
+    server_loop = ServerLoop()
+    engine = AsyncLLM(model=tiny_model_dir, max_num_seqs=4, num_kv_blocks=64)
     recorder = Recorder()
     threading.setprofile(recorder)
     server = make_server(engine, drain_timeout=5)
@@ -190,10 +206,12 @@ def walks(server_loop: ServerLoop, engine: AsyncLLM) -> Iterator[dict[bool, list
         with httpx.Client(base_url=base_url, timeout=60, trust_env=False) as client:
             client.post("/v1/chat/completions", json=body).raise_for_status()  # lazy set-up
             for stream in (False, True):
+                # The client has its bytes before the server has unwound the last request.
+                _wait_until_idle(server.state, server_loop.loop)
                 recorder.calls = []
                 recorder.is_on = True
                 answer = client.post("/v1/chat/completions", json={**body, "stream": stream})
-                _wait_until_idle(server.state)  # the client may have its bytes first
+                _wait_until_idle(server.state, server_loop.loop)
                 recorder.is_on = False
                 answer.raise_for_status()
                 walks[stream] = [call for call in recorder.calls if call.is_request_path]
@@ -202,7 +220,8 @@ def walks(server_loop: ServerLoop, engine: AsyncLLM) -> Iterator[dict[bool, list
         recorder.is_on = False
         threading.setprofile(None)
         asyncio.run_coroutine_threadsafe(profile_loop(None), server_loop.loop).result(10)
-        server_loop.stop(server)
+        server_loop.close()
+        engine.shutdown()
 
 
 def test_the_doc_names_the_rooms_and_the_bound_of_the_layout() -> None:
