@@ -220,8 +220,10 @@ def walks(tiny_model_dir: str) -> Iterator[dict[bool, list[Call]]]:
         recorder.is_on = False
         threading.setprofile(None)
         asyncio.run_coroutine_threadsafe(profile_loop(None), server_loop.loop).result(10)
-        server_loop.close()
-        engine.shutdown()
+        try:
+            server_loop.close()
+        finally:
+            engine.shutdown()
 
 
 def test_the_doc_names_the_rooms_and_the_bound_of_the_layout() -> None:
