@@ -88,6 +88,7 @@ class Speculator:
         self.step_draft_seconds = 0.0  # a draft model's forwards this step
         self.plain_context: dict[int, int] = {}  # batch size -> context tokens, last measured
         self.step_size = self.step_context = 0  # this step's decoding requests, their tokens
+        self.step_context_moved = False  # `_context_moved` for this step, decided once
 
     @property
     def acceptance(self) -> float:
@@ -116,6 +117,7 @@ class Speculator:
         self.num_plans += 1
         self.step_plan, self.step_accepted, self.step_draft_seconds = None, 0, 0.0
         self.step_size, self.step_context = len(decoding), sum(r.num_tokens for r in decoding)
+        self.step_context_moved = self._context_moved()
         if not decoding:
             self.planned = {}
             return
@@ -128,8 +130,11 @@ class Speculator:
         starting = any(c and start for c, start in zip(proposals.counts, starts, strict=False))
         is_learning = self.hits + self.fails < 1
         expected = (proposals.gain or 0.0) * self.delivered.get(len(decoding) + filling, 1.0)
-        moved = self._context_moved(len(decoding))
-        if starting and not is_learning and (moved or expected < DRAFT_START_GAIN):
+        if (
+            starting
+            and not is_learning
+            and (self.step_context_moved or expected < DRAFT_START_GAIN)
+        ):
             caps = [0 if start else cap for cap, start in zip(caps, starts, strict=True)]
             proposals = self._plan(acceptance, caps, catch_up, upfront, filling)
         counts = proposals.counts[: len(decoding)]
@@ -172,7 +177,7 @@ class Speculator:
         """Whether this step, of `size` decoding requests, runs without the proposals planned
         (expecting `gain`) to measure again what it costs so (EXPLORE_STEPS; CONTEXT_MOVED
         whatever the gain)."""
-        if self._context_moved(size):
+        if self.step_context_moved:
             return True
         if gain >= EXPLORE_BELOW_GAIN:
             return False
@@ -180,11 +185,11 @@ class Speculator:
         stale = measured is None or self.num_plans - measured > EXPLORE_STEPS
         return stale or not self.step_cost.is_settled(size)
 
-    def _context_moved(self, size: int) -> bool:
-        """Whether the plain step of `size` sequences was last measured over contexts
+    def _context_moved(self) -> bool:
+        """Whether the plain step of this step's size was last measured over contexts
         other enough from this step's to cost otherwise (CONTEXT_MOVED)."""
-        last, now = self.plain_context.get(size), self.step_context
-        if last is None or size != self.step_size:
+        last, now = self.plain_context.get(self.step_size), self.step_context
+        if last is None:
             return False
         low, high = min(last, now), max(last, now)
         return high >= CONTEXT_TOKENS and high > CONTEXT_MOVED * low
@@ -243,7 +248,7 @@ class Speculator:
         """A decode-only step of `num_sequences` sequences took `seconds` (proposing
         excluded)."""
         is_plain = self.step_plan is None and num_sequences == self.step_size
-        if is_plain and self._context_moved(num_sequences):
+        if is_plain and self.step_context_moved:
             self.step_cost.restart(num_sequences, seconds)
         else:
             self.step_cost.observe(num_sequences, seconds)
